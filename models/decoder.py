@@ -1,0 +1,158 @@
+"""Decoder-only transformer (Llama 2/3.x, SmolLM2, Mistral-style GQA, Qwen2, Qwen3) as a functional Flax model.
+
+Parameters are defined with flax.nnx; every entry point is the pure function `forward(params, ...)` over a plain
+nested dict of arrays, so parameters and the KV cache cross `jit` as explicit (donatable, shardable) arrays.
+Einsum axes: B batch, S new tokens, T cache positions, D model width, N query heads, K kv heads, H head dim,
+F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import Attention
+from models.config import ModelConfig, rope_inverse_frequencies
+from models.kv_cache import KVCache
+
+Params = dict[str, Any]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention) in float32. x: [B, S, heads, H]; positions: [B, S]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        c = config
+        init = nnx.initializers.normal(0.02)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.q_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), dtype))
+        self.k_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), dtype))
+        self.v_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), dtype))
+        if c.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((c.num_heads, c.head_dim), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((c.num_kv_heads, c.head_dim), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((c.num_kv_heads, c.head_dim), dtype))
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        self.o_proj = nnx.Param(init(rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), dtype))
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.gate_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.intermediate_size), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.intermediate_size), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (c.intermediate_size, c.hidden_size), dtype))
+        self.attention_bias = c.attention_bias
+        self.qk_norm = c.qk_norm
+
+    def __call__(self, layer: int, x, positions, inv_freq, k_cache, v_cache, attention: Attention):
+        h = self.attn_norm(x)
+        q = jnp.einsum("BSD,DNH->BSNH", h, self.q_proj[...])
+        k = jnp.einsum("BSD,DKH->BSKH", h, self.k_proj[...])
+        v = jnp.einsum("BSD,DKH->BSKH", h, self.v_proj[...])
+        if self.attention_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out, k_cache, v_cache, aux = attention(layer, q, k, v, positions, k_cache, v_cache)
+        x = x + jnp.einsum("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj[...])
+        h = self.mlp_norm(x)
+        gate = jnp.einsum("BSD,DF->BSF", h, self.gate_proj[...])
+        up = jnp.einsum("BSD,DF->BSF", h, self.up_proj[...])
+        x = x + jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, self.down_proj[...])
+        return x, k_cache, v_cache, aux
+
+
+class Decoder(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                nnx.initializers.normal(0.02)(rngs.params(), (config.hidden_size, config.vocab_size), dtype)
+            )
+
+    def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows=None):
+        inv_freq = jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        k_out, v_out, aux_out = [], [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v, aux = layer(i, x, positions, inv_freq, kv_cache.k[i], kv_cache.v[i], attention)
+            k_out.append(k)
+            v_out.append(v)
+            aux_out.append(aux)
+        if logit_rows is not None:  # only these rows need the (vocabulary-sized) LM head
+            x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
+        x = self.final_norm(x)
+        if self.config.tie_word_embeddings:
+            logits = jnp.einsum("BSD,VD->BSV", x, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("BSD,DV->BSV", x, self.lm_head[...], preferred_element_type=jnp.float32)
+        return logits, KVCache(k=tuple(k_out), v=tuple(v_out)), tuple(aux_out)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_abstract(config: ModelConfig):
+    abstract = nnx.eval_shape(lambda: Decoder(config, jnp.float32, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The nested dict of parameter shapes (`{name: shape}`) that loaders must produce."""
+    _, state = _split_abstract(config)
+    return jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(state))
+
+
+def init_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Params:
+    """Random parameters (for timing with real shapes and for tests)."""
+    model = Decoder(config, dtype, rngs=nnx.Rngs(seed))
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,  # [B, S] int32
+    positions: jax.Array,  # [B, S] int32
+    kv_cache: KVCache,
+    attention: Attention,
+    *,
+    config: ModelConfig,
+    logit_rows: jax.Array | None = None,  # [B, R] row indices into S; logits only for these rows
+) -> tuple[jax.Array, KVCache, tuple]:
+    """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux)."""
+    graphdef, abstract_state = _split_abstract(config)
+    state = jax.tree.map(lambda x: x, abstract_state)
+    nnx.replace_by_pure_dict(state, params)
+    model = nnx.merge(graphdef, state)
+    return model(tokens, positions, kv_cache, attention, logit_rows)
+
+
+def params_dtype(params: Params):
+    return np.dtype(params["embed"].dtype)

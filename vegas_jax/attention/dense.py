@@ -1,0 +1,20 @@
+"""Plain causal attention over each sequence's whole cache (prefill, plain decoding)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from models.kv_cache import write_rows
+from vegas_jax.attention.core import causal_mask, masked_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+        k_cache = write_rows(k_cache, k, positions)
+        v_cache = write_rows(v_cache, v, positions)
+        out = masked_attention(q, k_cache, v_cache, causal_mask(positions, k_cache.shape[1]))
+        return out, k_cache, v_cache, None
