@@ -1,0 +1,42 @@
+"""Sparse draft attention: each layer attends to its selected positions plus every position written since the
+selection (accepted tokens, the newest token, this iteration's drafts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.kv_cache import write_rows
+from vegas_jax.attention.core import masked_attention
+
+
+def selected_mask(indices: jax.Array, counts: jax.Array, capacity: int) -> jax.Array:
+    """[B, T] bool from an index list [B, K] of which the first counts[b] entries are valid."""
+    valid = jnp.arange(indices.shape[1])[None, :] < counts[:, None]
+    rows = jnp.arange(indices.shape[0])[:, None]
+    # max, not set: a padding entry may repeat a valid index and must not clear it.
+    return jnp.zeros((indices.shape[0], capacity), bool).at[rows, indices].max(valid, mode="drop")
+
+
+def recent_mask(recent_start: jax.Array, positions: jax.Array, capacity: int) -> jax.Array:
+    """[B, S, T]: positions from recent_start up to each query's own position."""
+    t = jnp.arange(capacity)[None, None, :]
+    return (t >= recent_start[:, None, None]) & (t <= positions[:, :, None])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseDraftAttention:
+    indices: jax.Array  # [layers, B, K_max] int32 selected positions (< recent_start)
+    counts: jax.Array  # [layers, B] int32
+    recent_start: jax.Array  # [B] int32
+
+    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+        k_cache = write_rows(k_cache, k, positions)
+        v_cache = write_rows(v_cache, v, positions)
+        capacity = k_cache.shape[1]
+        mask = selected_mask(self.indices[layer], self.counts[layer], capacity)[:, None, :]
+        mask = mask | recent_mask(self.recent_start, positions, capacity)
+        return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None

@@ -1,0 +1,70 @@
+"""Verification attention: full causal attention for the γ+1 verified tokens that also collects, per layer, how
+much each cached position mattered to chosen query rows. Those scores guide the next draft's KV selection."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.kv_cache import write_rows
+from vegas_jax.attention.core import causal_mask, masked_attention
+
+SCORE_MODES = ("logit", "weight")
+# Which verification rows are scored: 'boundary' = rows 0 and γ (Vegas), 'all' = every row (mean),
+# 'each' = every row kept apart ([B, γ+1, T]; the policy picks one after acceptance).
+SCORE_ROWS = ("boundary", "all", "each")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    mode: str  # 'logit': raw q.k; 'weight': softmax probability through the row's log-sum-exp
+    rows: str = "boundary"
+    last_layer_only: bool = False
+
+    def __post_init__(self):
+        if self.mode not in SCORE_MODES:
+            raise ValueError(f"score mode must be one of {SCORE_MODES}, got {self.mode!r}")
+        if self.rows not in SCORE_ROWS:
+            raise ValueError(f"score rows must be one of {SCORE_ROWS}, got {self.rows!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyAttention:
+    """Candidates for selection are the positions up to and including row 0's (the last committed token); later
+    positions hold this pass's own drafts and are never selectable (they are attended as recent tokens anyway).
+    aux per layer: scores float32 [B, T] ('each': [B, S, T]) with -inf at non-candidates, or None."""
+
+    request: ScoreRequest | None = dataclasses.field(default=None, metadata=dict(static=True))
+    num_layers: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    def collects(self, layer: int) -> bool:
+        if self.request is None:
+            return False
+        return not self.request.last_layer_only or layer == self.num_layers - 1
+
+    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+        k_cache = write_rows(k_cache, k, positions)
+        v_cache = write_rows(v_cache, v, positions)
+        mask = causal_mask(positions, k_cache.shape[1])
+        if not self.collects(layer):
+            return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
+        out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
+        if self.request.mode == "logit":
+            per_head = raw
+        else:
+            scaled = jnp.where(mask[:, None, None], raw * (q.shape[-1] ** -0.5), -jnp.inf)
+            per_head = jnp.exp(scaled - lse[..., None])
+        per_row = jnp.mean(per_head, axis=(1, 2))  # [B, S, T], mean over all query heads
+        if self.request.rows == "boundary":
+            scores = 0.5 * (per_row[:, 0] + per_row[:, -1])
+        elif self.request.rows == "all":
+            scores = jnp.mean(per_row, axis=1)
+        else:
+            scores = per_row
+        candidate = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, :1]  # [B, T]
+        if scores.ndim == 3:
+            candidate = candidate[:, None, :]
+        return out, k_cache, v_cache, jnp.where(candidate, scores, -jnp.inf)

@@ -1,0 +1,277 @@
+"""The decode loop: chunked prefill, a bootstrap step, then one jitted `lax.while_loop` whose iteration drafts γ
+tokens with sparse attention, verifies them in one full-attention pass, accepts a prefix, and selects the next
+draft's KV. With γ = 0 the iteration is exactly plain autoregressive decoding (no drafts, no selection).
+
+Lengths: `committed[b]` tokens of sequence b have verified K/V at positions [0, committed). `last_token[b]`, the
+newest emitted token, has no K/V yet; the next verification writes it at position `committed`. Draft K/V are
+written at their true positions and overwritten by that verification, so only verified K/V is ever kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.decoder import forward
+from models.kv_cache import KVCache
+from vegas_jax import sampling
+from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.attention.verify import VerifyAttention
+from vegas_jax.selection import Policy, SelectContext, Selection
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Everything static about a compiled loop (hashable)."""
+
+    model: ModelConfig
+    gamma: int
+    policy: Policy | None  # None: plain decoding (γ must be 0)
+    score_mode: str
+    sampling: sampling.SamplingMode
+    max_new_tokens: int  # width of the output buffer
+
+    def __post_init__(self):
+        if (self.policy is None) != (self.gamma == 0):
+            raise ValueError("a selection policy is needed exactly when gamma > 0")
+
+    def verify_attention(self) -> VerifyAttention:
+        request = self.policy.score_request(self.score_mode) if self.policy else None
+        return VerifyAttention(request, self.model.num_layers)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    iterations: jax.Array  # [B] verification passes (the bootstrap step not counted)
+    drafted: jax.Array  # [B, γ] drafts that counted, by position
+    accepted: jax.Array  # [B, γ] drafts accepted, by position
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    cache: KVCache
+    committed: jax.Array  # [B] int32
+    last_token: jax.Array  # [B] int32
+    output: jax.Array  # [B, N] int32 generated tokens
+    num_generated: jax.Array  # [B] int32
+    max_new: jax.Array  # [B] int32 per-request token limit (<= N)
+    done: jax.Array  # [B] bool
+    nonfinite: jax.Array  # [B] bool: stopped because logits were not finite
+    keys: jax.Array  # [B] per-request PRNG keys
+    sampling: sampling.SamplingParams
+    stop_ids: jax.Array  # [E] int32, -1 padded
+    selection: Selection
+    policy_state: Any
+    metrics: Metrics
+    step: jax.Array  # scalar int32: iterations run
+
+
+def init_state(
+    config: DecodeConfig,
+    cache: KVCache,
+    prompt_lengths: jax.Array,
+    last_prompt_token: jax.Array,
+    max_new: jax.Array,
+    keys: jax.Array,
+    sampling_params: sampling.SamplingParams,
+    stop_ids: jax.Array,
+) -> DecodeState:
+    """State after prefill of all but each prompt's last token (which the bootstrap step verifies)."""
+    batch = prompt_lengths.shape[0]
+    policy, mc = config.policy, config.model
+    if policy is not None:
+        selection = policy.empty_selection(mc.num_layers, batch)
+        policy_state = policy.init_state(mc, batch, cache.capacity, cache.k[0].dtype)
+    else:
+        empty = jnp.zeros((mc.num_layers, batch, 0), jnp.int32)
+        selection = Selection(empty, jnp.zeros((mc.num_layers, batch), jnp.int32), jnp.zeros((batch,), jnp.int32))
+        policy_state = ()
+    gamma_counts = jnp.zeros((batch, config.gamma), jnp.int32)
+    return DecodeState(
+        cache=cache,
+        committed=(prompt_lengths - 1).astype(jnp.int32),
+        last_token=last_prompt_token.astype(jnp.int32),
+        output=jnp.zeros((batch, config.max_new_tokens), jnp.int32),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        max_new=max_new.astype(jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        nonfinite=jnp.zeros((batch,), bool),
+        keys=keys,
+        sampling=sampling_params,
+        stop_ids=stop_ids.astype(jnp.int32),
+        selection=selection,
+        policy_state=policy_state,
+        metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts, gamma_counts),
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig) -> KVCache:
+    """Writes K/V of one chunk of prompt tokens [B, C] (dense causal attention); logits are not needed."""
+    rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
+    _, cache, _ = forward(params, tokens, positions, cache, DenseAttention(), config=model, logit_rows=rows)
+    return cache
+
+
+def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: jax.Array):
+    """Appends candidates[b, :count[b]] to the output, cut after the first stop token; returns
+    (output, num_generated, emitted count, hit_stop)."""
+    width = candidates.shape[1]
+    idx = jnp.arange(width)[None, :]
+    is_stop = jnp.any(candidates[..., None] == state.stop_ids[None, None, :], axis=-1) & (idx < count[:, None])
+    first_stop = jnp.argmax(is_stop, axis=1)
+    hit_stop = jnp.any(is_stop, axis=1)
+    count = jnp.where(hit_stop, first_stop + 1, count) * active
+    slots = jnp.where(idx < count[:, None], state.num_generated[:, None] + idx, state.output.shape[1])
+    output = state.output.at[jnp.arange(candidates.shape[0])[:, None], slots].set(candidates, mode="drop")
+    return output, state.num_generated + count, count, hit_stop & active
+
+
+def _check_finite(logits: jax.Array, rows_used: jax.Array) -> jax.Array:
+    """[B]: all logits of the rows that will be used are finite."""
+    row_ok = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, R]
+    used = jnp.arange(logits.shape[1])[None, :] < rows_used[:, None]
+    return jnp.all(row_ok | ~used, axis=1)
+
+
+def _iteration_keys(state: DecodeState, count: int) -> jax.Array:
+    """[count, B] keys for this iteration, a pure function of each request's seed and the step."""
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(state.keys)
+    return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, count))(step_keys), 1, 0)
+
+
+def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
+    """Verifies each prompt's last token: its K/V, the first generated token, and (Vegas) the first selection from
+    that row's scores over the whole prompt."""
+    positions = state.committed[:, None]
+    logits, cache, scores = forward(
+        params, state.last_token[:, None], positions, state.cache, config.verify_attention(), config=config.model
+    )
+    finite = _check_finite(logits, jnp.ones_like(state.committed))
+    (key,) = _iteration_keys(state, 1)
+    if config.sampling.greedy:
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    else:
+        token = sampling.sample_rows(key, sampling.probabilities(logits[:, 0], state.sampling, config.sampling))
+    active = finite & (state.max_new > 0)
+    output, num_generated, _, hit_stop = _emit(state, token[:, None], jnp.ones_like(token), active)
+    committed = state.committed + 1
+    state = dataclasses.replace(
+        state,
+        cache=cache,
+        committed=committed,
+        last_token=token,
+        output=output,
+        num_generated=num_generated,
+        done=hit_stop | (num_generated >= state.max_new) | ~finite,
+        nonfinite=~finite,
+    )
+    if config.policy is None:
+        return state
+    ctx = SelectContext(scores, committed, committed, jnp.zeros_like(committed), cache, first=True)
+    selection, policy_state = config.policy.select(ctx, state.selection, state.policy_state)
+    return dataclasses.replace(state, selection=selection, policy_state=policy_state)
+
+
+def _draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig):
+    """γ sequential single-token forwards with sparse attention. Returns (cache, drafts [B, γ], draft probs
+    [B, γ, V] or None, finite [B])."""
+    gamma, batch = config.gamma, state.committed.shape[0]
+    attention = config.policy.draft_attention(state.selection, state.policy_state)
+    greedy = config.sampling.greedy
+    probs = None if greedy else jnp.zeros((batch, gamma, config.model.vocab_size), jnp.float32)
+
+    def step(j, carry):
+        cache, token, drafts, probs, finite = carry
+        logits, cache, _ = forward(
+            params, token[:, None], (state.committed + j)[:, None], cache, attention, config=config.model
+        )
+        logits = logits[:, 0]
+        finite = finite & jnp.all(jnp.isfinite(logits), axis=-1)
+        if greedy:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            p = sampling.probabilities(logits, state.sampling, config.sampling)
+            token = sampling.sample_rows(keys[j], p)
+            probs = probs.at[:, j].set(p)
+        return cache, token, drafts.at[:, j].set(token), probs, finite
+
+    init = (state.cache, state.last_token, jnp.zeros((batch, gamma), jnp.int32), probs, jnp.ones((batch,), bool))
+    cache, _, drafts, probs, finite = jax.lax.fori_loop(0, gamma, step, init)
+    return cache, drafts, probs, finite
+
+
+def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
+    """One draft -> verify -> accept -> select round for every unfinished sequence."""
+    gamma = config.gamma
+    active = ~state.done
+    # Never draft past the tokens still owed: the bonus token always comes on top of the accepted drafts.
+    num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, gamma)
+    keys = _iteration_keys(state, gamma + 2)
+    if gamma:
+        cache, drafts, draft_probs, draft_finite = _draft(params, state, keys, config)
+    else:
+        cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
+        draft_finite = jnp.ones_like(active)
+
+    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
+    logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
+    finite = draft_finite & _check_finite(logits, num_drafts + 1)
+
+    if config.sampling.greedy:
+        accepted, next_token = sampling.accept_greedy(drafts, logits, num_drafts)
+    else:
+        target_probs = sampling.probabilities(logits, state.sampling, config.sampling)
+        if gamma:
+            accepted, next_token = sampling.accept_speculative(keys[gamma], drafts, draft_probs, target_probs, num_drafts)
+        else:
+            accepted = jnp.zeros_like(num_drafts)
+            next_token = sampling.sample_rows(keys[0], target_probs[:, 0])
+
+    emit_ok = active & finite
+    candidates = jnp.concatenate([drafts, next_token[:, None]], axis=1)
+    candidates = jnp.where(jnp.arange(gamma + 1)[None, :] == accepted[:, None], next_token[:, None], candidates)
+    output, num_generated, _, hit_stop = _emit(state, candidates, accepted + 1, emit_ok)
+    committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
+
+    positions_idx = jnp.arange(gamma)[None, :]
+    counted = emit_ok[:, None]
+    metrics = Metrics(
+        iterations=state.metrics.iterations + emit_ok,
+        drafted=state.metrics.drafted + (counted & (positions_idx < num_drafts[:, None])),
+        accepted=state.metrics.accepted + (counted & (positions_idx < accepted[:, None])),
+    )
+    new = dataclasses.replace(
+        state,
+        cache=cache,
+        committed=committed,
+        last_token=jnp.where(emit_ok, next_token, state.last_token),
+        output=output,
+        num_generated=num_generated,
+        done=state.done | hit_stop | (num_generated >= state.max_new) | (active & ~finite),
+        nonfinite=state.nonfinite | (active & ~finite),
+        metrics=metrics,
+        step=state.step + 1,
+    )
+    if config.policy is None:
+        return new
+    ctx = SelectContext(scores, committed, state.committed + 1, accepted, cache, first=False)
+    selection, policy_state = config.policy.select(ctx, state.selection, state.policy_state)
+    return dataclasses.replace(new, selection=selection, policy_state=policy_state)
+
+
+def decode(params, state: DecodeState, step_limit: jax.Array, *, config: DecodeConfig) -> DecodeState:
+    """Iterates until every sequence is done or `step_limit` iterations have run in total (streaming runs the
+    loop in slices of steps; a non-streaming call passes a limit it never reaches)."""
+
+    def cond(s: DecodeState):
+        return jnp.any(~s.done) & (s.step < step_limit)
+
+    return jax.lax.while_loop(cond, lambda s: iteration(params, s, config=config), state)
