@@ -1,0 +1,103 @@
+"""vegas-jax's own checkpoint format: parameters as an Orbax checkpoint, restored straight into device arrays.
+
+A folder holds
+    vegas_config.json  format name and version, ModelConfig.to_dict(), stored dtype, where it was converted from
+    params/            Orbax (StandardCheckpointer) checkpoint of the parameter tree, layout of param_shapes(config)
+    tokenizer/         Tokenizer.save output
+It exists to load fast: no name mapping, transposes or dequantisation, just a parallel read into arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from models.config import ModelConfig, UnsupportedModelError
+from models.decoder import param_shapes
+from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.tokenizer import Tokenizer
+
+CONFIG_FILE = "vegas_config.json"
+FORMAT = "vegas-jax-orbax"
+FORMAT_VERSION = 1
+
+
+def save_orbax(loaded: LoadedModel, folder: str | Path) -> None:
+    """Writes `loaded` into `folder` (created if needed), replacing any vegas-jax checkpoint already there."""
+    folder = Path(folder).absolute()  # Orbax requires absolute paths
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / CONFIG_FILE
+    # vegas_config.json marks a complete checkpoint: drop it first and write it last, so an interrupted save is
+    # never mistaken for a loadable one.
+    config_path.unlink(missing_ok=True)
+    shutil.rmtree(folder / "tokenizer", ignore_errors=True)
+    loaded.tokenizer.save(folder / "tokenizer")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(folder / "params", loaded.params, force=True)
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": loaded.config.to_dict(),
+        "dtype": np.dtype(loaded.params["embed"].dtype).name,
+        "converted_from": {"source": loaded.source, "format": loaded.format},
+    }
+    config_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_config(folder: Path) -> ModelConfig:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint description")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {meta.get('format_version')!r}, this vegas-jax reads version {FORMAT_VERSION}"
+        )
+    try:
+        return ModelConfig.from_dict(meta["config"])
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from e
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: invalid model config ({e!r})") from e
+
+
+def load_orbax(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
+    folder = Path(folder).absolute()
+    config = read_config(folder)
+    params_path = folder / "params"
+    if not params_path.is_dir():
+        raise CheckpointError(f"{params_path}: no such directory")
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # Orbax casts to the target's dtype as it restores: one checkpoint serves every dtype.
+    target = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        param_shapes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(params_path, target)
+    except (ValueError, KeyError, OSError) as e:
+        # Orbax appends whole TensorStore specs to its messages; the first line says what went wrong.
+        reason = str(e).splitlines()[0][:300]
+        raise CheckpointError(
+            f"{params_path}: unreadable Orbax checkpoint or not matching {CONFIG_FILE} ({reason})"
+        ) from e
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=Tokenizer.from_hf_folder(folder / "tokenizer"),
+        source=str(folder),
+        format="orbax",
+    )
