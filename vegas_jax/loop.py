@@ -92,7 +92,7 @@ def init_state(
         empty = jnp.zeros((mc.num_layers, batch, 0), jnp.int32)
         selection = Selection(empty, jnp.zeros((mc.num_layers, batch), jnp.int32), jnp.zeros((batch,), jnp.int32))
         policy_state = ()
-    gamma_counts = jnp.zeros((batch, config.gamma), jnp.int32)
+    gamma_counts = lambda: jnp.zeros((batch, config.gamma), jnp.int32)
     return DecodeState(
         cache=cache,
         committed=(prompt_lengths - 1).astype(jnp.int32),
@@ -107,7 +107,7 @@ def init_state(
         stop_ids=stop_ids.astype(jnp.int32),
         selection=selection,
         policy_state=policy_state,
-        metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts, gamma_counts),
+        metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
         step=jnp.zeros((), jnp.int32),
     )
 
@@ -140,9 +140,9 @@ def _check_finite(logits: jax.Array, rows_used: jax.Array) -> jax.Array:
     return jnp.all(row_ok | ~used, axis=1)
 
 
-def _iteration_keys(state: DecodeState, count: int) -> jax.Array:
-    """[count, B] keys for this iteration, a pure function of each request's seed and the step."""
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(state.keys)
+def _step_keys(keys: jax.Array, step: jax.Array, count: int) -> jax.Array:
+    """[count, B] keys, a pure function of each request's seed and the step (0: bootstrap, i + 1: iteration i)."""
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, count))(step_keys), 1, 0)
 
 
@@ -154,7 +154,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
         params, state.last_token[:, None], positions, state.cache, config.verify_attention(), config=config.model
     )
     finite = _check_finite(logits, jnp.ones_like(state.committed))
-    (key,) = _iteration_keys(state, 1)
+    (key,) = _step_keys(state.keys, 0, 1)
     if config.sampling.greedy:
         token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -213,7 +213,7 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     active = ~state.done
     # Never draft past the tokens still owed: the bonus token always comes on top of the accepted drafts.
     num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, gamma)
-    keys = _iteration_keys(state, gamma + 2)
+    keys = _step_keys(state.keys, state.step + 1, gamma + 2)
     if gamma:
         cache, drafts, draft_probs, draft_finite = _draft(params, state, keys, config)
     else:

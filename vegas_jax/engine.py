@@ -1,0 +1,293 @@
+"""The library API: an `Engine` holds a loaded model and turns prompts into tokens, text and metrics.
+
+Compiled shapes: prefill compiles once per (batch, chunk size, cache capacity); the bootstrap step and the decode
+loop once per (batch, cache capacity, method configuration, sampling mode). The cache capacity is `max_model_len`
+(rounded up to a multiple of 128, plus room for γ+1 draft rows); left unset, `max_model_len` is the prompt plus
+`max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.kv_cache import KVCache
+from vegas_jax import loop, sampling
+from vegas_jax.attention.verify import SCORE_MODES
+from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.metrics import pooled_metrics, request_metrics
+from vegas_jax.selection import POLICIES, Budget, make_policy
+
+METHODS = ("ar",) + POLICIES
+CAPACITY_ALIGN = 128
+AUTO_LENGTH_BUCKET = 1024
+
+
+class InputError(ValueError):
+    """Bad user input; the message starts with the flag (or argument) at fault."""
+
+
+class NonFiniteLogitsError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    method: str = "ar"
+    gamma: int = 6
+    sparse_ratio: float = 0.07
+    min_sparse_tokens: int = 256
+    score_mode: str = "logit"
+    max_model_len: int | None = None
+    prefill_chunk: int = 512
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature >= 0, "--temperature", f"must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, "--top-k", f"must be >= 0, got {self.top_k}"),
+            (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
+            (self.method in METHODS, "--method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),
+            (self.gamma >= 0, "--gamma", f"must be >= 0, got {self.gamma}"),
+            (0 < self.sparse_ratio <= 1, "--sparse-ratio", f"must be in (0, 1], got {self.sparse_ratio}"),
+            (self.min_sparse_tokens >= 1, "--min-sparse-tokens", f"must be >= 1, got {self.min_sparse_tokens}"),
+            (self.score_mode in SCORE_MODES, "--score-mode", f"must be one of {SCORE_MODES}, got {self.score_mode!r}"),
+            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", f"must be >= 2, got {self.max_model_len}"),
+            (self.prefill_chunk >= 1, "--prefill-chunk", f"must be >= 1, got {self.prefill_chunk}"),
+        ]
+        for ok, flag, message in checks:
+            if not ok:
+                raise InputError(f"{flag} {message}")
+
+    @property
+    def effective_gamma(self) -> int:
+        return 0 if self.method == "ar" else self.gamma
+
+
+@dataclasses.dataclass
+class RequestResult:
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    metrics: dict
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    options: GenerationOptions
+    requests: list[RequestResult]
+    metrics: dict
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class Engine:
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        self.config = model.config
+        self.tokenizer = model.tokenizer
+        self._compiled: dict = {}
+
+    # ---- prompts -------------------------------------------------------------------------------------------
+    def encode_prompts(self, prompts: Sequence[str | Sequence[int]], chat_template: bool | None = None) -> list[list[int]]:
+        """Strings are tokenized (through the chat template when the model has one, unless told otherwise);
+        lists of ids are taken as they are."""
+        if not prompts:
+            raise InputError("--prompt: no prompt given")
+        use_template = self.tokenizer.chat_template is not None if chat_template is None else chat_template
+        if use_template and self.tokenizer.chat_template is None:
+            raise InputError("--chat-template: the model has no chat template")
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if not prompt.strip():
+                    raise InputError(f"--prompt: prompt {i} is empty")
+                if use_template:
+                    ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                else:
+                    ids = self.tokenizer.encode(prompt)
+            else:
+                ids = [int(t) for t in prompt]
+            if not ids:
+                raise InputError(f"--prompt: prompt {i} has no tokens")
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InputError(f"--prompt: prompt {i} has token ids outside the vocabulary: {bad[:5]}")
+            encoded.append(list(ids))
+        return encoded
+
+    # ---- compilation ---------------------------------------------------------------------------------------
+    def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
+        model_max = self.config.max_position_embeddings
+        longest = max(prompt_lens)
+        if options.max_model_len is not None:
+            if options.max_model_len > model_max:
+                raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's context of {model_max}")
+            limit = options.max_model_len
+            if longest > limit:
+                raise InputError(f"--max-model-len: a prompt of {longest} tokens is longer than {limit}")
+        else:
+            limit = min(model_max, _round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
+            if longest > limit:
+                raise InputError(f"--prompt: a prompt of {longest} tokens is longer than the model's context of {limit}")
+        if longest + options.max_new_tokens > limit:
+            raise InputError(
+                f"--max-new-tokens {options.max_new_tokens}: with a prompt of {longest} tokens it exceeds the "
+                f"context of {limit} tokens (--max-model-len)"
+            )
+        return limit
+
+    def _decode_config(self, options: GenerationOptions, mode: sampling.SamplingMode, max_model_len: int):
+        gamma = options.effective_gamma
+        policy = None
+        if gamma:
+            budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
+            policy = make_policy(options.method, budget, gamma)
+        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, options.max_new_tokens)
+
+    def _compile(self, name: str, fn: Callable, *args, donate: tuple = (), **static):
+        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)
+        key = (name, tuple(sorted(static.items())), str(jax.tree.structure(args)), tuple(jax.tree.leaves(shapes)))
+        if key not in self._compiled:
+            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
+            self._compiled[key] = jitted.lower(*args).compile()
+        return self._compiled[key]
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        options: GenerationOptions = GenerationOptions(),
+        *,
+        chat_template: bool | None = None,
+        steps_per_call: int | None = 16,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> Iterator[list[list[int]] | GenerationResult]:
+        """Yields, after every `steps_per_call` loop iterations, the new tokens of each request; last, the
+        GenerationResult. `steps_per_call=None` runs the whole decode in one device call."""
+        options.validate()
+        ids = self.encode_prompts(prompts, chat_template)
+        batch = len(ids)
+        lens = [len(p) for p in ids]
+        max_model_len = self._max_model_len(lens, options)
+        gamma = options.effective_gamma
+        capacity = _round_up(max_model_len + gamma + 1, CAPACITY_ALIGN)
+        params = self.model.params
+        dtype = params["embed"].dtype
+
+        sampling_params = sampling.SamplingParams.create(batch, options.temperature, options.top_k, options.top_p)
+        config = self._decode_config(options, sampling_params.mode(), max_model_len)
+        timings = {}
+
+        # Prefill all but each prompt's last token, in fixed-size chunks (one compilation for any length).
+        chunk = min(options.prefill_chunk, _round_up(max(lens) - 1, 16) or 16)
+        width = max(_round_up(max(lens) - 1, chunk), chunk)
+        tokens = np.zeros((batch, width), np.int32)
+        for i, p in enumerate(ids):
+            tokens[i, : len(p) - 1] = p[:-1]
+        cache = KVCache.create(self.config, batch, capacity, dtype)
+        chunk_args = (params, cache, jnp.zeros((batch, chunk), jnp.int32), jnp.zeros((batch, chunk), jnp.int32))
+        t0 = time.perf_counter()
+        prefill = self._compile("prefill", loop.prefill_chunk, *chunk_args, donate=(1,), model=self.config)
+        timings["compile_s"] = time.perf_counter() - t0
+
+        state = loop.init_state(
+            config,
+            cache,
+            jnp.asarray(lens),
+            jnp.asarray([p[-1] for p in ids]),
+            jnp.full((batch,), options.max_new_tokens),
+            jax.vmap(jax.random.key)(jnp.arange(batch) + options.seed),
+            sampling_params,
+            jnp.asarray(list(self.tokenizer.eos_ids) or [-1]),
+        )
+        t0 = time.perf_counter()
+        bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), config=config)
+        decode = self._compile("decode", loop.decode, params, state, jnp.int32(0), donate=(1,), config=config)
+        timings["compile_s"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        num_chunks = width // chunk
+        cache = state.cache
+        for c in range(num_chunks):
+            positions = np.broadcast_to(np.arange(c * chunk, (c + 1) * chunk, dtype=np.int32), (batch, chunk))
+            cache = prefill(params, cache, jnp.asarray(tokens[:, c * chunk : (c + 1) * chunk]), jnp.asarray(positions))
+            if progress:
+                progress("prefill", c + 1, num_chunks)
+        state = bootstrap(params, dataclasses.replace(state, cache=cache))
+        first = np.asarray(state.output[:, :1])
+        timings["prefill_s"] = time.perf_counter() - t0
+        self._raise_if_nonfinite(state)
+        yield [list(first[i]) if int(state.num_generated[i]) else [] for i in range(batch)]
+
+        t0 = time.perf_counter()
+        seen = np.asarray(state.num_generated)
+        limit = 2**31 - 1
+        while True:
+            step = int(state.step) + steps_per_call if steps_per_call else limit
+            state = decode(params, state, jnp.int32(min(step, limit)))
+            num_generated = np.asarray(state.num_generated)
+            if steps_per_call:
+                output = np.asarray(state.output)
+                yield [list(output[i, seen[i] : num_generated[i]]) for i in range(batch)]
+                if progress:
+                    progress("decode", int(num_generated.sum()), batch * options.max_new_tokens)
+            seen = num_generated
+            if bool(np.all(np.asarray(state.done))) or not steps_per_call:
+                break
+        jax.block_until_ready(state.output)
+        timings["decode_s"] = time.perf_counter() - t0
+        self._raise_if_nonfinite(state)
+        if not steps_per_call:
+            output = np.asarray(state.output)
+            yield [list(output[i, 1 : num_generated[i]]) for i in range(batch)]
+        yield self._result(options, ids, state, timings)
+
+    def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:
+        *_, result = self.stream(prompts, options, **kwargs)
+        return result
+
+    def _raise_if_nonfinite(self, state) -> None:
+        bad = np.flatnonzero(np.asarray(state.nonfinite))
+        if bad.size:
+            raise NonFiniteLogitsError(
+                f"non-finite logits in request(s) {bad.tolist()}: generation stopped (check the checkpoint and --dtype)"
+            )
+
+    def _result(self, options, ids, state, timings) -> GenerationResult:
+        output = np.asarray(state.output)
+        num_generated = np.asarray(state.num_generated)
+        iterations = np.asarray(state.metrics.iterations)
+        drafted = np.asarray(state.metrics.drafted)
+        accepted = np.asarray(state.metrics.accepted)
+        requests = []
+        for i, prompt in enumerate(ids):
+            tokens = output[i, : num_generated[i]].tolist()
+            requests.append(
+                RequestResult(
+                    prompt_tokens=len(prompt),
+                    tokens=tokens,
+                    text=self.tokenizer.decode(tokens),
+                    metrics=request_metrics(len(tokens), iterations[i], drafted[i], accepted[i]),
+                )
+            )
+        decode_tokens = int(np.maximum(num_generated - 1, 0).sum())  # the first token comes from prefill
+        metrics = dict(timings)
+        metrics["decode_tokens"] = decode_tokens
+        metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
+        metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
+        return GenerationResult(options, requests, metrics)

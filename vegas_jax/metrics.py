@@ -1,0 +1,39 @@
+"""Speculative-decoding metrics, per request and pooled.
+
+τ (tokens per iteration) = 1 + accepted drafts / verification passes, the acceptance length of vLLM and
+llama.cpp, from 1 to γ+1. Acceptance rate = accepted / drafted. Acceptance by position i = the fraction of passes
+whose draft i (1-based) was accepted among passes that drafted it. Pooled numbers sum counts over requests rather
+than averaging per-request ratios, so long requests weigh by their iterations (report both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _ratio(num, den) -> float | None:
+    return float(num) / float(den) if den else None
+
+
+def request_metrics(generated: int, iterations: int, drafted: np.ndarray, accepted: np.ndarray) -> dict:
+    return {
+        "generated_tokens": int(generated),
+        "iterations": int(iterations),
+        "tau": _ratio(iterations + accepted.sum(), iterations),
+        "acceptance_rate": _ratio(accepted.sum(), drafted.sum()),
+        "acceptance_by_position": [_ratio(a, d) for a, d in zip(accepted, drafted)],
+    }
+
+
+def pooled_metrics(iterations: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, gamma: int) -> dict:
+    """iterations [B], drafted/accepted [B, γ]."""
+    total_iterations = int(iterations.sum())
+    per_request_tau = [_ratio(i + a.sum(), i) for i, a in zip(iterations, accepted) if i]
+    return {
+        "gamma": gamma,
+        "iterations": total_iterations,
+        "tau": _ratio(total_iterations + accepted.sum(), total_iterations),
+        "tau_mean_over_requests": float(np.mean(per_request_tau)) if per_request_tau else None,
+        "acceptance_rate": _ratio(accepted.sum(), drafted.sum()),
+        "acceptance_by_position": [_ratio(a, d) for a, d in zip(accepted.sum(0), drafted.sum(0))],
+    }
