@@ -1,0 +1,17 @@
+"""Pallas (Triton backend) GPU kernels for Vegas: sparse draft attention, verification attention with score
+collection, and per-row top-k selection. Each module holds a kernel, its jitted public function and a pure-jnp
+`*_reference` twin; on CPU the kernels run with interpret=True."""
+
+from pallas_kernels.select_topk import PAD_INDEX, select_topk, select_topk_reference
+from pallas_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
+from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+
+__all__ = [
+    "PAD_INDEX",
+    "select_topk",
+    "select_topk_reference",
+    "sparse_decode_attention",
+    "sparse_decode_attention_reference",
+    "verify_attention",
+    "verify_attention_reference",
+]

@@ -1,0 +1,43 @@
+"""Helpers shared by the kernels of this package."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# Finite stand-in for -inf on masked logits: exp(masked - max) underflows to 0 instead of (-inf) - (-inf) = NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Programs per launch that the default split counts aim for: H100/H200 have 132 SMs, and about four resident
+# programs per SM hide the latency of the row gathers and of the split-K tails.
+TARGET_PROGRAMS = 512
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def check_power_of_2(name: str, value: int, minimum: int = 1):
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+
+
+def check_cache_shapes(q, k_cache, v_cache, num_query_dims: int):
+    """q [B, (S,) H_q, D] against caches [B, T, H_kv, D]."""
+    if q.ndim != num_query_dims:
+        raise ValueError(f"q must have {num_query_dims} dims, got shape {q.shape}")
+    *_, num_q_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"caches must both be [B, T, H_kv, D]; got {k_cache.shape}, {v_cache.shape}, q {q.shape}")
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit a cache of {num_kv_heads} KV heads of dim {cache_head_dim}")
+    # Every Triton load must have a power-of-two number of elements, and dots need dims >= 16.
+    check_power_of_2("head_dim", head_dim, 16)
+
+
+def combine_splits(o, l, m):
+    """Merges split-K partials o [splits, ..., D], l and m [splits, ...] into the normalised output."""
+    m_max = m.max(axis=0)
+    correction = jnp.exp(m - m_max[None])
+    l_total = (l * correction).sum(axis=0)
+    o_total = (o * correction[..., None]).sum(axis=0)
+    return o_total / l_total[..., None]

@@ -1,0 +1,295 @@
+"""Verification attention: S new tokens per sequence attend causally to the cache, optionally scoring each key.
+
+Query i of sequence b sits at position start[b] + i and sees keys t <= start[b] + i; the K/V of the S new tokens
+are already in the cache `[B, T, H_kv, D]`. Only keys below start[b] + S are read (ragged lengths: no streaming of
+the whole capacity T). Split-K flash decoding: one program per (sequence, KV head, key split) holds the S * G
+query rows of that KV head (G = H_q / H_kv, padded to a power of two >= 16 for the Triton dots); per-split
+partial softmax results are combined in plain JAX.
+
+Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean over all H_q heads and over the
+query rows 0 and S-1 of
+  - "logit":  the raw q.k (unscaled). Linear in the rows, so each program sums its 2G rows' logits while the
+    logit tile is in registers and writes one float per key; a tiny XLA reduction sums the KV heads.
+  - "weight": the softmax probability exp(sm_scale * q.k - lse_row). lse_row is only known after the whole pass,
+    so each program writes the 2G rows' raw logits (2G floats per key, vs 2D bytes of K and V read per key) and
+    an XLA pass applies the final lse. That re-reads 2 * H_q floats per key instead of re-reading K.
+Keys t > start[b] get -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import (
+    MASK_VALUE,
+    TARGET_PROGRAMS,
+    check_cache_shapes,
+    check_power_of_2,
+    combine_splits,
+    next_power_of_2,
+)
+
+SCORE_MODES = (None, "logit", "weight")
+_MAX_SPLITS = 64
+# Query rows per program; beyond this the accumulator tile no longer fits in registers.
+_MAX_QUERY_ROWS = 128
+
+
+def verify_attention_kernel(
+    q_ref,  # [block_q, D] row r = query r // G, head r % G of this KV head; zero rows past S * G
+    k_ref,  # [T, D] one KV head's keys
+    v_ref,  # [T, D]
+    start_ref,  # [] position of query 0
+    o_ref,  # [block_q, D] this split's unnormalised output
+    l_ref,  # [block_q]
+    m_ref,  # [block_q]
+    *score_refs,  # "logit": [T] summed raw logits; "weight": [2G, T] raw logits of rows 0 and S-1
+    sm_scale: float,
+    block_k: int,
+    num_splits: int,
+    group: int,
+    num_queries: int,
+    score_mode: str | None,
+):
+    block_q, head_dim = q_ref.shape
+    split = pl.program_id(1)
+    start = start_ref[()]
+    num_keys = start + num_queries
+    keys_per_split = pl.cdiv(pl.cdiv(num_keys, num_splits), block_k) * block_k
+    split_start = split * keys_per_split
+    split_end = jnp.minimum(split_start + keys_per_split, num_keys)
+    row = jnp.arange(block_q)
+    last_visible_key = start + row // group
+    first_row_of = lambda query: query * group
+    scored_query = [0] * group + [num_queries - 1] * group  # query of each scored row j (j = which * G + head)
+    scored_source_row = [first_row_of(query) + j % group for j, query in enumerate(scored_query)]
+    q = q_ref[...]
+
+    def body(block, carry):
+        o_prev, m_prev, l_prev = carry
+        block_start = split_start + block * block_k
+        key = block_start + jnp.arange(block_k)
+        in_split = key < split_end
+        k = plt.load(k_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
+        raw = plt.dot(q, k, trans_b=True)  # [block_q, block_k] float32
+        visible = in_split[None, :] & (key[None, :] <= last_visible_key[:, None])
+        logits = jnp.where(visible, raw * sm_scale, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=1)
+        v = plt.load(v_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
+        o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
+
+        candidate = in_split & (key <= start)
+        if score_mode == "logit":
+            (score_ref,) = score_refs
+            # Rows 0 and S-1 (the same row twice when S == 1, matching a mean over the two row slots).
+            weight = (row < group).astype(jnp.float32) + (row // group == num_queries - 1).astype(jnp.float32)
+            summed = jnp.sum(raw * weight[:, None], axis=0)
+            plt.store(score_ref.at[pl.ds(block_start, block_k)], summed, mask=candidate)
+        elif score_mode == "weight":
+            (rows_ref,) = score_refs
+            for j, source_row in enumerate(scored_source_row):
+                # A masked row sum extracts one row: Triton has no value slicing.
+                row_logits = jnp.sum(jnp.where((row == source_row)[:, None], raw, 0.0), axis=0)
+                plt.store(rows_ref.at[jnp.int32(j), pl.ds(block_start, block_k)], row_logits, mask=candidate)
+        return o_next, m_next, l_next
+
+    init = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
+    # A row's masked keys all come after its visible ones, and key 0 is visible to every row, so the finite
+    # MASK_VALUE never contributes: within a split a fully masked block follows a real maximum, and a split
+    # whose keys are all masked for a row is weighted by exp(MASK_VALUE - real max) = 0 in the combine.
+    o, m, l = lax.fori_loop(0, num_blocks, body, init)
+    real_row = row < num_queries * group
+    plt.store(o_ref, o, mask=real_row[:, None])
+    plt.store(l_ref, l, mask=real_row)
+    plt.store(m_ref, m, mask=real_row)
+
+
+def verify_attention_unbatched(
+    q,  # [S, H_q, D]
+    k_cache,  # [T, H_kv, D]
+    v_cache,  # [T, H_kv, D]
+    start,  # []
+    *,
+    score_mode: str | None,
+    sm_scale: float,
+    block_k: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+):
+    """Returns out [S, H_q, D] and the per-KV-head score partials: "logit" [H_kv, T] summed raw logits, "weight"
+    ([H_kv, 2G, T] raw logits, [H_kv, 2G] their rows' lse), None otherwise; entries past start are unwritten."""
+    num_queries, num_q_heads, head_dim = q.shape
+    capacity, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    query_rows = num_queries * group
+    block_q = max(16, next_power_of_2(query_rows))
+    q_rows = q.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = q_rows.reshape(num_kv_heads, query_rows, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, block_q - query_rows), (0, 0)))
+
+    kernel = functools.partial(
+        verify_attention_kernel,
+        sm_scale=sm_scale,
+        block_k=block_k,
+        num_splits=num_splits,
+        group=group,
+        num_queries=num_queries,
+        score_mode=score_mode,
+    )
+    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
+    out_specs = [
+        pl.BlockSpec((None, None, block_q, head_dim), lambda h, s: (s, h, 0, 0)),
+        pl.BlockSpec((None, None, block_q), lambda h, s: (s, h, 0)),
+        pl.BlockSpec((None, None, block_q), lambda h, s: (s, h, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_q, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_q), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_q), jnp.float32),
+    ]
+    # Every split of a KV head writes its own key range of the same score block.
+    if score_mode == "logit":
+        out_specs.append(pl.BlockSpec((None, capacity), lambda h, s: (h, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, capacity), jnp.float32))
+    elif score_mode == "weight":
+        out_specs.append(pl.BlockSpec((None, 2 * group, capacity), lambda h, s: (h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, 2 * group, capacity), jnp.float32))
+    o, l, m, *score_partials = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, block_q, head_dim), lambda h, s: (h, 0, 0)),
+            head_rows,
+            head_rows,
+            pl.BlockSpec((), lambda h, s: ()),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"verify_attention_{score_mode or 'plain'}",
+    )(q_rows, k_cache, v_cache, start)
+    o, l, m = o[:, :, :query_rows], l[:, :, :query_rows], m[:, :, :query_rows]
+    out = combine_splits(o, l, m)  # [H_kv, S * G, D]
+    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
+    out = out.reshape(num_queries, num_q_heads, head_dim).astype(q.dtype)
+    if score_mode != "weight":
+        return out, (score_partials[0] if score_partials else None)
+    m_max = m.max(axis=0)
+    lse = m_max + jnp.log((l * jnp.exp(m - m_max[None])).sum(axis=0))  # [H_kv, S * G]
+    last = (num_queries - 1) * group
+    scored_lse = jnp.concatenate([lse[:, :group], lse[:, last : last + group]], axis=1)  # [H_kv, 2G]
+    return out, (score_partials[0], scored_lse)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: int) -> int:
+    wanted = next_power_of_2(pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
+    return max(1, min(wanted, _MAX_SPLITS, pl.cdiv(capacity, block_k)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("score_mode", "sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
+)
+def verify_attention(
+    q: jax.Array,  # [B, S, H_q, D]
+    k_cache: jax.Array,  # [B, T, H_kv, D]
+    v_cache: jax.Array,  # [B, T, H_kv, D]
+    start: jax.Array,  # [B] int32
+    *,
+    score_mode: str | None = None,
+    sm_scale: float | None = None,
+    block_k: int = 64,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Causal attention of S new tokens per sequence (query i at position start[b] + i, start[b] + S <= T).
+
+    Returns (out [B, S, H_q, D] in q's dtype, scores [B, T] float32 or None). scores (score_mode "logit" or
+    "weight", see the module docstring) cover keys t <= start[b] and are -inf beyond.
+
+    block_k: keys per inner step (power of two >= 16). num_splits: split-K parallelism per (sequence, KV head);
+    None picks enough for about 512 programs. num_warps (None: 4 up to 32 query rows, else 8), num_stages: Triton
+    launch parameters. S * H_q / H_kv must be at most 128.
+    """
+    if score_mode not in SCORE_MODES:
+        raise ValueError(f"score_mode must be one of {SCORE_MODES}, got {score_mode!r}")
+    check_cache_shapes(q, k_cache, v_cache, num_query_dims=4)
+    batch, num_queries, num_q_heads, head_dim = q.shape
+    capacity, num_kv_heads = k_cache.shape[1:3]
+    query_rows = num_queries * (num_q_heads // num_kv_heads)
+    if query_rows > _MAX_QUERY_ROWS:
+        raise ValueError(f"S * G = {query_rows} query rows per KV head exceed {_MAX_QUERY_ROWS}")
+    check_power_of_2("block_k", block_k, 16)
+    if start.shape != (batch,):
+        raise ValueError(f"start must have shape ({batch},), got {start.shape}")
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, capacity, block_k)
+    if num_warps is None:
+        num_warps = 4 if query_rows <= 32 else 8
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    inner = functools.partial(
+        verify_attention_unbatched,
+        score_mode=score_mode,
+        sm_scale=sm_scale,
+        block_k=block_k,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
+    start = start.astype(jnp.int32)
+    out, partials = jax.vmap(inner)(q, k_cache, v_cache, start)
+    if score_mode is None:
+        return out, None
+    if score_mode == "logit":
+        summed = partials.sum(axis=1)  # [B, T]
+    else:
+        raw_rows, scored_lse = partials  # [B, H_kv, 2G, T], [B, H_kv, 2G]
+        summed = jnp.exp(raw_rows * sm_scale - scored_lse[..., None]).sum(axis=(1, 2))
+    # Partials past start[b] were never written; the select keeps whatever is there out of the result.
+    candidate = jnp.arange(capacity)[None, :] <= start[:, None]
+    return out, jnp.where(candidate, summed / (2 * num_q_heads), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("score_mode", "sm_scale"))
+def verify_attention_reference(q, k_cache, v_cache, start, *, score_mode=None, sm_scale=None):
+    """XLA twin of verify_attention: dense masked attention over the whole cache capacity."""
+    batch, num_queries, num_q_heads, head_dim = q.shape
+    capacity, num_kv_heads = k_cache.shape[1:3]
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    qg = q.reshape(batch, num_queries, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    raw = jnp.einsum("bshgd,bthd->bhgst", qg, k_cache, preferred_element_type=jnp.float32)
+    t = jnp.arange(capacity)
+    positions = start[:, None] + jnp.arange(num_queries)[None, :]  # [B, S]
+    visible = t[None, None, :] <= positions[:, :, None]  # [B, S, T]
+    logits = jnp.where(visible[:, None, None], raw * sm_scale, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(logits - lse)
+    out = jnp.einsum("bhgst,bthd->bshgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+    out = out.reshape(batch, num_queries, num_q_heads, head_dim).astype(q.dtype)
+    if score_mode is None:
+        return out, None
+    per_head = raw if score_mode == "logit" else probs  # [B, H_kv, G, S, T]
+    scored = per_head[:, :, :, 0].mean(axis=(1, 2)) + per_head[:, :, :, -1].mean(axis=(1, 2))
+    candidate = t[None, :] <= start[:, None]
+    return out, jnp.where(candidate, scored / 2, -jnp.inf)

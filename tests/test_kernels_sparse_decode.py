@@ -1,0 +1,157 @@
+"""sparse_decode_attention in interpret mode against a float64 numpy computation.
+
+Every run draws fresh inputs; a failing test prints its seed, and KERNEL_TEST_SEED=<seed> replays it.
+Interpret mode fills outputs the kernel never writes with NaN (test_interpret_mode_poisons_unwritten_outputs
+checks that), so finite outputs mean every element was written. Cache rows outside a sequence's key set are NaN
+too, so reading any of them shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
+
+# Max |error| / max |expected| over the outputs: float32 is exact up to summation order; bf16 rounds the softmax
+# weights before the V product and the output itself (2^-9 relative each).
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("KERNEL_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
+    print(f"seed {seed} (replay with KERNEL_TEST_SEED={seed})")
+    return np.random.default_rng(seed)
+
+
+def lower_for_h200(jitted, *args):
+    """Lowers through the Pallas Triton backend for an H200 on this CPU-only machine: the Pallas-level checks
+    (power-of-two tensor sizes, supported primitives, dot shapes) run; Triton's own compilation does not."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def make_case(rng, *, batch, capacity, kv_heads, group, head_dim, k_max, counts, recent, dtype):
+    """Random inputs; counts[b] listed rows and a recent range recent[b] = (start, end) per sequence."""
+    # Larger queries make the softmax peaky, so a wrong key set changes the output visibly.
+    q = rng.standard_normal((batch, kv_heads * group, head_dim)) * 3
+    k = rng.standard_normal((batch, capacity, kv_heads, head_dim))
+    v = rng.standard_normal((batch, capacity, kv_heads, head_dim))
+    indices = rng.integers(-5, capacity + 5, (batch, k_max))  # junk past counts[b]: must never be read
+    key_sets = []
+    for b, (count, (start, end)) in enumerate(zip(counts, recent)):
+        indices[b, :count] = rng.choice(start, count, replace=False)
+        key_sets.append(np.concatenate([indices[b, :count], np.arange(start, end)]).astype(int))
+        outside = np.setdiff1d(np.arange(capacity), key_sets[-1])
+        # Row 0 stays finite: lanes past a split's end read it (masked out of the softmax).
+        outside = outside[outside != 0]
+        k[b, outside] = np.nan
+        v[b, outside] = np.nan
+    as_array = lambda x: jnp.asarray(x, dtype)
+    int32 = lambda x: jnp.asarray(x, jnp.int32)
+    starts, ends = zip(*recent)
+    args = (as_array(q), as_array(k), as_array(v), int32(indices), int32(counts), int32(starts), int32(ends))
+    return args, key_sets
+
+
+def expected_output(q, k, v, key_sets):
+    """float64 softmax attention of q [B, H_q, D] over each sequence's key rows."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[2]
+    out = np.empty_like(q)
+    for b, rows in enumerate(key_sets):
+        for h in range(num_q_heads):
+            keys, values = k[b, rows, h // group], v[b, rows, h // group]
+            logits = keys @ q[b, h] / np.sqrt(head_dim)
+            weights = np.exp(logits - logits.max())
+            out[b, h] = weights @ values / weights.sum()
+    return out
+
+
+def assert_close(actual, expected, dtype, what):
+    actual = np.asarray(actual, np.float64)
+    assert np.isfinite(actual).all(), f"{what}: non-finite outputs (unwritten or reading rows outside the set)"
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def test_interpret_mode_poisons_unwritten_outputs():
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True)(
+        jnp.zeros(8)
+    )
+    assert np.isnan(np.asarray(out)).all()
+
+
+CASES = {
+    # GQA 4, D 128, capacity not a multiple of block_k; sequences: empty list, full list with an empty recent
+    # range, and one much shorter than the others.
+    "gqa4_d128": dict(
+        batch=3, capacity=210, kv_heads=2, group=4, head_dim=128, k_max=40,
+        counts=[0, 40, 9], recent=[(150, 157), (200, 200), (20, 23)], block_k=16, num_splits=3,
+    ),
+    # GQA 3, D 64, default block_k and num_splits (one split of up to 64 keys per block here).
+    "gqa3_d64": dict(
+        batch=2, capacity=150, kv_heads=3, group=3, head_dim=64, k_max=70,
+        counts=[70, 33], recent=[(120, 131), (140, 141)], block_k=None, num_splits=None,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_sparse_decode_matches_float64(rng, case, dtype):
+    shape = dict(CASES[case])
+    launch = {name: shape.pop(name) for name in ("block_k", "num_splits")}
+    launch = {name: value for name, value in launch.items() if value is not None}
+    args, key_sets = make_case(rng, dtype=dtype, **shape)
+    out = sparse_decode_attention(*args, interpret=True, **launch)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    assert_close(out, expected_output(*args[:3], key_sets), dtype, "kernel")
+
+
+@pytest.mark.parametrize("max_recent", [None, 16])
+def test_reference_matches_float64(rng, max_recent):
+    shape = dict(CASES["gqa4_d128"])
+    del shape["block_k"], shape["num_splits"]
+    args, key_sets = make_case(rng, dtype=jnp.float32, **shape)
+    q, k, v, *rest = args
+    # The dense variant weighs every row (NaN * 0 = NaN), so it gets the finite cache here.
+    finite = lambda x: jnp.nan_to_num(x, nan=7.0)
+    out = sparse_decode_attention_reference(q, finite(k), finite(v), *rest, max_recent=max_recent)
+    assert_close(out, expected_output(q, k, v, key_sets), jnp.float32, "reference")
+
+
+def test_rejects_non_power_of_two_head_dim(rng):
+    args, _ = make_case(
+        rng, batch=1, capacity=32, kv_heads=1, group=1, head_dim=48, k_max=4, counts=[4], recent=[(20, 22)],
+        dtype=jnp.float32,
+    )
+    with pytest.raises(ValueError, match="head_dim"):
+        sparse_decode_attention(*args, interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (3, 3, 64)], ids=["qwen3_8b", "smollm2"])
+def test_lowers_to_triton_for_h200(kv_heads, group, head_dim):
+    batch, capacity, k_max = 2, 32768, 2294
+    spec = jax.ShapeDtypeStruct
+    lowered = lower_for_h200(
+        sparse_decode_attention,
+        spec((batch, kv_heads * group, head_dim), jnp.bfloat16),
+        spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16),
+        spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16),
+        spec((batch, k_max), jnp.int32),
+        *[spec((batch,), jnp.int32)] * 3,
+    )
+    assert "__gpu$xla.gpu.triton" in lowered

@@ -1,0 +1,166 @@
+"""verify_attention in interpret mode against a float64 numpy computation.
+
+Every run draws fresh inputs; a failing test prints its seed, and KERNEL_TEST_SEED=<seed> replays it.
+Interpret mode fills outputs the kernel never writes with NaN, so finite outputs and scores mean every element
+that must be written was. Cache rows at or past start[b] + S are NaN: reading any of them (the kernel must stay
+within each sequence's own length) shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+
+# Max |error| / max |expected|. Outputs: float32 is exact up to summation order; bf16 rounds the softmax weights
+# before the V product and the output itself. Scores are float32 arithmetic on the (bf16-exact) inputs in both.
+OUTPUT_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+SCORE_TOLERANCE = 1e-5
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("KERNEL_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
+    print(f"seed {seed} (replay with KERNEL_TEST_SEED={seed})")
+    return np.random.default_rng(seed)
+
+
+def lower_for_h200(jitted, *args):
+    """Lowers through the Pallas Triton backend for an H200 on this CPU-only machine: the Pallas-level checks
+    (power-of-two tensor sizes, supported primitives, dot shapes) run; Triton's own compilation does not."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def make_case(rng, *, capacity, kv_heads, group, head_dim, queries, starts, dtype):
+    batch = len(starts)
+    # Larger queries make the softmax peaky, so a wrong causal mask changes the output visibly.
+    q = rng.standard_normal((batch, queries, kv_heads * group, head_dim)) * 3
+    k = rng.standard_normal((batch, capacity, kv_heads, head_dim))
+    v = rng.standard_normal((batch, capacity, kv_heads, head_dim))
+    for b, start in enumerate(starts):
+        k[b, start + queries :] = np.nan
+        v[b, start + queries :] = np.nan
+    as_array = lambda x: jnp.asarray(x, dtype)
+    return as_array(q), as_array(k), as_array(v), jnp.asarray(starts, jnp.int32)
+
+
+def expected(q, k, v, start, score_mode):
+    """float64 causal attention and the Collect-2-Query scores ([B, T], -inf past start)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, queries, num_q_heads, head_dim = q.shape
+    capacity, kv_heads = k.shape[1:3]
+    group = num_q_heads // kv_heads
+    out = np.empty_like(q)
+    scores = np.full((batch, capacity), -np.inf)
+    for b in range(batch):
+        seen = start[b] + 1  # keys that row 0 sees: the scored candidates
+        score_sum = np.zeros(seen)
+        for i in range(queries):
+            visible = start[b] + i + 1
+            for h in range(num_q_heads):
+                raw = k[b, :visible, h // group] @ q[b, i, h]
+                weights = np.exp(raw / np.sqrt(head_dim) - (raw / np.sqrt(head_dim)).max())
+                weights /= weights.sum()
+                out[b, i, h] = weights @ v[b, :visible, h // group]
+                # Rows 0 and S-1 each count once (the same row twice when S == 1).
+                slots = (i == 0) + (i == queries - 1)
+                per_key = raw if score_mode == "logit" else weights
+                score_sum += slots * per_key[:seen]
+        scores[b, :seen] = score_sum / (2 * num_q_heads)
+    return out, (scores if score_mode else None)
+
+
+def relative_error(actual, wanted, what):
+    actual = np.asarray(actual, np.float64)
+    assert np.isfinite(actual).all(), f"{what}: non-finite values (unwritten, or read past a sequence's end)"
+    return np.abs(actual - wanted).max() / np.abs(wanted).max()
+
+
+def assert_matches(out, scores, case, score_mode, dtype):
+    want_out, want_scores = expected(*case, score_mode)
+    error = relative_error(out, want_out, "output")
+    assert error <= OUTPUT_TOLERANCE[dtype], f"output relative error {error:.2e}"
+    if score_mode is None:
+        assert scores is None
+        return
+    scores = np.asarray(scores)
+    assert scores.shape == want_scores.shape and scores.dtype == np.float32
+    candidate = np.isfinite(want_scores)
+    assert (scores[~candidate] == -np.inf).all(), "keys past start must score -inf"
+    error = relative_error(scores[candidate], want_scores[candidate], "scores")
+    assert error <= SCORE_TOLERANCE, f"{score_mode} scores relative error {error:.2e}"
+
+
+CASES = {
+    # GQA 4, D 128, S 4; sequences of very different lengths, the shortest (start 0) sees one key from row 0, and
+    # no length is a multiple of block_k.
+    "gqa4_d128": dict(capacity=100, kv_heads=2, group=4, head_dim=128, queries=4, starts=[0, 61, 96],
+                      block_k=16, num_splits=3),
+    # GQA 3, D 64, S 7 (γ = 6), default block_k and num_splits.
+    "gqa3_d64": dict(capacity=150, kv_heads=3, group=3, head_dim=64, queries=7, starts=[143, 40],
+                     block_k=None, num_splits=None),
+}
+
+
+@pytest.mark.parametrize("score_mode", [None, "logit", "weight"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case_name", CASES)
+def test_verify_matches_float64(rng, case_name, dtype, score_mode):
+    shape = dict(CASES[case_name])
+    launch = {name: shape.pop(name) for name in ("block_k", "num_splits")}
+    launch = {name: value for name, value in launch.items() if value is not None}
+    case = make_case(rng, dtype=dtype, **shape)
+    out, scores = verify_attention(*case, score_mode=score_mode, interpret=True, **launch)
+    assert out.shape == case[0].shape and out.dtype == dtype
+    assert_matches(out, scores, case, score_mode, dtype)
+
+
+@pytest.mark.parametrize("score_mode", ["logit", "weight"])
+def test_single_query_scores_its_only_row(rng, score_mode):
+    case = make_case(rng, capacity=40, kv_heads=1, group=4, head_dim=64, queries=1, starts=[39, 17],
+                     dtype=jnp.float32)
+    out, scores = verify_attention(*case, score_mode=score_mode, block_k=16, num_splits=2, interpret=True)
+    assert_matches(out, scores, case, score_mode, jnp.float32)
+
+
+@pytest.mark.parametrize("score_mode", [None, "logit", "weight"])
+def test_reference_matches_float64(rng, score_mode):
+    shape = dict(CASES["gqa3_d64"])
+    del shape["block_k"], shape["num_splits"]
+    q, k, v, start = make_case(rng, dtype=jnp.float32, **shape)
+    # The dense reference weighs every row (NaN * 0 = NaN), so it gets the finite cache.
+    finite = lambda x: jnp.nan_to_num(x, nan=7.0)
+    out, scores = verify_attention_reference(q, finite(k), finite(v), start, score_mode=score_mode)
+    assert_matches(out, scores, (q, k, v, start), score_mode, jnp.float32)
+
+
+def test_rejects_unknown_score_mode(rng):
+    case = make_case(rng, capacity=32, kv_heads=1, group=1, head_dim=16, queries=2, starts=[3], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="score_mode"):
+        verify_attention(*case, score_mode="sum", interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("score_mode", [None, "logit", "weight"])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (3, 3, 64)], ids=["qwen3_8b", "smollm2"])
+def test_lowers_to_triton_for_h200(kv_heads, group, head_dim, score_mode):
+    batch, queries, capacity = 2, 7, 32768
+    spec = jax.ShapeDtypeStruct
+    cache = spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16)
+    lowered = lower_for_h200(
+        jax.jit(functools.partial(verify_attention, score_mode=score_mode)),
+        spec((batch, queries, kv_heads * group, head_dim), jnp.bfloat16),
+        cache,
+        cache,
+        spec((batch,), jnp.int32),
+    )
+    assert "__gpu$xla.gpu.triton" in lowered
