@@ -127,6 +127,8 @@ def _run(engine: Engine, prompts, options, args, progress, *, stream: bool) -> G
             sys.stdout.flush()
     progress.close()
     if stream:
+        tails = [d.flush() for d in decoders]
+        sys.stdout.write("".join(tails) if batch == 1 else "".join(f"[{i}] {t!r}\n" for i, t in enumerate(tails) if t))
         sys.stdout.write("\n")
     return result
 
