@@ -11,8 +11,11 @@ query rows 0 and S-1 of
   - "logit":  the raw q.k (unscaled). Linear in the rows, so each program sums its 2G rows' logits while the
     logit tile is in registers and writes one float per key; a tiny XLA reduction sums the KV heads.
   - "weight": the softmax probability exp(sm_scale * q.k - lse_row). lse_row is only known after the whole pass,
-    so each program writes the 2G rows' raw logits (2G floats per key, vs 2D bytes of K and V read per key) and
-    an XLA pass applies the final lse. That re-reads 2 * H_q floats per key instead of re-reading K.
+    so each program writes, for its 2G scored rows, d = sm_scale * q.k - m as float16 (m = the row's running
+    maximum after the key's block, written once per block in float32), and an XLA pass adds m - lse_row and
+    exponentiates. d <= 0 and float16 keeps 11 bits, so a weight's relative error is about |d| * 2^-12: tiny for
+    the keys that matter (d near 0). That is 4 * H_q bytes written and read back per key (6% of the K/V bytes for
+    Qwen3-8B, 9% for SmolLM2), where re-reading K for the lse would cost 50%.
 Keys t > start[b] get -inf.
 """
 
@@ -50,7 +53,7 @@ def verify_attention_kernel(
     o_ref,  # [block_q, D] this split's unnormalised output
     l_ref,  # [block_q]
     m_ref,  # [block_q]
-    *score_refs,  # "logit": [T] summed raw logits; "weight": [2G, T] raw logits of rows 0 and S-1
+    *score_refs,  # "logit": [T] summed raw logits; "weight": [2G, T] d and [2G, T / block_k] m (module doc)
     sm_scale: float,
     block_k: int,
     num_splits: int,
@@ -96,11 +99,16 @@ def verify_attention_kernel(
             summed = jnp.sum(raw * weight[:, None], axis=0)
             plt.store(score_ref.at[pl.ds(block_start, block_k)], summed, mask=candidate)
         elif score_mode == "weight":
-            (rows_ref,) = score_refs
+            below_max_ref, block_max_ref = score_refs
             for j, source_row in enumerate(scored_source_row):
-                # A masked row sum extracts one row: Triton has no value slicing.
-                row_logits = jnp.sum(jnp.where((row == source_row)[:, None], raw, 0.0), axis=0)
-                plt.store(rows_ref.at[jnp.int32(j), pl.ds(block_start, block_k)], row_logits, mask=candidate)
+                # Masked sums extract one row: Triton has no value slicing. (jnp scalars as indices: interpret
+                # mode cannot discharge a Python int next to a slice.)
+                is_source = row == source_row
+                row_max = jnp.sum(jnp.where(is_source, m_next, 0.0))
+                below_max = jnp.sum(jnp.where(is_source[:, None], logits, 0.0), axis=0) - row_max
+                plt.store(below_max_ref.at[jnp.int32(j), pl.ds(block_start, block_k)],
+                          below_max.astype(jnp.float16), mask=candidate)
+                block_max_ref[jnp.int32(j), block_start // block_k] = row_max
         return o_next, m_next, l_next
 
     init = (
@@ -134,7 +142,8 @@ def verify_attention_unbatched(
     interpret: bool,
 ):
     """Returns out [S, H_q, D] and the per-KV-head score partials: "logit" [H_kv, T] summed raw logits, "weight"
-    ([H_kv, 2G, T] raw logits, [H_kv, 2G] their rows' lse), None otherwise; entries past start are unwritten."""
+    ([H_kv, 2G, T] d, [H_kv, 2G, cdiv(T, block_k)] m, [H_kv, 2G] lse of the scored rows; see the module doc),
+    None otherwise; entries past start are unwritten."""
     num_queries, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -169,8 +178,11 @@ def verify_attention_unbatched(
         out_specs.append(pl.BlockSpec((None, capacity), lambda h, s: (h, 0)))
         out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, capacity), jnp.float32))
     elif score_mode == "weight":
+        num_blocks = pl.cdiv(capacity, block_k)
         out_specs.append(pl.BlockSpec((None, 2 * group, capacity), lambda h, s: (h, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, 2 * group, capacity), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, 2 * group, num_blocks), lambda h, s: (h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, 2 * group, capacity), jnp.float16))
+        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, 2 * group, num_blocks), jnp.float32))
     o, l, m, *score_partials = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_splits),
@@ -196,7 +208,7 @@ def verify_attention_unbatched(
     lse = m_max + jnp.log((l * jnp.exp(m - m_max[None])).sum(axis=0))  # [H_kv, S * G]
     last = (num_queries - 1) * group
     scored_lse = jnp.concatenate([lse[:, :group], lse[:, last : last + group]], axis=1)  # [H_kv, 2G]
-    return out, (score_partials[0], scored_lse)
+    return out, (*score_partials, scored_lse)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: int) -> int:
@@ -264,8 +276,10 @@ def verify_attention(
     if score_mode == "logit":
         summed = partials.sum(axis=1)  # [B, T]
     else:
-        raw_rows, scored_lse = partials  # [B, H_kv, 2G, T], [B, H_kv, 2G]
-        summed = jnp.exp(raw_rows * sm_scale - scored_lse[..., None]).sum(axis=(1, 2))
+        below_max, block_max, scored_lse = partials  # [B, H_kv, 2G, T], [B, H_kv, 2G, T / block_k], [B, H_kv, 2G]
+        row_max = jnp.repeat(block_max, block_k, axis=-1)[..., :capacity]
+        log_weight = below_max.astype(jnp.float32) + (row_max - scored_lse[..., None])
+        summed = jnp.exp(log_weight).sum(axis=(1, 2))
     # Partials past start[b] were never written; the select keeps whatever is there out of the result.
     candidate = jnp.arange(capacity)[None, :] <= start[:, None]
     return out, jnp.where(candidate, summed / (2 * num_q_heads), -jnp.inf)

@@ -20,9 +20,10 @@ import pytest
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 # Max |error| / max |expected|. Outputs: float32 is exact up to summation order; bf16 rounds the softmax weights
-# before the V product and the output itself. Scores are float32 arithmetic on the (bf16-exact) inputs in both.
+# before the V product and the output itself. Logit scores are float32 arithmetic on the (bf16-exact) inputs in
+# both dtypes; weight scores go through float16 log-weights below the row maximum (error ~ |d| e^d 2^-12 <= 1e-4).
 OUTPUT_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-SCORE_TOLERANCE = 1e-5
+SCORE_TOLERANCE = {"logit": 1e-5, "weight": 5e-4}
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ def assert_matches(out, scores, case, score_mode, dtype):
     candidate = np.isfinite(want_scores)
     assert (scores[~candidate] == -np.inf).all(), "keys past start must score -inf"
     error = relative_error(scores[candidate], want_scores[candidate], "scores")
-    assert error <= SCORE_TOLERANCE, f"{score_mode} scores relative error {error:.2e}"
+    assert error <= SCORE_TOLERANCE[score_mode], f"{score_mode} scores relative error {error:.2e}"
 
 
 CASES = {
