@@ -348,7 +348,7 @@ def run_tuning(settings, copy_gb_per_s, records, only):
                     run(tile | launch)
     if "select" in only:
         for rows in (settings.topk_rows, settings.batches[-1]):
-            for config in sweep(dict(block_size=(256, 512, 1024, 2048), radix_bits=(4, 5), num_warps=(4, 8))):
+            for config in sweep(dict(block_size=(256, 512, 1024, 2048), radix_bits=(3, 4, 5), num_warps=(4, 8))):
                 bench_select(settings, copy_gb_per_s, records, rows, length, config, time_reference=False)
 
 

@@ -13,9 +13,9 @@ query rows 0 and S-1 of
   - "weight": the softmax probability exp(sm_scale * q.k - lse_row). lse_row is only known after the whole pass,
     so each program writes, for its 2G scored rows, d = sm_scale * q.k - m as float16 (m = the row's running
     maximum after the key's block, written once per block in float32), and an XLA pass adds m - lse_row and
-    exponentiates. d <= 0 and float16 keeps 11 bits, so a weight's relative error is about |d| * 2^-12: tiny for
-    the keys that matter (d near 0). That is 4 * H_q bytes written and read back per key (6% of the K/V bytes for
-    Qwen3-8B, 9% for SmolLM2), where re-reading K for the lse would cost 50%.
+    exponentiates. d <= 0 and float16 rounds to 11 significant bits, so a weight's relative error is at most
+    |d| * 2^-11: tiny for the keys that matter (d near 0). That is 4 * H_q bytes written and read back per key
+    (6% of the K/V bytes for Qwen3-8B, 9% for SmolLM2), where re-reading K for the lse would cost 50%.
 Keys t > start[b] get -inf.
 """
 
@@ -70,9 +70,9 @@ def verify_attention_kernel(
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
     row = jnp.arange(block_q)
     last_visible_key = start + row // group
-    first_row_of = lambda query: query * group
-    scored_query = [0] * group + [num_queries - 1] * group  # query of each scored row j (j = which * G + head)
-    scored_source_row = [first_row_of(query) + j % group for j, query in enumerate(scored_query)]
+    # Scored row j (j = which * G + head, which = 0 for query 0 and 1 for query S-1) is query row q * G + head.
+    scored_query = [0] * group + [num_queries - 1] * group
+    scored_source_row = [query * group + j % group for j, query in enumerate(scored_query)]
     q = q_ref[...]
 
     def body(block, carry):
