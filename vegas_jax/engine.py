@@ -91,6 +91,15 @@ class GenerationResult:
     metrics: dict
 
 
+@dataclasses.dataclass
+class Started:
+    prompt_ids: list[list[int]]
+    config: loop.DecodeConfig
+    state: loop.DecodeState  # after prefill and the bootstrap step
+    decode: Callable  # compiled loop.decode(params, state, step_limit)
+    timings: dict
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -168,17 +177,9 @@ class Engine:
         return self._compiled[key]
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def stream(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        options: GenerationOptions = GenerationOptions(),
-        *,
-        chat_template: bool | None = None,
-        steps_per_call: int | None = 16,
-        progress: Callable[[str, int, int], None] | None = None,
-    ) -> Iterator[list[list[int]] | GenerationResult]:
-        """Yields, after every `steps_per_call` loop iterations, the new tokens of each request; last, the
-        GenerationResult. `steps_per_call=None` runs the whole decode in one device call."""
+    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
+        """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
+        for tools, such as benchmarks, that time parts of an iteration themselves)."""
         options.validate()
         ids = self.encode_prompts(prompts, chat_template)
         batch = len(ids)
@@ -229,9 +230,26 @@ class Engine:
             if progress:
                 progress("prefill", c + 1, num_chunks)
         state = bootstrap(params, dataclasses.replace(state, cache=cache))
-        first = np.asarray(state.output[:, :1])
+        jax.block_until_ready(state.output)
         timings["prefill_s"] = time.perf_counter() - t0
         self._raise_if_nonfinite(state)
+        return Started(ids, config, state, decode, timings)
+
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        options: GenerationOptions = GenerationOptions(),
+        *,
+        chat_template: bool | None = None,
+        steps_per_call: int | None = 16,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> Iterator[list[list[int]] | GenerationResult]:
+        """Yields, after every `steps_per_call` loop iterations, the new tokens of each request; last, the
+        GenerationResult. `steps_per_call=None` runs the whole decode in one device call."""
+        started = self.start(prompts, options, chat_template=chat_template, progress=progress)
+        state, timings, params = started.state, started.timings, self.model.params
+        batch = len(started.prompt_ids)
+        first = np.asarray(state.output[:, :1])
         yield [list(first[i]) if int(state.num_generated[i]) else [] for i in range(batch)]
 
         t0 = time.perf_counter()
@@ -239,7 +257,7 @@ class Engine:
         limit = 2**31 - 1
         while True:
             step = int(state.step) + steps_per_call if steps_per_call else limit
-            state = decode(params, state, jnp.int32(min(step, limit)))
+            state = started.decode(params, state, jnp.int32(min(step, limit)))
             num_generated = np.asarray(state.num_generated)
             if steps_per_call:
                 output = np.asarray(state.output)
@@ -255,7 +273,7 @@ class Engine:
         if not steps_per_call:
             output = np.asarray(state.output)
             yield [list(output[i, 1 : num_generated[i]]) for i in range(batch)]
-        yield self._result(options, ids, state, timings)
+        yield self._result(options, started.prompt_ids, state, timings)
 
     def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:
         *_, result = self.stream(prompts, options, **kwargs)

@@ -1,0 +1,196 @@
+"""End-to-end decode throughput: plain decoding vs Vegas (and the other selection policies) on real prompts.
+
+    python benchmarks/bench_decode.py --model PATH.gguf --methods ar,vegas --batches 1,8,32,64 \
+        --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7]
+
+Decode tokens/s exclude compilation and prefill (reported separately). Each configuration runs twice and the
+second run is reported (the first warms up allocations). With --breakdown, one iteration's phases (draft,
+verify, accept, select) are also timed separately, each jitted on its own with the cache donated, on the state
+right after prefill. Prints a table; writes JSON to --out (and $OUT if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
+from models.decoder import forward  # noqa: E402
+from vegas_jax import loop, sampling  # noqa: E402
+from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.loading import load_model  # noqa: E402
+from vegas_jax.selection import SelectContext  # noqa: E402
+
+
+def _time(fn, *args, reps: int = 5):
+    """Median seconds of fn(*args) -> (result, ...) where args[0] is threaded (donated) through the calls."""
+    times = []
+    out = None
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        args = (out[0],) + args[1:]
+    return float(np.median(times[1:])), out
+
+
+def breakdown(engine: Engine, started) -> dict:
+    """Milliseconds per phase of one iteration, each phase jitted alone on the post-prefill state."""
+    config, state, params = started.config, started.state, engine.model.params
+    gamma, batch = config.gamma, state.committed.shape[0]
+    keys = loop._step_keys(state.keys, state.step + 1, gamma + 2)
+    result = {}
+
+    def drafted(cache):
+        s = dataclasses.replace(state, cache=cache)
+        return loop._draft(params, s, keys, config) if gamma else (cache, jnp.zeros((batch, 0), jnp.int32), None, None)
+
+    draft_fn = jax.jit(drafted, donate_argnums=0)
+    result["draft_ms"], (cache, drafts, _, _) = _time(draft_fn, state.cache)
+    result["draft_ms"] *= 1e3 if gamma else 0
+
+    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
+
+    def verified(cache):
+        logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
+        return cache, logits, scores
+
+    verify_fn = jax.jit(verified, donate_argnums=0)
+    t, (cache, logits, scores) = _time(verify_fn, cache)
+    result["verify_ms"] = t * 1e3
+
+    num_drafts = jnp.full((batch,), gamma, jnp.int32)
+    accept_fn = jax.jit(lambda x, logits: (x, sampling.accept_greedy(drafts, logits, num_drafts)))
+    t, (_, (accepted, _)) = _time(accept_fn, jnp.zeros(()), logits)
+    result["accept_ms"] = t * 1e3
+
+    if config.policy is not None:
+        committed = state.committed + accepted + 1
+        ctx = SelectContext(scores, committed, state.committed + 1, accepted, cache, first=False)
+
+        def selected(x):
+            return x, config.policy.select(ctx, state.selection, state.policy_state)
+
+        t, _ = _time(jax.jit(selected), jnp.zeros(()))
+        result["select_ms"] = t * 1e3
+    else:
+        result["select_ms"] = 0.0
+    return result
+
+
+def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool) -> dict:
+    for attempt in range(2):
+        started = engine.start(prompts, options)
+        if with_breakdown and attempt == 1:
+            phases = breakdown(engine, started)
+            started = engine.start(prompts, options)
+        t0 = time.perf_counter()
+        state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1))
+        jax.block_until_ready(state.output)
+        decode_s = time.perf_counter() - t0
+    generated = np.asarray(state.num_generated)
+    iterations = np.asarray(state.metrics.iterations)
+    accepted = np.asarray(state.metrics.accepted)
+    drafted = np.asarray(state.metrics.drafted)
+    decode_tokens = int((generated - 1).sum())
+    record = {
+        "method": options.method,
+        "batch": len(prompts),
+        "prompt_tokens": int(np.mean([len(p) for p in prompts])),
+        "max_new_tokens": options.max_new_tokens,
+        "gamma": options.effective_gamma,
+        "sparse_ratio": options.sparse_ratio if options.effective_gamma else None,
+        "score_mode": options.score_mode if options.effective_gamma else None,
+        "temperature": options.temperature,
+        "decode_s": decode_s,
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": decode_tokens / decode_s,
+        "ms_per_iteration": 1e3 * decode_s / max(1, iterations.max()),
+        "tau": float((iterations.sum() + accepted.sum()) / max(1, iterations.sum())),
+        "acceptance_by_position": (accepted.sum(0) / np.maximum(drafted.sum(0), 1)).tolist(),
+        "compile_s": started.timings["compile_s"],
+        "prefill_s": started.timings["prefill_s"],
+        "outputs": np.asarray(state.output)[:, :8].tolist(),
+    }
+    if with_breakdown:
+        record["breakdown"] = phases
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--methods", default="ar,vegas")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--prompt-tokens", default="4096")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--sparse-ratio", type=float, default=0.07)
+    p.add_argument("--min-sparse-tokens", type=int, default=256)
+    p.add_argument("--score-mode", default="logit")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    engine = Engine(load_model(args.model, dtype))
+    corpus = stdlib_corpus()
+    records = []
+    for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
+        for batch in [int(x) for x in args.batches.split(",")]:
+            prompts = long_prompts(engine.tokenizer, batch, prompt_tokens, corpus)
+            ar_rate = None
+            for method in args.methods.split(","):
+                options = GenerationOptions(
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
+                    gamma=args.gamma, sparse_ratio=args.sparse_ratio, min_sparse_tokens=args.min_sparse_tokens,
+                    score_mode=args.score_mode, max_model_len=prompt_tokens + args.max_new_tokens,
+                )
+                rec = run_one(engine, prompts, options, args.breakdown)
+                if method == "ar":
+                    ar_rate = rec["decode_tokens_per_s"]
+                rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None
+                records.append(rec)
+                print(json.dumps({k: v for k, v in rec.items() if k != "outputs"}), flush=True)
+
+    meta = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax_version": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "model": args.model or "embedded:SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+    }
+    doc = {**meta, "records": records}
+    name = f"e2e-{datetime.date.today().isoformat()}.json"
+    for folder in [args.out, Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
+        if folder:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(json.dumps(doc, indent=1))
+    print(f"\n{'method':10} {'batch':>5} {'prompt':>6} {'tok/s':>9} {'tau':>5} {'ms/it':>7} {'speedup':>7}  breakdown(ms)")
+    for r in records:
+        bd = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())
+        sp = f"{r['speedup_vs_ar']:.2f}" if r["speedup_vs_ar"] else "-"
+        print(f"{r['method']:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
+              f"{r['tau']:5.2f} {r['ms_per_iteration']:7.2f} {sp:>7}  {bd}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
