@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from models.decoder import forward  # noqa: E402
 from vegas_jax import loop, sampling  # noqa: E402
+from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.selection import SelectContext  # noqa: E402
@@ -79,23 +80,23 @@ def breakdown(engine: Engine, started) -> dict:
     result["accept_ms"] = t * 1e3
 
     if config.policy is not None:
-        committed = state.committed + accepted + 1
-        ctx = SelectContext(scores, committed, state.committed + 1, accepted, cache, first=False)
+        # Everything the selection reads is an argument: closed-over arrays would be folded as constants.
+        def selected(x, scores, accepted, cache, selection, policy_state):
+            committed = state.committed + accepted + 1
+            ctx = SelectContext(scores, committed, state.committed + 1, accepted, cache, first=False)
+            return x, config.policy.select(ctx, selection, policy_state)
 
-        def selected(x):
-            return x, config.policy.select(ctx, state.selection, state.policy_state)
-
-        t, _ = _time(jax.jit(selected), jnp.zeros(()))
+        t, _ = _time(jax.jit(selected), jnp.zeros(()), scores, accepted, cache, state.selection, state.policy_state)
         result["select_ms"] = t * 1e3
     else:
         result["select_ms"] = 0.0
     return result
 
 
-def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool) -> dict:
-    for attempt in range(2):
+def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool, repeats: int) -> dict:
+    for attempt in range(repeats):
         started = engine.start(prompts, options)
-        if with_breakdown and attempt == 1:
+        if with_breakdown and attempt == repeats - 1:
             phases = breakdown(engine, started)
             started = engine.start(prompts, options)
         t0 = time.perf_counter()
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--score-mode", default="logit")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the last is reported")
+    p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
                     gamma=args.gamma, sparse_ratio=args.sparse_ratio, min_sparse_tokens=args.min_sparse_tokens,
                     score_mode=args.score_mode, max_model_len=prompt_tokens + args.max_new_tokens,
                 )
-                rec = run_one(engine, prompts, options, args.breakdown)
+                rec = run_one(engine, prompts, options, args.breakdown, args.repeats)
                 if method == "ar":
                     ar_rate = rec["decode_tokens_per_s"]
                 rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None
@@ -176,9 +179,10 @@ def main(argv=None) -> int:
         "command": "python " + " ".join(sys.argv),
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
         "dtype": args.dtype,
+        "attention_backend": default_backend(),
     }
     doc = {**meta, "records": records}
-    name = f"e2e-{datetime.date.today().isoformat()}.json"
+    name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for folder in [args.out, Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
         if folder:
             folder.mkdir(parents=True, exist_ok=True)

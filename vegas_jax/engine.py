@@ -20,6 +20,7 @@ import numpy as np
 
 from models.kv_cache import KVCache
 from vegas_jax import loop, sampling
+from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.metrics import pooled_metrics, request_metrics
@@ -162,11 +163,12 @@ class Engine:
 
     def _decode_config(self, options: GenerationOptions, mode: sampling.SamplingMode, max_model_len: int):
         gamma = options.effective_gamma
+        backend = default_backend()
         policy = None
         if gamma:
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
-            policy = make_policy(options.method, budget, gamma)
-        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, options.max_new_tokens)
+            policy = make_policy(options.method, budget, gamma, backend)
+        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, options.max_new_tokens, backend)
 
     def _compile(self, name: str, fn: Callable, *args, donate: tuple = (), **static):
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)

@@ -34,6 +34,7 @@ class DecodeConfig:
     score_mode: str
     sampling: sampling.SamplingMode
     max_new_tokens: int  # width of the output buffer
+    backend: str = "reference"  # attention implementation, see vegas_jax.attention.backend
 
     def __post_init__(self):
         if (self.policy is None) != (self.gamma == 0):
@@ -41,7 +42,7 @@ class DecodeConfig:
 
     def verify_attention(self) -> VerifyAttention:
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return VerifyAttention(request, self.model.num_layers)
+        return VerifyAttention(request, self.model.num_layers, self.backend)
 
 
 @jax.tree_util.register_dataclass

@@ -23,10 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from vegas_jax.attention.core import masked_attention
-from vegas_jax.attention.sparse_draft import SparseDraftAttention, recent_mask
-from vegas_jax.attention.verify import ScoreRequest
 from models.kv_cache import write_rows
+from pallas_kernels import select_topk
+from vegas_jax.attention.backend import interpret, uses_kernels
+from vegas_jax.attention.sparse_draft import SparseDraftAttention, sparse_attend
+from vegas_jax.attention.verify import ScoreRequest
 
 POLICIES = ("vegas", "vegas-all", "last", "streaming", "quest", "retrieval")
 
@@ -60,8 +61,12 @@ class Budget:
         return jnp.minimum(jnp.clip(k, self.min_tokens, self.k_max), candidates)
 
 
-def top_k_indices(scores: jax.Array, k: jax.Array, k_max: int) -> tuple[jax.Array, jax.Array]:
-    """Per row, the positions of the k[r] largest finite scores: (indices [R, k_max], counts [R])."""
+def top_k_indices(scores: jax.Array, k: jax.Array, k_max: int, backend: str = "reference"):
+    """Per row, the positions of the k[r] largest finite scores: (indices [R, k_max], counts [R]).
+
+    On GPU `lax.top_k` with k >= 256 is a full sort; the kernel finds the k-th value by radix counting instead."""
+    if uses_kernels(backend):
+        return select_topk(scores, k, k_max=k_max, interpret=interpret(backend))
     k_max = min(k_max, scores.shape[-1])
     values, indices = jax.lax.top_k(scores, k_max)
     counts = jnp.minimum(k, jnp.sum(jnp.isfinite(values), axis=-1)).astype(jnp.int32)
@@ -85,6 +90,7 @@ class Policy:
 
     name: str
     budget: Budget
+    backend: str
 
     def score_request(self, mode: str) -> ScoreRequest | None:
         raise NotImplementedError
@@ -103,7 +109,7 @@ class Policy:
         raise NotImplementedError
 
     def draft_attention(self, selection: Selection, state):
-        return SparseDraftAttention(selection.indices, selection.counts, selection.recent_start)
+        return SparseDraftAttention(selection.indices, selection.counts, selection.recent_start, self.backend)
 
 
 def _row_of(scores: jax.Array, accepted: jax.Array) -> jax.Array:
@@ -117,6 +123,7 @@ class ScoredTokens(Policy):
 
     name: str
     budget: Budget
+    backend: str
     rows: str
 
     def score_request(self, mode):
@@ -124,14 +131,14 @@ class ScoredTokens(Policy):
 
     def select(self, ctx, selection, state):
         k = self.budget.tokens(ctx.committed, ctx.candidates_end)
-
-        def per_layer(scores):
-            if scores.ndim == 3:
-                scores = _row_of(scores, ctx.accepted)
-            return top_k_indices(scores, k, self.budget.k_max)
-
-        indices, counts = jax.vmap(per_layer)(jnp.stack(ctx.scores))
-        return Selection(_pad_k(indices, self.budget.k_max), counts, ctx.candidates_end), state
+        scores = jnp.stack([s if s.ndim == 2 else _row_of(s, ctx.accepted) for s in ctx.scores])  # [layers, B, T]
+        num_layers, batch, capacity = scores.shape
+        # One selection call for every (layer, sequence) row.
+        indices, counts = top_k_indices(
+            scores.reshape(num_layers * batch, capacity), jnp.tile(k, num_layers), self.budget.k_max, self.backend
+        )
+        indices = _pad_k(indices, self.budget.k_max).reshape(num_layers, batch, -1)
+        return Selection(indices, counts.reshape(num_layers, batch), ctx.candidates_end), state
 
 
 def _pad_k(indices: jax.Array, k_max: int) -> jax.Array:
@@ -145,6 +152,7 @@ class Streaming(Policy):
 
     name: str
     budget: Budget
+    backend: str
     sinks: int = 16
 
     def score_request(self, mode):
@@ -167,6 +175,7 @@ class Retrieval(Policy):
 
     name: str
     budget: Budget
+    backend: str
     chunk: int = 32
     every: int = 4
 
@@ -212,6 +221,7 @@ class QuestState:
 class Quest(Policy):
     name: str
     budget: Budget
+    backend: str
     gamma: int
     page: int = 16
 
@@ -257,7 +267,7 @@ class Quest(Policy):
     def draft_attention(self, selection, state):
         return QuestDraftAttention(
             state.page_min, state.page_max, state.complete_pages, selection.recent_start,
-            page=self.page, budget=self.budget,
+            page=self.page, budget=self.budget, backend=self.backend,
         )
 
 
@@ -274,6 +284,7 @@ class QuestDraftAttention:
     recent_start: jax.Array
     page: int = dataclasses.field(metadata=dict(static=True))
     budget: Budget = dataclasses.field(metadata=dict(static=True))
+    backend: str = dataclasses.field(metadata=dict(static=True))
 
     def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
         k_cache = write_rows(k_cache, k, positions)
@@ -289,27 +300,25 @@ class QuestDraftAttention:
         bound = jnp.where(jnp.arange(num_pages)[None] < self.complete_pages[:, None], bound, -jnp.inf)
         committed = self.recent_start  # complete pages end where the recent range starts
         k_pages = self.budget.tokens(positions[:, 0], committed) // self.page
-        pages, counts = top_k_indices(bound, k_pages, self.budget.k_max // self.page)
-        chosen = jnp.arange(pages.shape[1])[None] < counts[:, None]
-        page_mask = jnp.zeros((b, num_pages), bool).at[jnp.arange(b)[:, None], pages].max(chosen)
-        capacity = k_cache.shape[1]
-        token_mask = jnp.repeat(page_mask, self.page, axis=1)
-        token_mask = jnp.pad(token_mask, ((0, 0), (0, capacity - token_mask.shape[1])))[:, None, :]
-        mask = token_mask | recent_mask(self.recent_start, positions, capacity)
-        return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
+        pages, page_counts = top_k_indices(bound, k_pages, self.budget.k_max // self.page)
+        indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
+        out = sparse_attend(
+            q, k_cache, v_cache, indices, page_counts * self.page, self.recent_start, positions, self.backend
+        )
+        return out, k_cache, v_cache, None
 
 
-def make_policy(name: str, budget: Budget, gamma: int) -> Policy:
+def make_policy(name: str, budget: Budget, gamma: int, backend: str = "reference") -> Policy:
     if name == "vegas":
-        return ScoredTokens(name, budget, "boundary")
+        return ScoredTokens(name, budget, backend, "boundary")
     if name == "vegas-all":
-        return ScoredTokens(name, budget, "all")
+        return ScoredTokens(name, budget, backend, "all")
     if name == "last":
-        return ScoredTokens(name, budget, "last")
+        return ScoredTokens(name, budget, backend, "last")
     if name == "streaming":
-        return Streaming(name, budget)
+        return Streaming(name, budget, backend)
     if name == "quest":
-        return Quest(name, budget, gamma)
+        return Quest(name, budget, backend, gamma)
     if name == "retrieval":
-        return Retrieval(name, budget)
+        return Retrieval(name, budget, backend)
     raise ValueError(f"unknown selection policy {name!r}; choose from {', '.join(POLICIES)}")

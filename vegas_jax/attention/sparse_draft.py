@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from models.kv_cache import write_rows
+from pallas_kernels import sparse_decode_attention
+from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.core import masked_attention
 
 
@@ -26,17 +28,33 @@ def recent_mask(recent_start: jax.Array, positions: jax.Array, capacity: int) ->
     return (t >= recent_start[:, None, None]) & (t <= positions[:, :, None])
 
 
+def sparse_attend(q, k_cache, v_cache, indices, counts, recent_start, positions, backend: str):
+    """One query token per sequence ([B, 1, N, H]) over indices[b, :counts[b]] (all < recent_start[b]) and the
+    positions from recent_start[b] to its own. The kernel reads those rows straight from the cache; the
+    reference masks a dense pass over the whole cache."""
+    if uses_kernels(backend):
+        out = sparse_decode_attention(
+            q[:, 0], k_cache, v_cache, indices, counts, recent_start, positions[:, 0] + 1,
+            interpret=interpret(backend),
+        )
+        return out[:, None]
+    capacity = k_cache.shape[1]
+    mask = selected_mask(indices, counts, capacity)[:, None, :] | recent_mask(recent_start, positions, capacity)
+    return masked_attention(q, k_cache, v_cache, mask)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SparseDraftAttention:
     indices: jax.Array  # [layers, B, K_max] int32 selected positions (< recent_start)
     counts: jax.Array  # [layers, B] int32
     recent_start: jax.Array  # [B] int32
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
 
     def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
         k_cache = write_rows(k_cache, k, positions)
         v_cache = write_rows(v_cache, v, positions)
-        capacity = k_cache.shape[1]
-        mask = selected_mask(self.indices[layer], self.counts[layer], capacity)[:, None, :]
-        mask = mask | recent_mask(self.recent_start, positions, capacity)
-        return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
+        out = sparse_attend(
+            q, k_cache, v_cache, self.indices[layer], self.counts[layer], self.recent_start, positions, self.backend
+        )
+        return out, k_cache, v_cache, None

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from models.kv_cache import write_rows
+from pallas_kernels import verify_attention
+from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.core import causal_mask, masked_attention
 
 SCORE_MODES = ("logit", "weight")
@@ -39,15 +41,28 @@ class VerifyAttention:
 
     request: ScoreRequest | None = dataclasses.field(default=None, metadata=dict(static=True))
     num_layers: int = dataclasses.field(default=0, metadata=dict(static=True))
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
 
     def collects(self, layer: int) -> bool:
         if self.request is None:
             return False
         return not self.request.last_layer_only or layer == self.num_layers - 1
 
+    def _kernel_serves(self, layer: int) -> bool:
+        """The kernel collects the Vegas rows (0 and γ); other row sets (ablations) take the jnp path."""
+        if not uses_kernels(self.backend):
+            return False
+        return not self.collects(layer) or self.request.rows == "boundary"
+
     def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
         k_cache = write_rows(k_cache, k, positions)
         v_cache = write_rows(v_cache, v, positions)
+        if self._kernel_serves(layer):
+            mode = self.request.mode if self.collects(layer) else None
+            out, scores = verify_attention(
+                q, k_cache, v_cache, positions[:, 0], score_mode=mode, interpret=interpret(self.backend)
+            )
+            return out, k_cache, v_cache, scores
         mask = causal_mask(positions, k_cache.shape[1])
         if not self.collects(layer):
             return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
