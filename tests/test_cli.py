@@ -1,0 +1,266 @@
+"""`python -m vegas_jax.generate` on the tiny Llama fixture: bad input gives one `error:` line naming the flag or
+file at fault; --output-json, --compare-ar, batches, prompt files, --no-chat-template, --stream and an Orbax copy
+from `vegas_jax.convert` all report the tokens the library API produces."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from vegas_jax import convert, generate
+from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.loading import load_model
+
+REPO = Path(__file__).parent.parent
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-llama"
+PROMPT = "The quick brown fox"
+MAX_NEW = 24
+# --max-model-len 128 keeps every compiled cache small; --quiet keeps progress bars off even on a terminal.
+COMMON = ["--dtype", "float32", "--max-model-len", "128", "--quiet"]
+BASE = ["--model", str(FIXTURE), *COMMON, "--max-new-tokens", str(MAX_NEW)]
+# A sparse draft that this random model's target accepts at some positions and rejects at others (acceptance
+# about 0.4): identity with plain decoding then depends on the verification, not on a draft that never differs.
+VEGAS = ["--method", "vegas", "--gamma", "3", "--sparse-ratio", "0.9", "--min-sparse-tokens", "4"]
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """main() in-process, for module-scoped fixtures (capsys is per test); sys.stdout/err are looked up per write."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = generate.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def run_json(capsys, tmp_path: Path, argv: list[str]) -> tuple[dict, str, str]:
+    path = tmp_path / "out.json"
+    rc = generate.main([*argv, "--output-json", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(path.read_text()), out, err
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The library API on the same model and prompt: plain greedy decoding, no CLI involved."""
+    engine = Engine(load_model(str(FIXTURE), jnp.float32))
+    result = engine.generate([PROMPT], GenerationOptions(max_new_tokens=MAX_NEW, max_model_len=128))
+    return engine, result.requests[0]
+
+
+@pytest.fixture(scope="module")
+def vegas_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vegas") / "out.json"
+    rc, out, err = run_main([*BASE, *VEGAS, "--prompt", PROMPT, "--compare-ar", "--output-json", str(path)])
+    assert rc == 0, err
+    return json.loads(path.read_text()), out
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+
+def unknown_architecture(tmp_path: Path) -> list[str]:
+    folder = Path(shutil.copytree(FIXTURE, tmp_path / "unknown-arch"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "gpt_neox"}))
+    return ["--model", str(folder), "--prompt", PROMPT]
+
+
+def corrupt_safetensors(tmp_path: Path) -> list[str]:
+    folder = Path(shutil.copytree(FIXTURE, tmp_path / "corrupt"))
+    shard = folder / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return ["--model", str(folder), "--prompt", PROMPT]
+
+
+def not_a_checkpoint(tmp_path: Path) -> list[str]:
+    (tmp_path / "not-a-checkpoint").mkdir()
+    (tmp_path / "not-a-checkpoint" / "notes.txt").write_text("hello")
+    return ["--model", str(tmp_path / "not-a-checkpoint"), "--prompt", PROMPT]
+
+
+# Later flags override BASE's (argparse keeps the last value). Each case: extra argv (or a function of tmp_path
+# that builds it), and the strings its one error line must contain.
+BAD_INPUT = {
+    "prompt-longer-than-max-model-len": (["--prompt", "word " * 200], ["--max-model-len"]),
+    "blank-prompt": (["--prompt", "   "], ["--prompt"]),
+    "no-prompt": ([], ["--prompt"]),
+    "missing-prompt-file": (lambda tmp: ["--prompt-file", str(tmp / "absent.txt")], ["--prompt-file", "absent.txt"]),
+    "missing-model": (lambda tmp: ["--model", str(tmp / "no-such-model"), "--prompt", PROMPT],
+                      ["--model", "no-such-model"]),
+    "not-a-checkpoint": (not_a_checkpoint, ["--model", "not-a-checkpoint"]),
+    "unknown-architecture": (unknown_architecture, ["--model", "config.json", "gpt_neox"]),
+    "corrupt-safetensors": (corrupt_safetensors, ["--model", "model-00002-of-00003.safetensors"]),
+    "temperature-negative": (["--prompt", PROMPT, "--temperature", "-1"], ["--temperature"]),
+    "top-p-0": (["--prompt", PROMPT, "--top-p", "0"], ["--top-p"]),
+    "top-p-1.5": (["--prompt", PROMPT, "--top-p", "1.5"], ["--top-p"]),
+    "top-k-negative": (["--prompt", PROMPT, "--top-k", "-1"], ["--top-k"]),
+    "max-new-tokens-0": (["--prompt", PROMPT, "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    "gamma-negative": (["--prompt", PROMPT, "--gamma", "-1"], ["--gamma"]),
+    "sparse-ratio-0": (["--prompt", PROMPT, "--sparse-ratio", "0"], ["--sparse-ratio"]),
+    "sparse-ratio-1.5": (["--prompt", PROMPT, "--sparse-ratio", "1.5"], ["--sparse-ratio"]),
+    "min-sparse-tokens-0": (["--prompt", PROMPT, "--min-sparse-tokens", "0"], ["--min-sparse-tokens"]),
+    "method-bogus": (["--prompt", PROMPT, "--method", "bogus"], ["--method", "bogus"]),
+    "score-mode-bogus": (["--prompt", PROMPT, "--score-mode", "bogus"], ["--score-mode", "bogus"]),
+    "prompt-plus-new-tokens-over-max-model-len": (["--prompt", PROMPT, "--max-new-tokens", "120"],
+                                                  ["--max-new-tokens", "--max-model-len"]),
+}
+# Errors found after main() has logged its resolved config (and, for prompt errors, loaded the model) arrive
+# below those informational lines instead of alone on stderr.
+LOGGED_BEFORE_ERROR = {
+    "prompt-longer-than-max-model-len": "config: and loaded ... lines",
+    "blank-prompt": "config: and loaded ... lines",
+    "prompt-plus-new-tokens-over-max-model-len": "config: and loaded ... lines",
+    "missing-model": "config: line",
+    "not-a-checkpoint": "config: line",
+    "unknown-architecture": "config: line",
+    "corrupt-safetensors": "config: line",
+}
+
+
+def bad_run(case: str, tmp_path: Path, capsys) -> tuple[int, list[str], list[str]]:
+    extra, needles = BAD_INPUT[case]
+    rc = generate.main([*BASE, *(extra(tmp_path) if callable(extra) else extra)])
+    _, err = capsys.readouterr()
+    return rc, err.splitlines(), needles
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_exits_with_one_error_line_naming_the_culprit(case, tmp_path, capsys):
+    rc, lines, needles = bad_run(case, tmp_path, capsys)
+    assert rc == 2
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, lines
+    assert errors == lines[-1:]  # nothing (a traceback, say) after it
+    for needle in needles:
+        assert needle in errors[0]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=f"stderr has main()'s {LOGGED_BEFORE_ERROR[c]} "
+                                                                   "before the error line"))
+        if c in LOGGED_BEFORE_ERROR else c
+        for c in BAD_INPUT
+    ],
+)
+def test_bad_input_error_line_is_all_of_stderr(case, tmp_path, capsys):
+    _, lines, _ = bad_run(case, tmp_path, capsys)
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+
+
+# ---- --output-json and --compare-ar ------------------------------------------------------------------------------
+
+
+def test_output_json_has_config_requests_and_metrics(vegas_run, reference):
+    out, _ = vegas_run
+    engine, ref = reference
+    config = out["config"]
+    assert (config["model"], config["dtype"], config["method"]) == (str(FIXTURE), "float32", "vegas")
+    assert (config["max_new_tokens"], config["max_model_len"], config["gamma"]) == (MAX_NEW, 128, 3)
+    assert (config["sparse_ratio"], config["min_sparse_tokens"], config["prompts"]) == (0.9, 4, 1)
+
+    (request,) = out["requests"]
+    assert request["prompt_tokens"] == len(engine.encode_prompts([PROMPT])[0]) == ref.prompt_tokens
+    assert request["tokens"] == ref.tokens and len(ref.tokens) == MAX_NEW
+    assert request["text"] == ref.text
+    assert request["metrics"]["generated_tokens"] == MAX_NEW
+
+    m = out["metrics"]
+    for key in ("load_s", "compile_s", "prefill_s", "decode_s", "decode_tokens_per_s"):
+        assert m[key] > 0, key
+    assert m["decode_tokens_per_s"] == pytest.approx((MAX_NEW - 1) / m["decode_s"])
+    # γ = 3 drafts per iteration: fewer iterations than decoded tokens, at most γ + 1 tokens each.
+    assert 1 < m["tau"] <= 4 and 0 < m["acceptance_rate"] <= 1
+    assert 0 < m["iterations"] < MAX_NEW - 1
+    assert len(m["acceptance_by_position"]) == 3
+
+
+def test_compare_ar_reports_identity_and_speedup(vegas_run, reference):
+    out, _ = vegas_run
+    _, ref = reference
+    assert [r["tokens"] for r in out["ar"]["requests"]] == [ref.tokens]
+    assert out["identical_to_ar"] == [True]
+    # The sparse draft must miss sometimes, or identity with plain decoding would be trivially true.
+    assert 0 < out["metrics"]["acceptance_rate"] < 1
+    speedup = out["speedup_vs_ar"]
+    assert speedup > 0
+    assert speedup == pytest.approx(out["metrics"]["decode_tokens_per_s"] / out["ar"]["metrics"]["decode_tokens_per_s"])
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------
+
+
+def test_two_prompts_and_a_prompt_file_make_one_batch(capsys, tmp_path, reference):
+    engine, ref = reference
+    other, from_file = "Once upon a time there was a very small model", "Lorem ipsum dolor\nsit amet, ünïcode"
+    (tmp_path / "prompt.txt").write_text(from_file, encoding="utf-8")
+    out, stdout, _ = run_json(
+        capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--prompt", other, "--prompt-file", str(tmp_path / "prompt.txt")]
+    )
+    requests = out["requests"]
+    assert out["config"]["prompts"] == len(requests) == 3
+    expected_lengths = [len(ids) for ids in engine.encode_prompts([PROMPT, other, from_file])]
+    assert [r["prompt_tokens"] for r in requests] == expected_lengths
+    assert requests[0]["tokens"] == ref.tokens  # batching with longer prompts leaves request 0 alone
+    assert all(len(r["tokens"]) == MAX_NEW for r in requests) and requests[1]["tokens"] != requests[2]["tokens"]
+    assert stdout.count("--- request ") == 3
+
+
+def test_no_chat_template_changes_prompt_tokens(capsys, tmp_path, vegas_run, reference):
+    engine, _ = reference
+    out, _, _ = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--no-chat-template", "--max-new-tokens", "4"])
+    raw = engine.encode_prompts([PROMPT], chat_template=False)[0]
+    templated = engine.encode_prompts([PROMPT], chat_template=True)[0]
+    assert out["config"]["chat_template"] is False
+    assert out["requests"][0]["prompt_tokens"] == len(raw)
+    assert vegas_run[0]["requests"][0]["prompt_tokens"] == len(templated) > len(raw)
+
+
+# ---- --stream ---------------------------------------------------------------------------------------------------
+
+
+def test_stream_prints_the_same_text(capsys, vegas_run):
+    out, stdout = vegas_run
+    text = out["requests"][0]["text"]
+    header = f"--- request 0 ({out['requests'][0]['prompt_tokens']} prompt tokens, {MAX_NEW} generated) ---"
+    assert stdout == f"{header}\n{text}\n"
+    assert generate.main([*BASE, *VEGAS, "--prompt", PROMPT, "--stream"]) == 0
+    streamed, _ = capsys.readouterr()
+    assert streamed == f"{text}\n"
+
+
+# ---- vegas_jax.convert, then generate from the Orbax copy ----------------------------------------------------
+
+
+def test_converted_checkpoint_generates_the_same_tokens(capsys, tmp_path, reference):
+    _, ref = reference
+    orbax_dir = tmp_path / "orbax"
+    assert convert.main(["--model", str(FIXTURE), "--output", str(orbax_dir), "--dtype", "float32"]) == 0
+    capsys.readouterr()
+    out, _, err = run_json(capsys, tmp_path, ["--model", str(orbax_dir), *COMMON, "--max-new-tokens", str(MAX_NEW),
+                                              "--prompt", PROMPT])
+    assert f"loaded {orbax_dir} (orbax)" in err
+    assert out["requests"][0]["tokens"] == ref.tokens
+
+
+# ---- the module entry point ------------------------------------------------------------------------------------
+
+
+def test_module_entry_point_and_exit_codes(reference):
+    _, ref = reference
+    cmd = [sys.executable, "-m", "vegas_jax.generate", *BASE]
+    ok = subprocess.run([*cmd, "--prompt", PROMPT], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.endswith(f"\n{ref.text}\n")
+    bad = subprocess.run([*cmd, "--prompt", PROMPT, "--top-p", "0"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert (bad.returncode, bad.stderr) == (2, "error: --top-p must be in (0, 1], got 0.0\n")
