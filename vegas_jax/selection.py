@@ -300,7 +300,7 @@ class QuestDraftAttention:
         bound = jnp.where(jnp.arange(num_pages)[None] < self.complete_pages[:, None], bound, -jnp.inf)
         committed = self.recent_start  # complete pages end where the recent range starts
         k_pages = self.budget.tokens(positions[:, 0], committed) // self.page
-        pages, page_counts = top_k_indices(bound, k_pages, self.budget.k_max // self.page)
+        pages, page_counts = top_k_indices(bound, k_pages, max(1, self.budget.k_max // self.page))
         indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
         out = sparse_attend(
             q, k_cache, v_cache, indices, page_counts * self.page, self.recent_start, positions, self.backend
