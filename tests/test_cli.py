@@ -112,17 +112,6 @@ BAD_INPUT = {
     "prompt-plus-new-tokens-over-max-model-len": (["--prompt", PROMPT, "--max-new-tokens", "120"],
                                                   ["--max-new-tokens", "--max-model-len"]),
 }
-# Errors found after main() has logged its resolved config (and, for prompt errors, loaded the model) arrive
-# below those informational lines instead of alone on stderr.
-LOGGED_BEFORE_ERROR = {
-    "prompt-longer-than-max-model-len": "config: and loaded ... lines",
-    "blank-prompt": "config: and loaded ... lines",
-    "prompt-plus-new-tokens-over-max-model-len": "config: and loaded ... lines",
-    "missing-model": "config: line",
-    "not-a-checkpoint": "config: line",
-    "unknown-architecture": "config: line",
-    "corrupt-safetensors": "config: line",
-}
 
 
 def bad_run(case: str, tmp_path: Path, capsys) -> tuple[int, list[str], list[str]]:
@@ -143,15 +132,7 @@ def test_bad_input_exits_with_one_error_line_naming_the_culprit(case, tmp_path, 
         assert needle in errors[0]
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=f"stderr has main()'s {LOGGED_BEFORE_ERROR[c]} "
-                                                                   "before the error line"))
-        if c in LOGGED_BEFORE_ERROR else c
-        for c in BAD_INPUT
-    ],
-)
+@pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_error_line_is_all_of_stderr(case, tmp_path, capsys):
     _, lines, _ = bad_run(case, tmp_path, capsys)
     assert len(lines) == 1 and lines[0].startswith("error:"), lines

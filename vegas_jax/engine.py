@@ -141,6 +141,11 @@ class Engine:
         return encoded
 
     # ---- compilation ---------------------------------------------------------------------------------------
+    def check_lengths(self, prompt_ids: list[list[int]], options: GenerationOptions) -> int:
+        """The context length these prompts run with; InputError if they (plus max_new_tokens) do not fit."""
+        options.validate()
+        return self._max_model_len([len(p) for p in prompt_ids], options)
+
     def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
         model_max = self.config.max_position_embeddings
         longest = max(prompt_lens)

@@ -163,18 +163,20 @@ def main(argv=None) -> int:
         if args.output_json and args.output_json.is_dir():
             raise InputError(f"--output-json {args.output_json}: is a directory")
         dtype_name, dtype = _resolve_dtype(args.dtype)
-        resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
-                    **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
-                    "compare_ar": args.compare_ar, "stream": args.stream}
-        print("config: " + json.dumps(resolved), file=sys.stderr)
-
         from vegas_jax.loading import load_model
 
         t0 = time.perf_counter()
         loaded = load_model(args.model, dtype)
         load_s = time.perf_counter() - t0
-        print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
         engine = Engine(loaded)
+        # Everything about the input is checked before anything is printed: bad input gets one line.
+        prompts = engine.encode_prompts(prompts, args.chat_template)
+        engine.check_lengths(prompts, options)
+        resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
+                    **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
+                    "compare_ar": args.compare_ar, "stream": args.stream}
+        print("config: " + json.dumps(resolved), file=sys.stderr)
+        print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
         result = _run(engine, prompts, options, args, progress, stream=args.stream)
         result.metrics["load_s"] = load_s
         _print_result(result, options.method, show_text=not args.stream)
