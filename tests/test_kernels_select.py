@@ -7,8 +7,6 @@ means every slot was written.
 
 from __future__ import annotations
 
-import os
-
 import functools
 
 import jax
@@ -16,22 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from h200_lowering import lower_for_h200
 from pallas_kernels.select_topk import PAD_INDEX, monotone_key, select_topk, select_topk_reference
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("KERNEL_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"seed {seed} (replay with KERNEL_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
-def lower_for_h200(jitted, *args):
-    """Lowers through the Pallas Triton backend for an H200 on this CPU-only machine: the Pallas-level checks
-    (power-of-two tensor sizes, supported primitives, dot shapes) run; Triton's own compilation does not."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def make_scores(rng, rows, length):

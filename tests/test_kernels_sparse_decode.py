@@ -8,34 +8,18 @@ too, so reading any of them shows up as NaN in the output.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from h200_lowering import lower_for_h200
 from pallas_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
 
 # Max |error| / max |expected| over the outputs: float32 is exact up to summation order; bf16 rounds the softmax
 # weights before the V product and the output itself (2^-9 relative each).
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("KERNEL_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"seed {seed} (replay with KERNEL_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
-def lower_for_h200(jitted, *args):
-    """Lowers through the Pallas Triton backend for an H200 on this CPU-only machine: the Pallas-level checks
-    (power-of-two tensor sizes, supported primitives, dot shapes) run; Triton's own compilation does not."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def make_case(rng, *, batch, capacity, kv_heads, group, head_dim, k_max, counts, recent, dtype):

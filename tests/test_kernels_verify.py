@@ -8,8 +8,6 @@ within each sequence's own length) shows up as NaN.
 
 from __future__ import annotations
 
-import os
-
 import functools
 
 import jax
@@ -17,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from h200_lowering import lower_for_h200
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 # Max |error| / max |expected|. Outputs: float32 is exact up to summation order; bf16 rounds the softmax weights
@@ -24,21 +23,6 @@ from pallas_kernels.verify_attention import verify_attention, verify_attention_r
 # both dtypes; weight scores go through float16 log-weights d below the row maximum (error <= |d| e^d 2^-11, 2e-4).
 OUTPUT_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 SCORE_TOLERANCE = {"logit": 1e-5, "weight": 5e-4}
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("KERNEL_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"seed {seed} (replay with KERNEL_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
-def lower_for_h200(jitted, *args):
-    """Lowers through the Pallas Triton backend for an H200 on this CPU-only machine: the Pallas-level checks
-    (power-of-two tensor sizes, supported primitives, dot shapes) run; Triton's own compilation does not."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def make_case(rng, *, capacity, kv_heads, group, head_dim, queries, starts, dtype):
