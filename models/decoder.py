@@ -152,7 +152,3 @@ def forward(
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     return model(tokens, positions, kv_cache, attention, logit_rows)
-
-
-def params_dtype(params: Params):
-    return np.dtype(params["embed"].dtype)

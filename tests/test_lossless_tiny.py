@@ -247,3 +247,29 @@ def _wrong_rule(keys, draft_tokens, draft_probs, target_probs, num_drafts):
     accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     p_row = jnp.take_along_axis(target_probs, accepted[:, None, None], axis=1)[:, 0]
     return accepted, sampling.sample_rows(residual_keys, p_row)
+
+
+def test_nonfinite_logits_stop_with_an_error():
+    """A NaN in the weights makes every logit NaN: generation must stop with an error, never emit a token."""
+    from vegas_jax.engine import NonFiniteLogitsError
+
+    engine = tiny_engine()
+    params = dict(engine.model.params)
+    params["final_norm"] = {"scale": params["final_norm"]["scale"].at[3].set(jnp.nan)}
+    broken = Engine(dataclasses.replace(engine.model, params=params))
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+        broken.generate(prompts([10], engine.config.vocab_size), dataclasses.replace(GREEDY, method="vegas"))
+
+
+def test_library_api_mirrors_the_cli():
+    import vegas_jax
+
+    engine = tiny_engine()
+    batch = prompts([12], engine.config.vocab_size)
+    direct = engine.generate(batch, dataclasses.replace(GREEDY, method="vegas", max_new_tokens=16))
+    via_api = vegas_jax.generate(engine, batch, method="vegas", max_new_tokens=16, gamma=GREEDY.gamma,
+                                 sparse_ratio=GREEDY.sparse_ratio, min_sparse_tokens=GREEDY.min_sparse_tokens,
+                                 prefill_chunk=GREEDY.prefill_chunk, max_model_len=GREEDY.max_model_len)
+    assert via_api.requests[0].tokens == direct.requests[0].tokens
+    with pytest.raises(vegas_jax.InputError, match="--top-p"):
+        vegas_jax.generate(engine, batch, top_p=0.0)

@@ -16,6 +16,7 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
 from models.decoder import param_shapes
@@ -207,7 +208,8 @@ def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, dtype, p
     params: dict[str, Any] = {
         "embed": get("token_embd.weight"),
         "final_norm": {"scale": get("output_norm.weight")},
-        "layers": {i: layer(i) for i in range(c.num_layers)},
+        # disable=None: a bar only on a terminal, never in logs or tests.
+        "layers": {i: layer(i) for i in tqdm(range(c.num_layers), desc="loading", unit="layer", leave=False, disable=None)},
     }
     if not c.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig, UnsupportedModelError
@@ -170,6 +171,8 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
     for name in table:
         by_file.setdefault(stored[name], []).append(name)
     params: dict = {}
+    # disable=None: a bar only on a terminal, never in logs or tests.
+    bar = tqdm(total=len(table), desc="loading", unit="tensor", leave=False, disable=None)
     for file, names in by_file.items():
         with _open(file) as f:
             present = set(f.keys())
@@ -188,6 +191,8 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
                         f"config.json implies {list(layout.stored_shape(target))}"
                     )
                 _set(params, path, jnp.asarray(layout.to_ours(w, target), dtype=dtype))
+                bar.update()
+    bar.close()
     return LoadedModel(
         config=config,
         params=params,
