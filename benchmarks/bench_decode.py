@@ -12,7 +12,6 @@ right after prefill. Prints a table; writes JSON to --out (and $OUT if set).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -27,77 +26,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
-from models.decoder import forward  # noqa: E402
-from vegas_jax import loop, sampling  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.selection import SelectContext  # noqa: E402
-
-
-def _time(fn, *args, reps: int = 5):
-    """Median seconds of fn(*args) -> (result, ...) where args[0] is threaded (donated) through the calls."""
-    times = []
-    out = None
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        args = (out[0],) + args[1:]
-    return float(np.median(times[1:])), out
-
-
-def breakdown(engine: Engine, started) -> dict:
-    """Milliseconds per phase of one iteration, each phase jitted alone on the post-prefill state."""
-    config, state, params = started.config, started.state, engine.model.params
-    gamma, batch = config.gamma, state.committed.shape[0]
-    keys = loop._step_keys(state.keys, state.step + 1, gamma + 2)
-    result = {}
-
-    def drafted(cache):
-        s = dataclasses.replace(state, cache=cache)
-        return loop._draft(params, s, keys, config) if gamma else (cache, jnp.zeros((batch, 0), jnp.int32), None, None)
-
-    draft_fn = jax.jit(drafted, donate_argnums=0)
-    result["draft_ms"], (cache, drafts, _, _) = _time(draft_fn, state.cache)
-    result["draft_ms"] *= 1e3 if gamma else 0
-
-    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
-    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
-
-    def verified(cache):
-        logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
-        return cache, logits, scores
-
-    verify_fn = jax.jit(verified, donate_argnums=0)
-    t, (cache, logits, scores) = _time(verify_fn, cache)
-    result["verify_ms"] = t * 1e3
-
-    num_drafts = jnp.full((batch,), gamma, jnp.int32)
-    accept_fn = jax.jit(lambda x, logits: (x, sampling.accept_greedy(drafts, logits, num_drafts)))
-    t, (_, (accepted, _)) = _time(accept_fn, jnp.zeros(()), logits)
-    result["accept_ms"] = t * 1e3
-
-    if config.policy is not None:
-        # Everything the selection reads is an argument: closed-over arrays would be folded as constants.
-        def selected(x, scores, accepted, cache, selection, policy_state):
-            committed = state.committed + accepted + 1
-            ctx = SelectContext(scores, committed, state.committed + 1, accepted, cache, first=False)
-            return x, config.policy.select(ctx, selection, policy_state)
-
-        t, _ = _time(jax.jit(selected), jnp.zeros(()), scores, accepted, cache, state.selection, state.policy_state)
-        result["select_ms"] = t * 1e3
-    else:
-        result["select_ms"] = 0.0
-    return result
+from vegas_jax.phases import time_phases  # noqa: E402
 
 
 def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool, repeats: int) -> dict:
     for attempt in range(repeats):
         started = engine.start(prompts, options)
         if with_breakdown and attempt == repeats - 1:
-            phases = breakdown(engine, started)
+            phases = time_phases(engine, started)
             started = engine.start(prompts, options)
         t0 = time.perf_counter()
         state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1))

@@ -245,3 +245,13 @@ def test_module_entry_point_and_exit_codes(reference):
     bad = subprocess.run([*cmd, "--prompt", PROMPT, "--top-p", "0"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert (bad.returncode, bad.stderr) == (2, "error: --top-p must be in (0, 1], got 0.0\n")
+
+
+@pytest.mark.parametrize("method", ["ar", "vegas"])
+def test_phase_times_split_an_iteration(capsys, tmp_path, method):
+    out, _, _ = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--method", method, "--phase-times"])
+    phases = out["metrics"]["phase_ms"]
+    assert set(phases) == {"draft_ms", "verify_ms", "accept_ms", "select_ms"}
+    assert phases["verify_ms"] > 0 and phases["accept_ms"] > 0
+    # Plain decoding has no draft and no selection; Vegas has both.
+    assert (phases["draft_ms"] > 0) == (phases["select_ms"] > 0) == (method == "vegas")

@@ -261,15 +261,16 @@ def test_nonfinite_logits_stop_with_an_error():
         broken.generate(prompts([10], engine.config.vocab_size), dataclasses.replace(GREEDY, method="vegas"))
 
 
-def test_library_api_mirrors_the_cli():
+def test_load_gives_an_engine_for_a_checkpoint():
     import vegas_jax
+    from vegas_jax.loading import load_model
 
-    engine = tiny_engine()
-    batch = prompts([12], engine.config.vocab_size)
-    direct = engine.generate(batch, dataclasses.replace(GREEDY, method="vegas", max_new_tokens=16))
-    via_api = vegas_jax.generate(engine, batch, method="vegas", max_new_tokens=16, gamma=GREEDY.gamma,
-                                 sparse_ratio=GREEDY.sparse_ratio, min_sparse_tokens=GREEDY.min_sparse_tokens,
-                                 prefill_chunk=GREEDY.prefill_chunk, max_model_len=GREEDY.max_model_len)
-    assert via_api.requests[0].tokens == direct.requests[0].tokens
-    with pytest.raises(vegas_jax.InputError, match="--top-p"):
-        vegas_jax.generate(engine, batch, top_p=0.0)
+    from pathlib import Path
+
+    fixture = str(Path(__file__).parent / "fixtures" / "tiny-llama")
+    options = vegas_jax.GenerationOptions(method="vegas", max_new_tokens=12, min_sparse_tokens=4, max_model_len=64)
+    via_load = vegas_jax.load(fixture, dtype="float32").generate(["hello"], options)
+    direct = Engine(load_model(fixture, jnp.float32)).generate(["hello"], options)
+    assert via_load.requests[0].tokens == direct.requests[0].tokens
+    with pytest.raises(vegas_jax.InputError, match="dtype"):
+        vegas_jax.load(fixture, dtype="int8")

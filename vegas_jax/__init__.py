@@ -2,17 +2,18 @@
 
     import vegas_jax
     engine = vegas_jax.load()                                   # embedded SmolLM2; or a .gguf / HF / Orbax path
-    result = vegas_jax.generate(engine, ["Why is the sky blue?"], method="vegas", max_new_tokens=64)
+    result = engine.generate(["Why is the sky blue?"], vegas_jax.GenerationOptions(method="vegas"))
     print(result.requests[0].text, result.metrics["tau"])
 
-The keyword arguments of `generate` are the fields of `GenerationOptions`, named like the CLI's flags.
+GenerationOptions' fields are the CLI's flags. (`vegas_jax.generate` is the CLI module, so the library entry
+points are `load` and the Engine's `generate` / `stream`.)
 """
 
 from __future__ import annotations
 
 from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError, NonFiniteLogitsError
 
-__all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "NonFiniteLogitsError", "generate", "load"]
+__all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "NonFiniteLogitsError", "load"]
 
 
 def load(model: str | None = None, dtype: str = "auto") -> Engine:
@@ -29,7 +30,3 @@ def load(model: str | None = None, dtype: str = "auto") -> Engine:
         raise InputError(f"dtype must be auto, bfloat16 or float32, got {dtype!r}")
     return Engine(load_model(model, getattr(jnp, dtype)))
 
-
-def generate(engine: Engine, prompts, *, chat_template: bool | None = None, **options) -> GenerationResult:
-    """Prompts are strings (chat template applied when the model has one) or lists of token ids."""
-    return engine.generate(prompts, GenerationOptions(**options), chat_template=chat_template)

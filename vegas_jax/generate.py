@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
+    p.add_argument("--phase-times", action="store_true",
+                   help="also time one iteration's draft, verify, accept and select phases (metrics.phase_ms)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -174,11 +176,16 @@ def main(argv=None) -> int:
         engine.check_lengths(prompts, options)
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
-                    "compare_ar": args.compare_ar, "stream": args.stream}
+                    "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times}
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
         result = _run(engine, prompts, options, args, progress, stream=args.stream)
         result.metrics["load_s"] = load_s
+        if args.phase_times:
+            from vegas_jax.phases import time_phases
+
+            result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
+            print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
         _print_result(result, options.method, show_text=not args.stream)
         out = {"config": resolved, **_as_json(result)}
         if args.compare_ar and options.method != "ar":

@@ -141,7 +141,7 @@ def _check_finite(logits: jax.Array, rows_used: jax.Array) -> jax.Array:
     return jnp.all(row_ok | ~used, axis=1)
 
 
-def _step_keys(keys: jax.Array, step: jax.Array, count: int) -> jax.Array:
+def step_keys(keys: jax.Array, step: jax.Array, count: int) -> jax.Array:
     """[count, B] keys, a pure function of each request's seed and the step (0: bootstrap, i + 1: iteration i)."""
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, count))(step_keys), 1, 0)
@@ -155,7 +155,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
         params, state.last_token[:, None], positions, state.cache, config.verify_attention(), config=config.model
     )
     finite = _check_finite(logits, jnp.ones_like(state.committed))
-    (key,) = _step_keys(state.keys, 0, 1)
+    (key,) = step_keys(state.keys, 0, 1)
     if config.sampling.greedy:
         token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -180,7 +180,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     return dataclasses.replace(state, selection=selection, policy_state=policy_state)
 
 
-def _draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig):
+def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig):
     """γ sequential single-token forwards with sparse attention. Returns (cache, drafts [B, γ], draft probs
     [B, γ, V] or None, finite [B])."""
     gamma, batch = config.gamma, state.committed.shape[0]
@@ -214,9 +214,9 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     active = ~state.done
     # Never draft past the tokens still owed: the bonus token always comes on top of the accepted drafts.
     num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, gamma)
-    keys = _step_keys(state.keys, state.step + 1, gamma + 2)
+    keys = step_keys(state.keys, state.step + 1, gamma + 2)
     if gamma:
-        cache, drafts, draft_probs, draft_finite = _draft(params, state, keys, config)
+        cache, drafts, draft_probs, draft_finite = draft(params, state, keys, config)
     else:
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)

@@ -1,0 +1,80 @@
+"""Where an iteration's time goes: draft, verify, accept and select, each jitted alone and timed on the state right
+after prefill. Inside the one compiled while_loop the phases cannot be timed apart; timed alone, each pays its own
+dispatch, so the sum exceeds a loop iteration by a little."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.decoder import forward
+from vegas_jax import loop, sampling
+from vegas_jax.engine import Engine, Started
+from vegas_jax.selection import SelectContext
+
+
+def _time(fn, *args, reps: int = 5):
+    """Median seconds of fn(*args) -> (result, ...) where args[0] is threaded (donated) through the calls."""
+    times = []
+    out = None
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        args = (out[0],) + args[1:]
+    return float(np.median(times[1:])), out
+
+
+def time_phases(engine: Engine, started: Started) -> dict:
+    """Milliseconds per phase of one iteration. Consumes `started` (its cache is donated to the timed phases)."""
+    config, state, params = started.config, started.state, engine.model.params
+    gamma, batch = config.gamma, state.committed.shape[0]
+    keys = loop.step_keys(state.keys, state.step + 1, gamma + 2)
+    result = {"draft_ms": 0.0, "select_ms": 0.0}
+
+    cache, drafts, draft_probs = state.cache, jnp.zeros((batch, 0), jnp.int32), None
+    if gamma:
+        def drafted(cache):
+            cache, drafts, probs, _ = loop.draft(params, dataclasses.replace(state, cache=cache), keys, config)
+            return cache, drafts, probs
+
+        t, (cache, drafts, draft_probs) = _time(jax.jit(drafted, donate_argnums=0), cache)
+        result["draft_ms"] = t * 1e3
+
+    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
+
+    def verified(cache):
+        logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
+        return cache, logits, scores
+
+    t, (cache, logits, scores) = _time(jax.jit(verified, donate_argnums=0), cache)
+    result["verify_ms"] = t * 1e3
+
+    num_drafts = jnp.full((batch,), gamma, jnp.int32)
+
+    def accepted(x, logits, draft_probs):
+        if config.sampling.greedy or not gamma:
+            return x, sampling.accept_greedy(drafts, logits, num_drafts)
+        target = sampling.probabilities(logits, state.sampling, config.sampling)
+        return x, sampling.accept_speculative(keys[gamma], drafts, draft_probs, target, num_drafts)
+
+    t, (_, (num_accepted, _)) = _time(jax.jit(accepted), jnp.zeros(()), logits, draft_probs)
+    result["accept_ms"] = t * 1e3
+
+    if config.policy is not None:
+        # Everything the selection reads is an argument: closed-over arrays would be folded as constants.
+        def selected(x, scores, num_accepted, cache, selection, policy_state):
+            committed = state.committed + num_accepted + 1
+            ctx = SelectContext(scores, committed, state.committed + 1, num_accepted, cache, first=False)
+            return x, config.policy.select(ctx, selection, policy_state)
+
+        args = (scores, num_accepted, cache, state.selection, state.policy_state)
+        t, _ = _time(jax.jit(selected), jnp.zeros(()), *args)
+        result["select_ms"] = t * 1e3
+    return result
