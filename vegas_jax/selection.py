@@ -86,7 +86,8 @@ class SelectContext:
 
 
 class Policy:
-    """Base: score-driven, per-layer token top-k (vegas, vegas-all, last)."""
+    """What every policy provides: the scores it needs from verification, its state, its selection after each
+    verification, and the draft attention that reads the selection."""
 
     name: str
     budget: Budget
