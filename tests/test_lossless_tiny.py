@@ -274,3 +274,14 @@ def test_load_gives_an_engine_for_a_checkpoint():
     assert via_load.requests[0].tokens == direct.requests[0].tokens
     with pytest.raises(vegas_jax.InputError, match="dtype"):
         vegas_jax.load(fixture, dtype="int8")
+
+
+def test_prefill_chunk_bounds_score_memory():
+    """Bigger batches and longer caches prefill in smaller chunks, so the score arrays stay bounded."""
+    from vegas_jax.engine import PREFILL_SCORE_BYTES, prefill_chunk_for_memory
+
+    for batch, heads, capacity in [(1, 9, 8448), (64, 9, 8448), (8, 32, 131200), (256, 64, 131200)]:
+        chunk = prefill_chunk_for_memory(batch, heads, capacity)
+        assert chunk % 16 == 0 and chunk >= 16
+        assert chunk == 16 or 3 * 4 * batch * heads * chunk * capacity <= PREFILL_SCORE_BYTES
+    assert prefill_chunk_for_memory(64, 9, 8448) < prefill_chunk_for_memory(1, 9, 8448)

@@ -29,6 +29,9 @@ from vegas_jax.selection import POLICIES, Budget, make_policy
 METHODS = ("ar",) + POLICIES
 CAPACITY_ALIGN = 128
 AUTO_LENGTH_BUCKET = 1024
+# Prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T] (about three live
+# at once): the chunk shrinks so that these stay under this many bytes whatever the batch and context.
+PREFILL_SCORE_BYTES = 2**33
 
 
 class InputError(ValueError):
@@ -99,6 +102,12 @@ class Started:
     state: loop.DecodeState  # after prefill and the bootstrap step
     decode: Callable  # compiled loop.decode(params, state, step_limit)
     timings: dict
+
+
+def prefill_chunk_for_memory(batch: int, num_heads: int, capacity: int) -> int:
+    """Largest multiple of 16 (at least 16) whose prefill score arrays fit PREFILL_SCORE_BYTES."""
+    fitting = PREFILL_SCORE_BYTES // (3 * 4 * batch * num_heads * capacity)
+    return max(16, fitting // 16 * 16)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -202,7 +211,11 @@ class Engine:
         timings = {}
 
         # Prefill all but each prompt's last token, in fixed-size chunks (one compilation for any length).
-        chunk = min(options.prefill_chunk, _round_up(max(lens) - 1, 16) or 16)
+        chunk = min(
+            options.prefill_chunk,
+            prefill_chunk_for_memory(batch, self.config.num_heads, capacity),
+            _round_up(max(lens) - 1, 16) or 16,
+        )
         width = max(_round_up(max(lens) - 1, chunk), chunk)
         tokens = np.zeros((batch, width), np.int32)
         for i, p in enumerate(ids):
