@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
 
 # Finite stand-in for -inf on masked logits: exp(masked - max) underflows to 0 instead of (-inf) - (-inf) = NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -41,3 +42,20 @@ def combine_splits(o, l, m):
     l_total = (l * correction).sum(axis=0)
     o_total = (o * correction[..., None]).sum(axis=0)
     return o_total / l_total[..., None]
+
+
+def online_softmax_start(rows: int, head_dim: int):
+    """(o, m, l) before any key block: zero output and sum, the lowest finite maximum."""
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def store_split_partials(o_ref, l_ref, m_ref, o, l, m, real_rows):
+    """Stores one split's unnormalised output and softmax statistics; padded rows are never read back, and not
+    storing them saves write bandwidth."""
+    plt.store(o_ref, o, mask=real_rows[:, None])
+    plt.store(l_ref, l, mask=real_rows)
+    plt.store(m_ref, m, mask=real_rows)

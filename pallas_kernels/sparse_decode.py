@@ -28,6 +28,8 @@ from pallas_kernels._common import (
     check_power_of_2,
     combine_splits,
     next_power_of_2,
+    online_softmax_start,
+    store_split_partials,
 )
 
 _MAX_SPLITS = 32
@@ -83,18 +85,9 @@ def sparse_decode_kernel(
         o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
         return o_next, m_next, l_next
 
-    init = (
-        jnp.zeros((block_h, head_dim), jnp.float32),
-        jnp.full((block_h,), jnp.finfo(jnp.float32).min, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-    )
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
-    o, m, l = lax.fori_loop(0, num_blocks, body, init)
-    # Padded head rows are never read back; not storing them saves write bandwidth.
-    real_head = jnp.arange(block_h) < num_heads
-    plt.store(o_ref, o, mask=real_head[:, None])
-    plt.store(l_ref, l, mask=real_head)
-    plt.store(m_ref, m, mask=real_head)
+    o, m, l = lax.fori_loop(0, num_blocks, body, online_softmax_start(block_h, head_dim))
+    store_split_partials(o_ref, l_ref, m_ref, o, l, m, jnp.arange(block_h) < num_heads)
 
 
 def sparse_decode_unbatched(

@@ -37,6 +37,8 @@ from pallas_kernels._common import (
     check_power_of_2,
     combine_splits,
     next_power_of_2,
+    online_softmax_start,
+    store_split_partials,
 )
 
 SCORE_MODES = (None, "logit", "weight")
@@ -111,20 +113,12 @@ def verify_attention_kernel(
                 block_max_ref[jnp.int32(j), block_start // block_k] = row_max
         return o_next, m_next, l_next
 
-    init = (
-        jnp.zeros((block_q, head_dim), jnp.float32),
-        jnp.full((block_q,), jnp.finfo(jnp.float32).min, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
     # A row's masked keys all come after its visible ones, and key 0 is visible to every row, so the finite
     # MASK_VALUE never contributes: within a split a fully masked block follows a real maximum, and a split
     # whose keys are all masked for a row is weighted by exp(MASK_VALUE - real max) = 0 in the combine.
-    o, m, l = lax.fori_loop(0, num_blocks, body, init)
-    real_row = row < num_queries * group
-    plt.store(o_ref, o, mask=real_row[:, None])
-    plt.store(l_ref, l, mask=real_row)
-    plt.store(m_ref, m, mask=real_row)
+    o, m, l = lax.fori_loop(0, num_blocks, body, online_softmax_start(block_q, head_dim))
+    store_split_partials(o_ref, l_ref, m_ref, o, l, m, row < num_queries * group)
 
 
 def verify_attention_unbatched(
