@@ -1,0 +1,97 @@
+"""Per-step fixed cost of the decode loop: milliseconds per plain step and per Vegas iteration, on random weights
+of SmolLM2's shapes (timing only: acceptance means nothing on random weights, so τ is not reported).
+
+    python benchmarks/bench_step_overhead.py --batches 1,64 --prompt-tokens 4096 --tag default
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=... python benchmarks/bench_step_overhead.py --tag while-graphs
+
+Compare runs under different XLA flags (for example command buffers, i.e. CUDA graphs, for the while loop) to
+see what launch overhead costs. Writes JSON to --out and $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.config import ModelConfig  # noqa: E402
+from models.decoder import init_params  # noqa: E402
+from vegas_jax.attention.backend import default_backend  # noqa: E402
+from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.loading.bundle import LoadedModel  # noqa: E402
+
+SMOLLM2_135M = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+
+
+class NoTextTokenizer:
+    """Random weights produce no text worth decoding; the loop needs only the stop ids (none here)."""
+
+    eos_ids = ()
+    chat_template = None
+
+    def decode(self, ids):
+        return ""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--methods", default="ar,vegas")
+    p.add_argument("--tag", default="default")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    params = init_params(SMOLLM2_135M, jnp.bfloat16)
+    engine = Engine(LoadedModel(SMOLLM2_135M, params, NoTextTokenizer(), "random", "random"))
+    rng = np.random.default_rng(0)
+    records = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, args.prompt_tokens)).tolist()
+        for method in args.methods.split(","):
+            options = GenerationOptions(method=method, max_new_tokens=args.max_new_tokens,
+                                        max_model_len=args.prompt_tokens + args.max_new_tokens)
+            started = engine.start(prompts, options)
+            t0 = time.perf_counter()
+            state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1))
+            jax.block_until_ready(state.output)
+            decode_s = time.perf_counter() - t0
+            iterations = int(np.asarray(state.metrics.iterations).max())
+            rec = {"method": method, "batch": batch, "prompt_tokens": args.prompt_tokens,
+                   "gamma": options.effective_gamma, "iterations": iterations,
+                   "ms_per_iteration": 1e3 * decode_s / max(iterations, 1),
+                   "ms_per_forward": 1e3 * decode_s / max(iterations, 1) / (options.effective_gamma + 1)}
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python " + " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "attention_backend": default_backend(), "weights": "random (SmolLM2-135M shapes)", "records": records}
+    name = f"step-overhead-{datetime.date.today().isoformat()}-{args.tag}.json"
+    for folder in [args.out, Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
+        if folder:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(json.dumps(doc, indent=1))
+    for r in records:
+        print(f"[{args.tag}] {r['method']:6} B{r['batch']:<3} {r['ms_per_iteration']:8.2f} ms/iteration "
+              f"{r['ms_per_forward']:6.2f} ms/forward")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
