@@ -29,6 +29,7 @@ from vegas_jax.selection import POLICIES, Budget, make_policy
 METHODS = ("ar",) + POLICIES
 CAPACITY_ALIGN = 128
 AUTO_LENGTH_BUCKET = 1024
+OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: max_new_tokens rarely recompiles
 # Prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T] (about three live
 # at once): the chunk shrinks so that these stay under this many bytes whatever the batch and context.
 PREFILL_SCORE_BYTES = 2**33
@@ -182,7 +183,8 @@ class Engine:
         if gamma:
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
             policy = make_policy(options.method, budget, gamma, backend)
-        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, options.max_new_tokens, backend)
+        width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
+        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, backend)
 
     def _compile(self, name: str, fn: Callable, *args, donate: tuple = (), **static):
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)

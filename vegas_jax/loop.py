@@ -33,7 +33,7 @@ class DecodeConfig:
     policy: Policy | None  # None: plain decoding (γ must be 0)
     score_mode: str
     sampling: sampling.SamplingMode
-    max_new_tokens: int  # width of the output buffer
+    max_new_tokens: int  # width of the output buffer (each request's own limit is DecodeState.max_new)
     backend: str = "reference"  # attention implementation, see vegas_jax.attention.backend
 
     def __post_init__(self):
@@ -122,7 +122,7 @@ def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConf
 
 def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: jax.Array):
     """Appends candidates[b, :count[b]] to the output, cut after the first stop token; returns
-    (output, num_generated, emitted count, hit_stop)."""
+    (output, num_generated, hit_stop)."""
     width = candidates.shape[1]
     idx = jnp.arange(width)[None, :]
     is_stop = jnp.any(candidates[..., None] == state.stop_ids[None, None, :], axis=-1) & (idx < count[:, None])
@@ -131,7 +131,7 @@ def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: j
     count = jnp.where(hit_stop, first_stop + 1, count) * active
     slots = jnp.where(idx < count[:, None], state.num_generated[:, None] + idx, state.output.shape[1])
     output = state.output.at[jnp.arange(candidates.shape[0])[:, None], slots].set(candidates, mode="drop")
-    return output, state.num_generated + count, count, hit_stop & active
+    return output, state.num_generated + count, hit_stop & active
 
 
 def _check_finite(logits: jax.Array, rows_used: jax.Array) -> jax.Array:
@@ -161,7 +161,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     else:
         token = sampling.sample_rows(key, sampling.probabilities(logits[:, 0], state.sampling, config.sampling))
     active = finite & (state.max_new > 0)
-    output, num_generated, _, hit_stop = _emit(state, token[:, None], jnp.ones_like(token), active)
+    output, num_generated, hit_stop = _emit(state, token[:, None], jnp.ones_like(token), active)
     committed = state.committed + 1
     state = dataclasses.replace(
         state,
@@ -239,7 +239,7 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     emit_ok = active & finite
     candidates = jnp.concatenate([drafts, next_token[:, None]], axis=1)
     candidates = jnp.where(jnp.arange(gamma + 1)[None, :] == accepted[:, None], next_token[:, None], candidates)
-    output, num_generated, _, hit_stop = _emit(state, candidates, accepted + 1, emit_ok)
+    output, num_generated, hit_stop = _emit(state, candidates, accepted + 1, emit_ok)
     committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
 
     positions_idx = jnp.arange(gamma)[None, :]
