@@ -111,6 +111,8 @@ BAD_INPUT = {
     "score-mode-bogus": (["--prompt", PROMPT, "--score-mode", "bogus"], ["--score-mode", "bogus"]),
     "prompt-plus-new-tokens-over-max-model-len": (["--prompt", PROMPT, "--max-new-tokens", "120"],
                                                   ["--max-new-tokens", "--max-model-len"]),
+    "max-new-tokens-not-a-number": (["--prompt", PROMPT, "--max-new-tokens", "12x"], ["--max-new-tokens", "12x"]),
+    "unknown-flag": (["--prompt", PROMPT, "--gama", "3"], ["--gama"]),
 }
 
 
@@ -255,3 +257,8 @@ def test_phase_times_split_an_iteration(capsys, tmp_path, method):
     assert phases["verify_ms"] > 0 and phases["accept_ms"] > 0
     # Plain decoding has no draft and no selection; Vegas has both.
     assert (phases["draft_ms"] > 0) == (phases["select_ms"] > 0) == (method == "vegas")
+
+
+def test_token_counts_take_k_suffixes(capsys, tmp_path):
+    out, _, _ = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--max-model-len", "1K"])
+    assert out["config"]["max_model_len"] == 1024

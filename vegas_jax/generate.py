@@ -18,28 +18,45 @@ from vegas_jax.engine import METHODS, Engine, GenerationOptions, GenerationResul
 DTYPES = ("auto", "bfloat16", "float32")
 
 
+def token_count(text: str) -> int:
+    """An integer, optionally with a K (1024) or M (1024**2) suffix: `32K`, `128k`."""
+    scale = {"k": 1024, "m": 1024**2}.get(text[-1:].lower(), 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        return int(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number (a K or M suffix is allowed): {text!r}") from None
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse prints its usage before an error; bad input here gets exactly one line."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0])
+    p = _OneLineErrors(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="file whose text is one prompt; repeatable")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (default: when the model has one)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=token_count, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 means off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 means off")
     p.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=token_count, default=None,
                    help="KV cache length (default: prompt + max-new-tokens rounded up to 1024, capped at the model's)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--gamma", type=int, default=GenerationOptions.gamma, help="draft tokens per iteration")
     p.add_argument("--sparse-ratio", type=float, default=GenerationOptions.sparse_ratio,
                    help="draft KV budget as a fraction of the current length")
-    p.add_argument("--min-sparse-tokens", type=int, default=GenerationOptions.min_sparse_tokens)
+    p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
     p.add_argument("--score-mode", default=GenerationOptions.score_mode, help="logit | weight")
-    p.add_argument("--prefill-chunk", type=int, default=GenerationOptions.prefill_chunk)
+    p.add_argument("--prefill-chunk", type=token_count, default=GenerationOptions.prefill_chunk)
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
@@ -157,7 +174,10 @@ def _as_json(result: GenerationResult) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help and on malformed flags; callers of main() get the code
+        return e.code
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     try:
         options = _options(args)
