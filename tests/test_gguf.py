@@ -295,13 +295,16 @@ def test_synthetic_llama_layout(tmp_path):
     np.testing.assert_array_equal(p["final_norm"]["scale"], hf["norm"])
     for i, layer in enumerate(hf["layers"]):
         got = p["layers"][i]
-        # Our projections are HF's nn.Linear weights [out, in] transposed, with the heads split out.
-        np.testing.assert_array_equal(got["q_proj"], layer["q"].T.reshape(t["hidden"], t["heads"], 64))
-        np.testing.assert_array_equal(got["k_proj"], layer["k"].T.reshape(t["hidden"], t["kv_heads"], 64))
-        np.testing.assert_array_equal(got["v_proj"], layer["v"].T.reshape(t["hidden"], t["kv_heads"], 64))
+        # Our projections are HF's nn.Linear weights [out, in] transposed, with the heads split out; q, k and v
+        # heads sit side by side in qkv_proj, gate and up in gate_up_proj.
+        q, k, v = np.split(np.asarray(got["qkv_proj"]), [t["heads"], t["heads"] + t["kv_heads"]], axis=1)
+        np.testing.assert_array_equal(q, layer["q"].T.reshape(t["hidden"], t["heads"], 64))
+        np.testing.assert_array_equal(k, layer["k"].T.reshape(t["hidden"], t["kv_heads"], 64))
+        np.testing.assert_array_equal(v, layer["v"].T.reshape(t["hidden"], t["kv_heads"], 64))
         np.testing.assert_array_equal(got["o_proj"], layer["o"].T.reshape(t["heads"], 64, t["hidden"]))
-        for ours, theirs in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            np.testing.assert_array_equal(got[ours], layer[theirs].T)
+        np.testing.assert_array_equal(got["gate_up_proj"][:, 0], layer["gate"].T)
+        np.testing.assert_array_equal(got["gate_up_proj"][:, 1], layer["up"].T)
+        np.testing.assert_array_equal(got["down_proj"], layer["down"].T)
         np.testing.assert_array_equal(got["attn_norm"]["scale"], layer["attn_norm"])
         np.testing.assert_array_equal(got["mlp_norm"]["scale"], layer["mlp_norm"])
     assert m.tokenizer.bos_id == 0 and m.tokenizer.eos_ids == (1,)

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
-from models.decoder import param_shapes
+from models.decoder import checkpoint_param_shapes, fuse_projections
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel
 from vegas_jax.tokenizer import Tokenizer
 
@@ -216,7 +216,7 @@ def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, dtype, p
     if unused := sorted(set(tensors) - used):
         raise UnsupportedModelError(f"{path}: tensors this llama loader does not know: {', '.join(unused[:8])}")
 
-    expected = dict(jax.tree.leaves_with_path(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
+    expected = dict(jax.tree.leaves_with_path(checkpoint_param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
     wrong = [
         f"{jax.tree_util.keystr(k)} {x.shape} (expected {expected[k]})"
         for k, x in jax.tree.leaves_with_path(params)
@@ -224,4 +224,4 @@ def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, dtype, p
     ]
     if wrong:
         raise CheckpointError(f"{path}: tensor shapes do not match the metadata's model: {'; '.join(wrong[:4])}")
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return fuse_projections(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))

@@ -2,7 +2,7 @@
 
 Every tensor is placed by a name table (HF name -> our parameter path + layout change), in the style of
 vllm-project/tpu-inference's weight loading: the checkpoint must hold exactly the tensors the table expects, each with
-the shape `param_shapes(config)` implies, so a checkpoint that does not match its config.json fails loudly.
+the shape `checkpoint_param_shapes(config)` implies, so a checkpoint that does not match its config.json fails loudly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tqdm import tqdm
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.decoder import param_shapes
+from models.decoder import checkpoint_param_shapes, fuse_projections
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel
 from vegas_jax.tokenizer import Tokenizer
 
@@ -166,7 +166,7 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
             f"for a {config.architecture} model as config.json describes it"
         )
 
-    shapes = param_shapes(config)
+    shapes = checkpoint_param_shapes(config)
     by_file: dict[Path, list[str]] = {}
     for name in table:
         by_file.setdefault(stored[name], []).append(name)
@@ -195,7 +195,7 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
     bar.close()
     return LoadedModel(
         config=config,
-        params=params,
+        params=fuse_projections(params),
         tokenizer=Tokenizer.from_hf_folder(folder),
         source=str(folder),
         format="hf",
