@@ -99,6 +99,7 @@ BAD_INPUT = {
     "unknown-architecture": (unknown_architecture, ["--model", "config.json", "gpt_neox"]),
     "corrupt-safetensors": (corrupt_safetensors, ["--model", "model-00002-of-00003.safetensors"]),
     "temperature-negative": (["--prompt", PROMPT, "--temperature", "-1"], ["--temperature"]),
+    "temperature-tiny": (["--prompt", PROMPT, "--temperature", "1e-40"], ["--temperature"]),
     "top-p-0": (["--prompt", PROMPT, "--top-p", "0"], ["--top-p"]),
     "top-p-1.5": (["--prompt", PROMPT, "--top-p", "1.5"], ["--top-p"]),
     "top-k-negative": (["--prompt", PROMPT, "--top-k", "-1"], ["--top-k"]),

@@ -61,7 +61,9 @@ class GenerationOptions:
     def validate(self) -> None:
         checks = [
             (self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}"),
-            (self.temperature >= 0, "--temperature", f"must be >= 0, got {self.temperature}"),
+            # Below ~1e-37 logits / temperature overflows float32; anything that small is greedy in effect.
+            (self.temperature == 0 or self.temperature >= 1e-6, "--temperature",
+             f"must be 0 (greedy) or >= 1e-6, got {self.temperature}"),
             (self.top_k >= 0, "--top-k", f"must be >= 0, got {self.top_k}"),
             (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
             (self.method in METHODS, "--method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),

@@ -180,9 +180,9 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     return dataclasses.replace(state, selection=selection, policy_state=policy_state)
 
 
-def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig):
+def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num_drafts: jax.Array):
     """γ sequential single-token forwards with sparse attention. Returns (cache, drafts [B, γ], draft probs
-    [B, γ, V] or None, finite [B])."""
+    [B, γ, V] or None, finite [B]: every counted draft step had finite logits)."""
     gamma, batch = config.gamma, state.committed.shape[0]
     attention = config.policy.draft_attention(state.selection, state.policy_state)
     greedy = config.sampling.greedy
@@ -194,7 +194,7 @@ def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig):
             params, token[:, None], (state.committed + j)[:, None], cache, attention, config=config.model
         )
         logits = logits[:, 0]
-        finite = finite & jnp.all(jnp.isfinite(logits), axis=-1)
+        finite = finite & (jnp.all(jnp.isfinite(logits), axis=-1) | (j >= num_drafts))
         if greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
@@ -216,7 +216,7 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, gamma)
     keys = step_keys(state.keys, state.step + 1, gamma + 2)
     if gamma:
-        cache, drafts, draft_probs, draft_finite = draft(params, state, keys, config)
+        cache, drafts, draft_probs, draft_finite = draft(params, state, keys, config, num_drafts)
     else:
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)

@@ -40,7 +40,9 @@ def time_phases(engine: Engine, started: Started) -> dict:
     cache, drafts, draft_probs = state.cache, jnp.zeros((batch, 0), jnp.int32), None
     if gamma:
         def drafted(cache):
-            cache, drafts, probs, _ = loop.draft(params, dataclasses.replace(state, cache=cache), keys, config)
+            cache, drafts, probs, _ = loop.draft(
+                params, dataclasses.replace(state, cache=cache), keys, config, jnp.full((batch,), gamma)
+            )
             return cache, drafts, probs
 
         t, (cache, drafts, draft_probs) = _time(jax.jit(drafted, donate_argnums=0), cache)
