@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
+from benchmarks.results_io import save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -122,10 +122,7 @@ def main(argv=None) -> int:
     }
     doc = {**meta, "records": records}
     name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
-    for folder in [args.out, Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
-        if folder:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(json.dumps(doc, indent=1))
+    save_results(doc, name, args.out)
     print(f"\n{'method':10} {'batch':>5} {'prompt':>6} {'tok/s':>9} {'tau':>5} {'ms/it':>7} {'speedup':>7}  breakdown(ms)")
     for r in records:
         bd = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())

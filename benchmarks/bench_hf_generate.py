@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
+from benchmarks.results_io import save_results  # noqa: E402
 from vegas_jax.loading.gguf import load_gguf  # noqa: E402  (its tokenizer builds the same prompts)
 
 
@@ -85,10 +85,7 @@ def main(argv=None) -> int:
         "records": records,
     }
     name = f"hf-generate-{datetime.date.today().isoformat()}.json"
-    for folder in [args.out, Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
-        if folder:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(json.dumps(doc, indent=1))
+    save_results(doc, name, args.out)
     for r in records:
         print(f"{r['method']:24} batch {r['batch']:3d} prompt {r['prompt_tokens']:5d}  {r['decode_tokens_per_s']:9.1f} tok/s")
     return 0

@@ -23,7 +23,6 @@ import gc
 import itertools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_io import save_results  # noqa: E402
 from pallas_kernels.select_topk import select_topk, select_topk_reference  # noqa: E402
 from pallas_kernels.sparse_decode import (  # noqa: E402
     sparse_decode_attention,
@@ -429,10 +429,7 @@ def main(argv=None) -> int:
         records=[dataclasses.asdict(record) for record in records],
     )
     name = f"kernels-{'smoke-' if args.smoke else ''}{'tune-' if args.tune else ''}{now:%Y-%m-%d-%H%M%S}.json"
-    destinations = [RESULTS_DIR] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for folder in destinations:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(json.dumps(result, indent=1, default=float))
+    save_results(result, name, RESULTS_DIR)
 
     failed = [record for record in records if not record.correct]
     print(f"\n{device.device_kind}, jax {jax.__version__}, copy {copy_gb_per_s:.0f} GB/s, "

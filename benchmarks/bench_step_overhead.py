@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_io import save_results  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.decoder import init_params  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
@@ -83,10 +84,7 @@ def main(argv=None) -> int:
            "command": "python " + " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "attention_backend": default_backend(), "weights": "random (SmolLM2-135M shapes)", "records": records}
     name = f"step-overhead-{datetime.date.today().isoformat()}-{args.tag}.json"
-    for folder in [args.out, Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
-        if folder:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(json.dumps(doc, indent=1))
+    save_results(doc, name, args.out)
     for r in records:
         print(f"[{args.tag}] {r['method']:6} B{r['batch']:<3} {r['ms_per_iteration']:8.2f} ms/iteration "
               f"{r['ms_per_forward']:6.2f} ms/forward")
