@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 # Finite stand-in for -inf on masked logits: exp(masked - max) underflows to 0 instead of (-inf) - (-inf) = NaN.
@@ -59,3 +61,19 @@ def store_split_partials(o_ref, l_ref, m_ref, o, l, m, real_rows):
     plt.store(o_ref, o, mask=real_rows[:, None])
     plt.store(l_ref, l, mask=real_rows)
     plt.store(m_ref, m, mask=real_rows)
+
+
+def split_partial_outputs(num_splits: int, num_kv_heads: int, rows: int, head_dim: int):
+    """(out_specs, out_shape) of split-K partials o [splits, H_kv, rows, D], l and m [splits, H_kv, rows] on a
+    (kv head, split) grid."""
+    specs = [
+        pl.BlockSpec((None, None, rows, head_dim), lambda h, s: (s, h, 0, 0)),
+        pl.BlockSpec((None, None, rows), lambda h, s: (s, h, 0)),
+        pl.BlockSpec((None, None, rows), lambda h, s: (s, h, 0)),
+    ]
+    shapes = [
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
+    ]
+    return specs, shapes

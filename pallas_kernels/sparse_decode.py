@@ -29,6 +29,7 @@ from pallas_kernels._common import (
     combine_splits,
     next_power_of_2,
     online_softmax_start,
+    split_partial_outputs,
     store_split_partials,
 )
 
@@ -119,6 +120,7 @@ def sparse_decode_unbatched(
     )
     scalar = pl.BlockSpec((), lambda h, s: ())
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
+    out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
     o, l, m = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_splits),
@@ -131,16 +133,8 @@ def sparse_decode_unbatched(
             scalar,
             scalar,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, block_h, head_dim), lambda h, s: (s, h, 0, 0)),
-            pl.BlockSpec((None, None, block_h), lambda h, s: (s, h, 0)),
-            pl.BlockSpec((None, None, block_h), lambda h, s: (s, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_h, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_h), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_h), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_decode_attention",

@@ -38,6 +38,7 @@ from pallas_kernels._common import (
     combine_splits,
     next_power_of_2,
     online_softmax_start,
+    split_partial_outputs,
     store_split_partials,
 )
 
@@ -157,16 +158,7 @@ def verify_attention_unbatched(
         score_mode=score_mode,
     )
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
-    out_specs = [
-        pl.BlockSpec((None, None, block_q, head_dim), lambda h, s: (s, h, 0, 0)),
-        pl.BlockSpec((None, None, block_q), lambda h, s: (s, h, 0)),
-        pl.BlockSpec((None, None, block_q), lambda h, s: (s, h, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_q, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_q), jnp.float32),
-        jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_q), jnp.float32),
-    ]
+    out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim)
     # Every split of a KV head writes its own key range of the same score block.
     if score_mode == "logit":
         out_specs.append(pl.BlockSpec((None, capacity), lambda h, s: (h, 0)))
