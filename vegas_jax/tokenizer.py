@@ -20,7 +20,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from models.config import UnsupportedModelError
-from vegas_jax.loading.bundle import CheckpointError
+from vegas_jax.loading.bundle import CheckpointError, read_json_object
 
 if TYPE_CHECKING:
     import gguf
@@ -282,17 +282,9 @@ class IncrementalDecoder:
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise CheckpointError(f"missing tokenizer file {path}")
+    if not required and not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot parse {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def _named_template(value: Any) -> str | None:

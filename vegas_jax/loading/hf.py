@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig, UnsupportedModelError
 from models.decoder import checkpoint_param_shapes, fuse_projections
-from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.loading.bundle import CheckpointError, LoadedModel, read_json_object
 from vegas_jax.tokenizer import Tokenizer
 
 
@@ -93,12 +93,7 @@ def name_map(config: ModelConfig) -> dict[str, tuple[tuple, _Layout]]:
 
 def read_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    hf = read_json_object(path)
     try:
         return ModelConfig.from_hf(hf)
     except UnsupportedModelError as e:

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 
 from models.config import ModelConfig, UnsupportedModelError
 from models.decoder import param_shapes
-from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.loading.bundle import CheckpointError, LoadedModel, read_json_object
 from vegas_jax.tokenizer import Tokenizer
 
 CONFIG_FILE = "vegas_config.json"
@@ -52,13 +52,8 @@ def save_orbax(loaded: LoadedModel, folder: str | Path) -> None:
 
 def read_config(folder: Path) -> ModelConfig:
     path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json_object(path)
+    if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint description")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
