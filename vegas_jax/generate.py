@@ -112,20 +112,8 @@ def _resolve_dtype(name: str):
 
 
 def _options(args) -> GenerationOptions:
-    opts = GenerationOptions(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        method=args.method,
-        gamma=args.gamma,
-        sparse_ratio=args.sparse_ratio,
-        min_sparse_tokens=args.min_sparse_tokens,
-        score_mode=args.score_mode,
-        max_model_len=args.max_model_len,
-        prefill_chunk=args.prefill_chunk,
-    )
+    # Every option is a flag of the same name.
+    opts = GenerationOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationOptions)})
     opts.validate()
     return opts
 
