@@ -94,6 +94,16 @@ def main(argv=None) -> int:
     engine = Engine(load_model(args.model, dtype))
     corpus = stdlib_corpus()
     records = []
+    meta = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax_version": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "model": args.model or "embedded:SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+        "attention_backend": default_backend(),
+    }
+    name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
             prompts = long_prompts(engine.tokenizer, batch, prompt_tokens, corpus)
@@ -110,19 +120,9 @@ def main(argv=None) -> int:
                 rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None
                 records.append(rec)
                 print(json.dumps({k: v for k, v in rec.items() if k != "outputs"}), flush=True)
+                # After every record: a run cut short by a time limit keeps what it measured.
+                save_results({**meta, "records": records}, name, args.out)
 
-    meta = {
-        "device": str(jax.devices()[0].device_kind),
-        "jax_version": jax.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
-        "model": args.model or "embedded:SmolLM2-135M-Instruct",
-        "dtype": args.dtype,
-        "attention_backend": default_backend(),
-    }
-    doc = {**meta, "records": records}
-    name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
-    save_results(doc, name, args.out)
     print(f"\n{'method':10} {'batch':>5} {'prompt':>6} {'tok/s':>9} {'tau':>5} {'ms/it':>7} {'speedup':>7}  breakdown(ms)")
     for r in records:
         bd = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())

@@ -3,11 +3,15 @@
     python benchmarks/bench_kernels.py            # about 3-5 minutes on an H200
     python benchmarks/bench_kernels.py --tune     # sweeps launch parameters at T = 128K instead
     python benchmarks/bench_kernels.py --smoke    # tiny shapes in interpret mode: checks this script on a CPU
+    python benchmarks/bench_kernels.py --tune --models smollm2 --batches 64 --lengths 8192 --only verify
+                                                  # the shapes of one end-to-end run
 
 Shapes: Qwen3-8B (32 query / 8 KV heads, D 128) and SmolLM2 (9 / 3, D 64), batch 1 and 8, cache length 32K and
 128K, bf16 caches, sparse ratio 7%, γ = 6 (verification of S = 7 tokens). Every sequence is at the full length
 (the most work). Per record: the median wall time per call over back-to-back asynchronous calls (so a kernel
-shorter than the dispatch floor, also reported, measures the floor), the bytes the operation cannot avoid moving
+shorter than the dispatch floor, also reported, measures the floor; sparse draft attention is therefore timed as
+30 launches per call, each with its own selection, so none finds its rows in L2, and each writing its new K/V
+row into the caches the previous returned), the bytes the operation cannot avoid moving
 (K/V rows read, q, outputs, scores), the achieved GB/s next to the device copy bandwidth measured in the same run,
 and the speedup over the XLA reference. Results go to benchmarks/results/kernels-<date>.json and $OUT/ if set;
 the process exits 1 if any kernel failed its check or failed to run.
@@ -77,16 +81,20 @@ class Record:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     interpret: bool
+    models: tuple[str, ...]
     batches: tuple[int, ...]
     lengths: tuple[int, ...]
     topk_rows: int  # rows of the large selection benchmark
     copy_elements: int
     seconds_per_measurement: float
     repeats: int
+    # Sparse draft attention runs this many launches per timed call (see CacheThreaded): one launch is shorter
+    # than the dispatch floor.
+    launches_per_call: int
 
 
-FULL = Settings(False, (1, 8), (32768, 131072), 256, 512 * 2**20, 0.25, 5)
-SMOKE = Settings(True, (1, 2), (512,), 4, 2**16, 0.0, 1)
+FULL = Settings(False, tuple(MODELS), (1, 8), (32768, 131072), 256, 512 * 2**20, 0.25, 5, 30)
+SMOKE = Settings(True, tuple(MODELS), (1, 2), (512,), 4, 2**16, 0.0, 1, 2)
 
 
 def measure_ms(settings: Settings, fn, *args) -> float:
@@ -115,16 +123,17 @@ def relative_error(actual, expected) -> float:
     return float(jnp.max(diff) / jnp.max(jnp.where(finite, jnp.abs(expected), 0.0)))
 
 
-def finish(record: Record, settings: Settings, copy_gb_per_s: float, kernel_fn, reference_fn, args, nbytes: int):
+def finish(record: Record, settings: Settings, copy_gb_per_s: float, kernel_fn, reference_fn, args, nbytes: int,
+           launches_per_call: int = 1):
     """Times the kernel, and the reference unless it is None, if the check passed; fills in the rates."""
     record.bytes = nbytes
     record.copy_gb_per_s = copy_gb_per_s
     if not record.correct:
         return
-    record.time_ms = measure_ms(settings, kernel_fn, *args)
+    record.time_ms = measure_ms(settings, kernel_fn, *args) / launches_per_call
     record.gb_per_s = nbytes / record.time_ms / 1e6
     if reference_fn is not None:
-        record.reference_ms = measure_ms(settings, reference_fn, *args)
+        record.reference_ms = measure_ms(settings, reference_fn, *args) / launches_per_call
         record.speedup_vs_reference = record.reference_ms / record.time_ms
 
 
@@ -161,22 +170,51 @@ def dispatch_floor_ms(settings: Settings) -> float:
     return measure_ms(settings, jax.jit(lambda x: x + 1), jnp.zeros((8,), jnp.float32))
 
 
-def sparse_inputs(batch, length, model, seed=0):
+def sparse_inputs(batch, length, model, index_sets: int, seed=0):
+    """Inputs with `index_sets` different selections stacked ([sets, B, K_max]), so that timed launches can each
+    read their own rows instead of finding the previous launch's rows in L2."""
     num_q_heads, kv_heads, head_dim = MODELS[model]
     count = math.ceil(SPARSE_RATIO * length)
     recent_start = length - RECENT_TOKENS - 3
     rng = np.random.default_rng(seed)
     # Sorted, as select_topk returns them.
-    indices = np.stack([np.sort(rng.choice(recent_start, count, replace=False)) for _ in range(batch)])
+    indices = np.stack([np.stack([np.sort(rng.choice(recent_start, count, replace=False)) for _ in range(batch)])
+                        for _ in range(index_sets)])
     key = jax.random.key(seed)
     k_cache, v_cache = random_cache(key, batch, length, kv_heads, head_dim)
     q = jax.random.normal(jax.random.fold_in(key, 1), (batch, num_q_heads, head_dim), jnp.bfloat16)
+    k_new, v_new = jax.random.normal(jax.random.fold_in(key, 2), (2, batch, kv_heads, head_dim), jnp.bfloat16)
     full = lambda value: jnp.full((batch,), value, jnp.int32)
-    args = (q, k_cache, v_cache, jnp.asarray(indices, jnp.int32), full(count), full(recent_start),
-            full(recent_start + RECENT_TOKENS))
-    keys_read = count + RECENT_TOKENS
-    nbytes = batch * (keys_read * kv_heads * head_dim * 2 * 2 + num_q_heads * head_dim * 2 * 2 + count * 4)
+    # The recent range holds RECENT_TOKENS rows, the last of them the new token.
+    args = (q, k_new, v_new, k_cache, v_cache, jnp.asarray(indices, jnp.int32),
+            jnp.full((index_sets, batch), count, jnp.int32), full(recent_start), full(recent_start + RECENT_TOKENS - 1))
+    keys_read = count + RECENT_TOKENS - 1
+    row_bytes = kv_heads * head_dim * 2 * 2  # K and V
+    nbytes = batch * (keys_read * row_bytes + row_bytes + num_q_heads * head_dim * 2 * 2 + count * 4)
     return args, nbytes
+
+
+class CacheThreaded:
+    """`launches` calls of a sparse attention fn(launch, q, k_new, v_new, k_cache, v_cache, *rest) per jitted
+    call, each on the caches the previous one returned, and the caches donated from call to call: the way the
+    decode loop runs the kernel, with the row writes in place and the dispatch cost spread over the launches."""
+
+    def __init__(self, fn, args, launches: int):
+        self.k_cache, self.v_cache = (jnp.copy(x) for x in args[3:5])
+        self.others = args[:3] + args[5:]
+
+        def run(k_cache, v_cache, q, k_new, v_new, *rest):
+            total = jnp.zeros(q.shape, jnp.float32)
+            for launch in range(launches):
+                out, k_cache, v_cache = fn(launch, q, k_new, v_new, k_cache, v_cache, *rest)
+                total += out.astype(jnp.float32)
+            return total, k_cache, v_cache
+
+        self.run = jax.jit(run, donate_argnums=(0, 1))
+
+    def __call__(self):
+        total, self.k_cache, self.v_cache = self.run(self.k_cache, self.v_cache, *self.others)
+        return total
 
 
 def bench_sparse(settings, copy_gb_per_s, records, model, batch, length, config=None, time_reference=True):
@@ -185,13 +223,23 @@ def bench_sparse(settings, copy_gb_per_s, records, model, batch, length, config=
                                           recent=RECENT_TOKENS), config)
 
     def body(record):
-        args, nbytes = sparse_inputs(batch, length, model)
+        launches = settings.launches_per_call
+        args, nbytes = sparse_inputs(batch, length, model, launches)
         # Partials of the module-level jitted functions: each configuration compiles once.
         kernel = functools.partial(sparse_decode_attention, interpret=settings.interpret, **config)
         reference = functools.partial(sparse_decode_attention_reference, max_recent=RECENT_TOKENS)
-        record.max_rel_error = relative_error(kernel(*args), reference(*args))
+
+        def kernel_launch(launch, *launch_args):
+            return kernel(*launch_args, layer=launch)
+
+        def reference_launch(launch, q, k_new, v_new, k_cache, v_cache, indices, counts, *rest):
+            return reference(q, k_new, v_new, k_cache, v_cache, indices[launch], counts[launch], *rest)
+
+        got, want = kernel_launch(0, *args), reference_launch(0, *args)
+        record.max_rel_error = max(relative_error(a, b) for a, b in zip(got, want))
         record.correct = record.max_rel_error <= OUTPUT_TOLERANCE
-        finish(record, settings, copy_gb_per_s, kernel, reference if time_reference else None, args, nbytes)
+        finish(record, settings, copy_gb_per_s, CacheThreaded(kernel_launch, args, launches),
+               CacheThreaded(reference_launch, args, launches) if time_reference else None, (), nbytes, launches)
 
     return run_guarded(records, record, body)
 
@@ -300,7 +348,7 @@ def bench_select(settings, copy_gb_per_s, records, rows, length, config=None, ti
 
 
 def run_benchmarks(settings, copy_gb_per_s, records, only):
-    for model in MODELS:
+    for model in settings.models:
         for batch in settings.batches:
             for length in settings.lengths:
                 if "sparse" in only:
@@ -330,15 +378,16 @@ def run_tuning(settings, copy_gb_per_s, records, only):
     attention_kernels = {
         "sparse": bench_sparse,
         "verify": functools.partial(bench_verify, score_mode=None),
+        "verify-logit": functools.partial(bench_verify, score_mode="logit"),
     }
     for name, bench in attention_kernels.items():
         if name not in only:
             continue
-        for model in MODELS:
+        for model in settings.models:
             for batch in settings.batches:
                 run = lambda config: bench(settings, copy_gb_per_s, records, model, batch, length, config=config,
                                            time_reference=False)
-                tiles = [run(config) for config in sweep(dict(block_k=(32, 64, 128), num_splits=(8, 16, 32, 64)))]
+                tiles = [run(config) for config in sweep(dict(block_k=(32, 64, 128), num_splits=(1, 2, 4, 8, 16, 32, 64)))]
                 timed = [record for record in tiles if record.time_ms is not None]
                 if not timed:
                     continue
@@ -400,10 +449,25 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (runs on a CPU)")
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters instead of the benchmark")
     parser.add_argument("--only", default="sparse,verify,select,dense",
-                        help="comma-separated subset of sparse, verify, select, dense")
+                        help="comma-separated subset of sparse, verify, select, dense (--tune: also verify-logit)")
+    parser.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--batches", help="comma-separated batch sizes instead of the default 1,8")
+    parser.add_argument("--lengths", help="comma-separated cache lengths instead of the default 32K,128K")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     settings = SMOKE if args.smoke else FULL
+    if args.models:
+        unknown = set(args.models.split(",")) - set(MODELS)
+        if unknown:
+            parser.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
+        settings = dataclasses.replace(settings, models=tuple(args.models.split(",")))
+    for flag in ("batches", "lengths"):
+        if getattr(args, flag):
+            try:
+                values = tuple(int(x) for x in getattr(args, flag).split(","))
+            except ValueError:
+                parser.error(f"--{flag}: expected comma-separated integers, got {getattr(args, flag)!r}")
+            settings = dataclasses.replace(settings, **{flag: values})
     device = jax.devices()[0]
     if not args.smoke and device.platform != "gpu":
         parser.error(f"no GPU (found {device.platform}); use --smoke to check the script on a CPU")

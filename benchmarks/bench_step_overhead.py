@@ -24,28 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
 from benchmarks.results_io import save_results  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.decoder import init_params  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
-from vegas_jax.loading.bundle import LoadedModel  # noqa: E402
-
-SMOLLM2_135M = ModelConfig(
-    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
-
-
-class NoTextTokenizer:
-    """Random weights produce no text worth decoding; the loop needs only the stop ids (none here)."""
-
-    eos_ids = ()
-    chat_template = None
-
-    def decode(self, ids):
-        return ""
+from vegas_jax.engine import GenerationOptions  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -58,8 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    params = init_params(SMOLLM2_135M, jnp.bfloat16)
-    engine = Engine(LoadedModel(SMOLLM2_135M, params, NoTextTokenizer(), "random", "random"))
+    engine = random_smollm2_engine()
     rng = np.random.default_rng(0)
     records = []
     for batch in [int(b) for b in args.batches.split(",")]:

@@ -9,8 +9,9 @@ from jax.experimental.pallas import triton as plt
 
 # Finite stand-in for -inf on masked logits: exp(masked - max) underflows to 0 instead of (-inf) - (-inf) = NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Programs per launch that the default split counts aim for: H100/H200 have 132 SMs, and about four resident
+# Programs per launch that the default split counts aim for: H100/H200 have NUM_SMS SMs, and about four resident
 # programs per SM hide the latency of the row gathers and of the split-K tails.
+NUM_SMS = 132
 TARGET_PROGRAMS = 512
 
 

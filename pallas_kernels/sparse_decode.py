@@ -1,11 +1,14 @@
-"""Sparse draft attention: one query token per sequence over selected cache rows plus a recent range.
+"""Sparse draft attention: one new token per sequence over selected cache rows, a recent range and itself.
 
 For sequence b the key set is the union of the cache rows `indices[b, :counts[b]]` (all below recent_start[b],
-distinct) and the contiguous rows `[recent_start[b], recent_end[b])`. The kernel reads those K/V rows straight
-from the cache `[B, T, H_kv, D]` (no gathered copy in HBM) and runs split-K flash decoding: both parts are laid
-end to end as one list of "virtual keys", each split takes an equal share of that list, and the per-split
-partial softmax results are combined in plain JAX afterwards. One program handles all query heads of a KV head,
-padded to 16 rows because Triton dots need every dimension >= 16.
+distinct), the contiguous rows `[recent_start[b], position[b])` and the new token at position[b]. The kernel
+reads the cached K/V rows straight from the cache `[B, T, H_kv, D]` (no gathered copy in HBM) and runs split-K
+flash decoding: the listed and recent rows are laid end to end as one list of "virtual keys", each split takes an
+equal share of that list, and the per-split partial softmax results are combined in plain JAX afterwards. One
+program handles all query heads of a KV head, padded to 16 rows because Triton dots need every dimension >= 16.
+
+The new token's K/V come in as values: split 0 attends them and writes them into the cache row (the caches are
+aliased outputs), which saves the decode step two scatter launches per layer.
 
 Triton backend: the row gathers are pointer loads `k_ref.at[rows]`, which Mosaic GPU cannot do on Hopper.
 """
@@ -23,6 +26,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (
     MASK_VALUE,
+    NUM_SMS,
     TARGET_PROGRAMS,
     check_cache_shapes,
     check_power_of_2,
@@ -37,32 +41,37 @@ _MAX_SPLITS = 32
 
 
 def sparse_decode_kernel(
-    q_ref,  # [block_h, D] the query heads of one KV head, zero-padded
+    new_ref,  # [block_h + 2, D] the query heads of one KV head (zero-padded to block_h), then the new K and V
     k_ref,  # [T, D] one KV head's keys
     v_ref,  # [T, D]
     indices_ref,  # [K_max] selected rows
     count_ref,  # [] valid entries of indices
     recent_start_ref,  # []
-    recent_end_ref,  # []
+    position_ref,  # [] the new token's row: the recent range is [recent_start, position]
     o_ref,  # [block_h, D] this split's unnormalised output
     l_ref,  # [block_h] this split's softmax denominator
     m_ref,  # [block_h] this split's logit maximum
+    k_out_ref,  # [T, D] aliases k_ref
+    v_out_ref,  # [T, D] aliases v_ref
     *,
     sm_scale: float,
     block_k: int,
     num_splits: int,
     num_heads: int,
 ):
-    block_h, head_dim = q_ref.shape
+    block_h = new_ref.shape[0] - 2
+    head_dim = new_ref.shape[1]
     split = pl.program_id(1)
     count = count_ref[()]
     recent_start = recent_start_ref[()]
-    num_keys = count + recent_end_ref[()] - recent_start
+    position = position_ref[()]
+    # Cached keys only: the new token's row is written by this launch, so it is attended from k_new/v_new.
+    num_keys = count + position - recent_start
     # Whole blocks per split so that only a split's last block is partial.
     keys_per_split = pl.cdiv(pl.cdiv(num_keys, num_splits), block_k) * block_k
     split_start = split * keys_per_split
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
-    q = q_ref[...]
+    q = new_ref[pl.ds(0, block_h), :]
 
     def body(block, carry):
         o_prev, m_prev, l_prev = carry
@@ -88,18 +97,39 @@ def sparse_decode_kernel(
 
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
     o, m, l = lax.fori_loop(0, num_blocks, body, online_softmax_start(block_h, head_dim))
+
+    # Split 0 also attends the new token (a one-key block, as a row-wise product: dots need 16 columns) and
+    # writes its K/V row into the cache.
+    k_new = new_ref[block_h, :]
+    v_new = new_ref[block_h + 1, :]
+    new_logit = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * sm_scale
+    m_with_new = jnp.maximum(m, new_logit)
+    correction = jnp.exp(m - m_with_new)
+    p_new = jnp.exp(new_logit - m_with_new)
+    first = split == 0
+    o = jnp.where(first, o * correction[:, None] + p_new[:, None] * v_new.astype(jnp.float32)[None, :], o)
+    l = jnp.where(first, l * correction + p_new, l)
+    m = jnp.where(first, m_with_new, m)
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, jnp.arange(block_h) < num_heads)
+
+    @pl.when(first & (position < k_out_ref.shape[0]))
+    def _():
+        k_out_ref[pl.ds(position, 1), :] = k_new[None, :]
+        v_out_ref[pl.ds(position, 1), :] = v_new[None, :]
 
 
 def sparse_decode_unbatched(
     q,  # [H_q, D]
+    k_new,  # [H_kv, D]
+    v_new,  # [H_kv, D]
     k_cache,  # [T, H_kv, D]
     v_cache,  # [T, H_kv, D]
-    indices,  # [K_max]
-    count,  # []
+    indices,  # [L, K_max] the selections of every layer
+    count,  # [L]
     recent_start,  # []
-    recent_end,  # []
+    position,  # []
     *,
+    layer: int,
     sm_scale: float,
     block_k: int,
     num_splits: int,
@@ -109,11 +139,14 @@ def sparse_decode_unbatched(
 ):
     num_q_heads, head_dim = q.shape
     capacity, num_kv_heads, _ = k_cache.shape
-    (k_max,) = indices.shape
+    k_max = indices.shape[1]
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
     q_grouped = q.reshape(num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, block_h - group), (0, 0)))
+    # One operand for the query rows and the new K/V row: in the decode step, one fusion (RoPE included)
+    # produces all three, where separate operands took three launches.
+    packed = jnp.concatenate([q_grouped, k_new[:, None], v_new[:, None]], axis=1).astype(k_cache.dtype)
 
     kernel = functools.partial(
         sparse_decode_kernel, sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_heads=group
@@ -121,74 +154,103 @@ def sparse_decode_unbatched(
     scalar = pl.BlockSpec((), lambda h, s: ())
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
-    o, l, m = pl.pallas_call(
+    out_specs += [head_rows, head_rows]
+    out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    o, l, m, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_splits),
         in_specs=[
-            pl.BlockSpec((None, block_h, head_dim), lambda h, s: (h, 0, 0)),
+            pl.BlockSpec((None, block_h + 2, head_dim), lambda h, s: (h, 0, 0)),
             head_rows,
             head_rows,
-            pl.BlockSpec((k_max,), lambda h, s: (0,)),
-            scalar,
+            # The layer's row of the stacked selections, picked by the block index: no sliced copy.
+            pl.BlockSpec((None, k_max), lambda h, s: (layer, 0)),
+            pl.BlockSpec((None,), lambda h, s: (layer,)),
             scalar,
             scalar,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases={1: 3, 2: 4},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_decode_attention",
-    )(q_grouped, k_cache, v_cache, indices, count, recent_start, recent_end)
+    )(packed, k_cache, v_cache, indices, count, recent_start, position)
     out = combine_splits(o[:, :, :group], l[:, :, :group], m[:, :, :group])
-    return out.reshape(num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(num_q_heads, head_dim).astype(q.dtype), k_cache, v_cache
 
 
-def default_num_splits(batch: int, num_kv_heads: int, k_max: int, block_k: int) -> int:
-    """Enough splits for about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys."""
-    wanted = next_power_of_2(pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
-    return max(1, min(wanted, _MAX_SPLITS, pl.cdiv(k_max, block_k)))
+def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, block_k: int | None = None):
+    """(block_k, num_splits) where not given. Few (sequence, KV head) pairs: 64-key blocks and enough splits for
+    about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys. Enough pairs to give every SM
+    one (large batches): two splits of 128-key blocks, which measured 10.0 us against 11.9 us for 64-key blocks
+    in 4 splits (SmolLM2 shapes, B = 64, T = 8K, benchmarks/results/kernels-tune-2026-11-30-053038.json)."""
+    pairs = batch * num_kv_heads
+    if pairs >= NUM_SMS and head_dim <= 64:
+        block_k, wanted = block_k or 128, 2
+    else:
+        block_k, wanted = block_k or 64, next_power_of_2(pl.cdiv(TARGET_PROGRAMS, pairs))
+    return block_k, max(1, min(wanted, _MAX_SPLITS, pl.cdiv(k_max, block_k)))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret")
+    jax.jit,
+    static_argnames=("layer", "sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
 )
 def sparse_decode_attention(
     q: jax.Array,  # [B, H_q, D]
+    k_new: jax.Array,  # [B, H_kv, D] the new token's key and value
+    v_new: jax.Array,  # [B, H_kv, D]
     k_cache: jax.Array,  # [B, T, H_kv, D]
     v_cache: jax.Array,  # [B, T, H_kv, D]
-    indices: jax.Array,  # [B, K_max] int32
-    counts: jax.Array,  # [B] int32
+    indices: jax.Array,  # [B, K_max] int32, or [L, B, K_max] with `layer`
+    counts: jax.Array,  # [B] int32, or [L, B] with `layer`
     recent_start: jax.Array,  # [B] int32
-    recent_end: jax.Array,  # [B] int32
+    position: jax.Array,  # [B] int32 the new token's position
     *,
+    layer: int | None = None,
     sm_scale: float | None = None,
-    block_k: int = 64,
+    block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-) -> jax.Array:
-    """Softmax attention of one query token per sequence over selected cache rows plus a recent range.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Softmax attention of one new token per sequence over selected cache rows, a recent range and itself; the
+    new token's K/V row is written into the caches in the same launch (in place where the caller's jit donates
+    them or, as in the decode loop, carries them).
 
     Sequence b attends to rows `indices[b, :counts[b]]` (distinct, all < recent_start[b]; entries past counts[b]
-    are never read) and rows `[recent_start[b], recent_end[b])`; at least one of the two must be non-empty.
-    Returns [B, H_q, D] in q's dtype; accumulation is float32.
+    are never read), rows `[recent_start[b], position[b])`, and the new token (k_new, v_new), which is stored at
+    row position[b] (dropped if position[b] >= T). With `layer`, indices and counts are every layer's (stacked,
+    as the decode loop keeps them) and the kernel reads layer `layer`'s directly.
+    Returns (out [B, H_q, D] in q's dtype, k_cache, v_cache); accumulation is float32.
 
-    block_k: keys per inner step (power of two >= 16). num_splits: split-K parallelism per (sequence, KV head);
-    None picks enough for about 512 programs. num_warps, num_stages: Triton launch parameters.
+    block_k: keys per inner step (power of two >= 16). num_splits: split-K parallelism per (sequence, KV head).
+    None for either: see default_launch. num_warps, num_stages: Triton launch parameters.
     """
     check_cache_shapes(q, k_cache, v_cache, num_query_dims=3)
     batch, _, head_dim = q.shape
-    check_power_of_2("block_k", block_k, 16)
-    for name, value in (("counts", counts), ("recent_start", recent_start), ("recent_end", recent_end)):
+    new_shape = (batch, *k_cache.shape[2:])
+    if k_new.shape != new_shape or v_new.shape != new_shape:
+        raise ValueError(f"k_new and v_new must be {new_shape}, got {k_new.shape} and {v_new.shape}")
+    for name, value in (("recent_start", recent_start), ("position", position)):
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {value.shape}")
-    if indices.ndim != 2 or indices.shape[0] != batch:
-        raise ValueError(f"indices must be [B, K_max], got {indices.shape}")
-    if num_splits is None:
-        num_splits = default_num_splits(batch, k_cache.shape[2], indices.shape[1], block_k)
+    if layer is None:
+        indices, counts, layer = indices[None], counts[None], 0
+    if indices.ndim != 3 or indices.shape[1] != batch or counts.shape != indices.shape[:2]:
+        raise ValueError(f"indices must be [B, K_max] (or [L, B, K_max] with layer), counts [B] ([L, B]); got "
+                         f"{indices.shape} and {counts.shape}")
+    if not 0 <= layer < indices.shape[0]:
+        raise ValueError(f"layer {layer} out of range for {indices.shape[0]} stacked selections")
+    if block_k is None or num_splits is None:
+        block_k, auto_splits = default_launch(batch, k_cache.shape[2], indices.shape[2], head_dim, block_k)
+        num_splits = num_splits or auto_splits
+    check_power_of_2("block_k", block_k, 16)
     inner = functools.partial(
         sparse_decode_unbatched,
+        layer=layer,
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         block_k=block_k,
         num_splits=num_splits,
@@ -197,29 +259,34 @@ def sparse_decode_attention(
         interpret=interpret,
     )
     as_int32 = lambda x: x.astype(jnp.int32)
-    return jax.vmap(inner)(
-        q, k_cache, v_cache, as_int32(indices), as_int32(counts), as_int32(recent_start), as_int32(recent_end)
+    return jax.vmap(inner, in_axes=(0, 0, 0, 0, 0, 1, 1, 0, 0))(
+        q, k_new, v_new, k_cache, v_cache, as_int32(indices), as_int32(counts), as_int32(recent_start),
+        as_int32(position),
     )
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "max_recent"))
 def sparse_decode_attention_reference(
-    q, k_cache, v_cache, indices, counts, recent_start, recent_end, *, sm_scale=None, max_recent=None
+    q, k_new, v_new, k_cache, v_cache, indices, counts, recent_start, position, *, sm_scale=None, max_recent=None
 ):
-    """XLA twin of sparse_decode_attention: gathers the selected rows with take_along_axis.
+    """XLA twin of sparse_decode_attention: writes the new rows with a scatter, then gathers the selected rows
+    with take_along_axis.
 
-    The recent range is gathered too when its length is known to be at most the static max_recent (the decode loop
-    knows it: accepted drafts plus this iteration's drafts); with max_recent=None it is read as a mask over the
-    whole cache, which is exact for any length but streams every row.
+    The recent range (new token included) is gathered too when its length is known to be at most the static
+    max_recent (the decode loop knows it: accepted drafts plus this iteration's drafts); with max_recent=None it
+    is read as a mask over the whole cache, which is exact for any length but streams every row.
     """
     batch, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads = k_cache.shape[1:3]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    batch_rows = jnp.arange(batch)[:, None]
+    k_cache = k_cache.at[batch_rows, position[:, None]].set(k_new[:, None].astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[batch_rows, position[:, None]].set(v_new[:, None].astype(v_cache.dtype), mode="drop")
+    recent_end = position + 1
     listed_valid = jnp.arange(indices.shape[1])[None, :] < counts[:, None]
     if max_recent is None:
         k, v = k_cache, v_cache
         t = jnp.arange(capacity)[None, :]
-        batch_rows = jnp.arange(batch)[:, None]
         listed = jnp.zeros((batch, capacity), bool).at[batch_rows, indices].max(listed_valid, mode="drop")
         valid = listed | ((t >= recent_start[:, None]) & (t < recent_end[:, None]))
     else:
@@ -234,4 +301,4 @@ def sparse_decode_attention_reference(
     logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
     weights = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgn,bnhd->bhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype), k_cache, v_cache

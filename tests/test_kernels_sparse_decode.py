@@ -23,16 +23,20 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
 def make_case(rng, *, batch, capacity, kv_heads, group, head_dim, k_max, counts, recent, dtype):
-    """Random inputs; counts[b] listed rows and a recent range recent[b] = (start, end) per sequence."""
+    """Random inputs; counts[b] listed rows, cached recent rows [start, position) and the new token at position
+    for recent[b] = (start, position). Returns (args, key sets of cached rows)."""
     # Larger queries make the softmax peaky, so a wrong key set changes the output visibly.
     q = rng.standard_normal((batch, kv_heads * group, head_dim)) * 3
+    k_new = rng.standard_normal((batch, kv_heads, head_dim))
+    v_new = rng.standard_normal((batch, kv_heads, head_dim))
     k = rng.standard_normal((batch, capacity, kv_heads, head_dim))
     v = rng.standard_normal((batch, capacity, kv_heads, head_dim))
     indices = rng.integers(-5, capacity + 5, (batch, k_max))  # junk past counts[b]: must never be read
     key_sets = []
-    for b, (count, (start, end)) in enumerate(zip(counts, recent)):
+    for b, (count, (start, position)) in enumerate(zip(counts, recent)):
         indices[b, :count] = rng.choice(start, count, replace=False)
-        key_sets.append(np.concatenate([indices[b, :count], np.arange(start, end)]).astype(int))
+        key_sets.append(np.concatenate([indices[b, :count], np.arange(start, position)]).astype(int))
+        # The new token's own row is NaN too: it must be attended from k_new/v_new, never read back.
         outside = np.setdiff1d(np.arange(capacity), key_sets[-1])
         # Row 0 stays finite: lanes past a split's end read it (masked out of the softmax).
         outside = outside[outside != 0]
@@ -40,24 +44,35 @@ def make_case(rng, *, batch, capacity, kv_heads, group, head_dim, k_max, counts,
         v[b, outside] = np.nan
     as_array = lambda x: jnp.asarray(x, dtype)
     int32 = lambda x: jnp.asarray(x, jnp.int32)
-    starts, ends = zip(*recent)
-    args = (as_array(q), as_array(k), as_array(v), int32(indices), int32(counts), int32(starts), int32(ends))
+    starts, positions = zip(*recent)
+    args = (as_array(q), as_array(k_new), as_array(v_new), as_array(k), as_array(v), int32(indices),
+            int32(counts), int32(starts), int32(positions))
     return args, key_sets
 
 
-def expected_output(q, k, v, key_sets):
-    """float64 softmax attention of q [B, H_q, D] over each sequence's key rows."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+def expected_output(q, k_new, v_new, k, v, key_sets):
+    """float64 softmax attention of q [B, H_q, D] over each sequence's cached key rows and its new token."""
+    q, k_new, v_new, k, v = (np.asarray(x, np.float64) for x in (q, k_new, v_new, k, v))
     batch, num_q_heads, head_dim = q.shape
     group = num_q_heads // k.shape[2]
     out = np.empty_like(q)
     for b, rows in enumerate(key_sets):
         for h in range(num_q_heads):
-            keys, values = k[b, rows, h // group], v[b, rows, h // group]
+            keys = np.concatenate([k[b, rows, h // group], k_new[b, None, h // group]])
+            values = np.concatenate([v[b, rows, h // group], v_new[b, None, h // group]])
             logits = keys @ q[b, h] / np.sqrt(head_dim)
             weights = np.exp(logits - logits.max())
             out[b, h] = weights @ values / weights.sum()
     return out
+
+
+def assert_written(cache_out, cache_in, new_rows, positions):
+    """cache_out is cache_in with row positions[b] of sequence b replaced by new_rows[b] (none past the end)."""
+    want = np.array(cache_in, np.float64)
+    for b, position in enumerate(np.asarray(positions)):
+        if position < want.shape[1]:
+            want[b, position] = np.asarray(new_rows[b], np.float64)
+    np.testing.assert_array_equal(np.asarray(cache_out, np.float64), want)
 
 
 def assert_close(actual, expected, dtype, what):
@@ -78,16 +93,17 @@ def test_interpret_mode_poisons_unwritten_outputs():
 
 
 CASES = {
-    # GQA 4, D 128, capacity not a multiple of block_k; sequences: empty list, full list with an empty recent
-    # range, and one much shorter than the others.
+    # GQA 4, D 128, capacity not a multiple of block_k; sequences: empty list, full list with only the new token
+    # as recent (written at the last row), and one much shorter than the others.
     "gqa4_d128": dict(
         batch=3, capacity=210, kv_heads=2, group=4, head_dim=128, k_max=40,
-        counts=[0, 40, 9], recent=[(150, 157), (200, 200), (20, 23)], block_k=16, num_splits=3,
+        counts=[0, 40, 9], recent=[(150, 157), (209, 209), (20, 23)], block_k=16, num_splits=3,
     ),
-    # GQA 3, D 64, default block_k and num_splits (one split of up to 64 keys per block here).
+    # GQA 3, D 64, default block_k and num_splits (one split of up to 64 keys per block here); the second new
+    # token lies past the cache (attended, not written).
     "gqa3_d64": dict(
         batch=2, capacity=150, kv_heads=3, group=3, head_dim=64, k_max=70,
-        counts=[70, 33], recent=[(120, 131), (140, 141)], block_k=None, num_splits=None,
+        counts=[70, 33], recent=[(120, 131), (140, 150)], block_k=None, num_splits=None,
     ),
 }
 
@@ -99,9 +115,32 @@ def test_sparse_decode_matches_float64(rng, case, dtype):
     launch = {name: shape.pop(name) for name in ("block_k", "num_splits")}
     launch = {name: value for name, value in launch.items() if value is not None}
     args, key_sets = make_case(rng, dtype=dtype, **shape)
-    out = sparse_decode_attention(*args, interpret=True, **launch)
-    assert out.shape == args[0].shape and out.dtype == dtype
-    assert_close(out, expected_output(*args[:3], key_sets), dtype, "kernel")
+    q, k_new, v_new, k, v, *_, positions = args
+    out, k_out, v_out = sparse_decode_attention(*args, interpret=True, **launch)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, expected_output(q, k_new, v_new, k, v, key_sets), dtype, "kernel")
+    assert_written(k_out, k, k_new, positions)
+    assert_written(v_out, v, v_new, positions)
+
+
+def test_stacked_selections_read_only_the_given_layer(rng):
+    shape = dict(CASES["gqa3_d64"])
+    del shape["block_k"], shape["num_splits"]
+    args, key_sets = make_case(rng, dtype=jnp.float32, **shape)
+    q, k_new, v_new, k, v, indices, counts, starts, positions = args
+    # Other layers list rows whose K/V are NaN in that sequence: reading any of them would poison the output.
+    capacity = k.shape[1]
+    outside = [np.setdiff1d(np.arange(1, capacity), rows) for rows in key_sets]
+    junk = jnp.asarray(np.stack([rng.choice(rows, indices.shape[1]) for rows in outside]), jnp.int32)
+    stacked = jnp.stack([junk, indices, junk])
+    stacked_counts = jnp.stack([jnp.full_like(counts, indices.shape[1]), counts, jnp.full_like(counts, 1)])
+    call = lambda layer: sparse_decode_attention(
+        q, k_new, v_new, k, v, stacked, stacked_counts, starts, positions, layer=layer, interpret=True
+    )
+    out, _, _ = call(1)
+    assert_close(out, expected_output(q, k_new, v_new, k, v, key_sets), jnp.float32, "layer 1 of 3")
+    with pytest.raises(ValueError, match="layer 3 out of range"):
+        call(3)
 
 
 @pytest.mark.parametrize("max_recent", [None, 16])
@@ -109,11 +148,14 @@ def test_reference_matches_float64(rng, max_recent):
     shape = dict(CASES["gqa4_d128"])
     del shape["block_k"], shape["num_splits"]
     args, key_sets = make_case(rng, dtype=jnp.float32, **shape)
-    q, k, v, *rest = args
+    q, k_new, v_new, k, v, *rest = args
     # The dense variant weighs every row (NaN * 0 = NaN), so it gets the finite cache here.
     finite = lambda x: jnp.nan_to_num(x, nan=7.0)
-    out = sparse_decode_attention_reference(q, finite(k), finite(v), *rest, max_recent=max_recent)
-    assert_close(out, expected_output(q, k, v, key_sets), jnp.float32, "reference")
+    out, k_out, _ = sparse_decode_attention_reference(
+        q, k_new, v_new, finite(k), finite(v), *rest, max_recent=max_recent
+    )
+    assert_close(out, expected_output(q, k_new, v_new, k, v, key_sets), jnp.float32, "reference")
+    assert_written(k_out, finite(k), k_new, rest[-1])
 
 
 def test_rejects_non_power_of_two_head_dim(rng):
@@ -133,9 +175,11 @@ def test_lowers_to_triton_for_h200(kv_heads, group, head_dim):
     lowered = lower_for_h200(
         sparse_decode_attention,
         spec((batch, kv_heads * group, head_dim), jnp.bfloat16),
-        spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16),
-        spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16),
-        spec((batch, k_max), jnp.int32),
-        *[spec((batch,), jnp.int32)] * 3,
+        *[spec((batch, kv_heads, head_dim), jnp.bfloat16)] * 2,
+        *[spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16)] * 2,
+        spec((30, batch, k_max), jnp.int32),
+        spec((30, batch), jnp.int32),
+        *[spec((batch,), jnp.int32)] * 2,
+        layer=29,
     )
     assert "__gpu$xla.gpu.triton" in lowered

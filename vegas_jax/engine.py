@@ -22,6 +22,7 @@ from models.kv_cache import KVCache
 from vegas_jax import loop, sampling
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
+from vegas_jax.compilation import compile_jitted
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
@@ -192,8 +193,7 @@ class Engine:
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)
         key = (name, tuple(sorted(static.items())), str(jax.tree.structure(args)), tuple(jax.tree.leaves(shapes)))
         if key not in self._compiled:
-            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-            self._compiled[key] = jitted.lower(*args).compile()
+            self._compiled[key] = compile_jitted(functools.partial(fn, **static), *args, donate=donate)
         return self._compiled[key]
 
     # ---- generation ----------------------------------------------------------------------------------------

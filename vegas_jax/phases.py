@@ -13,12 +13,15 @@ import numpy as np
 
 from models.decoder import forward
 from vegas_jax import loop, sampling
+from vegas_jax.compilation import compile_jitted
 from vegas_jax.engine import Engine, Started
 from vegas_jax.selection import SelectContext
 
 
-def _time(fn, *args, reps: int = 5):
-    """Median seconds of fn(*args) -> (result, ...) where args[0] is threaded (donated) through the calls."""
+def _time(fn, *args, reps: int = 5, donate: bool = False):
+    """Median seconds of fn(*args) -> (result, ...) where args[0] is threaded (donated if asked) through the
+    calls; compiled as the engine compiles its loop."""
+    fn = compile_jitted(fn, *args, donate=(0,) if donate else ())
     times = []
     out = None
     for _ in range(reps + 1):
@@ -45,7 +48,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
             )
             return cache, drafts, probs
 
-        t, (cache, drafts, draft_probs) = _time(jax.jit(drafted, donate_argnums=0), cache)
+        t, (cache, drafts, draft_probs) = _time(drafted, cache, donate=True)
         result["draft_ms"] = t * 1e3
 
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
@@ -55,7 +58,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
         logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
         return cache, logits, scores
 
-    t, (cache, logits, scores) = _time(jax.jit(verified, donate_argnums=0), cache)
+    t, (cache, logits, scores) = _time(verified, cache, donate=True)
     result["verify_ms"] = t * 1e3
 
     num_drafts = jnp.full((batch,), gamma, jnp.int32)
@@ -66,7 +69,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
         target = sampling.probabilities(logits, state.sampling, config.sampling)
         return x, sampling.accept_speculative(keys[gamma], drafts, draft_probs, target, num_drafts)
 
-    t, (_, (num_accepted, _)) = _time(jax.jit(accepted), jnp.zeros(()), logits, draft_probs)
+    t, (_, (num_accepted, _)) = _time(accepted, jnp.zeros(()), logits, draft_probs)
     result["accept_ms"] = t * 1e3
 
     if config.policy is not None:
@@ -77,6 +80,6 @@ def time_phases(engine: Engine, started: Started) -> dict:
             return x, config.policy.select(ctx, selection, policy_state)
 
         args = (scores, num_accepted, cache, state.selection, state.policy_state)
-        t, _ = _time(jax.jit(selected), jnp.zeros(()), *args)
+        t, _ = _time(selected, jnp.zeros(()), *args)
         result["select_ms"] = t * 1e3
     return result

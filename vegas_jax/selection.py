@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.kv_cache import write_rows
 from pallas_kernels import select_topk
 from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.sparse_draft import SparseDraftAttention, sparse_attend
@@ -288,8 +287,6 @@ class QuestDraftAttention:
     backend: str = dataclasses.field(metadata=dict(static=True))
 
     def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
-        k_cache = write_rows(k_cache, k, positions)
-        v_cache = write_rows(v_cache, v, positions)
         b, _, n, h = q.shape
         lo, hi = self.page_min[layer], self.page_max[layer]  # [B, P, K, D]
         qg = q[:, 0].reshape(b, lo.shape[2], n // lo.shape[2], h).astype(jnp.float32)  # [B, K, G, D]
@@ -303,8 +300,9 @@ class QuestDraftAttention:
         k_pages = self.budget.tokens(positions[:, 0], committed) // self.page
         pages, page_counts = top_k_indices(bound, k_pages, max(1, self.budget.k_max // self.page))
         indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
-        out = sparse_attend(
-            q, k_cache, v_cache, indices, page_counts * self.page, self.recent_start, positions, self.backend
+        out, k_cache, v_cache = sparse_attend(
+            q, k, v, k_cache, v_cache, indices[None], (page_counts * self.page)[None], 0, self.recent_start,
+            positions, self.backend,
         )
         return out, k_cache, v_cache, None
 

@@ -28,19 +28,23 @@ def recent_mask(recent_start: jax.Array, positions: jax.Array, capacity: int) ->
     return (t >= recent_start[:, None, None]) & (t <= positions[:, :, None])
 
 
-def sparse_attend(q, k_cache, v_cache, indices, counts, recent_start, positions, backend: str):
-    """One query token per sequence ([B, 1, N, H]) over indices[b, :counts[b]] (all < recent_start[b]) and the
-    positions from recent_start[b] to its own. The kernel reads those rows straight from the cache; the
-    reference masks a dense pass over the whole cache."""
+def sparse_attend(q, k, v, k_cache, v_cache, indices, counts, layer, recent_start, positions, backend: str):
+    """One new token per sequence (q [B, 1, N, H], its k/v [B, 1, K, H]) over indices[layer, b, :counts[layer, b]]
+    (all < recent_start[b]) and the positions from recent_start[b] to its own; also writes its K/V into the
+    caches. Returns (out, k_cache, v_cache). The kernel reads the rows straight from the cache and writes the new
+    row in the same launch; the reference scatters, then masks a dense pass over the whole cache."""
     if uses_kernels(backend):
-        out = sparse_decode_attention(
-            q[:, 0], k_cache, v_cache, indices, counts, recent_start, positions[:, 0] + 1,
-            interpret=interpret(backend),
+        out, k_cache, v_cache = sparse_decode_attention(
+            q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, indices, counts, recent_start, positions[:, 0],
+            layer=layer, interpret=interpret(backend),
         )
-        return out[:, None]
+        return out[:, None], k_cache, v_cache
+    k_cache = write_rows(k_cache, k, positions)
+    v_cache = write_rows(v_cache, v, positions)
     capacity = k_cache.shape[1]
-    mask = selected_mask(indices, counts, capacity)[:, None, :] | recent_mask(recent_start, positions, capacity)
-    return masked_attention(q, k_cache, v_cache, mask)
+    selected = selected_mask(indices[layer], counts[layer], capacity)
+    mask = selected[:, None, :] | recent_mask(recent_start, positions, capacity)
+    return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache
 
 
 @jax.tree_util.register_dataclass
@@ -52,9 +56,7 @@ class SparseDraftAttention:
     backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
 
     def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
-        k_cache = write_rows(k_cache, k, positions)
-        v_cache = write_rows(v_cache, v, positions)
-        out = sparse_attend(
-            q, k_cache, v_cache, self.indices[layer], self.counts[layer], self.recent_start, positions, self.backend
+        out, k_cache, v_cache = sparse_attend(
+            q, k, v, k_cache, v_cache, self.indices, self.counts, layer, self.recent_start, positions, self.backend
         )
         return out, k_cache, v_cache, None

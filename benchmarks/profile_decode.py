@@ -1,0 +1,163 @@
+"""Where a decode iteration's GPU time goes: runs a few iterations of the compiled while loop under the JAX profiler
+and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas kernel, XLA fusion, copy).
+
+    python benchmarks/profile_decode.py --batch 64 --prompt-tokens 7936 --methods ar,vegas [--model PATH.gguf]
+
+Without --model the weights are random with SmolLM2-135M's shapes (kernel times do not depend on the weights;
+how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
+iteration (the sum of kernel durations) against wall time per iteration (the gap is launch and host overhead),
+and the kernels taking the most time. Prints a table; writes JSON to --out (and $OUT if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
+from benchmarks.random_model import random_smollm2_engine  # noqa: E402
+from benchmarks.results_io import save_results  # noqa: E402
+from vegas_jax.attention.backend import default_backend  # noqa: E402
+from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.loading import load_model  # noqa: E402
+
+_KINDS = (
+    ("pallas", re.compile(r"sparse_decode|verify_attention|select_topk|radix|compact")),
+    ("gemm", re.compile(r"gemm|cutlass|cublas|sm90_|nvjet|matmul|dot", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, pattern in _KINDS:
+        if pattern.search(name):
+            return kind
+    return "xla_fusion"
+
+
+def gpu_kernel_events(log_dir: Path) -> list[dict]:
+    """Complete ('X') events on the GPU's stream timelines of the one trace under log_dir."""
+    (trace_file,) = log_dir.glob("plugins/profile/*/*.trace.json.gz")
+    with gzip.open(trace_file) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def summarize(events: list[dict], iterations: int, wall_s: float, top: int) -> dict:
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = e["args"].get("hlo_op", e["name"]) if isinstance(e.get("args"), dict) else e["name"]
+        label = f"{e['name'][:60]} [{name[:40]}]" if name != e["name"] else e["name"][:100]
+        by_name[label][0] += 1
+        by_name[label][1] += e["dur"]
+        kind = kernel_kind(e["name"])
+        by_kind[kind][0] += 1
+        by_kind[kind][1] += e["dur"]
+    busy_us = sum(e["dur"] for e in events)
+    per_iter = lambda x: x / iterations
+    return {
+        "iterations": iterations,
+        "wall_ms_per_iteration": 1e3 * wall_s / iterations,
+        "gpu_busy_ms_per_iteration": per_iter(busy_us) / 1e3,
+        "kernels_per_iteration": per_iter(len(events)),
+        "by_kind": {k: {"kernels_per_iteration": per_iter(c), "ms_per_iteration": per_iter(us) / 1e3}
+                    for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+        "top_kernels": [{"kernel": k, "calls_per_iteration": per_iter(c), "ms_per_iteration": per_iter(us) / 1e3,
+                         "mean_us": us / c}
+                        for k, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]],
+    }
+
+
+def profile_method(engine: Engine, prompts, options: GenerationOptions, warmup: int, iterations: int, top: int,
+                   hlo_path: Path | None):
+    started = engine.start(prompts, options)
+    if hlo_path:
+        with gzip.open(hlo_path, "wt") as f:
+            f.write(started.decode.as_text())
+    params = engine.model.params
+    state = started.decode(params, started.state, jnp.int32(warmup))
+    jax.block_until_ready(state.output)
+    limit = jnp.int32(warmup + iterations)
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            t0 = time.perf_counter()
+            state = started.decode(params, state, limit)
+            jax.block_until_ready(state.output)
+            wall_s = time.perf_counter() - t0
+        events = gpu_kernel_events(Path(log_dir))
+    ran = int(np.asarray(state.step)) - warmup
+    return summarize(events, max(ran, 1), wall_s, top)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF/HF/Orbax path; default: random SmolLM2-shaped weights")
+    p.add_argument("--methods", default="ar,vegas")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=7936)
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--score-mode", default="logit")
+    p.add_argument("--warmup", type=int, default=2, help="iterations run before the profiled ones")
+    p.add_argument("--iterations", type=int, default=4, help="iterations profiled")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--hlo", action="store_true", help="also save each method's optimized HLO (gzipped) to --out")
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    if args.model:
+        engine = Engine(load_model(args.model, jnp.bfloat16))
+        prompts = long_prompts(engine.tokenizer, args.batch, args.prompt_tokens, stdlib_corpus())
+    else:
+        engine = random_smollm2_engine()
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(0, engine.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
+    max_new = (args.warmup + args.iterations + 1) * (args.gamma + 1) + 1
+    results = {}
+    hlo_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("."))
+    for method in args.methods.split(","):
+        options = GenerationOptions(method=method, gamma=args.gamma, score_mode=args.score_mode,
+                                    max_new_tokens=max_new, max_model_len=args.prompt_tokens + max_new)
+        hlo_path = hlo_dir / f"decode-{method}{'-' + args.tag if args.tag else ''}.hlo.txt.gz" if args.hlo else None
+        if hlo_path:
+            hlo_dir.mkdir(parents=True, exist_ok=True)
+        results[method] = profile_method(engine, prompts, options, args.warmup, args.iterations, args.top, hlo_path)
+
+    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python " + " ".join(sys.argv), "weights": args.model or "random (SmolLM2-135M shapes)",
+           "attention_backend": default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+           "gamma": args.gamma, "methods": results}
+    save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
+                 args.out)
+    for method, r in results.items():
+        print(f"\n== {method}: {r['wall_ms_per_iteration']:.2f} ms/iteration wall, "
+              f"{r['gpu_busy_ms_per_iteration']:.2f} ms GPU busy, {r['kernels_per_iteration']:.0f} kernels")
+        for kind, k in r["by_kind"].items():
+            print(f"   {kind:11} {k['kernels_per_iteration']:7.1f} kernels {k['ms_per_iteration']:7.3f} ms")
+        for k in r["top_kernels"]:
+            print(f"   {k['ms_per_iteration']:7.3f} ms {k['calls_per_iteration']:6.1f}x {k['mean_us']:7.1f} us  {k['kernel']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
