@@ -1,4 +1,5 @@
-"""Plots of the committed end-to-end results: decode throughput (plain vs Vegas) and τ per selection policy.
+"""Plots of the committed end-to-end results: decode throughput (plain vs Vegas), where a Vegas iteration's GPU
+time goes step by step of the optimisation (profiles), and τ per selection policy.
 
     pip install -e '.[bench]' && python benchmarks/plot_results.py   # writes benchmarks/results/e2e-summary.png
 """
@@ -21,12 +22,44 @@ def load(tag: str) -> list[dict]:
     return [r for f in sorted(RESULTS.glob(f"e2e-*-{tag}.json")) for r in json.loads(f.read_text())["records"]]
 
 
-def main() -> int:
-    throughput = load("4k") + load("8k")
-    policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+# Profiles of one Vegas iteration (B = 64, 7.9K-token prompts, random SmolLM2-shaped weights), in the order the
+# optimisations landed: (file tag, label).
+PROFILE_STEPS = [
+    ("default", "XLA Triton\nGEMMs"),
+    ("cublas", "+ cuBLAS\nGEMMs"),
+    ("opt1", "+ draft kernel writes K/V,\nreads selections in place;\nverify 128-key blocks"),
+    ("opt2", "+ one packed operand,\ndraft 2 splits x 128 keys"),
+]
+KINDS = ("pallas", "gemm", "xla_fusion", "copy")
 
-    configs = sorted({(r["prompt_tokens"], r["batch"]) for r in throughput})
+
+def plot_profiles(ax) -> None:
+    steps = []
+    for tag, label in PROFILE_STEPS:
+        path = RESULTS / f"profile-2026-11-30-{tag}.json"
+        if path.exists():
+            steps.append((label, json.loads(path.read_text())["methods"]["vegas"]))
+    bottom = [0.0] * len(steps)
+    for kind in KINDS:
+        ms = [step["by_kind"].get(kind, {}).get("ms_per_iteration", 0.0) for _, step in steps]
+        ax.bar(range(len(steps)), ms, 0.6, bottom=bottom, label=kind)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    for i, (_, step) in enumerate(steps):
+        ax.annotate(f"{step['kernels_per_iteration']:.0f} kernels", (i, bottom[i]), ha="center", va="bottom",
+                    fontsize=8)
+    ax.set_xticks(range(len(steps)), [label for label, _ in steps], fontsize=8)
+    ax.set_ylabel("GPU ms per Vegas iteration")
+    ax.set_title("Where an iteration's GPU time goes (B=64, 7.9K)")
+    ax.legend(fontsize=8)
+
+
+def main() -> int:
+    throughput = load("final")
+    policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(19, 4.8), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
+
+    # Prompts of one target length differ by a token or so from batch to batch: order by length class, then batch.
+    configs = sorted({(r["prompt_tokens"], r["batch"]) for r in throughput}, key=lambda c: (round(c[0], -2), c[1]))
     labels = [f"{p / 1000:.1f}K x B{b}" for p, b in configs]
     for offset, method in [(-0.2, "ar"), (0.2, "vegas")]:
         rate = {(r["prompt_tokens"], r["batch"]): r["decode_tokens_per_s"] for r in throughput if r["method"] == method}
@@ -36,7 +69,7 @@ def main() -> int:
             for bar, c in zip(bars, configs):
                 ax1.annotate(f"{speedups[c]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                              ha="center", va="bottom", fontsize=8)
-    ax1.set_xticks(range(len(configs)), labels)
+    ax1.set_xticks(range(len(configs)), labels, fontsize=8)
     ax1.set_yscale("log")
     ax1.set_ylabel("decode tokens/s")
     ax1.set_title("SmolLM2-135M, H200: plain vs Vegas (γ=6, ratio 0.07)")
@@ -52,6 +85,7 @@ def main() -> int:
     ax2.set_ylabel("τ (tokens per iteration, max 7)")
     ax2.set_title("Selection policies, B=8, 7.9K-token prompts")
     ax2.legend()
+    plot_profiles(ax3)
     fig.tight_layout()
     out = RESULTS / "e2e-summary.png"
     fig.savefig(out, dpi=110)
