@@ -6,7 +6,8 @@ and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas ker
 Without --model the weights are random with SmolLM2-135M's shapes (kernel times do not depend on the weights;
 how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
 iteration (the sum of kernel durations) against wall time per iteration (the gap is launch and host overhead),
-and the kernels taking the most time. Prints a table; writes JSON to --out (and $OUT if set).
+the same split by enclosing command buffer (the draft steps' inner loop is one CUDA graph, the rest of the
+iteration another), and the kernels taking the most time. Prints a table; writes JSON to --out (and $OUT if set).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 
 _KINDS = (
-    ("pallas", re.compile(r"sparse_decode|verify_attention|select_topk|radix|compact")),
+    # The names pallas_kernels gives its pallas_calls.
+    ("pallas", re.compile(r"sparse_decode_attention|verify_attention|count_at_least|compact_selected")),
     ("gemm", re.compile(r"gemm|cutlass|cublas|sm90_|nvjet|matmul|dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )
@@ -64,23 +66,26 @@ def gpu_kernel_events(log_dir: Path) -> list[dict]:
 def summarize(events: list[dict], iterations: int, wall_s: float, top: int) -> dict:
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_kind = collections.defaultdict(lambda: [0, 0.0])
+    # The enclosing HLO op of a kernel inside the loop is its command buffer (a CUDA graph): the draft steps'
+    # inner loop is one, the rest of the iteration (verification, acceptance, selection) another.
+    by_enclosing_op = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
-        name = e["args"].get("hlo_op", e["name"]) if isinstance(e.get("args"), dict) else e["name"]
-        label = f"{e['name'][:60]} [{name[:40]}]" if name != e["name"] else e["name"][:100]
-        by_name[label][0] += 1
-        by_name[label][1] += e["dur"]
-        kind = kernel_kind(e["name"])
-        by_kind[kind][0] += 1
-        by_kind[kind][1] += e["dur"]
+        op = e["args"].get("hlo_op", e["name"]) if isinstance(e.get("args"), dict) else e["name"]
+        label = f"{e['name'][:60]} [{op[:40]}]" if op != e["name"] else e["name"][:100]
+        for table, key in ((by_name, label), (by_kind, kernel_kind(e["name"])), (by_enclosing_op, op)):
+            table[key][0] += 1
+            table[key][1] += e["dur"]
     busy_us = sum(e["dur"] for e in events)
     per_iter = lambda x: x / iterations
+    tally = lambda table: {k: {"kernels_per_iteration": per_iter(c), "ms_per_iteration": per_iter(us) / 1e3}
+                           for k, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])}
     return {
         "iterations": iterations,
         "wall_ms_per_iteration": 1e3 * wall_s / iterations,
         "gpu_busy_ms_per_iteration": per_iter(busy_us) / 1e3,
         "kernels_per_iteration": per_iter(len(events)),
-        "by_kind": {k: {"kernels_per_iteration": per_iter(c), "ms_per_iteration": per_iter(us) / 1e3}
-                    for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+        "by_kind": tally(by_kind),
+        "by_enclosing_op": tally(by_enclosing_op),
         "top_kernels": [{"kernel": k, "calls_per_iteration": per_iter(c), "ms_per_iteration": per_iter(us) / 1e3,
                          "mean_us": us / c}
                         for k, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]],
@@ -145,17 +150,19 @@ def main(argv=None) -> int:
     doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "python " + " ".join(sys.argv), "weights": args.model or "random (SmolLM2-135M shapes)",
-           "attention_backend": default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+           "attention_backend": default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "batch": args.batch, "prompt_tokens": args.prompt_tokens,
            "gamma": args.gamma, "methods": results}
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
                  args.out)
     for method, r in results.items():
         print(f"\n== {method}: {r['wall_ms_per_iteration']:.2f} ms/iteration wall, "
               f"{r['gpu_busy_ms_per_iteration']:.2f} ms GPU busy, {r['kernels_per_iteration']:.0f} kernels")
-        for kind, k in r["by_kind"].items():
+        for kind, k in [*r["by_kind"].items(), *list(r["by_enclosing_op"].items())[:3]]:
             print(f"   {kind:11} {k['kernels_per_iteration']:7.1f} kernels {k['ms_per_iteration']:7.3f} ms")
         for k in r["top_kernels"]:
-            print(f"   {k['ms_per_iteration']:7.3f} ms {k['calls_per_iteration']:6.1f}x {k['mean_us']:7.1f} us  {k['kernel']}")
+            print(f"   {k['ms_per_iteration']:7.3f} ms {k['calls_per_iteration']:6.1f}x {k['mean_us']:7.1f} us  "
+                  f"{k['kernel']}")
     return 0
 
 

@@ -155,7 +155,7 @@ def sparse_decode_unbatched(
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
     out_specs += [head_rows, head_rows]
-    out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    out_shape += [jax.ShapeDtypeStruct(cache.shape, cache.dtype) for cache in (k_cache, v_cache)]
     o, l, m, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_splits),

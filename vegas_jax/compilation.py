@@ -3,6 +3,7 @@ process-wide XLA_FLAGS, which belong to the user)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import jax
@@ -18,5 +19,15 @@ def compiler_options() -> dict | None:
 
 
 def compile_jitted(fn: Callable, *args, donate: tuple = ()):
-    """fn jitted and compiled ahead of time for these argument shapes, with the decode compiler options."""
-    return jax.jit(fn, donate_argnums=donate).lower(*args).compile(compiler_options=compiler_options())
+    """fn jitted and compiled ahead of time for these argument shapes, with the decode compiler options (without
+    them, and a warning, on an XLA that does not know one of them)."""
+    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+    options = compiler_options()
+    try:
+        return lowered.compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as exc:
+        if not options or "No such compile option" not in str(exc):
+            raise
+        warnings.warn(f"compiling without the decode compiler options {options}: {exc}", RuntimeWarning,
+                      stacklevel=2)
+        return lowered.compile()
