@@ -387,7 +387,8 @@ def run_tuning(settings, copy_gb_per_s, records, only):
             for batch in settings.batches:
                 run = lambda config: bench(settings, copy_gb_per_s, records, model, batch, length, config=config,
                                            time_reference=False)
-                tiles = [run(config) for config in sweep(dict(block_k=(32, 64, 128), num_splits=(1, 2, 4, 8, 16, 32, 64)))]
+                tile_options = dict(block_k=(32, 64, 128), num_splits=(1, 2, 4, 8, 16, 32, 64))
+                tiles = [run(config) for config in sweep(tile_options)]
                 timed = [record for record in tiles if record.time_ms is not None]
                 if not timed:
                     continue
