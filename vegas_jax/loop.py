@@ -40,9 +40,9 @@ class DecodeConfig:
         if (self.policy is None) != (self.gamma == 0):
             raise ValueError("a selection policy is needed exactly when gamma > 0")
 
-    def verify_attention(self) -> VerifyAttention:
+    def verify_attention(self, active: jax.Array | None = None) -> VerifyAttention:
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return VerifyAttention(request, self.model.num_layers, self.backend)
+        return VerifyAttention(request, self.model.num_layers, self.backend, active)
 
 
 @jax.tree_util.register_dataclass
@@ -184,7 +184,11 @@ def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num
     """γ sequential single-token forwards with sparse attention. Returns (cache, drafts [B, γ], draft probs
     [B, γ, V] or None, finite [B]: every counted draft step had finite logits)."""
     gamma, batch = config.gamma, state.committed.shape[0]
-    attention = config.policy.draft_attention(state.selection, state.policy_state)
+    # A finished sequence's drafts are discarded: with no selected rows its draft attention reads only the few
+    # recent ones, which makes the iterations where the batch waits for its slowest sequences cheaper.
+    selection = state.selection
+    selection = dataclasses.replace(selection, counts=jnp.where(state.done[None, :], 0, selection.counts))
+    attention = config.policy.draft_attention(selection, state.policy_state)
     greedy = config.sampling.greedy
     probs = None if greedy else jnp.zeros((batch, gamma, config.model.vocab_size), jnp.float32)
 
@@ -223,7 +227,9 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
 
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
-    logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
+    logits, cache, scores = forward(
+        params, tokens, positions, cache, config.verify_attention(active), config=config.model
+    )
     finite = draft_finite & _check_finite(logits, num_drafts + 1)
 
     if config.sampling.greedy:

@@ -42,6 +42,9 @@ class VerifyAttention:
     request: ScoreRequest | None = dataclasses.field(default=None, metadata=dict(static=True))
     num_layers: int = dataclasses.field(default=0, metadata=dict(static=True))
     backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    # [B] bool or None (all). The kernel skips the keys of inactive sequences (finished ones, whose results the
+    # loop discards): their outputs and scores are unspecified. The jnp path computes them anyway.
+    active: jax.Array | None = None
 
     def collects(self, layer: int) -> bool:
         if self.request is None:
@@ -59,8 +62,11 @@ class VerifyAttention:
         v_cache = write_rows(v_cache, v, positions)
         if self._kernel_serves(layer):
             mode = self.request.mode if self.collects(layer) else None
+            start = positions[:, 0]
+            if self.active is not None:
+                start = jnp.where(self.active, start, 0)  # reads only the first S rows
             out, scores = verify_attention(
-                q, k_cache, v_cache, positions[:, 0], score_mode=mode, interpret=interpret(self.backend)
+                q, k_cache, v_cache, start, score_mode=mode, interpret=interpret(self.backend)
             )
             return out, k_cache, v_cache, scores
         mask = causal_mask(positions, k_cache.shape[1])
