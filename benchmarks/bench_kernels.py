@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import save_results  # noqa: E402
+from models.attention import rope_tables  # noqa: E402
 from pallas_kernels.select_topk import select_topk, select_topk_reference  # noqa: E402
 from pallas_kernels.sparse_decode import (  # noqa: E402
     sparse_decode_attention,
@@ -182,12 +183,13 @@ def sparse_inputs(batch, length, model, index_sets: int, seed=0):
                         for _ in range(index_sets)])
     key = jax.random.key(seed)
     k_cache, v_cache = random_cache(key, batch, length, kv_heads, head_dim)
-    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, num_q_heads, head_dim), jnp.bfloat16)
-    k_new, v_new = jax.random.normal(jax.random.fold_in(key, 2), (2, batch, kv_heads, head_dim), jnp.bfloat16)
+    qkv = jax.random.normal(jax.random.fold_in(key, 1), (batch, num_q_heads + 2 * kv_heads, head_dim), jnp.bfloat16)
     full = lambda value: jnp.full((batch,), value, jnp.int32)
     # The recent range holds RECENT_TOKENS rows, the last of them the new token.
-    args = (q, k_new, v_new, k_cache, v_cache, jnp.asarray(indices, jnp.int32),
-            jnp.full((index_sets, batch), count, jnp.int32), full(recent_start), full(recent_start + RECENT_TOKENS - 1))
+    position = full(recent_start + RECENT_TOKENS - 1)
+    rope_cos, rope_sin = rope_tables(position, 1e6 ** -(jnp.arange(0, head_dim, 2) / head_dim))
+    args = (qkv, rope_cos, rope_sin, k_cache, v_cache, jnp.asarray(indices, jnp.int32),
+            jnp.full((index_sets, batch), count, jnp.int32), full(recent_start), position)
     keys_read = count + RECENT_TOKENS - 1
     row_bytes = kv_heads * head_dim * 2 * 2  # K and V
     nbytes = batch * (keys_read * row_bytes + row_bytes + num_q_heads * head_dim * 2 * 2 + count * 4)
@@ -195,7 +197,7 @@ def sparse_inputs(batch, length, model, index_sets: int, seed=0):
 
 
 class CacheThreaded:
-    """`launches` calls of a sparse attention fn(launch, q, k_new, v_new, k_cache, v_cache, *rest) per jitted
+    """`launches` calls of a sparse attention fn(launch, qkv, cos, sin, k_cache, v_cache, *rest) per jitted
     call, each on the caches the previous one returned, and the caches donated from call to call: the way the
     decode loop runs the kernel, with the row writes in place and the dispatch cost spread over the launches."""
 
@@ -203,10 +205,10 @@ class CacheThreaded:
         self.k_cache, self.v_cache = (jnp.copy(x) for x in args[3:5])
         self.others = args[:3] + args[5:]
 
-        def run(k_cache, v_cache, q, k_new, v_new, *rest):
-            total = jnp.zeros(q.shape, jnp.float32)
+        def run(k_cache, v_cache, qkv, rope_cos, rope_sin, *rest):
+            total = 0.0
             for launch in range(launches):
-                out, k_cache, v_cache = fn(launch, q, k_new, v_new, k_cache, v_cache, *rest)
+                out, k_cache, v_cache = fn(launch, qkv, rope_cos, rope_sin, k_cache, v_cache, *rest)
                 total += out.astype(jnp.float32)
             return total, k_cache, v_cache
 
@@ -232,8 +234,8 @@ def bench_sparse(settings, copy_gb_per_s, records, model, batch, length, config=
         def kernel_launch(launch, *launch_args):
             return kernel(*launch_args, layer=launch)
 
-        def reference_launch(launch, q, k_new, v_new, k_cache, v_cache, indices, counts, *rest):
-            return reference(q, k_new, v_new, k_cache, v_cache, indices[launch], counts[launch], *rest)
+        def reference_launch(launch, qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, *rest):
+            return reference(qkv, rope_cos, rope_sin, k_cache, v_cache, indices[launch], counts[launch], *rest)
 
         got, want = kernel_launch(0, *args), reference_launch(0, *args)
         record.max_rel_error = max(relative_error(a, b) for a, b in zip(got, want))

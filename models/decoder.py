@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import Attention
+from models.attention import Attention, NewTokens, rope_tables
 from models.config import ModelConfig, rope_inverse_frequencies
 from models.kv_cache import KVCache
 
@@ -31,17 +31,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention) in float32. x: [B, S, heads, H]; positions: [B, S]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -64,19 +53,19 @@ class DecoderLayer(nnx.Module):
         self.down_proj = nnx.Param(init(rngs.params(), (c.intermediate_size, c.hidden_size), dtype))
         self.attention_bias = c.attention_bias
         self.head_split = (c.num_heads, c.num_heads + c.num_kv_heads)
+        self.num_kv_heads = c.num_kv_heads
         self.qk_norm = c.qk_norm
 
-    def __call__(self, layer: int, x, positions, inv_freq, k_cache, v_cache, attention: Attention):
+    def __call__(self, layer: int, x, positions, rope, k_cache, v_cache, attention: Attention):
         h = self.attn_norm(x)
         qkv = jnp.einsum("BSD,DNH->BSNH", h, self.qkv_proj[...])
         if self.attention_bias:
             qkv = qkv + self.qkv_bias[...]
-        q, k, v = jnp.split(qkv, self.head_split, axis=2)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        out, k_cache, v_cache, aux = attention(layer, q, k, v, positions, k_cache, v_cache)
+            q, k, v = jnp.split(qkv, self.head_split, axis=2)
+            qkv = jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=2)
+        new = NewTokens(qkv, *rope, num_kv_heads=self.num_kv_heads)
+        out, k_cache, v_cache, aux = attention(layer, new, positions, k_cache, v_cache)
         x = x + jnp.einsum("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj[...])
         h = self.mlp_norm(x)
         gate_up = jnp.einsum("BSD,DGF->BSGF", h, self.gate_up_proj[...])
@@ -96,11 +85,11 @@ class Decoder(nnx.Module):
             )
 
     def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows=None):
-        inv_freq = jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32)
+        rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32))
         x = jnp.take(self.embed[...], tokens, axis=0)
         k_out, v_out, aux_out = [], [], []
         for i, layer in enumerate(self.layers):
-            x, k, v, aux = layer(i, x, positions, inv_freq, kv_cache.k[i], kv_cache.v[i], attention)
+            x, k, v, aux = layer(i, x, positions, rope, kv_cache.k[i], kv_cache.v[i], attention)
             k_out.append(k)
             v_out.append(v)
             aux_out.append(aux)

@@ -7,8 +7,10 @@ flash decoding: the listed and recent rows are laid end to end as one list of "v
 equal share of that list, and the per-split partial softmax results are combined in plain JAX afterwards. One
 program handles all query heads of a KV head, padded to 16 rows because Triton dots need every dimension >= 16.
 
-The new token's K/V come in as values: split 0 attends them and writes them into the cache row (the caches are
-aliased outputs), which saves the decode step two scatter launches per layer.
+The new token comes in as the QKV projection gives it: all heads side by side ([H_q + 2 H_kv, D]) before RoPE,
+with the RoPE tables at its position. Each program rotates its query heads and its key head in registers, split
+0 attends the new token and writes its K/V row into the cache (the caches are aliased outputs): where the model
+rotated, packed and scattered, the decode step spends no launch of its own per layer.
 
 Triton backend: the row gathers are pointer loads `k_ref.at[rows]`, which Mosaic GPU cannot do on Hopper.
 """
@@ -24,11 +26,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from models.attention import NewTokens
 from pallas_kernels._common import (
     MASK_VALUE,
     NUM_SMS,
     TARGET_PROGRAMS,
-    check_cache_shapes,
     check_power_of_2,
     combine_splits,
     next_power_of_2,
@@ -40,8 +42,23 @@ from pallas_kernels._common import (
 _MAX_SPLITS = 32
 
 
+def _rope(x, cos, sin, swap_halves):
+    """Rotate-half RoPE of rows x [R, D] at tables cos, sin [D] (models.attention.rope_tables), in x's dtype.
+    The half swap is a product with a permutation matrix (exact: one nonzero term per output): Triton values
+    cannot be sliced and concatenated."""
+    swapped = plt.dot(x, swap_halves, allow_tf32=False)
+    return (x.astype(jnp.float32) * cos[None, :] + swapped * sin[None, :]).astype(x.dtype)
+
+
+def _first_row(x):
+    """x[0] of rows x [R, D], as a masked sum: Triton values cannot be indexed."""
+    return jnp.sum(jnp.where(jnp.arange(x.shape[0])[:, None] == 0, x.astype(jnp.float32), 0.0), axis=0)
+
+
 def sparse_decode_kernel(
-    new_ref,  # [block_h + 2, D] the query heads of one KV head (zero-padded to block_h), then the new K and V
+    qkv_ref,  # [H_q + 2 H_kv, D] the new token's query, key and value heads, before RoPE
+    cos_ref,  # [D] float32 RoPE tables at the new token's position
+    sin_ref,  # [D]
     k_ref,  # [T, D] one KV head's keys
     v_ref,  # [T, D]
     indices_ref,  # [K_max] selected rows
@@ -56,22 +73,33 @@ def sparse_decode_kernel(
     *,
     sm_scale: float,
     block_k: int,
+    block_h: int,
     num_splits: int,
-    num_heads: int,
+    group: int,
+    num_kv_heads: int,
 ):
-    block_h = new_ref.shape[0] - 2
-    head_dim = new_ref.shape[1]
+    head_dim = qkv_ref.shape[1]
+    kv_head = pl.program_id(0)
     split = pl.program_id(1)
     count = count_ref[()]
     recent_start = recent_start_ref[()]
     position = position_ref[()]
-    # Cached keys only: the new token's row is written by this launch, so it is attended from k_new/v_new.
+    # Cached keys only: the new token's row is written by this launch, so it is attended from its own K/V.
     num_keys = count + position - recent_start
     # Whole blocks per split so that only a split's last block is partial.
     keys_per_split = pl.cdiv(pl.cdiv(num_keys, num_splits), block_k) * block_k
     split_start = split * keys_per_split
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
-    q = new_ref[pl.ds(0, block_h), :]
+
+    lane = jnp.arange(block_h)
+    column = jnp.arange(head_dim)
+    swap_halves = (column[:, None] == (column[None, :] + head_dim // 2) % head_dim).astype(qkv_ref.dtype)
+    cos, sin = cos_ref[...], sin_ref[...]
+    # Rows past the group repeat its last head (dots need 16 rows); their results are never stored.
+    q = _rope(qkv_ref[kv_head * group + jnp.minimum(lane, group - 1), :], cos, sin, swap_halves)
+    key_row = group * num_kv_heads + kv_head
+    k_new = _first_row(_rope(qkv_ref[key_row + 0 * lane, :], cos, sin, swap_halves))
+    v_new = qkv_ref[key_row + num_kv_heads, :].astype(jnp.float32)
 
     def body(block, carry):
         o_prev, m_prev, l_prev = carry
@@ -100,28 +128,26 @@ def sparse_decode_kernel(
 
     # Split 0 also attends the new token (a one-key block, as a row-wise product: dots need 16 columns) and
     # writes its K/V row into the cache.
-    k_new = new_ref[block_h, :]
-    v_new = new_ref[block_h + 1, :]
-    new_logit = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * sm_scale
+    new_logit = jnp.sum(q.astype(jnp.float32) * k_new[None, :], axis=1) * sm_scale
     m_with_new = jnp.maximum(m, new_logit)
     correction = jnp.exp(m - m_with_new)
     p_new = jnp.exp(new_logit - m_with_new)
     first = split == 0
-    o = jnp.where(first, o * correction[:, None] + p_new[:, None] * v_new.astype(jnp.float32)[None, :], o)
+    o = jnp.where(first, o * correction[:, None] + p_new[:, None] * v_new[None, :], o)
     l = jnp.where(first, l * correction + p_new, l)
     m = jnp.where(first, m_with_new, m)
-    store_split_partials(o_ref, l_ref, m_ref, o, l, m, jnp.arange(block_h) < num_heads)
+    store_split_partials(o_ref, l_ref, m_ref, o, l, m, lane < group)
 
     @pl.when(first & (position < k_out_ref.shape[0]))
     def _():
-        k_out_ref[pl.ds(position, 1), :] = k_new[None, :]
-        v_out_ref[pl.ds(position, 1), :] = v_new[None, :]
+        k_out_ref[pl.ds(position, 1), :] = k_new[None, :].astype(k_out_ref.dtype)
+        v_out_ref[pl.ds(position, 1), :] = v_new[None, :].astype(v_out_ref.dtype)
 
 
 def sparse_decode_unbatched(
-    q,  # [H_q, D]
-    k_new,  # [H_kv, D]
-    v_new,  # [H_kv, D]
+    qkv,  # [H_q + 2 H_kv, D]
+    rope_cos,  # [D]
+    rope_sin,  # [D]
     k_cache,  # [T, H_kv, D]
     v_cache,  # [T, H_kv, D]
     indices,  # [L, K_max] the selections of every layer
@@ -137,20 +163,17 @@ def sparse_decode_unbatched(
     num_stages: int,
     interpret: bool,
 ):
-    num_q_heads, head_dim = q.shape
+    num_heads, head_dim = qkv.shape
     capacity, num_kv_heads, _ = k_cache.shape
+    num_q_heads = num_heads - 2 * num_kv_heads
     k_max = indices.shape[1]
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
-    q_grouped = q.reshape(num_kv_heads, group, head_dim)
-    q_grouped = jnp.pad(q_grouped, ((0, 0), (0, block_h - group), (0, 0)))
-    # One operand for the query rows and the new K/V row: in the decode step, one fusion (RoPE included)
-    # produces all three, where separate operands took three launches.
-    packed = jnp.concatenate([q_grouped, k_new[:, None], v_new[:, None]], axis=1).astype(k_cache.dtype)
-
     kernel = functools.partial(
-        sparse_decode_kernel, sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_heads=group
+        sparse_decode_kernel, sm_scale=sm_scale, block_k=block_k, block_h=block_h, num_splits=num_splits,
+        group=group, num_kv_heads=num_kv_heads,
     )
+    whole = lambda *shape: pl.BlockSpec(shape, lambda h, s: (0,) * len(shape))
     scalar = pl.BlockSpec((), lambda h, s: ())
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
@@ -160,7 +183,9 @@ def sparse_decode_unbatched(
         kernel,
         grid=(num_kv_heads, num_splits),
         in_specs=[
-            pl.BlockSpec((None, block_h + 2, head_dim), lambda h, s: (h, 0, 0)),
+            whole(num_heads, head_dim),
+            whole(head_dim),
+            whole(head_dim),
             head_rows,
             head_rows,
             # The layer's row of the stacked selections, picked by the block index: no sliced copy.
@@ -171,13 +196,14 @@ def sparse_decode_unbatched(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={1: 3, 2: 4},
+        input_output_aliases={3: 3, 4: 4},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_decode_attention",
-    )(packed, k_cache, v_cache, indices, count, recent_start, position)
+    )(qkv, rope_cos.astype(jnp.float32), rope_sin.astype(jnp.float32), k_cache, v_cache, indices, count,
+      recent_start, position)
     out = combine_splits(o[:, :, :group], l[:, :, :group], m[:, :, :group])
-    return out.reshape(num_q_heads, head_dim).astype(q.dtype), k_cache, v_cache
+    return out.reshape(num_q_heads, head_dim).astype(qkv.dtype), k_cache, v_cache
 
 
 def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, block_k: int | None = None):
@@ -198,9 +224,9 @@ def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, blo
     static_argnames=("layer", "sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
 )
 def sparse_decode_attention(
-    q: jax.Array,  # [B, H_q, D]
-    k_new: jax.Array,  # [B, H_kv, D] the new token's key and value
-    v_new: jax.Array,  # [B, H_kv, D]
+    qkv: jax.Array,  # [B, H_q + 2 H_kv, D] the new token's query, key and value heads, before RoPE
+    rope_cos: jax.Array,  # [B, D] float32 RoPE tables at the new token's position (models.attention.rope_tables)
+    rope_sin: jax.Array,  # [B, D]
     k_cache: jax.Array,  # [B, T, H_kv, D]
     v_cache: jax.Array,  # [B, T, H_kv, D]
     indices: jax.Array,  # [B, K_max] int32, or [L, B, K_max] with `layer`
@@ -216,24 +242,33 @@ def sparse_decode_attention(
     num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Softmax attention of one new token per sequence over selected cache rows, a recent range and itself; the
-    new token's K/V row is written into the caches in the same launch (in place where the caller's jit donates
-    them or, as in the decode loop, carries them).
+    """Softmax attention of one new token per sequence over selected cache rows, a recent range and itself, with
+    RoPE applied to its query and key heads; the new token's K/V row is written into the caches in the same launch
+    (in place where the caller's jit donates them or, as in the decode loop, carries them).
 
     Sequence b attends to rows `indices[b, :counts[b]]` (distinct, all < recent_start[b]; entries past counts[b]
-    are never read), rows `[recent_start[b], position[b])`, and the new token (k_new, v_new), which is stored at
-    row position[b] (dropped if position[b] >= T). With `layer`, indices and counts are every layer's (stacked,
-    as the decode loop keeps them) and the kernel reads layer `layer`'s directly.
-    Returns (out [B, H_q, D] in q's dtype, k_cache, v_cache); accumulation is float32.
+    are never read), rows `[recent_start[b], position[b])`, and the new token, whose rotated key and value are
+    stored at row position[b] (dropped if position[b] >= T). With `layer`, indices and counts are every layer's
+    (stacked, as the decode loop keeps them) and the kernel reads layer `layer`'s directly.
+    Returns (out [B, H_q, D] in qkv's dtype, k_cache, v_cache); accumulation is float32.
 
     block_k: keys per inner step (power of two >= 16). num_splits: split-K parallelism per (sequence, KV head).
     None for either: see default_launch. num_warps, num_stages: Triton launch parameters.
     """
-    check_cache_shapes(q, k_cache, v_cache, num_query_dims=3)
-    batch, _, head_dim = q.shape
-    new_shape = (batch, *k_cache.shape[2:])
-    if k_new.shape != new_shape or v_new.shape != new_shape:
-        raise ValueError(f"k_new and v_new must be {new_shape}, got {k_new.shape} and {v_new.shape}")
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or qkv.ndim != 3 or k_cache.shape[0] != qkv.shape[0]:
+        raise ValueError(f"caches must both be [B, T, H_kv, D] and qkv [B, H_q + 2 H_kv, D]; got {k_cache.shape}, "
+                         f"{v_cache.shape}, qkv {qkv.shape}")
+    batch, num_heads, head_dim = qkv.shape
+    num_kv_heads = k_cache.shape[2]
+    num_q_heads = num_heads - 2 * num_kv_heads
+    if k_cache.shape[3] != head_dim or num_q_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"qkv {qkv.shape} does not hold query heads and one key and value head per KV head of "
+                         f"caches {k_cache.shape}")
+    # Every Triton load must have a power-of-two number of elements, and dots need dims >= 16.
+    check_power_of_2("head_dim", head_dim, 16)
+    if rope_cos.shape != (batch, head_dim) or rope_sin.shape != rope_cos.shape:
+        raise ValueError(f"rope_cos and rope_sin must be {(batch, head_dim)}, got {rope_cos.shape} and "
+                         f"{rope_sin.shape}")
     for name, value in (("recent_start", recent_start), ("position", position)):
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {value.shape}")
@@ -260,24 +295,28 @@ def sparse_decode_attention(
     )
     as_int32 = lambda x: x.astype(jnp.int32)
     return jax.vmap(inner, in_axes=(0, 0, 0, 0, 0, 1, 1, 0, 0))(
-        q, k_new, v_new, k_cache, v_cache, as_int32(indices), as_int32(counts), as_int32(recent_start),
+        qkv, rope_cos, rope_sin, k_cache, v_cache, as_int32(indices), as_int32(counts), as_int32(recent_start),
         as_int32(position),
     )
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "max_recent"))
 def sparse_decode_attention_reference(
-    q, k_new, v_new, k_cache, v_cache, indices, counts, recent_start, position, *, sm_scale=None, max_recent=None
+    qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, recent_start, position, *, sm_scale=None,
+    max_recent=None,
 ):
-    """XLA twin of sparse_decode_attention: writes the new rows with a scatter, then gathers the selected rows
-    with take_along_axis.
+    """XLA twin of sparse_decode_attention: rotates q and k as the model does, writes the new rows with a
+    scatter, then gathers the selected rows with take_along_axis.
 
     The recent range (new token included) is gathered too when its length is known to be at most the static
     max_recent (the decode loop knows it: accepted drafts plus this iteration's drafts); with max_recent=None it
     is read as a mask over the whole cache, which is exact for any length but streams every row.
     """
-    batch, num_q_heads, head_dim = q.shape
+    batch, num_heads, head_dim = qkv.shape
     capacity, num_kv_heads = k_cache.shape[1:3]
+    num_q_heads = num_heads - 2 * num_kv_heads
+    q, k_new, v_new = NewTokens(qkv[:, None], rope_cos[:, None], rope_sin[:, None], num_kv_heads).rotated()
+    q, k_new, v_new = q[:, 0], k_new[:, 0], v_new[:, 0]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     batch_rows = jnp.arange(batch)[:, None]
     k_cache = k_cache.at[batch_rows, position[:, None]].set(k_new[:, None].astype(k_cache.dtype), mode="drop")

@@ -22,6 +22,19 @@ from pallas_kernels.sparse_decode import sparse_decode_attention, sparse_decode_
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
+def rope_tables(positions, head_dim):
+    """float64 tables of models.attention.rope_tables with frequencies 10000^(-2i/D)."""
+    angles = np.asarray(positions, np.float64)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
+    return np.concatenate([np.cos(angles)] * 2, -1), np.concatenate([-np.sin(angles), np.sin(angles)], -1)
+
+
+def rotate(x, cos, sin):
+    """Rotate-half RoPE in float64 of x [B, heads, D] at per-sequence tables [B, D]."""
+    half = x.shape[-1] // 2
+    swapped = np.concatenate([x[..., half:], x[..., :half]], -1)
+    return x * cos[:, None] + swapped * sin[:, None]
+
+
 def make_case(rng, *, batch, capacity, kv_heads, group, head_dim, k_max, counts, recent, dtype):
     """Random inputs; counts[b] listed rows, cached recent rows [start, position) and the new token at position
     for recent[b] = (start, position). Returns (args, key sets of cached rows)."""
@@ -45,14 +58,26 @@ def make_case(rng, *, batch, capacity, kv_heads, group, head_dim, k_max, counts,
     as_array = lambda x: jnp.asarray(x, dtype)
     int32 = lambda x: jnp.asarray(x, jnp.int32)
     starts, positions = zip(*recent)
-    args = (as_array(q), as_array(k_new), as_array(v_new), as_array(k), as_array(v), int32(indices),
-            int32(counts), int32(starts), int32(positions))
+    cos, sin = (jnp.asarray(table, jnp.float32) for table in rope_tables(positions, head_dim))
+    qkv = np.concatenate([q, k_new, v_new], axis=1)
+    args = (as_array(qkv), cos, sin, as_array(k), as_array(v), int32(indices), int32(counts), int32(starts),
+            int32(positions))
     return args, key_sets
 
 
-def expected_output(q, k_new, v_new, k, v, key_sets):
-    """float64 softmax attention of q [B, H_q, D] over each sequence's cached key rows and its new token."""
-    q, k_new, v_new, k, v = (np.asarray(x, np.float64) for x in (q, k_new, v_new, k, v))
+def new_token(qkv, cos, sin, kv_heads):
+    """float64 (q, k_new, v_new) of the kernel's qkv input, RoPE applied to q and k_new."""
+    qkv, cos, sin = (np.asarray(x, np.float64) for x in (qkv, cos, sin))
+    num_q = qkv.shape[1] - 2 * kv_heads
+    q, k_new, v_new = qkv[:, :num_q], qkv[:, num_q : num_q + kv_heads], qkv[:, num_q + kv_heads :]
+    return rotate(q, cos, sin), rotate(k_new, cos, sin), v_new
+
+
+def expected_output(qkv, cos, sin, k, v, key_sets):
+    """float64 softmax attention of the new token's rotated query heads over each sequence's cached key rows and
+    its own rotated key."""
+    k, v = (np.asarray(x, np.float64) for x in (k, v))
+    q, k_new, v_new = new_token(qkv, cos, sin, k.shape[2])
     batch, num_q_heads, head_dim = q.shape
     group = num_q_heads // k.shape[2]
     out = np.empty_like(q)
@@ -66,13 +91,20 @@ def expected_output(q, k_new, v_new, k, v, key_sets):
     return out
 
 
-def assert_written(cache_out, cache_in, new_rows, positions):
-    """cache_out is cache_in with row positions[b] of sequence b replaced by new_rows[b] (none past the end)."""
+def assert_written(cache_out, cache_in, new_rows, positions, dtype):
+    """cache_out is cache_in with row positions[b] of sequence b replaced by new_rows[b] (none past the end):
+    other rows bit for bit, the written rows up to the rounding of a RoPE computed in float32 and stored in
+    dtype."""
     want = np.array(cache_in, np.float64)
+    written = np.zeros(want.shape[:2], bool)
     for b, position in enumerate(np.asarray(positions)):
         if position < want.shape[1]:
-            want[b, position] = np.asarray(new_rows[b], np.float64)
-    np.testing.assert_array_equal(np.asarray(cache_out, np.float64), want)
+            want[b, position] = new_rows[b]
+            written[b, position] = True
+    actual = np.asarray(cache_out, np.float64)
+    np.testing.assert_array_equal(actual[~written], want[~written])
+    bound = (1e-6 if dtype == jnp.float32 else 2**-8) * np.abs(want[written]).max()
+    np.testing.assert_allclose(actual[written], want[written], rtol=0, atol=bound)
 
 
 def assert_close(actual, expected, dtype, what):
@@ -115,19 +147,20 @@ def test_sparse_decode_matches_float64(rng, case, dtype):
     launch = {name: shape.pop(name) for name in ("block_k", "num_splits")}
     launch = {name: value for name, value in launch.items() if value is not None}
     args, key_sets = make_case(rng, dtype=dtype, **shape)
-    q, k_new, v_new, k, v, *_, positions = args
+    qkv, cos, sin, k, v, *_, positions = args
     out, k_out, v_out = sparse_decode_attention(*args, interpret=True, **launch)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_close(out, expected_output(q, k_new, v_new, k, v, key_sets), dtype, "kernel")
-    assert_written(k_out, k, k_new, positions)
-    assert_written(v_out, v, v_new, positions)
+    assert out.shape == (qkv.shape[0], shape["kv_heads"] * shape["group"], qkv.shape[2]) and out.dtype == dtype
+    assert_close(out, expected_output(qkv, cos, sin, k, v, key_sets), dtype, "kernel")
+    _, k_new, v_new = new_token(qkv, cos, sin, shape["kv_heads"])
+    assert_written(k_out, k, k_new, positions, dtype)
+    assert_written(v_out, v, v_new, positions, dtype)
 
 
 def test_stacked_selections_read_only_the_given_layer(rng):
     shape = dict(CASES["gqa3_d64"])
     del shape["block_k"], shape["num_splits"]
     args, key_sets = make_case(rng, dtype=jnp.float32, **shape)
-    q, k_new, v_new, k, v, indices, counts, starts, positions = args
+    qkv, cos, sin, k, v, indices, counts, starts, positions = args
     # Other layers list rows whose K/V are NaN in that sequence: reading any of them would poison the output.
     capacity = k.shape[1]
     outside = [np.setdiff1d(np.arange(1, capacity), rows) for rows in key_sets]
@@ -135,10 +168,10 @@ def test_stacked_selections_read_only_the_given_layer(rng):
     stacked = jnp.stack([junk, indices, junk])
     stacked_counts = jnp.stack([jnp.full_like(counts, indices.shape[1]), counts, jnp.full_like(counts, 1)])
     call = lambda layer: sparse_decode_attention(
-        q, k_new, v_new, k, v, stacked, stacked_counts, starts, positions, layer=layer, interpret=True
+        qkv, cos, sin, k, v, stacked, stacked_counts, starts, positions, layer=layer, interpret=True
     )
     out, _, _ = call(1)
-    assert_close(out, expected_output(q, k_new, v_new, k, v, key_sets), jnp.float32, "layer 1 of 3")
+    assert_close(out, expected_output(qkv, cos, sin, k, v, key_sets), jnp.float32, "layer 1 of 3")
     with pytest.raises(ValueError, match="layer 3 out of range"):
         call(3)
 
@@ -148,14 +181,14 @@ def test_reference_matches_float64(rng, max_recent):
     shape = dict(CASES["gqa4_d128"])
     del shape["block_k"], shape["num_splits"]
     args, key_sets = make_case(rng, dtype=jnp.float32, **shape)
-    q, k_new, v_new, k, v, *rest = args
+    qkv, cos, sin, k, v, *rest = args
     # The dense variant weighs every row (NaN * 0 = NaN), so it gets the finite cache here.
     finite = lambda x: jnp.nan_to_num(x, nan=7.0)
     out, k_out, _ = sparse_decode_attention_reference(
-        q, k_new, v_new, finite(k), finite(v), *rest, max_recent=max_recent
+        qkv, cos, sin, finite(k), finite(v), *rest, max_recent=max_recent
     )
-    assert_close(out, expected_output(q, k_new, v_new, k, v, key_sets), jnp.float32, "reference")
-    assert_written(k_out, finite(k), k_new, rest[-1])
+    assert_close(out, expected_output(qkv, cos, sin, k, v, key_sets), jnp.float32, "reference")
+    assert_written(k_out, finite(k), new_token(qkv, cos, sin, shape["kv_heads"])[1], rest[-1], jnp.float32)
 
 
 def test_rejects_non_power_of_two_head_dim(rng):
@@ -174,8 +207,8 @@ def test_lowers_to_triton_for_h200(kv_heads, group, head_dim):
     spec = jax.ShapeDtypeStruct
     lowered = lower_for_h200(
         sparse_decode_attention,
-        spec((batch, kv_heads * group, head_dim), jnp.bfloat16),
-        *[spec((batch, kv_heads, head_dim), jnp.bfloat16)] * 2,
+        spec((batch, (group + 2) * kv_heads, head_dim), jnp.bfloat16),
+        *[spec((batch, head_dim), jnp.float32)] * 2,
         *[spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16)] * 2,
         spec((30, batch, k_max), jnp.int32),
         spec((30, batch), jnp.int32),

@@ -286,7 +286,8 @@ class QuestDraftAttention:
     budget: Budget = dataclasses.field(metadata=dict(static=True))
     backend: str = dataclasses.field(metadata=dict(static=True))
 
-    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+    def __call__(self, layer, new, positions, k_cache, v_cache):
+        q, _, _ = new.rotated()
         b, _, n, h = q.shape
         lo, hi = self.page_min[layer], self.page_max[layer]  # [B, P, K, D]
         qg = q[:, 0].reshape(b, lo.shape[2], n // lo.shape[2], h).astype(jnp.float32)  # [B, K, G, D]
@@ -301,7 +302,7 @@ class QuestDraftAttention:
         pages, page_counts = top_k_indices(bound, k_pages, max(1, self.budget.k_max // self.page))
         indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
         out, k_cache, v_cache = sparse_attend(
-            q, k, v, k_cache, v_cache, indices[None], (page_counts * self.page)[None], 0, self.recent_start,
+            new, k_cache, v_cache, indices[None], (page_counts * self.page)[None], 0, self.recent_start,
             positions, self.backend,
         )
         return out, k_cache, v_cache, None

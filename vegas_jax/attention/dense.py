@@ -13,7 +13,8 @@ from vegas_jax.attention.core import causal_mask, masked_attention
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseAttention:
-    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+    def __call__(self, layer, new, positions, k_cache, v_cache):
+        q, k, v = new.rotated()
         k_cache = write_rows(k_cache, k, positions)
         v_cache = write_rows(v_cache, v, positions)
         out = masked_attention(q, k_cache, v_cache, causal_mask(positions, k_cache.shape[1]))

@@ -28,17 +28,19 @@ def recent_mask(recent_start: jax.Array, positions: jax.Array, capacity: int) ->
     return (t >= recent_start[:, None, None]) & (t <= positions[:, :, None])
 
 
-def sparse_attend(q, k, v, k_cache, v_cache, indices, counts, layer, recent_start, positions, backend: str):
-    """One new token per sequence (q [B, 1, N, H], its k/v [B, 1, K, H]) over indices[layer, b, :counts[layer, b]]
-    (all < recent_start[b]) and the positions from recent_start[b] to its own; also writes its K/V into the
-    caches. Returns (out, k_cache, v_cache). The kernel reads the rows straight from the cache and writes the new
-    row in the same launch; the reference scatters, then masks a dense pass over the whole cache."""
+def sparse_attend(new, k_cache, v_cache, indices, counts, layer, recent_start, positions, backend: str):
+    """One new token per sequence (`new`: NewTokens with S = 1) over indices[layer, b, :counts[layer, b]] (all <
+    recent_start[b]) and the positions from recent_start[b] to its own; also writes its K/V into the caches.
+    Returns (out [B, 1, H_q, D], k_cache, v_cache). The kernel rotates q and k, reads the rows straight from the
+    cache and writes the new row in the same launch; the reference scatters, then masks a dense pass over the
+    whole cache."""
     if uses_kernels(backend):
         out, k_cache, v_cache = sparse_decode_attention(
-            q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, indices, counts, recent_start, positions[:, 0],
-            layer=layer, interpret=interpret(backend),
+            new.heads[:, 0], new.rope_cos[:, 0], new.rope_sin[:, 0], k_cache, v_cache, indices, counts,
+            recent_start, positions[:, 0], layer=layer, interpret=interpret(backend),
         )
         return out[:, None], k_cache, v_cache
+    q, k, v = new.rotated()
     k_cache = write_rows(k_cache, k, positions)
     v_cache = write_rows(v_cache, v, positions)
     capacity = k_cache.shape[1]
@@ -55,8 +57,8 @@ class SparseDraftAttention:
     recent_start: jax.Array  # [B] int32
     backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
 
-    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+    def __call__(self, layer, new, positions, k_cache, v_cache):
         out, k_cache, v_cache = sparse_attend(
-            q, k, v, k_cache, v_cache, self.indices, self.counts, layer, self.recent_start, positions, self.backend
+            new, k_cache, v_cache, self.indices, self.counts, layer, self.recent_start, positions, self.backend
         )
         return out, k_cache, v_cache, None

@@ -57,7 +57,8 @@ class VerifyAttention:
             return False
         return not self.collects(layer) or self.request.rows == "boundary"
 
-    def __call__(self, layer, q, k, v, positions, k_cache, v_cache):
+    def __call__(self, layer, new, positions, k_cache, v_cache):
+        q, k, v = new.rotated()
         k_cache = write_rows(k_cache, k, positions)
         v_cache = write_rows(v_cache, v, positions)
         if self._kernel_serves(layer):
