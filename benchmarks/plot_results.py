@@ -27,8 +27,9 @@ def load(tag: str) -> list[dict]:
 PROFILE_STEPS = [
     ("default", "XLA Triton\nGEMMs"),
     ("cublas", "+ cuBLAS\nGEMMs"),
-    ("opt1", "+ draft kernel writes K/V,\nreads selections in place;\nverify 128-key blocks"),
-    ("opt2", "+ one packed operand,\ndraft 2 splits x 128 keys"),
+    ("opt1", "+ kernel writes\nK/V, reads\nselections"),
+    ("opt2", "+ packed\noperand,\n2 splits"),
+    ("rope", "+ RoPE in\ndraft kernel"),
 ]
 KINDS = ("pallas", "gemm", "xla_fusion", "copy")
 
@@ -54,7 +55,7 @@ def plot_profiles(ax) -> None:
 
 
 def main() -> int:
-    throughput = load("final")
+    throughput = load("final2-*")  # the large and the small batches, two runs of the same code
     policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
     fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(19, 4.8), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
 
