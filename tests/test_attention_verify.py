@@ -1,0 +1,41 @@
+"""VerifyAttention on the kernel path (interpret mode): finished sequences skip their reads without touching the
+active ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.attention import NewTokens, rope_tables
+from vegas_jax.attention.verify import ScoreRequest, VerifyAttention
+
+
+def test_inactive_sequences_read_only_their_new_rows(rng):
+    batch, capacity, kv_heads, group, head_dim, queries = 3, 64, 2, 2, 32, 3
+    starts = np.array([20, 40, 10])
+    positions = jnp.asarray(starts[:, None] + np.arange(queries)[None, :], jnp.int32)
+    heads = rng.standard_normal((batch, queries, kv_heads * (group + 2), head_dim))
+    k_cache = rng.standard_normal((batch, capacity, kv_heads, head_dim))
+    v_cache = rng.standard_normal((batch, capacity, kv_heads, head_dim))
+    # Sequence 1 is finished: past its first S rows everything it could read is NaN, apart from the rows this
+    # pass writes.
+    k_cache[1, queries:], v_cache[1, queries:] = np.nan, np.nan
+    cos, sin = rope_tables(positions, 10000.0 ** -(jnp.arange(0, head_dim, 2) / head_dim))
+    new = NewTokens(jnp.asarray(heads, jnp.float32), cos, sin, num_kv_heads=kv_heads)
+    caches = (jnp.asarray(k_cache, jnp.float32), jnp.asarray(v_cache, jnp.float32))
+    every = VerifyAttention(ScoreRequest("logit"), num_layers=1, backend="interpret")
+    some = dataclasses.replace(every, active=jnp.asarray([True, False, True]))
+
+    out_every, k_every, v_every, scores_every = every(0, new, positions, *caches)
+    out_some, k_some, v_some, scores_some = some(0, new, positions, *caches)
+
+    active = np.array([0, 2])
+    np.testing.assert_array_equal(np.asarray(out_some)[active], np.asarray(out_every)[active])
+    np.testing.assert_array_equal(np.asarray(scores_some)[active], np.asarray(scores_every)[active])
+    # Every sequence's new K/V rows are written all the same.
+    np.testing.assert_array_equal(np.asarray(k_some), np.asarray(k_every))
+    np.testing.assert_array_equal(np.asarray(v_some), np.asarray(v_every))
+    assert np.isnan(np.asarray(out_every)[1]).any()  # reading its whole length meets the NaN rows
+    assert np.isfinite(np.asarray(out_some)[1]).all()  # skipping reads only rows [0, S)
