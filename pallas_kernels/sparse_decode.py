@@ -9,8 +9,8 @@ program handles all query heads of a KV head, padded to 16 rows because Triton d
 
 The new token comes in as the QKV projection gives it: all heads side by side ([H_q + 2 H_kv, D]) before RoPE,
 with the RoPE tables at its position. Each program rotates its query heads and its key head in registers, split
-0 attends the new token and writes its K/V row into the cache (the caches are aliased outputs): where the model
-rotated, packed and scattered, the decode step spends no launch of its own per layer.
+0 attends the new token and writes its K/V row into the cache (the caches are aliased outputs): the draft step
+spends no launch per layer on rotating, packing or scattering the new token.
 
 Triton backend: the row gathers are pointer loads `k_ref.at[rows]`, which Mosaic GPU cannot do on Hopper.
 """
