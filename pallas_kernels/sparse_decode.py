@@ -174,7 +174,7 @@ def sparse_decode_unbatched(
         group=group, num_kv_heads=num_kv_heads,
     )
     whole = lambda *shape: pl.BlockSpec(shape, lambda h, s: (0,) * len(shape))
-    scalar = pl.BlockSpec((), lambda h, s: ())
+    scalar = whole()
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
     out_specs += [head_rows, head_rows]
