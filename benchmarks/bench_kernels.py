@@ -27,6 +27,7 @@ import gc
 import itertools
 import json
 import math
+import signal
 import statistics
 import sys
 import time
@@ -362,6 +363,8 @@ def run_benchmarks(settings, copy_gb_per_s, records, only):
                     bench_dense(settings, copy_gb_per_s, records, model, batch, length)
     if "select" in only:
         bench_select(settings, copy_gb_per_s, records, settings.topk_rows, settings.lengths[-1])
+        bench_select(settings, copy_gb_per_s, records, settings.topk_rows, settings.lengths[-1],
+                     dict(method="radix"), time_reference=False)
         # Per layer: one row per sequence.
         for batch in settings.batches:
             for length in settings.lengths:
@@ -372,36 +375,36 @@ def sweep(options: dict) -> list[dict]:
     return [dict(zip(options, values)) for values in itertools.product(*options.values())]
 
 
-def run_tuning(settings, copy_gb_per_s, records, only):
-    """Launch-parameter sweeps at the longest length, without timing the references; the best configuration per
-    shape is printed last. Attention kernels: block_k x num_splits first, then num_warps x num_stages around the
+def run_tuning(settings, copy_gb_per_s, records, only, tiles):
+    """Launch-parameter sweeps without timing the references; the best configuration per shape is printed last.
+    Attention kernels: the `tiles` product (block_k x num_splits) first, then num_warps x num_stages around the
     best of those (a full product would not fit in one 10-minute run)."""
-    length = settings.lengths[-1]
     attention_kernels = {
         "sparse": bench_sparse,
         "verify": functools.partial(bench_verify, score_mode=None),
         "verify-logit": functools.partial(bench_verify, score_mode="logit"),
     }
-    for name, bench in attention_kernels.items():
-        if name not in only:
-            continue
-        for model in settings.models:
-            for batch in settings.batches:
-                run = lambda config: bench(settings, copy_gb_per_s, records, model, batch, length, config=config,
-                                           time_reference=False)
-                tile_options = dict(block_k=(32, 64, 128), num_splits=(1, 2, 4, 8, 16, 32, 64))
-                tiles = [run(config) for config in sweep(tile_options)]
-                timed = [record for record in tiles if record.time_ms is not None]
-                if not timed:
-                    continue
-                best = min(timed, key=lambda record: record.time_ms).config
-                tile = dict(block_k=best["block_k"], num_splits=best["num_splits"])
-                for launch in sweep(dict(num_warps=(4, 8), num_stages=(2, 3, 4))):
-                    run(tile | launch)
-    if "select" in only:
-        for rows in (settings.topk_rows, settings.batches[-1]):
-            for config in sweep(dict(block_size=(256, 512, 1024, 2048), radix_bits=(3, 4, 5), num_warps=(4, 8))):
-                bench_select(settings, copy_gb_per_s, records, rows, length, config, time_reference=False)
+    for length in settings.lengths:
+        for name, bench in attention_kernels.items():
+            if name not in only:
+                continue
+            for model in settings.models:
+                for batch in settings.batches:
+                    run = lambda config: bench(settings, copy_gb_per_s, records, model, batch, length,
+                                               config=config, time_reference=False)
+                    timed = [record for record in map(run, sweep(tiles)) if record.time_ms is not None]
+                    if not timed:
+                        continue
+                    best = min(timed, key=lambda record: record.time_ms).config
+                    tile = dict(block_k=best["block_k"], num_splits=best["num_splits"])
+                    for launch in sweep(dict(num_warps=(4, 8), num_stages=(2, 3, 4))):
+                        run(tile | launch)
+        if "select" in only:
+            for rows in (settings.topk_rows, settings.batches[-1]):
+                bench_select(settings, copy_gb_per_s, records, rows, length, dict(method="radix"),
+                             time_reference=False)
+                for config in sweep(dict(sample_size=(512, 1024, 2048), block_size=(512, 1024, 2048))):
+                    bench_select(settings, copy_gb_per_s, records, rows, length, config, time_reference=False)
 
 
 def best_per_shape(records):
@@ -456,6 +459,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--batches", help="comma-separated batch sizes instead of the default 1,8")
     parser.add_argument("--lengths", help="comma-separated cache lengths instead of the default 32K,128K")
+    parser.add_argument("--block-k", default="32,64,128", help="--tune: comma-separated block_k values")
+    parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="--tune: comma-separated num_splits values")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     settings = SMOKE if args.smoke else FULL
@@ -464,13 +469,16 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
         settings = dataclasses.replace(settings, models=tuple(args.models.split(",")))
+    def integers(flag):
+        try:
+            return tuple(int(x) for x in getattr(args, flag).split(","))
+        except ValueError:
+            parser.error(f"--{flag.replace('_', '-')}: expected comma-separated integers, got {getattr(args, flag)!r}")
+
     for flag in ("batches", "lengths"):
         if getattr(args, flag):
-            try:
-                values = tuple(int(x) for x in getattr(args, flag).split(","))
-            except ValueError:
-                parser.error(f"--{flag}: expected comma-separated integers, got {getattr(args, flag)!r}")
-            settings = dataclasses.replace(settings, **{flag: values})
+            settings = dataclasses.replace(settings, **{flag: integers(flag)})
+    tiles = dict(block_k=integers("block_k"), num_splits=integers("splits"))
     device = jax.devices()[0]
     if not args.smoke and device.platform != "gpu":
         parser.error(f"no GPU (found {device.platform}); use --smoke to check the script on a CPU")
@@ -481,7 +489,15 @@ def main(argv=None) -> int:
     print(f"{device.device_kind}: copy {copy_gb_per_s:.0f} GB/s (read + write), dispatch floor {floor_ms:.4f} ms")
     print(TABLE_HEADER)
     records: list[Record] = []
-    (run_tuning if args.tune else run_benchmarks)(settings, copy_gb_per_s, records, only)
+    # A run stopped by `timeout` (SIGTERM) still saves what it measured.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        if args.tune:
+            run_tuning(settings, copy_gb_per_s, records, only, tiles)
+        else:
+            run_benchmarks(settings, copy_gb_per_s, records, only)
+    except SystemExit:
+        print("stopped by SIGTERM: saving the records so far")
     elapsed = time.time() - started
 
     now = datetime.datetime.now(datetime.timezone.utc)

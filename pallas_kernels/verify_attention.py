@@ -8,14 +8,18 @@ partial softmax results are combined in plain JAX.
 
 Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean over all H_q heads and over the
 query rows 0 and S-1 of
-  - "logit":  the raw q.k (unscaled). Linear in the rows, so each program sums its 2G rows' logits while the
-    logit tile is in registers and writes one float per key; a tiny XLA reduction sums the KV heads.
-  - "weight": the softmax probability exp(sm_scale * q.k - lse_row). lse_row is only known after the whole pass,
-    so each program writes, for its 2G scored rows, d = sm_scale * q.k - m as float16 (m = the row's running
-    maximum after the key's block, written once per block in float32), and an XLA pass adds m - lse_row and
-    exponentiates. d <= 0 and float16 rounds to 11 significant bits, so a weight's relative error is at most
-    |d| * 2^-11: tiny for the keys that matter (d near 0). That is 4 * H_q bytes written and read back per key
-    (6% of the K/V bytes for Qwen3-8B, 9% for SmolLM2), where re-reading K for the lse would cost 50%.
+  - "logit":  the raw q.k (unscaled).
+  - "weight": the softmax probability exp(sm_scale * q.k - lse_row).
+Each program multiplies every key block by its 2G scored query rows laid out as the columns of a second small
+dot ([block_k, D] x [D, 16]): the scored logits come out one key per row, so reducing or storing them stays
+within a thread's registers, where picking 2G rows out of the main [rows, block_k] tile would cost a cross-warp
+reduction per row. "logit" sums the columns and writes one float per key; a tiny XLA reduction sums the KV heads.
+"weight": lse_row is only known after the whole pass, so each program writes, per key and scored row,
+d = sm_scale * q.k - m as float16 (m = the row's running maximum after the key's block, written once per block in
+float32), and an XLA pass adds m - lse_row and exponentiates. d <= 0 (up to rounding) and float16 keeps 11
+significant bits, so a weight's relative error is at most |d| * 2^-11: tiny for the keys that matter (d near 0).
+That is 4 G bytes written and read back per key and KV head (3% of the K/V bytes for Qwen3-8B, 5% for SmolLM2),
+where re-reading K for the lse would cost 50%.
 Keys t > start[b] get -inf.
 """
 
@@ -56,8 +60,9 @@ def verify_attention_kernel(
     o_ref,  # [block_q, D] this split's unnormalised output
     l_ref,  # [block_q]
     m_ref,  # [block_q]
-    *score_refs,  # "logit": [T] summed raw logits; "weight": [2G, T] d and [2G, T / block_k] m (module doc)
+    *score_refs,  # "logit": [T] summed raw logits; "weight": [T * 2G] d and [T / block_k * 2G] m (module doc)
     sm_scale: float,
+    block_s: int,
     block_k: int,
     num_splits: int,
     group: int,
@@ -73,10 +78,14 @@ def verify_attention_kernel(
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
     row = jnp.arange(block_q)
     last_visible_key = start + row // group
-    # Scored row j (j = which * G + head, which = 0 for query 0 and 1 for query S-1) is query row q * G + head.
-    scored_query = [0] * group + [num_queries - 1] * group
-    scored_source_row = [query * group + j % group for j, query in enumerate(scored_query)]
     q = q_ref[...]
+    # Scored column c < G is head c of query 0, G <= c < 2G head c - G of query S-1 (the same row twice when
+    # S == 1, matching a mean over the two row slots); padded columns are zero.
+    column = jnp.arange(block_s)
+    real_column = column < 2 * group
+    source_row = jnp.where(column < group, 0, num_queries - 1) * group + column % group
+    source_row = jnp.where(real_column, source_row, 0)
+    q_scored = jnp.where(real_column[:, None], q_ref[source_row, :], 0).astype(q.dtype)
 
     def body(block, carry):
         o_prev, m_prev, l_prev = carry
@@ -94,24 +103,24 @@ def verify_attention_kernel(
         v = plt.load(v_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
 
-        candidate = in_split & (key <= start)
-        if score_mode == "logit":
-            (score_ref,) = score_refs
-            # Rows 0 and S-1 (the same row twice when S == 1, matching a mean over the two row slots).
-            weight = (row < group).astype(jnp.float32) + (row // group == num_queries - 1).astype(jnp.float32)
-            summed = jnp.sum(raw * weight[:, None], axis=0)
-            plt.store(score_ref.at[pl.ds(block_start, block_k)], summed, mask=candidate)
-        elif score_mode == "weight":
-            below_max_ref, block_max_ref = score_refs
-            for j, source_row in enumerate(scored_source_row):
-                # Masked sums extract one row: Triton has no value slicing. (jnp scalars as indices: interpret
-                # mode cannot discharge a Python int next to a slice.)
-                is_source = row == source_row
-                row_max = jnp.sum(jnp.where(is_source, m_next, 0.0))
-                below_max = jnp.sum(jnp.where(is_source[:, None], logits, 0.0), axis=0) - row_max
-                plt.store(below_max_ref.at[jnp.int32(j), pl.ds(block_start, block_k)],
-                          below_max.astype(jnp.float16), mask=candidate)
-                block_max_ref[jnp.int32(j), block_start // block_k] = row_max
+        if score_mode is not None:
+            candidate = in_split & (key <= start)  # visible to both scored queries
+            scored = plt.dot(k, q_scored, trans_b=True)  # [block_k, block_s]: key against scored column
+            if score_mode == "logit":
+                (score_ref,) = score_refs
+                plt.store(score_ref.at[pl.ds(block_start, block_k)], scored.sum(axis=1), mask=candidate)
+            else:
+                below_max_ref, block_max_ref = score_refs
+                column_max = jnp.sum(jnp.where(row[:, None] == source_row[None, :], m_next[:, None], 0.0), axis=0)
+                below_max = (scored * sm_scale - column_max[None, :]).astype(jnp.float16)
+                # Flat [key, scored row] slots; masked lanes aim one past the end, where interpret mode drops
+                # them instead of racing them against the real lanes that share their slot.
+                written = candidate[:, None] & real_column[None, :]
+                slot = jnp.where(written, key[:, None] * (2 * group) + column[None, :], below_max_ref.shape[0])
+                plt.store(below_max_ref.at[slot], below_max, mask=written)
+                block_slot = (block_start // block_k) * (2 * group) + column
+                block_slot = jnp.where(real_column, block_slot, block_max_ref.shape[0])
+                plt.store(block_max_ref.at[block_slot], column_max, mask=real_column)
         return o_next, m_next, l_next
 
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
@@ -137,7 +146,7 @@ def verify_attention_unbatched(
     interpret: bool,
 ):
     """Returns out [S, H_q, D] and the per-KV-head score partials: "logit" [H_kv, T] summed raw logits, "weight"
-    ([H_kv, 2G, T] d, [H_kv, 2G, cdiv(T, block_k)] m, [H_kv, 2G] lse of the scored rows; see the module doc),
+    ([H_kv, T, 2G] d, [H_kv, cdiv(T, block_k), 2G] m, [H_kv, 2G] lse of the scored rows; see the module doc),
     None otherwise; entries past start are unwritten."""
     num_queries, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads, _ = k_cache.shape
@@ -156,6 +165,7 @@ def verify_attention_unbatched(
         group=group,
         num_queries=num_queries,
         score_mode=score_mode,
+        block_s=max(16, next_power_of_2(2 * group)),
     )
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim)
@@ -164,11 +174,9 @@ def verify_attention_unbatched(
         out_specs.append(pl.BlockSpec((None, capacity), lambda h, s: (h, 0)))
         out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, capacity), jnp.float32))
     elif score_mode == "weight":
-        num_blocks = pl.cdiv(capacity, block_k)
-        out_specs.append(pl.BlockSpec((None, 2 * group, capacity), lambda h, s: (h, 0, 0)))
-        out_specs.append(pl.BlockSpec((None, 2 * group, num_blocks), lambda h, s: (h, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, 2 * group, capacity), jnp.float16))
-        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, 2 * group, num_blocks), jnp.float32))
+        for slots, dtype in ((capacity, jnp.float16), (pl.cdiv(capacity, block_k), jnp.float32)):
+            out_specs.append(pl.BlockSpec((None, slots * 2 * group), lambda h, s: (h, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, slots * 2 * group), dtype))
     o, l, m, *score_partials = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_splits),
@@ -194,7 +202,8 @@ def verify_attention_unbatched(
     lse = m_max + jnp.log((l * jnp.exp(m - m_max[None])).sum(axis=0))  # [H_kv, S * G]
     last = (num_queries - 1) * group
     scored_lse = jnp.concatenate([lse[:, :group], lse[:, last : last + group]], axis=1)  # [H_kv, 2G]
-    return out, (*score_partials, scored_lse)
+    below_max, block_max = (x.reshape(num_kv_heads, -1, 2 * group) for x in score_partials)
+    return out, (below_max, block_max, scored_lse)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: int) -> int:
@@ -269,10 +278,10 @@ def verify_attention(
     if score_mode == "logit":
         summed = partials.sum(axis=1)  # [B, T]
     else:
-        below_max, block_max, scored_lse = partials  # [B, H_kv, 2G, T], [B, H_kv, 2G, T / block_k], [B, H_kv, 2G]
-        row_max = jnp.repeat(block_max, block_k, axis=-1)[..., :capacity]
-        log_weight = below_max.astype(jnp.float32) + (row_max - scored_lse[..., None])
-        summed = jnp.exp(log_weight).sum(axis=(1, 2))
+        below_max, block_max, scored_lse = partials  # [B, H_kv, T, 2G], [B, H_kv, T / block_k, 2G], [B, H_kv, 2G]
+        row_max = jnp.repeat(block_max, block_k, axis=2)[:, :, :capacity]
+        log_weight = below_max.astype(jnp.float32) + (row_max - scored_lse[:, :, None, :])
+        summed = jnp.exp(log_weight).sum(axis=(1, 3))
     # Partials past start[b] were never written; the select keeps whatever is there out of the result.
     candidate = jnp.arange(capacity)[None, :] <= start[:, None]
     return out, jnp.where(candidate, summed / (2 * num_q_heads), -jnp.inf)
