@@ -308,9 +308,12 @@ def _radix_select(scores, k, *, k_max, radix_bits, launch):
     return indices, wanted
 
 
-# Where the 15 bracketing thresholds sit, in standard deviations of the sample rank of the k-th largest score
-# (a binomial count: about sqrt of the expected rank); decreasing, so the thresholds increase.
-_BRACKET_OFFSETS = (6.0, 4.0, 2.5, 1.5, 1.0, 0.6, 0.3, 0.1, -0.1, -0.3, -0.6, -1.0, -1.5, -2.5, -4.0)
+# The 15 bracketing thresholds sit evenly spaced over +-5.6 standard deviations of the sample rank of the k-th
+# largest score (a binomial count: about sqrt of the expected rank), decreasing, so the thresholds increase. Even
+# spacing bounds every bracket's expected width; the landing bracket is as likely to be an outer one as the
+# deviation of the sample is large.
+_BRACKET_SPACING = 0.8
+_BRACKET_OFFSETS = tuple(_BRACKET_SPACING * (7 - i) for i in range(15))
 _SAMPLE_RUN = 8  # contiguous scores per sampled run: one 32-byte memory sector
 
 
@@ -339,10 +342,12 @@ def _bracket_thresholds(scores, k, *, k_max, sample_size):
 
 
 def default_max_candidates(k_max: int, length: int, sample_size: int) -> int:
-    """Buffer for the candidates inside a bracket: about two standard deviations of where the k-th largest score
-    falls given the sample (sqrt(k * T / n) positions), at least 256."""
-    spread = math.sqrt(min(k_max, length) * length / min(sample_size, length))
-    return min(next_power_of_2(max(256, int(2 * spread))), next_power_of_2(length))
+    """Buffer for the candidates inside a bracket: three brackets' expected width in positions (the sample rank's
+    spread times the positions per sampled score), at least 256."""
+    sample_size = min(sample_size, length)
+    spread = math.sqrt(min(k_max, length) * sample_size / length) + 1.0
+    width = _BRACKET_SPACING * spread * length / sample_size
+    return min(next_power_of_2(max(256, int(3 * width))), next_power_of_2(length))
 
 
 class _Bracket(NamedTuple):

@@ -10,10 +10,10 @@ Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean 
 query rows 0 and S-1 of
   - "logit":  the raw q.k (unscaled).
   - "weight": the softmax probability exp(sm_scale * q.k - lse_row).
-Each program multiplies every key block by its 2G scored query rows laid out as the columns of a second small
-dot ([block_k, D] x [D, 16]): the scored logits come out one key per row, so reducing or storing them stays
-within a thread's registers, where picking 2G rows out of the main [rows, block_k] tile would cost a cross-warp
-reduction per row. "logit" sums the columns and writes one float per key; a tiny XLA reduction sums the KV heads.
+The scored rows' logits are products of their float32 query vectors with each key row of the loaded block
+(CUDA-core FMAs, one key per lane): picking rows out of the tensor-core logit tile would need a cross-warp
+reduction per row. "logit" sums the scored query vectors first (the logit is linear in q), so it costs one product
+per key; each program writes one float per key and a tiny XLA reduction sums the KV heads.
 "weight": lse_row is only known after the whole pass, so each program writes, per key and scored row,
 d = sm_scale * q.k - m as float16 (m = the row's running maximum after the key's block, written once per block in
 float32), and an XLA pass adds m - lse_row and exponentiates. d <= 0 (up to rounding) and float16 keeps 11
@@ -62,7 +62,6 @@ def verify_attention_kernel(
     m_ref,  # [block_q]
     *score_refs,  # "logit": [T] summed raw logits; "weight": [T * 2G] d and [T / block_k * 2G] m (module doc)
     sm_scale: float,
-    block_s: int,
     block_k: int,
     num_splits: int,
     group: int,
@@ -79,13 +78,17 @@ def verify_attention_kernel(
     row = jnp.arange(block_q)
     last_visible_key = start + row // group
     q = q_ref[...]
-    # Scored column c < G is head c of query 0, G <= c < 2G head c - G of query S-1 (the same row twice when
-    # S == 1, matching a mean over the two row slots); padded columns are zero.
-    column = jnp.arange(block_s)
-    real_column = column < 2 * group
-    source_row = jnp.where(column < group, 0, num_queries - 1) * group + column % group
-    source_row = jnp.where(real_column, source_row, 0)
-    q_scored = jnp.where(real_column[:, None], q_ref[source_row, :], 0).astype(q.dtype)
+    # The scored rows: the G heads of query 0, then those of query S-1 (the same rows twice when S == 1, matching
+    # a mean over the two row slots). Their logits are products of float32 query vectors with each key row,
+    # computed on the key block as it was loaded: picking rows out of the [rows, block_k] logit tile would cost a
+    # cross-warp reduction per row and block, and a second tensor-core dot a layout change of the key block.
+    scored_rows = [query * group + head for query in (0, num_queries - 1) for head in range(group)]
+    pick = lambda x, r: jnp.sum(jnp.where(row[:, None] == r, x, 0.0), axis=0)
+    if score_mode == "logit":
+        # The logits' sum over the scored rows is the logit of their summed query vector.
+        q_scored = [sum(pick(q.astype(jnp.float32), r) for r in scored_rows)]
+    elif score_mode == "weight":
+        q_scored = [pick(q.astype(jnp.float32), r) for r in scored_rows]
 
     def body(block, carry):
         o_prev, m_prev, l_prev = carry
@@ -105,22 +108,22 @@ def verify_attention_kernel(
 
         if score_mode is not None:
             candidate = in_split & (key <= start)  # visible to both scored queries
-            scored = plt.dot(k, q_scored, trans_b=True)  # [block_k, block_s]: key against scored column
-            if score_mode == "logit":
-                (score_ref,) = score_refs
-                plt.store(score_ref.at[pl.ds(block_start, block_k)], scored.sum(axis=1), mask=candidate)
-            else:
-                below_max_ref, block_max_ref = score_refs
-                column_max = jnp.sum(jnp.where(row[:, None] == source_row[None, :], m_next[:, None], 0.0), axis=0)
-                below_max = (scored * sm_scale - column_max[None, :]).astype(jnp.float16)
+            k_rows = k.astype(jnp.float32)
+            scored = [jnp.sum(k_rows * q_row[None, :], axis=1) for q_row in q_scored]  # [block_k] each
+        if score_mode == "logit":
+            (score_ref,) = score_refs
+            plt.store(score_ref.at[pl.ds(block_start, block_k)], scored[0], mask=candidate)
+        elif score_mode == "weight":
+            below_max_ref, block_max_ref = score_refs
+            num_scored = len(scored_rows)
+            for j, (logit, source_row) in enumerate(zip(scored, scored_rows)):
+                row_max = jnp.sum(jnp.where(row == source_row, m_next, 0.0))
+                below_max = (logit * sm_scale - row_max).astype(jnp.float16)
                 # Flat [key, scored row] slots; masked lanes aim one past the end, where interpret mode drops
-                # them instead of racing them against the real lanes that share their slot.
-                written = candidate[:, None] & real_column[None, :]
-                slot = jnp.where(written, key[:, None] * (2 * group) + column[None, :], below_max_ref.shape[0])
-                plt.store(below_max_ref.at[slot], below_max, mask=written)
-                block_slot = (block_start // block_k) * (2 * group) + column
-                block_slot = jnp.where(real_column, block_slot, block_max_ref.shape[0])
-                plt.store(block_max_ref.at[block_slot], column_max, mask=real_column)
+                # them instead of racing them against real lanes.
+                slot = jnp.where(candidate, key * num_scored + j, below_max_ref.shape[0])
+                plt.store(below_max_ref.at[slot], below_max, mask=candidate)
+                block_max_ref[(block_start // block_k) * num_scored + j] = row_max
         return o_next, m_next, l_next
 
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
@@ -165,7 +168,6 @@ def verify_attention_unbatched(
         group=group,
         num_queries=num_queries,
         score_mode=score_mode,
-        block_s=max(16, next_power_of_2(2 * group)),
     )
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim)
