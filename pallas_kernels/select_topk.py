@@ -422,10 +422,10 @@ def select_topk(
     *,
     k_max: int,
     method: str = "bracket",
-    sample_size: int = 1024,
+    sample_size: int | None = None,
     max_candidates: int | None = None,
     radix_bits: int = 4,
-    block_size: int = 1024,
+    block_size: int | None = None,
     num_chunks: int | None = None,
     num_warps: int = 4,
     interpret: bool = False,
@@ -437,10 +437,12 @@ def select_topk(
     largest, the lowest positions are taken. The remaining slots hold PAD_INDEX (0).
 
     method: "bracket" (falls back to "radix" for the whole call when a bracket overflows its buffer) or "radix"
-    (module docstring). sample_size: scores sampled per row for the bracket (a multiple of 8). max_candidates:
-    the bracket's candidate buffer per row (None: default_max_candidates). radix_bits: bits of the threshold fixed
-    per radix pass. block_size: scores per inner step (power of two). num_chunks: programs per row (None: enough
-    for about 512 programs). num_warps: Triton launch parameter.
+    (module docstring). sample_size: scores sampled per row for the bracket (a multiple of 8; None: T / 64
+    within [512, 2048]). max_candidates: the bracket's candidate buffer per row (None: default_max_candidates).
+    radix_bits: bits of the threshold fixed per radix pass. block_size: scores per inner step (power of two; None:
+    2048 from T = 32K on, else 1024). num_chunks: programs per row (None: enough for about 512 programs).
+    num_warps: Triton launch parameter. The defaults are the best of a sweep on the H200 at [256, 8K], [1920, 8K]
+    and [256, 128K] (benchmarks/results/kernels-tune-2026-11-30-0804{46,514}.json).
     """
     if scores.ndim != 2 or k.shape != scores.shape[:1]:
         raise ValueError(f"scores must be [R, T] and k [R]; got {scores.shape}, {k.shape}")
@@ -448,10 +450,14 @@ def select_topk(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not 1 <= radix_bits <= 8:
         raise ValueError(f"radix_bits must be in [1, 8], got {radix_bits}")
+    rows, length = scores.shape
+    if sample_size is None:
+        sample_size = min(max(next_power_of_2(length // 64), 512), 2048)
+    if block_size is None:
+        block_size = 2048 if length >= 32768 else 1024
     if sample_size < _SAMPLE_RUN or sample_size % _SAMPLE_RUN:
         raise ValueError(f"sample_size must be a positive multiple of {_SAMPLE_RUN}, got {sample_size}")
     check_power_of_2("block_size", block_size)
-    rows, length = scores.shape
     scores = scores.astype(jnp.float32)
     k = k.astype(jnp.int32)
     if num_chunks is None:

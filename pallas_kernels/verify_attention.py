@@ -8,18 +8,20 @@ partial softmax results are combined in plain JAX.
 
 Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean over all H_q heads and over the
 query rows 0 and S-1 of
-  - "logit":  the raw q.k (unscaled).
-  - "weight": the softmax probability exp(sm_scale * q.k - lse_row).
-The scored rows' logits are products of their float32 query vectors with each key row of the loaded block
-(CUDA-core FMAs, one key per lane): picking rows out of the tensor-core logit tile would need a cross-warp
-reduction per row. "logit" sums the scored query vectors first (the logit is linear in q), so it costs one product
-per key; each program writes one float per key and a tiny XLA reduction sums the KV heads.
-"weight": lse_row is only known after the whole pass, so each program writes, per key and scored row,
-d = sm_scale * q.k - m as float16 (m = the row's running maximum after the key's block, written once per block in
-float32), and an XLA pass adds m - lse_row and exponentiates. d <= 0 (up to rounding) and float16 keeps 11
-significant bits, so a weight's relative error is at most |d| * 2^-11: tiny for the keys that matter (d near 0).
-That is 4 G bytes written and read back per key and KV head (3% of the K/V bytes for Qwen3-8B, 5% for SmolLM2),
-where re-reading K for the lse would cost 50%.
+  - "logit": the raw q.k (unscaled). Linear in the rows, so each program sums its 2G scored rows' logits while the
+    logit tile is in registers and writes one float per key; a tiny XLA reduction sums the KV heads.
+  - "weight": the softmax probability exp(sm_scale * q.k - lse_row). A second dot multiplies the key block by the
+    2G scored query rows laid out as columns ([block_k, D] x [D, 16]), so the scored logits come out one key per
+    row and are stored from a thread's registers. lse_row is only known after the whole pass, so each program
+    writes, per key and scored row, d = sm_scale * q.k - m as float16 (m = the row's running maximum after the
+    key's block, written once per block in float32), and an XLA pass adds m - lse_row and exponentiates. d <= 0
+    (up to rounding) and float16 keeps 11 significant bits, so a weight's relative error is at most |d| * 2^-11:
+    tiny for the keys that matter (d near 0). That is 4 G bytes written and read back per key and KV head (3% of
+    the K/V bytes for Qwen3-8B, 5% for SmolLM2), where re-reading K for the lse would cost 50%.
+Measured at B 8 x T 128K on the H200 (kernels-2026-11-30-{071109,080033,080407}.json), collection costs, SmolLM2 /
+Qwen3-8B shapes: logit +16% / +9%; logit through the second dot +41% / +8%, through float32 products of the summed
+query vector with the key rows +58% / +93%; weight by picking each scored row out of the logit tile (a cross-warp
+reduction per row and block) +125% / +71%, through the second dot +62% / +25%.
 Keys t > start[b] get -inf.
 """
 
@@ -62,6 +64,7 @@ def verify_attention_kernel(
     m_ref,  # [block_q]
     *score_refs,  # "logit": [T] summed raw logits; "weight": [T * 2G] d and [T / block_k * 2G] m (module doc)
     sm_scale: float,
+    block_s: int,
     block_k: int,
     num_splits: int,
     group: int,
@@ -78,17 +81,16 @@ def verify_attention_kernel(
     row = jnp.arange(block_q)
     last_visible_key = start + row // group
     q = q_ref[...]
-    # The scored rows: the G heads of query 0, then those of query S-1 (the same rows twice when S == 1, matching
-    # a mean over the two row slots). Their logits are products of float32 query vectors with each key row,
-    # computed on the key block as it was loaded: picking rows out of the [rows, block_k] logit tile would cost a
-    # cross-warp reduction per row and block, and a second tensor-core dot a layout change of the key block.
-    scored_rows = [query * group + head for query in (0, num_queries - 1) for head in range(group)]
-    pick = lambda x, r: jnp.sum(jnp.where(row[:, None] == r, x, 0.0), axis=0)
-    if score_mode == "logit":
-        # The logits' sum over the scored rows is the logit of their summed query vector.
-        q_scored = [sum(pick(q.astype(jnp.float32), r) for r in scored_rows)]
-    elif score_mode == "weight":
-        q_scored = [pick(q.astype(jnp.float32), r) for r in scored_rows]
+    # Scored rows: the G heads of query 0, then those of query S-1 (the same rows twice when S == 1, matching a
+    # mean over the two row slots).
+    slots = (row < group).astype(jnp.float32) + (row // group == num_queries - 1).astype(jnp.float32)
+    if score_mode == "weight":
+        # As the columns of a second dot: scored column c is query row source_row[c]; padded columns are zero.
+        column = jnp.arange(block_s)
+        real_column = column < 2 * group
+        source_row = jnp.where(column < group, 0, num_queries - 1) * group + column % group
+        source_row = jnp.where(real_column, source_row, 0)
+        q_scored = jnp.where(real_column[:, None], q_ref[source_row, :], 0).astype(q.dtype)
 
     def body(block, carry):
         o_prev, m_prev, l_prev = carry
@@ -106,24 +108,24 @@ def verify_attention_kernel(
         v = plt.load(v_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
 
-        if score_mode is not None:
-            candidate = in_split & (key <= start)  # visible to both scored queries
-            k_rows = k.astype(jnp.float32)
-            scored = [jnp.sum(k_rows * q_row[None, :], axis=1) for q_row in q_scored]  # [block_k] each
+        candidate = in_split & (key <= start)  # visible to both scored queries
         if score_mode == "logit":
             (score_ref,) = score_refs
-            plt.store(score_ref.at[pl.ds(block_start, block_k)], scored[0], mask=candidate)
+            summed = jnp.sum(raw * slots[:, None], axis=0)
+            plt.store(score_ref.at[pl.ds(block_start, block_k)], summed, mask=candidate)
         elif score_mode == "weight":
             below_max_ref, block_max_ref = score_refs
-            num_scored = len(scored_rows)
-            for j, (logit, source_row) in enumerate(zip(scored, scored_rows)):
-                row_max = jnp.sum(jnp.where(row == source_row, m_next, 0.0))
-                below_max = (logit * sm_scale - row_max).astype(jnp.float16)
-                # Flat [key, scored row] slots; masked lanes aim one past the end, where interpret mode drops
-                # them instead of racing them against real lanes.
-                slot = jnp.where(candidate, key * num_scored + j, below_max_ref.shape[0])
-                plt.store(below_max_ref.at[slot], below_max, mask=candidate)
-                block_max_ref[(block_start // block_k) * num_scored + j] = row_max
+            scored = plt.dot(k, q_scored, trans_b=True)  # [block_k, block_s]: key against scored column
+            column_max = jnp.sum(jnp.where(row[:, None] == source_row[None, :], m_next[:, None], 0.0), axis=0)
+            below_max = (scored * sm_scale - column_max[None, :]).astype(jnp.float16)
+            # Flat [key, scored row] slots; masked lanes aim one past the end, where interpret mode drops
+            # them instead of racing them against the real lanes that share their slot.
+            written = candidate[:, None] & real_column[None, :]
+            slot = jnp.where(written, key[:, None] * (2 * group) + column[None, :], below_max_ref.shape[0])
+            plt.store(below_max_ref.at[slot], below_max, mask=written)
+            block_slot = (block_start // block_k) * (2 * group) + column
+            block_slot = jnp.where(real_column, block_slot, block_max_ref.shape[0])
+            plt.store(block_max_ref.at[block_slot], column_max, mask=real_column)
         return o_next, m_next, l_next
 
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
@@ -168,6 +170,7 @@ def verify_attention_unbatched(
         group=group,
         num_queries=num_queries,
         score_mode=score_mode,
+        block_s=max(16, next_power_of_2(2 * group)),
     )
     head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim)
