@@ -207,18 +207,18 @@ def sparse_decode_unbatched(
 
 
 def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, block_k: int | None = None):
-    """(block_k, num_splits) where not given, from sweeps on the H200 (benchmarks/results/kernels-tune-*.json).
+    """(block_k, num_splits) where not given. Few (sequence, KV head) pairs: 64-key blocks and enough splits for
+    about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys. Enough pairs to give every SM
+    one (large batches): two splits of 128-key blocks, which measured 10.0 us against 11.9 us for 64-key blocks
+    in 4 splits (SmolLM2 shapes, B = 64, T = 8K, benchmarks/results/kernels-tune-2026-11-30-053038.json).
 
-    Enough (sequence, KV head) pairs to give every SM one (large batches), head dim 64: two splits of 128-key
-    blocks (10.0 us against 11.9 us for 64-key blocks in 4 splits, SmolLM2 shapes, B 64, T 8K, -053038). Fewer
-    pairs, head dim 64: 128-key blocks and a split per 256 selected keys, at most 32 (B 1 and 8, T 8K: 5.1 and
-    6.4 us against 13 and 12 us for as many 64-key splits as fill 512 programs, -081015; B 8, T 128K: 27 us
-    against 31 us, -072105). Head dim 128: 64-key blocks and splits for about TARGET_PROGRAMS programs (90% of
-    copy bandwidth at B 8, T 128K, Qwen3-8B shapes), but no more splits than blocks of selected keys."""
+    Sweeps of the kernel alone favour fewer, larger splits for head dim 64 at batch 1 and 8 (128-key blocks, a
+    split per 256 keys: kernels-tune-2026-11-30-081015.json), but inside the decode loop that launch made a Vegas
+    iteration slower, 10.33 -> 11.47 ms at batch 1 and 6.77 -> 7.16 ms at batch 8 (random SmolLM2 weights, 4K
+    prompt; step-overhead-2026-11-30-{B-oldlaunch,A-new}.json), so the rule stays."""
     pairs = batch * num_kv_heads
-    if head_dim <= 64:
-        block_k = block_k or 128
-        wanted = 2 if pairs >= NUM_SMS else next_power_of_2(pl.cdiv(k_max, 256))
+    if pairs >= NUM_SMS and head_dim <= 64:
+        block_k, wanted = block_k or 128, 2
     else:
         block_k, wanted = block_k or 64, next_power_of_2(pl.cdiv(TARGET_PROGRAMS, pairs))
     return block_k, max(1, min(wanted, _MAX_SPLITS, pl.cdiv(k_max, block_k)))
