@@ -17,6 +17,10 @@ significant first: the counting kernel compares each score once against the 2**r
 the pass and the next digit is the largest whose threshold still has at least k scores at or above it (8 passes
 with 4 bits). The chunk counts of the last pass tell each chunk how many selected positions precede it, so a
 compaction kernel (one more read) writes every position to its slot, in position order.
+
+The fallback branch is a `lax.cond`, decided on the host: inside a compiled loop that costs a synchronisation per
+call, which at small batch outweighs the passes bracketing saves (the decode loop uses radix search, see
+vegas_jax/selection.py).
 """
 
 from __future__ import annotations
@@ -310,8 +314,8 @@ def _radix_select(scores, k, *, k_max, radix_bits, launch):
 
 # The 15 bracketing thresholds sit evenly spaced over +-5.6 standard deviations of the sample rank of the k-th
 # largest score (a binomial count: about sqrt of the expected rank), decreasing, so the thresholds increase. Even
-# spacing bounds every bracket's expected width; the landing bracket is as likely to be an outer one as the
-# deviation of the sample is large.
+# spacing bounds every bracket's expected width, so a sample that is off by several deviations still lands in a
+# bracket the buffer holds (finer brackets near the centre and wider outer ones overflowed in simulation).
 _BRACKET_SPACING = 0.8
 _BRACKET_OFFSETS = tuple(_BRACKET_SPACING * (7 - i) for i in range(15))
 _SAMPLE_RUN = 8  # contiguous scores per sampled run: one 32-byte memory sector
