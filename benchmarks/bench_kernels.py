@@ -469,6 +469,7 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
         settings = dataclasses.replace(settings, models=tuple(args.models.split(",")))
+
     def integers(flag):
         try:
             return tuple(int(x) for x in getattr(args, flag).split(","))

@@ -265,6 +265,11 @@ def default_num_chunks(rows: int, length: int, block_size: int) -> int:
     return max(1, min(wanted, length // (4 * block_size)))
 
 
+def _wanted(k, finite, k_max: int):
+    """Positions a row selects: k, at most k_max and the row's finite scores, at least 0."""
+    return jnp.clip(jnp.minimum(k, finite), 0, k_max)
+
+
 def _exclusive_cumsum(x, axis):
     return jnp.cumsum(x, axis=axis) - x
 
@@ -291,7 +296,7 @@ def _radix_select(scores, k, *, k_max, radix_bits, launch):
         chunk_counts = count_at_least(scores, _signed(thresholds))  # [R, C, N]
         totals = chunk_counts.sum(axis=1)  # [R, N]
         if fixed_bits == 0:
-            wanted = jnp.clip(jnp.minimum(k, totals[:, 0]), 0, k_max)
+            wanted = _wanted(k, totals[:, 0], k_max)
         # Counts fall as the digit grows, so the digits 1.. whose threshold keeps `wanted` scores form a prefix.
         digit = jnp.sum(real_digit[None, 1:] & (totals[:, 1:] >= wanted[:, None]), axis=1).astype(jnp.uint32)
         prefix = prefix + (digit << shift)
@@ -367,7 +372,7 @@ class _Bracket(NamedTuple):
 def _bracket(k, thresholds, chunk_counts, k_max: int) -> _Bracket:
     """The bracket of each row from the counting pass at its thresholds ([R, 16], chunk counts [R, C, 16])."""
     totals = chunk_counts.sum(axis=1)
-    wanted = jnp.clip(jnp.minimum(k, totals[:, 0]), 0, k_max)
+    wanted = _wanted(k, totals[:, 0], k_max)
     # The bracket is [low, low + 1): counts fall as the threshold grows, and a 17th threshold above every key
     # counts 0.
     low = jnp.sum(totals[:, 1:] >= wanted[:, None], axis=1)
