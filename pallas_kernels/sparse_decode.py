@@ -101,30 +101,36 @@ def sparse_decode_kernel(
     k_new = _first_row(_rope(qkv_ref[key_row + 0 * lane, :], cos, sin, swap_halves))
     v_new = qkv_ref[key_row + num_kv_heads, :].astype(jnp.float32)
 
-    def body(block, carry):
-        o_prev, m_prev, l_prev = carry
-        block_start = split_start + block * block_k
-        key = block_start + jnp.arange(block_k)
+    def block_rows(block):
+        """Cache rows of the block's virtual keys (row 0 for keys past the split)."""
+        key = split_start + block * block_k + jnp.arange(block_k)
         listed = key < count
         in_split = key < split_end
-        listed_rows = plt.load(indices_ref.at[pl.ds(block_start, block_k)], mask=listed, other=0)
+        listed_rows = plt.load(indices_ref.at[pl.ds(split_start + block * block_k, block_k)], mask=listed, other=0)
         rows = jnp.where(listed, listed_rows, recent_start + key - count)
         # Lanes past the split read row 0 instead of being masked (interpret mode cannot discharge a masked
         # row gather); they all hit the same cached line and are masked out of the softmax below.
-        rows = jnp.where(in_split, rows, 0)
+        return jnp.where(in_split, rows, 0)
+
+    def body(block, carry):
+        o_prev, m_prev, l_prev, rows = carry
+        # Both gathers go out before any math that waits on them, and the next block's index load right after:
+        # a program runs only a few blocks, so each serialised memory latency shows in the kernel's time.
         k = k_ref[rows, :]
+        v = v_ref[rows, :]
+        next_rows = block_rows(block + 1)
+        in_split = split_start + block * block_k + jnp.arange(block_k) < split_end
         logits = plt.dot(q, k, trans_b=True) * sm_scale  # [block_h, block_k] float32
         logits = jnp.where(in_split[None, :], logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
-        v = v_ref[rows, :]
         o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
-        return o_next, m_next, l_next
+        return o_next, m_next, l_next, next_rows
 
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
-    o, m, l = lax.fori_loop(0, num_blocks, body, online_softmax_start(block_h, head_dim))
+    o, m, l, _ = lax.fori_loop(0, num_blocks, body, (*online_softmax_start(block_h, head_dim), block_rows(0)))
 
     # Split 0 also attends the new token (a one-key block, as a row-wise product: dots need 16 columns) and
     # writes its K/V row into the cache.
