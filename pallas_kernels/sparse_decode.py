@@ -40,6 +40,8 @@ from pallas_kernels._common import (
 )
 
 _MAX_SPLITS = 32
+_LONG_SELECTION = 4096
+_KEYS_PER_LONG_SPLIT = 512
 
 
 def _rope(x, cos, sin, swap_halves):
@@ -213,18 +215,28 @@ def sparse_decode_unbatched(
 
 
 def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, block_k: int | None = None):
-    """(block_k, num_splits) where not given. Few (sequence, KV head) pairs: 64-key blocks and enough splits for
-    about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys. Enough pairs to give every SM
-    one (large batches): two splits of 128-key blocks, which measured 10.0 us against 11.9 us for 64-key blocks
-    in 4 splits (SmolLM2 shapes, B = 64, T = 8K, benchmarks/results/kernels-tune-2026-11-30-053038.json).
+    """(block_k, num_splits) where not given.
 
-    Sweeps of the kernel alone favour fewer, larger splits for head dim 64 at batch 1 and 8 (128-key blocks, a
-    split per 256 keys: kernels-tune-2026-11-30-081015.json), but inside the decode loop that launch made a Vegas
-    iteration slower, 10.33 -> 11.47 ms at batch 1 and 6.77 -> 7.16 ms at batch 8 (random SmolLM2 weights, 4K
-    prompt; step-overhead-2026-11-30-{B-oldlaunch,A-new}.json), so the rule stays."""
+    Enough (sequence, KV head) pairs to give every SM one (large batches, head dim 64): two splits of 128-key
+    blocks, which measured 10.0 us against 11.9 us for 64-key blocks in 4 splits (SmolLM2 shapes, B = 64, T = 8K,
+    benchmarks/results/kernels-tune-2026-11-30-053038.json).
+
+    Long selections (k_max >= 4096, contexts past ~58K at 7 %): 128-key blocks, splits of at least 512 keys but
+    enough of them for two programs per SM. At T = 128K this measured 24.5 us against 31.1 us for the short rule
+    at SmolLM2 B = 8 and 90.8 against 101 us at Qwen3-8B B = 8 (kernels-tune-2026-11-30-094612.json,
+    kernels-2026-11-30-081546.json); SmolLM2 B = 1 took 12.5 us in 32 such splits (081546) against 13.9 us.
+
+    Otherwise (few pairs, short selections: the decode loop's regime up to 8K contexts): 64-key blocks and enough
+    splits for about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys. Sweeps of the
+    kernel alone favour fewer, larger splits there too (kernels-tune-2026-11-30-081015.json), but inside the
+    decode loop that launch made a Vegas iteration slower, 10.33 -> 11.47 ms at batch 1 and 6.77 -> 7.16 ms at
+    batch 8 (random SmolLM2 weights, 4K prompt; step-overhead-2026-11-30-{B-oldlaunch,A-new}.json)."""
     pairs = batch * num_kv_heads
     if pairs >= NUM_SMS and head_dim <= 64:
         block_k, wanted = block_k or 128, 2
+    elif k_max >= _LONG_SELECTION:
+        longest_splits = 1 << ((k_max // _KEYS_PER_LONG_SPLIT).bit_length() - 1)
+        block_k, wanted = block_k or 128, max(next_power_of_2(pl.cdiv(2 * NUM_SMS, pairs)), longest_splits)
     else:
         block_k, wanted = block_k or 64, next_power_of_2(pl.cdiv(TARGET_PROGRAMS, pairs))
     return block_k, max(1, min(wanted, _MAX_SPLITS, pl.cdiv(k_max, block_k)))
