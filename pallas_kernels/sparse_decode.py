@@ -225,6 +225,7 @@ def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, blo
     enough of them for two programs per SM. At T = 128K this measured 24.5 us against 31.1 us for the short rule
     at SmolLM2 B = 8 and 90.8 against 101 us at Qwen3-8B B = 8 (kernels-tune-2026-11-30-094612.json,
     kernels-2026-11-30-081546.json); SmolLM2 B = 1 took 12.5 us in 32 such splits (081546) against 13.9 us.
+    Qwen3-8B B = 1 (now 32 splits of 128-key blocks, was 64-key blocks) has not been measured with it.
 
     Otherwise (few pairs, short selections: the decode loop's regime up to 8K contexts): 64-key blocks and enough
     splits for about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys. Sweeps of the
@@ -235,8 +236,8 @@ def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, blo
     if pairs >= NUM_SMS and head_dim <= 64:
         block_k, wanted = block_k or 128, 2
     elif k_max >= _LONG_SELECTION:
-        longest_splits = 1 << ((k_max // _KEYS_PER_LONG_SPLIT).bit_length() - 1)
-        block_k, wanted = block_k or 128, max(next_power_of_2(pl.cdiv(2 * NUM_SMS, pairs)), longest_splits)
+        most_full_splits = 1 << ((k_max // _KEYS_PER_LONG_SPLIT).bit_length() - 1)
+        block_k, wanted = block_k or 128, max(next_power_of_2(pl.cdiv(2 * NUM_SMS, pairs)), most_full_splits)
     else:
         block_k, wanted = block_k or 64, next_power_of_2(pl.cdiv(TARGET_PROGRAMS, pairs))
     return block_k, max(1, min(wanted, _MAX_SPLITS, pl.cdiv(k_max, block_k)))

@@ -137,6 +137,12 @@ CASES = {
         batch=2, capacity=150, kv_heads=3, group=3, head_dim=64, k_max=70,
         counts=[70, 33], recent=[(120, 131), (140, 150)], block_k=None, num_splits=None,
     ),
+    # A long selection (k_max >= 4096), for which the default launch switches to 128-key blocks in long splits; a
+    # full list, a partial one and an empty one.
+    "long_selection": dict(
+        batch=3, capacity=4500, kv_heads=1, group=2, head_dim=64, k_max=4200,
+        counts=[4200, 2500, 0], recent=[(4300, 4310), (4200, 4203), (9, 40)], block_k=None, num_splits=None,
+    ),
 }
 
 
