@@ -103,12 +103,15 @@ def sparse_decode_kernel(
     k_new = _first_row(_rope(qkv_ref[key_row + 0 * lane, :], cos, sin, swap_halves))
     v_new = qkv_ref[key_row + num_kv_heads, :].astype(jnp.float32)
 
+    def block_start(block):
+        return split_start + block * block_k
+
     def block_rows(block):
         """Cache rows of the block's virtual keys (row 0 for keys past the split)."""
-        key = split_start + block * block_k + jnp.arange(block_k)
+        key = block_start(block) + jnp.arange(block_k)
         listed = key < count
         in_split = key < split_end
-        listed_rows = plt.load(indices_ref.at[pl.ds(split_start + block * block_k, block_k)], mask=listed, other=0)
+        listed_rows = plt.load(indices_ref.at[pl.ds(block_start(block), block_k)], mask=listed, other=0)
         rows = jnp.where(listed, listed_rows, recent_start + key - count)
         # Lanes past the split read row 0 instead of being masked (interpret mode cannot discharge a masked
         # row gather); they all hit the same cached line and are masked out of the softmax below.
@@ -121,7 +124,7 @@ def sparse_decode_kernel(
         k = k_ref[rows, :]
         v = v_ref[rows, :]
         next_rows = block_rows(block + 1)
-        in_split = split_start + block * block_k + jnp.arange(block_k) < split_end
+        in_split = block_start(block) + jnp.arange(block_k) < split_end
         logits = plt.dot(q, k, trans_b=True) * sm_scale  # [block_h, block_k] float32
         logits = jnp.where(in_split[None, :], logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
