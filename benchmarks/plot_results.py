@@ -55,7 +55,7 @@ def plot_profiles(ax) -> None:
 
 
 def main() -> int:
-    throughput = load("final2-*")  # the large and the small batches, two runs of the same code
+    throughput = load("final4-*")  # the large and the small batches, two runs of the same code
     policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
     fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(19, 4.8), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
 
