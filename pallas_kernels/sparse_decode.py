@@ -227,8 +227,9 @@ def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, blo
     Long selections (k_max >= 4096, contexts past ~58K at 7 %): 128-key blocks, splits of at least 512 keys but
     enough of them for two programs per SM. At T = 128K this measured 24.5 us against 31.1 us for the short rule
     at SmolLM2 B = 8 and 90.8 against 101 us at Qwen3-8B B = 8 (kernels-tune-2026-11-30-094612.json,
-    kernels-2026-11-30-081546.json); SmolLM2 B = 1 took 12.5 us in 32 such splits (081546) against 13.9 us.
-    Qwen3-8B B = 1 (now 32 splits of 128-key blocks, was 64-key blocks) has not been measured with it.
+    kernels-2026-11-30-081546.json); SmolLM2 B = 1 took 12.5 us in 32 such splits (081546) against 13.9 us, and
+    Qwen3-8B B = 1 20.5 us in 32 splits of 128-key blocks (kernels-2026-11-30-103114.json) against 22.1 us for
+    64-key blocks (081546, before the kernel's loads were reordered).
 
     Otherwise (few pairs, short selections: the decode loop's regime up to 8K contexts): 64-key blocks and enough
     splits for about TARGET_PROGRAMS programs, but no more splits than blocks of selected keys. Sweeps of the
