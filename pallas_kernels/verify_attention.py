@@ -19,9 +19,10 @@ query rows 0 and S-1 of
     tiny for the keys that matter (d near 0). That is 4 G bytes written and read back per key and KV head (3% of
     the K/V bytes for Qwen3-8B, 5% for SmolLM2), where re-reading K for the lse would cost 50%.
 Measured at B 8 x T 128K on the H200 (kernels-2026-11-30-{071109,080033,080407}.json), collection costs, SmolLM2 /
-Qwen3-8B shapes: logit +16% / +9%; logit through the second dot +41% / +8%, through float32 products of the summed
-query vector with the key rows +58% / +93%; weight by picking each scored row out of the logit tile (a cross-warp
-reduction per row and block) +125% / +71%, through the second dot +62% / +25%.
+Qwen3-8B shapes: logit +16% / +9% (+13.9% / +7.5% in kernels-2026-11-30-103114.json); logit through the second
+dot +41% / +8%, through float32 products of the summed query vector with the key rows +58% / +93%; weight by
+picking each scored row out of the logit tile (a cross-warp reduction per row and block) +125% / +71%, through the
+second dot +62% / +25%.
 Keys t > start[b] get -inf.
 """
 
