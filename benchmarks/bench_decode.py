@@ -71,7 +71,18 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
     }
     if with_breakdown:
         record["breakdown"] = phases
-    return record
+    output = np.asarray(state.output)
+    return record, [output[b, : generated[b]] for b in range(len(prompts))]
+
+
+def first_differences(tokens, reference) -> list[int | None]:
+    """Per sequence, the first position where tokens and reference differ (a length difference counts), or None."""
+    positions = []
+    for got, want in zip(tokens, reference):
+        common = min(len(got), len(want))
+        mismatch = np.flatnonzero(got[:common] != want[:common])
+        positions.append(int(mismatch[0]) if mismatch.size else (None if len(got) == len(want) else common))
+    return positions
 
 
 def main(argv=None) -> int:
@@ -110,28 +121,35 @@ def main(argv=None) -> int:
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
             prompts = long_prompts(engine.tokenizer, batch, prompt_tokens, corpus)
-            ar_rate = None
+            ar_rate, ar_tokens = None, None
             for method in args.methods.split(","):
                 options = GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
                     gamma=args.gamma, sparse_ratio=args.sparse_ratio, min_sparse_tokens=args.min_sparse_tokens,
                     score_mode=args.score_mode, max_model_len=prompt_tokens + args.max_new_tokens,
                 )
-                rec = run_one(engine, prompts, options, args.breakdown, args.repeats)
+                rec, tokens = run_one(engine, prompts, options, args.breakdown, args.repeats)
                 if method == "ar":
-                    ar_rate = rec["decode_tokens_per_s"]
+                    ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
                 rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None
+                if ar_tokens is not None and method != "ar" and args.temperature == 0:
+                    # Greedy speculative decoding should reproduce plain greedy decoding; in bf16 the two passes
+                    # round differently, so a near-tie can send a sequence another way (float32 should not).
+                    rec["first_difference_to_ar"] = first_differences(tokens, ar_tokens)
+                    rec["sequences_identical_to_ar"] = rec["first_difference_to_ar"].count(None)
                 records.append(rec)
                 print(json.dumps({k: v for k, v in rec.items() if k != "outputs"}), flush=True)
                 # After every record: a run cut short by a time limit keeps what it measured.
                 save_results({**meta, "records": records}, name, args.out)
 
-    print(f"\n{'method':10} {'batch':>5} {'prompt':>6} {'tok/s':>9} {'tau':>5} {'ms/it':>7} {'speedup':>7}  breakdown(ms)")
+    print(f"\n{'method':10} {'batch':>5} {'prompt':>6} {'tok/s':>9} {'tau':>5} {'ms/it':>7} {'speedup':>7} "
+          f"{'same':>5}  breakdown(ms)")
     for r in records:
         bd = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())
         sp = f"{r['speedup_vs_ar']:.2f}" if r["speedup_vs_ar"] else "-"
+        same = r.get("sequences_identical_to_ar", "-")
         print(f"{r['method']:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
-              f"{r['tau']:5.2f} {r['ms_per_iteration']:7.2f} {sp:>7}  {bd}")
+              f"{r['tau']:5.2f} {r['ms_per_iteration']:7.2f} {sp:>7} {same:>5}  {bd}")
     return 0
 
 
