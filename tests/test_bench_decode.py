@@ -1,0 +1,26 @@
+"""benchmarks/bench_decode.py's comparison of a method's greedy output with plain decoding's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.bench_decode import first_differences
+
+
+def test_first_differences_per_sequence():
+    plain = [np.array([5, 6, 7, 8]), np.array([1, 2, 3]), np.array([9, 9]), np.array([4, 4, 4]), np.array([], int)]
+    other = [np.array([5, 6, 7, 8]), np.array([1, 0, 3]), np.array([9, 9, 2]), np.array([4, 4]), np.array([], int)]
+    # identical; differs at 1 (a later match does not undo it); runs longer (differs where plain stopped);
+    # stops early; both empty.
+    assert first_differences(other, plain) == [None, 1, 2, 2, None]
+
+
+def test_first_difference_is_the_earliest_mismatch():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        plain = rng.integers(0, 3, size=rng.integers(1, 12))
+        other = plain.copy()
+        changed = rng.integers(0, len(plain))
+        other[changed:] = (other[changed:] + rng.integers(0, 2, size=len(plain) - changed)) % 3
+        want = next((i for i in range(len(plain)) if other[i] != plain[i]), None)
+        assert first_differences([other], [plain]) == [want]
