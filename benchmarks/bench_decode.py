@@ -1,10 +1,12 @@
 """End-to-end decode throughput: plain decoding vs Vegas (and the other selection policies) on real prompts.
 
     python benchmarks/bench_decode.py --model PATH.gguf --methods ar,vegas --batches 1,8,32,64 \
-        --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7]
+        --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7] [--requests 128]
 
 Decode tokens/s exclude compilation and prefill (reported separately). Each configuration runs twice and the
-second run is reported (the first warms up allocations). With --breakdown, one iteration's phases (draft,
+second run is reported (the first warms up allocations). With --requests N, N prompts queue for each batch size's
+slots and are admitted as others finish (continuous batching, `Engine.serve`, one run); the record adds the
+steady throughput of the decode calls that started with every slot busy. With --breakdown, one iteration's phases (draft,
 verify, accept, select) are also timed separately, each jitted on its own with the cache donated, on the state
 right after prefill. Prints a table; writes JSON to --out (and $OUT if set).
 """
@@ -42,7 +44,7 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
             phases = time_phases(engine, started)
             started = engine.start(prompts, options)
         t0 = time.perf_counter()
-        state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1))
+        state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1), jnp.int32(len(prompts)))
         jax.block_until_ready(state.output)
         decode_s = time.perf_counter() - t0
     generated = np.asarray(state.num_generated)
@@ -75,6 +77,38 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
     return record, [output[b, : generated[b]] for b in range(len(prompts))]
 
 
+def run_served(engine: Engine, prompts, options: GenerationOptions, slots: int, refill: int | None) -> dict:
+    """Continuous batching (`Engine.serve`): the prompts queue for `slots` decode slots."""
+    result = engine.serve(prompts, options, slots=slots, refill=refill)
+    m = result.metrics
+    record = {
+        "method": options.method,
+        "batch": m["slots"],
+        "requests": len(prompts),
+        "refill": m["refill"],
+        "prompt_tokens": int(np.mean([len(p) for p in prompts])),
+        "max_new_tokens": options.max_new_tokens,
+        "gamma": options.effective_gamma,
+        "sparse_ratio": options.sparse_ratio if options.effective_gamma else None,
+        "score_mode": options.score_mode if options.effective_gamma else None,
+        "temperature": options.temperature,
+        "decode_s": m["decode_s"],
+        "decode_tokens": m["decode_tokens"],
+        "decode_tokens_per_s": m["decode_tokens_per_s"],
+        "steady_decode_s": m["steady_decode_s"],
+        "steady_decode_tokens": m["steady_decode_tokens"],
+        "steady_decode_tokens_per_s": m["steady_decode_tokens_per_s"],
+        "decode_calls": m["decode_calls"],
+        "ms_per_iteration": 1e3 * m["decode_s"] / max(1, m["loop_iterations"]),
+        "tau": m["tau"],
+        "acceptance_by_position": m["acceptance_by_position"],
+        "compile_s": m["compile_s"],
+        "prefill_s": m["prefill_s"],
+        "outputs": [r.tokens[:8] for r in result.requests],
+    }
+    return record, [np.asarray(r.tokens) for r in result.requests]
+
+
 def first_differences(tokens, reference) -> list[int | None]:
     """Per sequence, the first position where tokens and reference differ (a length difference counts), or None."""
     positions = []
@@ -100,6 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the last is reported")
+    p.add_argument("--requests", type=int, default=0,
+                   help="continuous batching: this many prompts queue for --batches slots each (0: one static batch)")
+    p.add_argument("--refill", type=int, default=None,
+                   help="with --requests: admit queued requests once this many slots are free (default slots // 16)")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -120,18 +158,24 @@ def main(argv=None) -> int:
     name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
-            prompts = long_prompts(engine.tokenizer, batch, prompt_tokens, corpus)
-            ar_rate, ar_tokens = None, None
+            prompts = long_prompts(engine.tokenizer, args.requests or batch, prompt_tokens, corpus)
+            ar_rate, ar_steady, ar_tokens = None, None, None
             for method in args.methods.split(","):
                 options = GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
                     gamma=args.gamma, sparse_ratio=args.sparse_ratio, min_sparse_tokens=args.min_sparse_tokens,
                     score_mode=args.score_mode, max_model_len=prompt_tokens + args.max_new_tokens,
                 )
-                rec, tokens = run_one(engine, prompts, options, args.breakdown, args.repeats)
+                if args.requests:
+                    rec, tokens = run_served(engine, prompts, options, batch, args.refill)
+                else:
+                    rec, tokens = run_one(engine, prompts, options, args.breakdown, args.repeats)
                 if method == "ar":
-                    ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
+                    ar_rate, ar_steady, ar_tokens = rec["decode_tokens_per_s"], rec.get("steady_decode_tokens_per_s"), tokens
                 rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None
+                if args.requests:
+                    steady = rec["steady_decode_tokens_per_s"]
+                    rec["steady_speedup_vs_ar"] = steady / ar_steady if steady and ar_steady else None
                 if ar_tokens is not None and method != "ar" and args.temperature == 0:
                     # Greedy speculative decoding should reproduce plain greedy decoding; in bf16 the two passes
                     # round differently, so a near-tie can send a sequence another way (float32 should not).
@@ -143,13 +187,17 @@ def main(argv=None) -> int:
                 save_results({**meta, "records": records}, name, args.out)
 
     print(f"\n{'method':10} {'batch':>5} {'prompt':>6} {'tok/s':>9} {'tau':>5} {'ms/it':>7} {'speedup':>7} "
-          f"{'same':>5}  breakdown(ms)")
+          f"{'same':>5}  {'breakdown(ms)' if not args.requests else 'steady tok/s, speedup'}")
+    fmt = lambda x, spec: format(x, spec) if x is not None else "-"
     for r in records:
-        bd = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())
-        sp = f"{r['speedup_vs_ar']:.2f}" if r["speedup_vs_ar"] else "-"
+        if args.requests:
+            extra = f"{fmt(r['steady_decode_tokens_per_s'], '.1f')} {fmt(r['steady_speedup_vs_ar'], '.2f')}"
+        else:
+            extra = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())
         same = r.get("sequences_identical_to_ar", "-")
         print(f"{r['method']:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
-              f"{r['tau']:5.2f} {r['ms_per_iteration']:7.2f} {sp:>7} {same:>5}  {bd}")
+              f"{r['tau']:5.2f} {fmt(r['ms_per_iteration'], '7.2f'):>7} {fmt(r['speedup_vs_ar'], '.2f'):>7} "
+              f"{same:>5}  {extra}")
     return 0
 
 

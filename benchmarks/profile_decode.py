@@ -99,13 +99,14 @@ def profile_method(engine: Engine, prompts, options: GenerationOptions, warmup: 
         with gzip.open(hlo_path, "wt") as f:
             f.write(started.decode.as_text())
     params = engine.model.params
-    state = started.decode(params, started.state, jnp.int32(warmup))
+    everyone = jnp.int32(len(prompts))  # finished_limit: run until the whole batch is done
+    state = started.decode(params, started.state, jnp.int32(warmup), everyone)
     jax.block_until_ready(state.output)
     limit = jnp.int32(warmup + iterations)
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             t0 = time.perf_counter()
-            state = started.decode(params, state, limit)
+            state = started.decode(params, state, limit, everyone)
             jax.block_until_ready(state.output)
             wall_s = time.perf_counter() - t0
         events = gpu_kernel_events(Path(log_dir))

@@ -104,7 +104,7 @@ class Started:
     prompt_ids: list[list[int]]
     config: loop.DecodeConfig
     state: loop.DecodeState  # after prefill and the bootstrap step
-    decode: Callable  # compiled loop.decode(params, state, step_limit)
+    decode: Callable  # compiled loop.decode(params, state, step_limit, finished_limit)
     timings: dict
 
 
@@ -197,24 +197,31 @@ class Engine:
         return self._compiled[key]
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
-        """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
-        for tools, such as benchmarks, that time parts of an iteration themselves)."""
-        options.validate()
-        ids = self.encode_prompts(prompts, chat_template)
+    def _plan(self, ids: list[list[int]], options: GenerationOptions):
+        """(max_model_len, cache capacity) for these prompts; InputError if they do not fit."""
+        max_model_len = self._max_model_len([len(p) for p in ids], options)
+        return max_model_len, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
+
+    def _initial_state(self, ids, options, config, capacity, first_request: int) -> loop.DecodeState:
+        """The state of these requests before prefill; request i (counted from first_request) is seeded with
+        options.seed + i, whatever batch it runs in."""
         batch = len(ids)
+        return loop.init_state(
+            config,
+            KVCache.create(self.config, batch, capacity, self.model.params["embed"].dtype),
+            jnp.asarray([len(p) for p in ids]),
+            jnp.asarray([p[-1] for p in ids]),
+            jnp.full((batch,), options.max_new_tokens),
+            jax.vmap(jax.random.key)(jnp.arange(batch) + first_request + options.seed),
+            sampling.SamplingParams.create(batch, options.temperature, options.top_k, options.top_p),
+            jnp.asarray(list(self.tokenizer.eos_ids) or [-1]),
+        )
+
+    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, progress=None):
+        """Prefill of all but each prompt's last token, in fixed-size chunks (one compilation for any length),
+        then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and prefill_s."""
+        params, batch = self.model.params, len(ids)
         lens = [len(p) for p in ids]
-        max_model_len = self._max_model_len(lens, options)
-        gamma = options.effective_gamma
-        capacity = _round_up(max_model_len + gamma + 1, CAPACITY_ALIGN)
-        params = self.model.params
-        dtype = params["embed"].dtype
-
-        sampling_params = sampling.SamplingParams.create(batch, options.temperature, options.top_k, options.top_p)
-        config = self._decode_config(options, sampling_params.mode(), max_model_len)
-        timings = {}
-
-        # Prefill all but each prompt's last token, in fixed-size chunks (one compilation for any length).
         chunk = min(
             options.prefill_chunk,
             prefill_chunk_for_memory(batch, self.config.num_heads, capacity),
@@ -224,26 +231,12 @@ class Engine:
         tokens = np.zeros((batch, width), np.int32)
         for i, p in enumerate(ids):
             tokens[i, : len(p) - 1] = p[:-1]
-        cache = KVCache.create(self.config, batch, capacity, dtype)
-        chunk_args = (params, cache, jnp.zeros((batch, chunk), jnp.int32), jnp.zeros((batch, chunk), jnp.int32))
+        state = self._initial_state(ids, options, config, capacity, first_request)
         t0 = time.perf_counter()
+        chunk_args = (params, state.cache, jnp.zeros((batch, chunk), jnp.int32), jnp.zeros((batch, chunk), jnp.int32))
         prefill = self._compile("prefill", loop.prefill_chunk, *chunk_args, donate=(1,), model=self.config)
-        timings["compile_s"] = time.perf_counter() - t0
-
-        state = loop.init_state(
-            config,
-            cache,
-            jnp.asarray(lens),
-            jnp.asarray([p[-1] for p in ids]),
-            jnp.full((batch,), options.max_new_tokens),
-            jax.vmap(jax.random.key)(jnp.arange(batch) + options.seed),
-            sampling_params,
-            jnp.asarray(list(self.tokenizer.eos_ids) or [-1]),
-        )
-        t0 = time.perf_counter()
         bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), config=config)
-        decode = self._compile("decode", loop.decode, params, state, jnp.int32(0), donate=(1,), config=config)
-        timings["compile_s"] += time.perf_counter() - t0
+        timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
         num_chunks = width // chunk
@@ -255,8 +248,28 @@ class Engine:
                 progress("prefill", c + 1, num_chunks)
         state = bootstrap(params, dataclasses.replace(state, cache=cache))
         jax.block_until_ready(state.output)
-        timings["prefill_s"] = time.perf_counter() - t0
-        self._raise_if_nonfinite(state)
+        timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
+        return state
+
+    def _compile_decode(self, config, state, timings) -> Callable:
+        t0 = time.perf_counter()
+        args = (self.model.params, state, jnp.int32(0), jnp.int32(0))
+        decode = self._compile("decode", loop.decode, *args, donate=(1,), config=config)
+        timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
+        return decode
+
+    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
+        """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
+        for tools, such as benchmarks, that time parts of an iteration themselves)."""
+        options.validate()
+        ids = self.encode_prompts(prompts, chat_template)
+        max_model_len, capacity = self._plan(ids, options)
+        mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
+        config = self._decode_config(options, mode, max_model_len)
+        timings = {}
+        state = self._prefill(ids, options, config, capacity, timings, progress=progress)
+        decode = self._compile_decode(config, state, timings)
+        self._raise_if_nonfinite(state.nonfinite)
         return Started(ids, config, state, decode, timings)
 
     def stream(
@@ -281,7 +294,7 @@ class Engine:
         limit = 2**31 - 1
         while True:
             step = int(state.step) + steps_per_call if steps_per_call else limit
-            state = started.decode(params, state, jnp.int32(min(step, limit)))
+            state = started.decode(params, state, jnp.int32(min(step, limit)), jnp.int32(batch))
             num_generated = np.asarray(state.num_generated)
             if steps_per_call:
                 output = np.asarray(state.output)
@@ -293,29 +306,144 @@ class Engine:
                 break
         jax.block_until_ready(state.output)
         timings["decode_s"] = time.perf_counter() - t0
-        self._raise_if_nonfinite(state)
+        self._raise_if_nonfinite(state.nonfinite)
         if not steps_per_call:
             output = np.asarray(state.output)
             yield [list(output[i, 1 : num_generated[i]]) for i in range(batch)]
-        yield self._result(options, started.prompt_ids, state, timings)
+        yield self._result(options, started.prompt_ids, self._host_rows(state), timings)
 
     def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:
         *_, result = self.stream(prompts, options, **kwargs)
         return result
 
-    def _raise_if_nonfinite(self, state) -> None:
-        bad = np.flatnonzero(np.asarray(state.nonfinite))
+    def serve(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        options: GenerationOptions = GenerationOptions(),
+        *,
+        slots: int,
+        refill: int | None = None,
+        chat_template: bool | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> GenerationResult:
+        """Continuous batching: at most `slots` requests decode together. The loop returns to the host as soon as
+        `refill` (default slots // 16, at least 1) of them have finished or the queue holds fewer than that; as
+        many queued requests as there are free slots are then prefilled and bootstrapped in groups of `refill`
+        and admitted into the running batch (`loop.admit`), and decoding resumes. Results come in prompt order
+        and, request for request, equal `generate`'s on all the prompts at once (each request's seed and random
+        draws do not depend on the batch it ran in).
+
+        Timings: prefill_s covers every group's prefill and bootstrap, decode_s only the decode loop. Decode
+        calls that start with every slot busy are "steady": their tokens/s (steady_decode_tokens_per_s) is the
+        throughput of a server whose queue never runs dry, without the drain at the end where slots empty out.
+        """
+        options.validate()
+        if slots < 1:
+            raise InputError(f"--slots must be >= 1, got {slots}")
+        refill = max(1, slots // 16) if refill is None else refill
+        if not 1 <= refill <= slots:
+            raise InputError(f"--refill must be in [1, --slots {slots}], got {refill}")
+        ids = self.encode_prompts(prompts, chat_template)
+        max_model_len, capacity = self._plan(ids, options)
+        mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
+        config = self._decode_config(options, mode, max_model_len)
+        slots = min(slots, len(ids))
+        refill = min(refill, slots)
+        params, timings = self.model.params, {}
+
+        # An empty batch: every slot finished, so the first admissions fill it.
+        state = self._initial_state([[0]] * slots, options, config, capacity, 0)
+        state = dataclasses.replace(state, done=jnp.ones((slots,), bool))
+        decode = self._compile_decode(config, state, timings)
+
+        queue = list(range(len(ids)))[::-1]  # popped from the end: request 0 first
+        slot_request: list[int | None] = [None] * slots
+        finished: dict[int, dict] = {}
+        calls = []  # per decode call: busy slots at its start, iterations, tokens, seconds
+        while True:
+            free = [i for i, r in enumerate(slot_request) if r is None]
+            while queue and free:
+                group = [queue.pop() for _ in range(min(refill, len(queue), len(free)))]
+                targets, free = free[: len(group)], free[len(group) :]
+                # Fixed-size groups (one compilation): padding repeats the last request and is dropped on admission.
+                padded = group + [group[-1]] * (refill - len(group))
+                joining = self._prefill([ids[r] for r in padded], options, config, capacity, timings,
+                                        first_request=group[0])
+                into = jnp.asarray(targets + [slots] * (refill - len(group)), jnp.int32)
+                t0 = time.perf_counter()
+                admit = self._compile("admit", loop.admit, state, joining, into, donate=(0,), config=config)
+                timings["compile_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                state = admit(state, joining, into)
+                jax.block_until_ready(state.done)
+                timings["prefill_s"] += time.perf_counter() - t0
+                for slot, r in zip(targets, group):
+                    slot_request[slot] = r
+            occupied = [i for i, r in enumerate(slot_request) if r is not None]
+            if not occupied:
+                break
+            finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
+            before, step = np.asarray(state.num_generated), int(state.step)
+            t0 = time.perf_counter()
+            state = decode(params, state, jnp.int32(2**31 - 1), jnp.int32(finished_limit))
+            jax.block_until_ready(state.done)
+            elapsed = time.perf_counter() - t0
+            rows = self._host_rows(state)
+            calls.append({
+                "busy_slots": len(occupied),
+                "queued": len(queue),
+                "iterations": int(state.step) - step,
+                "tokens": int((rows["num_generated"] - before)[occupied].sum()),
+                "seconds": elapsed,
+            })
+            for slot in occupied:
+                if rows["done"][slot]:
+                    finished[slot_request[slot]] = {k: v[slot] for k, v in rows.items()}
+                    slot_request[slot] = None
+            if progress:
+                progress("requests", len(finished), len(ids))
+
+        timings["decode_s"] = sum(c["seconds"] for c in calls)
+        steady = [c for c in calls if c["busy_slots"] == slots and c["queued"]]
+        steady_s = sum(c["seconds"] for c in steady)
+        steady_tokens = sum(c["tokens"] for c in steady)
+        rows = {k: np.stack([finished[r][k] for r in range(len(ids))]) for k in finished[0]}
+        self._raise_if_nonfinite(rows["nonfinite"])
+        result = self._result(options, ids, rows, timings)
+        result.metrics.update(
+            slots=slots,
+            refill=refill,
+            decode_calls=calls,
+            loop_iterations=sum(c["iterations"] for c in calls),
+            steady_decode_s=steady_s,
+            steady_decode_tokens=steady_tokens,
+            steady_decode_tokens_per_s=steady_tokens / steady_s if steady_s > 0 else None,
+        )
+        return result
+
+    @staticmethod
+    def _host_rows(state) -> dict[str, np.ndarray]:
+        """Host copies of a state's per-request results."""
+        return {
+            "output": np.asarray(state.output),
+            "num_generated": np.asarray(state.num_generated),
+            "done": np.asarray(state.done),
+            "nonfinite": np.asarray(state.nonfinite),
+            "iterations": np.asarray(state.metrics.iterations),
+            "drafted": np.asarray(state.metrics.drafted),
+            "accepted": np.asarray(state.metrics.accepted),
+        }
+
+    def _raise_if_nonfinite(self, nonfinite) -> None:
+        bad = np.flatnonzero(np.asarray(nonfinite))
         if bad.size:
             raise NonFiniteLogitsError(
                 f"non-finite logits in request(s) {bad.tolist()}: generation stopped (check the checkpoint and --dtype)"
             )
 
-    def _result(self, options, ids, state, timings) -> GenerationResult:
-        output = np.asarray(state.output)
-        num_generated = np.asarray(state.num_generated)
-        iterations = np.asarray(state.metrics.iterations)
-        drafted = np.asarray(state.metrics.drafted)
-        accepted = np.asarray(state.metrics.accepted)
+    def _result(self, options, ids, rows: dict, timings) -> GenerationResult:
+        output, num_generated = rows["output"], rows["num_generated"]
+        iterations, drafted, accepted = rows["iterations"], rows["drafted"], rows["accepted"]
         requests = []
         for i, prompt in enumerate(ids):
             tokens = output[i, : num_generated[i]].tolist()

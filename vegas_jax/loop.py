@@ -142,9 +142,18 @@ def _check_finite(logits: jax.Array, rows_used: jax.Array) -> jax.Array:
 
 
 def step_keys(keys: jax.Array, step: jax.Array, count: int) -> jax.Array:
-    """[count, B] keys, a pure function of each request's seed and the step (0: bootstrap, i + 1: iteration i)."""
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+    """[count, B] keys, a pure function of each request's seed and its own step ([B] or scalar; 0: bootstrap,
+    i + 1: the request's iteration i). Counting steps per request rather than per loop makes a request's random
+    draws independent of when it joined a running batch (`admit`)."""
+    step = jnp.broadcast_to(step, keys.shape)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, step)
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, count))(step_keys), 1, 0)
+
+
+def request_step(state: DecodeState) -> jax.Array:
+    """[B] each request's step for `step_keys`: its iterations so far plus one (an unfinished request emits in
+    every iteration, so the count advances by one per iteration it takes part in)."""
+    return state.metrics.iterations + 1
 
 
 def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
@@ -218,7 +227,7 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     active = ~state.done
     # Never draft past the tokens still owed: the bonus token always comes on top of the accepted drafts.
     num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, gamma)
-    keys = step_keys(state.keys, state.step + 1, gamma + 2)
+    keys = step_keys(state.keys, request_step(state), gamma + 2)
     if gamma:
         cache, drafts, draft_probs, draft_finite = draft(params, state, keys, config, num_drafts)
     else:
@@ -274,11 +283,41 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     return dataclasses.replace(new, selection=selection, policy_state=policy_state)
 
 
-def decode(params, state: DecodeState, step_limit: jax.Array, *, config: DecodeConfig) -> DecodeState:
-    """Iterates until every sequence is done or `step_limit` iterations have run in total (streaming runs the
-    loop in slices of steps; a non-streaming call passes a limit it never reaches)."""
+def decode(
+    params, state: DecodeState, step_limit: jax.Array, finished_limit: jax.Array, *, config: DecodeConfig
+) -> DecodeState:
+    """Iterates until `finished_limit` sequences are done (the batch size: all of them) or `step_limit` iterations
+    have run in total. Streaming runs the loop in slices of steps; continuous batching returns as soon as enough
+    slots have finished to admit new requests; a plain call passes limits it never reaches before the end."""
 
     def cond(s: DecodeState):
-        return jnp.any(~s.done) & (s.step < step_limit)
+        return (jnp.sum(s.done) < finished_limit) & (s.step < step_limit)
 
     return jax.lax.while_loop(cond, lambda s: iteration(params, s, config=config), state)
+
+
+def _set_rows(running: jax.Array, joining: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
+    index = (slice(None),) * axis + (slots,)
+    return running.at[index].set(joining, mode="drop")
+
+
+def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, config: DecodeConfig) -> DecodeState:
+    """Continuous batching: the requests of `joining` (prefilled and bootstrapped with the same configuration and
+    cache capacity) replace the finished ones in rows `slots` of a running batch; a slot past the batch drops its
+    row (padding). The loop's step count and stop ids stay the running batch's."""
+    rows = lambda a, b: _set_rows(a, b, slots, 0)
+    per_request = dict(
+        cache=jax.tree.map(rows, running.cache, joining.cache),
+        selection=Selection(
+            indices=_set_rows(running.selection.indices, joining.selection.indices, slots, 1),
+            counts=_set_rows(running.selection.counts, joining.selection.counts, slots, 1),
+            recent_start=rows(running.selection.recent_start, joining.selection.recent_start),
+        ),
+        policy_state=(
+            config.policy.admit_state(running.policy_state, joining.policy_state, slots) if config.policy else ()
+        ),
+    )
+    for field in ("committed", "last_token", "output", "num_generated", "max_new", "done", "nonfinite", "keys",
+                  "sampling", "metrics"):
+        per_request[field] = jax.tree.map(rows, getattr(running, field), getattr(joining, field))
+    return dataclasses.replace(running, **per_request)

@@ -40,7 +40,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
     (the parameters above all) would be compiled in as constants, which times something else."""
     config, state, params = started.config, started.state, engine.model.params
     gamma, batch = config.gamma, state.committed.shape[0]
-    keys = loop.step_keys(state.keys, state.step + 1, gamma + 2)
+    keys = loop.step_keys(state.keys, loop.request_step(state), gamma + 2)
     uncached = dataclasses.replace(state, cache=None)
     result = {"draft_ms": 0.0, "select_ms": 0.0}
 

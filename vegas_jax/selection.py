@@ -111,6 +111,11 @@ class Policy:
     def select(self, ctx: SelectContext, selection: Selection, state) -> tuple[Selection, Any]:
         raise NotImplementedError
 
+    def admit_state(self, running, joining, slots: jax.Array):
+        """The policy state after requests of `joining` take rows `slots` of a running batch (see loop.admit);
+        states without per-request rows are the running batch's."""
+        return running
+
     def draft_attention(self, selection: Selection, state):
         return SparseDraftAttention(selection.indices, selection.counts, selection.recent_start, self.backend)
 
@@ -234,6 +239,13 @@ class Quest(Policy):
     def init_state(self, config, batch, capacity, dtype):
         shape = (config.num_layers, batch, capacity // self.page, config.num_kv_heads, config.head_dim)
         return QuestState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    def admit_state(self, running, joining, slots):
+        return QuestState(
+            page_min=running.page_min.at[:, slots].set(joining.page_min, mode="drop"),
+            page_max=running.page_max.at[:, slots].set(joining.page_max, mode="drop"),
+            complete_pages=running.complete_pages.at[slots].set(joining.complete_pages, mode="drop"),
+        )
 
     def _page_bounds(self, keys: jax.Array, first_page: jax.Array, num_pages: int):
         """min/max of num_pages pages of one layer's keys [B, T, H, D] starting at first_page [B]."""

@@ -1,0 +1,88 @@
+"""Continuous batching (`Engine.serve`): requests admitted into a running decode loop as others finish give, request
+for request, what one batch of all of them gives (`Engine.generate`), itself checked against plain decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
+from vegas_jax.engine import InputError
+
+LENGTHS = [45, 12, 80, 7, 33, 60, 21]
+
+
+@pytest.fixture(scope="module")
+def engine_and_prompts():
+    engine = tiny_engine()
+    batch = prompts(LENGTHS, engine.config.vocab_size, seed=3)
+    # Uneven lengths so requests finish at different iterations: a stop token that one request emits mid-way.
+    plain = engine.generate(batch, dataclasses.replace(GREEDY, max_new_tokens=40))
+    tokens = plain.requests[2].tokens
+    others = set().union(*(r.tokens[:30] for i, r in enumerate(plain.requests) if i != 2))
+    engine.tokenizer.eos_ids = (next(t for t in tokens[10:] if t not in others and t not in tokens[:10]),)
+    return engine, batch
+
+
+def _request_metrics(result):
+    return [(r.metrics["iterations"], r.metrics["tau"]) for r in result.requests]
+
+
+@pytest.mark.parametrize(
+    "method,temperature,slots,refill",
+    [("ar", 0.0, 3, 1), ("vegas", 0.0, 3, 2), ("vegas", 0.0, 2, 1), ("vegas", 0.8, 3, 2), ("quest", 0.0, 4, 3)],
+)
+def test_serve_equals_one_batch(engine_and_prompts, method, temperature, slots, refill):
+    engine, batch = engine_and_prompts
+    options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40)
+    together = engine.generate(batch, options)
+    served = engine.serve(batch, options, slots=slots, refill=refill)
+    assert [r.tokens for r in served.requests] == [r.tokens for r in together.requests]
+    # Same drafts and selections per request, not only the same output.
+    assert _request_metrics(served) == _request_metrics(together)
+    lengths = [len(r.tokens) for r in served.requests]
+    assert min(lengths) < 40 == max(lengths)  # the stop token ended one request early
+    m = served.metrics
+    assert m["decode_tokens"] == sum(n - 1 for n in lengths)
+    assert (m["slots"], m["refill"]) == (slots, refill)
+    # The first call starts with every slot busy and queued requests left; the drain at the end is not steady.
+    assert 0 < m["steady_decode_tokens"] < m["decode_tokens"]
+    calls = m["decode_calls"]
+    assert len(calls) > 1 and sum(c["tokens"] for c in calls) == m["decode_tokens"]
+    assert m["loop_iterations"] == sum(c["iterations"] for c in calls) >= max(r.metrics["iterations"] for r in served.requests)
+
+
+def test_serve_greedy_equals_plain_decoding(engine_and_prompts):
+    engine, batch = engine_and_prompts
+    options = dataclasses.replace(GREEDY, max_new_tokens=40)
+    plain = engine.generate(batch, options)
+    served = engine.serve(batch, dataclasses.replace(options, method="vegas"), slots=2, refill=2)
+    assert [r.tokens for r in served.requests] == [r.tokens for r in plain.requests]
+
+
+def test_more_slots_than_requests(engine_and_prompts):
+    engine, batch = engine_and_prompts
+    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=12)
+    served = engine.serve(batch[:2], options, slots=8)
+    assert served.metrics["slots"] == 2
+    assert [r.tokens for r in served.requests] == [r.tokens for r in engine.generate(batch[:2], options).requests]
+
+
+@pytest.mark.parametrize("slots,refill,flag", [(0, None, "--slots"), (4, 5, "--refill"), (4, 0, "--refill")])
+def test_bad_slots_or_refill(engine_and_prompts, slots, refill, flag):
+    engine, batch = engine_and_prompts
+    with pytest.raises(InputError, match=f"^{flag} "):
+        engine.serve(batch, GREEDY, slots=slots, refill=refill)
+
+
+def test_per_request_seeds_do_not_depend_on_the_batch(engine_and_prompts):
+    """Request i's sampled output is a function of seed + i, so the same prompt at the same index gives the same
+    tokens in a batch of one and in a batch of many."""
+    engine, batch = engine_and_prompts
+    options = dataclasses.replace(GREEDY, method="vegas", temperature=0.8, max_new_tokens=20, seed=5)
+    together = engine.generate(batch[:3], options)
+    alone = engine.generate(batch[2:3], dataclasses.replace(options, seed=7))
+    assert alone.requests[0].tokens == together.requests[2].tokens
+    assert np.any([a.tokens != b.tokens for a, b in zip(together.requests[:2], together.requests[1:])])
