@@ -114,6 +114,10 @@ BAD_INPUT = {
                                                   ["--max-new-tokens", "--max-model-len"]),
     "max-new-tokens-not-a-number": (["--prompt", PROMPT, "--max-new-tokens", "12x"], ["--max-new-tokens", "12x"]),
     "unknown-flag": (["--prompt", PROMPT, "--gama", "3"], ["--gama"]),
+    "slots-0": (["--prompt", PROMPT, "--slots", "0"], ["--slots"]),
+    "refill-over-slots": (["--prompt", PROMPT, "--slots", "2", "--refill", "3"], ["--refill", "--slots 2"]),
+    "refill-without-slots": (["--prompt", PROMPT, "--refill", "1"], ["--refill", "--slots"]),
+    "stream-with-slots": (["--prompt", PROMPT, "--slots", "1", "--stream"], ["--stream", "--slots"]),
 }
 
 
@@ -197,6 +201,16 @@ def test_two_prompts_and_a_prompt_file_make_one_batch(capsys, tmp_path, referenc
     assert requests[0]["tokens"] == ref.tokens  # batching with longer prompts leaves request 0 alone
     assert all(len(r["tokens"]) == MAX_NEW for r in requests) and requests[1]["tokens"] != requests[2]["tokens"]
     assert stdout.count("--- request ") == 3
+
+
+def test_slots_queue_the_prompts_with_the_same_tokens(capsys, tmp_path):
+    prompts = ["--prompt", PROMPT, "--prompt", "Once upon a time", "--prompt", "Lorem ipsum dolor sit amet"]
+    together, _, _ = run_json(capsys, tmp_path, [*BASE, *VEGAS, *prompts])
+    served, _, _ = run_json(capsys, tmp_path, [*BASE, *VEGAS, *prompts, "--slots", "2", "--refill", "1"])
+    assert [r["tokens"] for r in served["requests"]] == [r["tokens"] for r in together["requests"]]
+    m = served["metrics"]
+    assert (served["config"]["slots"], m["slots"], m["refill"]) == (2, 2, 1)
+    assert m["decode_tokens"] == sum(len(r["tokens"]) - 1 for r in served["requests"])
 
 
 def test_no_chat_template_changes_prompt_tokens(capsys, tmp_path, vegas_run, reference):

@@ -114,6 +114,17 @@ def prefill_chunk_for_memory(batch: int, num_heads: int, capacity: int) -> int:
     return max(16, fitting // 16 * 16)
 
 
+def check_serving(slots: int, refill: int | None) -> int:
+    """The refill group size for continuous batching (default slots // 16, at least 1); InputError if either
+    number is out of range."""
+    if slots < 1:
+        raise InputError(f"--slots must be >= 1, got {slots}")
+    refill = max(1, slots // 16) if refill is None else refill
+    if not 1 <= refill <= slots:
+        raise InputError(f"--refill must be in [1, --slots {slots}], got {refill}")
+    return refill
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -327,7 +338,7 @@ class Engine:
         progress: Callable[[str, int, int], None] | None = None,
     ) -> GenerationResult:
         """Continuous batching: at most `slots` requests decode together. The loop returns to the host as soon as
-        `refill` (default slots // 16, at least 1) of them have finished or the queue holds fewer than that; as
+        `refill` (`check_serving`) of them have finished or the queue holds fewer than that; as
         many queued requests as there are free slots are then prefilled and bootstrapped in groups of `refill`
         and admitted into the running batch (`loop.admit`), and decoding resumes. Results come in prompt order
         and, request for request, equal `generate`'s on all the prompts at once (each request's seed and random
@@ -338,11 +349,7 @@ class Engine:
         throughput of a server whose queue never runs dry, without the drain at the end where slots empty out.
         """
         options.validate()
-        if slots < 1:
-            raise InputError(f"--slots must be >= 1, got {slots}")
-        refill = max(1, slots // 16) if refill is None else refill
-        if not 1 <= refill <= slots:
-            raise InputError(f"--refill must be in [1, --slots {slots}], got {refill}")
+        refill = check_serving(slots, refill)
         ids = self.encode_prompts(prompts, chat_template)
         max_model_len, capacity = self._plan(ids, options)
         mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()

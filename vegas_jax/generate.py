@@ -12,7 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from vegas_jax.engine import METHODS, Engine, GenerationOptions, GenerationResult, InputError, NonFiniteLogitsError
+from vegas_jax.engine import (
+    METHODS,
+    Engine,
+    GenerationOptions,
+    GenerationResult,
+    InputError,
+    NonFiniteLogitsError,
+    check_serving,
+)
 
 DTYPES = ("auto", "bfloat16", "float32")
 
@@ -56,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
     p.add_argument("--score-mode", default=GenerationOptions.score_mode, help="logit | weight")
     p.add_argument("--prefill-chunk", type=token_count, default=GenerationOptions.prefill_chunk)
+    p.add_argument("--slots", type=int, default=None,
+                   help="continuous batching: at most this many requests decode together, the others queue and are "
+                        "admitted as requests finish (default: all prompts in one batch)")
+    p.add_argument("--refill", type=int, default=None,
+                   help="with --slots: admit queued requests once this many slots are free (default slots // 16)")
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
@@ -79,7 +92,7 @@ class _Progress:
 
         bar = self.bars.get(stage)
         if bar is None:
-            unit = "chunk" if stage == "prefill" else "tok"
+            unit = {"prefill": "chunk", "requests": "req"}.get(stage, "tok")
             bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, file=sys.stderr, leave=False)
         bar.update(done - bar.n)
 
@@ -118,6 +131,11 @@ def _options(args) -> GenerationOptions:
 
 
 def _run(engine: Engine, prompts, options, args, progress, *, stream: bool) -> GenerationResult:
+    if args.slots is not None:
+        result = engine.serve(prompts, options, slots=args.slots, refill=args.refill,
+                              chat_template=args.chat_template, progress=progress)
+        progress.close()
+        return result
     result = None
     batch = len(prompts)
     decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)] if stream else None
@@ -168,6 +186,12 @@ def main(argv=None) -> int:
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     try:
         options = _options(args)
+        if args.slots is not None:
+            check_serving(args.slots, args.refill)
+            if args.stream:
+                raise InputError("--stream: not with --slots (continuous batching returns whole requests)")
+        elif args.refill is not None:
+            raise InputError("--refill: only with --slots")
         prompts = _read_prompts(args)
         if args.output_json and args.output_json.is_dir():
             raise InputError(f"--output-json {args.output_json}: is a directory")
@@ -183,7 +207,8 @@ def main(argv=None) -> int:
         engine.check_lengths(prompts, options)
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
-                    "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times}
+                    "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
+                    "slots": args.slots, "refill": args.refill}
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
         result = _run(engine, prompts, options, args, progress, stream=args.stream)
