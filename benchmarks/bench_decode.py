@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=0,
                    help="continuous batching: this many prompts queue for --batches slots each (0: one static batch)")
     p.add_argument("--refill", type=int, default=None,
-                   help="with --requests: admit queued requests once this many slots are free (default slots // 16)")
+                   help="with --requests: admit queued requests once this many slots are free (default slots // 8)")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

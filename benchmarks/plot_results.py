@@ -1,7 +1,8 @@
 """Plots of the committed end-to-end results: decode throughput (plain vs Vegas), where a Vegas iteration's GPU
-time goes step by step of the optimisation (profiles), and τ per selection policy.
+time goes step by step of the optimisation (profiles), and τ per selection policy; and a timeline of continuous
+batching's decode calls.
 
-    pip install -e '.[bench]' && python benchmarks/plot_results.py   # writes benchmarks/results/e2e-summary.png
+    pip install -e '.[bench]' && python benchmarks/plot_results.py   # writes benchmarks/results/e2e-summary.png and e2e-serve3-*.png
 """
 
 from __future__ import annotations
@@ -54,6 +55,38 @@ def plot_profiles(ax) -> None:
     ax.legend(fontsize=8)
 
 
+def plot_serving(tag: str) -> Path:
+    """Continuous batching, one bar per decode call: its tokens/s over the decode time it took, with the slots
+    busy at its start; plain decoding's rate and twice it for reference."""
+    records = {r["method"]: r for r in load(tag)}
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    for method in ("ar", "vegas"):
+        calls = records[method]["decode_calls"]
+        edges = [0.0]
+        for call in calls:
+            edges.append(edges[-1] + call["seconds"])
+        rates = [call["tokens"] / call["seconds"] for call in calls]
+        ax.stairs(rates, edges, linewidth=2, label=f"{method}: {len(calls)} calls")
+        for call, left, rate in zip(calls, edges, rates):
+            if method == "vegas" and call["seconds"] > 0.05:
+                ax.annotate(f"{call['busy_slots']} busy, {call['queued']} queued: {call['iterations']} iterations",
+                            (left + call["seconds"] / 2, rate), ha="center", va="bottom", fontsize=8)
+    plain = records["ar"]["decode_tokens_per_s"]
+    ax.axhline(2 * plain, color="gray", linestyle=":", label="2x plain")
+    r = records["vegas"]
+    ax.set_xlabel("decode seconds (calls of the loop, admissions in between not shown)")
+    ax.set_ylabel("tokens/s of the call")
+    ax.set_title(f"Continuous batching, SmolLM2 on the H200: {r['requests']} requests of {r['prompt_tokens']} "
+                 f"tokens through {r['batch']} slots, refill {r['refill']}: {r['speedup_vs_ar']:.2f}x whole run, "
+                 f"{r['steady_speedup_vs_ar']:.2f}x steady", fontsize=9)
+    ax.set_ylim(0, 2.25 * plain)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    out = RESULTS / f"e2e-{tag}.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> int:
     throughput = load("final4-*")  # the large and the small batches, two runs of the same code
     policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
@@ -91,6 +124,7 @@ def main() -> int:
     out = RESULTS / "e2e-summary.png"
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
+    print(f"wrote {plot_serving('serve3-b64-refill8')}")
     return 0
 
 

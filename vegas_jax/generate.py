@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continuous batching: at most this many requests decode together, the others queue and are "
                         "admitted as requests finish (default: all prompts in one batch)")
     p.add_argument("--refill", type=int, default=None,
-                   help="with --slots: admit queued requests once this many slots are free (default slots // 16)")
+                   help="with --slots: admit queued requests once this many slots are free (default slots // 8)")
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
