@@ -34,6 +34,19 @@ from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.phases import time_phases  # noqa: E402
 
 
+def configuration(options: GenerationOptions, prompts) -> dict:
+    """The fields every record starts with: what ran, on which prompts."""
+    return {
+        "method": options.method,
+        "prompt_tokens": int(np.mean([len(p) for p in prompts])),
+        "max_new_tokens": options.max_new_tokens,
+        "gamma": options.effective_gamma,
+        "sparse_ratio": options.sparse_ratio if options.effective_gamma else None,
+        "score_mode": options.score_mode if options.effective_gamma else None,
+        "temperature": options.temperature,
+    }
+
+
 def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool, repeats: int) -> dict:
     compile_s = None
     for attempt in range(repeats):
@@ -53,14 +66,8 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
     drafted = np.asarray(state.metrics.drafted)
     decode_tokens = int((generated - 1).sum())
     record = {
-        "method": options.method,
+        **configuration(options, prompts),
         "batch": len(prompts),
-        "prompt_tokens": int(np.mean([len(p) for p in prompts])),
-        "max_new_tokens": options.max_new_tokens,
-        "gamma": options.effective_gamma,
-        "sparse_ratio": options.sparse_ratio if options.effective_gamma else None,
-        "score_mode": options.score_mode if options.effective_gamma else None,
-        "temperature": options.temperature,
         "decode_s": decode_s,
         "decode_tokens": decode_tokens,
         "decode_tokens_per_s": decode_tokens / decode_s,
@@ -82,16 +89,10 @@ def run_served(engine: Engine, prompts, options: GenerationOptions, slots: int, 
     result = engine.serve(prompts, options, slots=slots, refill=refill)
     m = result.metrics
     record = {
-        "method": options.method,
+        **configuration(options, prompts),
         "batch": m["slots"],
         "requests": len(prompts),
         "refill": m["refill"],
-        "prompt_tokens": int(np.mean([len(p) for p in prompts])),
-        "max_new_tokens": options.max_new_tokens,
-        "gamma": options.effective_gamma,
-        "sparse_ratio": options.sparse_ratio if options.effective_gamma else None,
-        "score_mode": options.score_mode if options.effective_gamma else None,
-        "temperature": options.temperature,
         "decode_s": m["decode_s"],
         "decode_tokens": m["decode_tokens"],
         "decode_tokens_per_s": m["decode_tokens_per_s"],
