@@ -5,7 +5,8 @@ streaming and continuous batching run it), on random weights of SmolLM2's shapes
 
 Per method: milliseconds per iteration inside one call, the median milliseconds of a call of `--iterations-per-call`
 iterations (plain decoding: 8, Vegas: 1) as is, after allocating a cache-sized array and after reading results back
-to the host (what continuous batching does between calls). Then a profile of four such Vegas calls: the GPU's idle
+to the host (what continuous batching does between calls), and of a call whose step limit is already reached (the launch
+and the loop's first condition alone). Then a profile of four such Vegas calls: the GPU's idle
 time per call between the host's read of the state and the first kernel of the iteration. Writes JSON to --out and
 $OUT.
 """
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=7424)
+    p.add_argument("--methods", default="ar,vegas")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     engine = random_smollm2_engine()
     prompts = np.random.default_rng(0).integers(0, SMOLLM2_135M.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     records = []
-    for method, per_call in (("ar", 8), ("vegas", 1)):
+    for method in args.methods.split(","):
+        per_call = 1 if method == "vegas" else 8
         # Room for every call below without a sequence finishing (random weights accept few drafts).
         options = GenerationOptions(method=method, max_new_tokens=512, max_model_len=args.prompt_tokens + 512)
         started = engine.start(prompts, options)
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
         state, allocated = timed_calls(decode, params, state, per_call, everyone, allocate)
         read_back = lambda s: (np.asarray(s.output), np.asarray(s.num_generated), np.asarray(s.done))
         state, after_reads = timed_calls(decode, params, state, per_call, everyone, read_back)
+        state, no_iteration = timed_calls(decode, params, state, 0, everyone)
         record = {
             "method": method,
             "batch": args.batch,
@@ -122,6 +126,7 @@ def main(argv=None) -> int:
             "call_ms_after_allocating": float(np.median(allocated)),
             "call_ms_after_reading_back": float(np.median(after_reads)),
             "overhead_ms_per_call": float(np.median(plain)) - per_call * one_call_ms,
+            "call_ms_without_iterations": float(np.median(no_iteration)),
         }
         if method == "vegas":
             state, record["profiled_calls"] = idle_before_iteration(decode, params, state, everyone)
