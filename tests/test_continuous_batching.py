@@ -32,7 +32,8 @@ def _request_metrics(result):
 
 @pytest.mark.parametrize(
     "method,temperature,slots,refill",
-    [("ar", 0.0, 3, 1), ("vegas", 0.0, 3, 2), ("vegas", 0.0, 2, 1), ("vegas", 0.8, 3, 2), ("quest", 0.0, 4, 3)],
+    [("ar", 0.0, 3, 1), ("vegas", 0.0, 3, 2), ("vegas", 0.0, 2, 1), ("vegas", 0.8, 3, 2), ("quest", 0.0, 4, 3),
+     ("retrieval", 0.8, 3, 1)],
 )
 def test_serve_equals_one_batch(engine_and_prompts, method, temperature, slots, refill):
     engine, batch = engine_and_prompts

@@ -179,7 +179,8 @@ class Streaming(Policy):
 @dataclasses.dataclass(frozen=True)
 class Retrieval(Policy):
     """Chunks ranked by the last layer's attention weights of the last accepted token, refreshed every
-    `every` iterations; between refreshes the old chunks stay and everything newer is the recent range."""
+    `every` iterations of each request (counted per request, so a request admitted into a running batch keeps its
+    own rhythm); between refreshes the old chunks stay and everything newer is the recent range."""
 
     name: str
     budget: Budget
@@ -192,10 +193,13 @@ class Retrieval(Policy):
         return ScoreRequest(mode="weight", rows="each", last_layer_only=True)
 
     def init_state(self, config, batch, capacity, dtype):
-        return jnp.zeros((), jnp.int32)  # iterations since the last refresh
+        return jnp.zeros((batch,), jnp.int32)  # per request, iterations since its last refresh
+
+    def admit_state(self, running, joining, slots):
+        return running.at[slots].set(joining, mode="drop")
 
     def select(self, ctx, selection, since_refresh):
-        refresh = jnp.logical_or(ctx.first, since_refresh + 1 >= self.every)
+        refresh = jnp.logical_or(ctx.first, since_refresh + 1 >= self.every)  # [B]
         scores = _row_of(ctx.scores[-1], ctx.accepted)  # [B, T]
         batch, capacity = scores.shape
         num_chunks = capacity // self.chunk
@@ -213,7 +217,11 @@ class Retrieval(Policy):
             counts=jnp.broadcast_to(chunk_counts * self.chunk, (num_layers, batch)),
             recent_start=(complete * self.chunk).astype(jnp.int32),
         )
-        new = jax.tree.map(lambda a, b: jnp.where(refresh, a, b), fresh, selection)
+        new = Selection(
+            indices=jnp.where(refresh[None, :, None], fresh.indices, selection.indices),
+            counts=jnp.where(refresh[None, :], fresh.counts, selection.counts),
+            recent_start=jnp.where(refresh, fresh.recent_start, selection.recent_start),
+        )
         return new, jnp.where(refresh, 0, since_refresh + 1)
 
 
