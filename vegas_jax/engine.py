@@ -210,10 +210,12 @@ class Engine:
         return self._compiled[key]
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def _plan(self, ids: list[list[int]], options: GenerationOptions):
-        """(max_model_len, cache capacity) for these prompts; InputError if they do not fit."""
+    def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
+        """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
         max_model_len = self._max_model_len([len(p) for p in ids], options)
-        return max_model_len, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
+        mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
+        config = self._decode_config(options, mode, max_model_len)
+        return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
 
     def _initial_state(self, ids, options, config, capacity, first_request: int) -> loop.DecodeState:
         """The state of these requests before prefill; request i (counted from first_request) is seeded with
@@ -276,9 +278,7 @@ class Engine:
         for tools, such as benchmarks, that time parts of an iteration themselves)."""
         options.validate()
         ids = self.encode_prompts(prompts, chat_template)
-        max_model_len, capacity = self._plan(ids, options)
-        mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
-        config = self._decode_config(options, mode, max_model_len)
+        config, capacity = self._plan(ids, options)
         timings = {}
         state = self._prefill(ids, options, config, capacity, timings, progress=progress)
         decode = self._compile_decode(config, state, timings)
@@ -347,15 +347,14 @@ class Engine:
         draws do not depend on the batch it ran in).
 
         Timings: prefill_s covers every group's prefill and bootstrap, decode_s only the decode loop. Decode
-        calls that start with every slot busy are "steady": their tokens/s (steady_decode_tokens_per_s) is the
-        throughput of a server whose queue never runs dry, without the drain at the end where slots empty out.
+        calls that start with every slot busy and requests still queued are "steady": their tokens/s
+        (steady_decode_tokens_per_s) leaves out the drain at the end, where slots empty out. metrics.decode_calls
+        has each call's busy slots, queue length, iterations, tokens and seconds.
         """
         options.validate()
         refill = check_serving(slots, refill)
         ids = self.encode_prompts(prompts, chat_template)
-        max_model_len, capacity = self._plan(ids, options)
-        mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
-        config = self._decode_config(options, mode, max_model_len)
+        config, capacity = self._plan(ids, options)
         slots = min(slots, len(ids))
         refill = min(refill, slots)
         params, timings = self.model.params, {}
