@@ -6,9 +6,10 @@
 Decode tokens/s exclude compilation and prefill (reported separately). Each configuration runs twice and the
 second run is reported (the first warms up allocations). With --requests N, N prompts queue for each batch size's
 slots and are admitted as others finish (continuous batching, `Engine.serve`, one run); the record adds the
-steady throughput of the decode calls that started with every slot busy. With --breakdown, one iteration's phases (draft,
-verify, accept, select) are also timed separately, each jitted on its own with the cache donated, on the state
-right after prefill. Prints a table; writes JSON to --out (and $OUT if set).
+steady throughput of the decode calls that started with every slot busy. With --breakdown, one iteration's phases
+(draft, verify, accept, select) are also timed separately, each jitted on its own with the cache donated, on the
+state right after prefill. Greedy records of methods other than ar also say, per sequence, where its output first
+leaves plain decoding's. Prints a table; writes JSON to --out (and $OUT if set).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def configuration(options: GenerationOptions, prompts) -> dict:
     }
 
 
-def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool, repeats: int) -> dict:
+def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool,
+            repeats: int) -> tuple[dict, list[np.ndarray]]:
     compile_s = None
     for attempt in range(repeats):
         started = engine.start(prompts, options)
@@ -84,7 +86,8 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
     return record, [output[b, : generated[b]] for b in range(len(prompts))]
 
 
-def run_served(engine: Engine, prompts, options: GenerationOptions, slots: int, refill: int | None) -> dict:
+def run_served(engine: Engine, prompts, options: GenerationOptions, slots: int,
+               refill: int | None) -> tuple[dict, list[np.ndarray]]:
     """Continuous batching (`Engine.serve`): the prompts queue for `slots` decode slots."""
     result = engine.serve(prompts, options, slots=slots, refill=refill)
     m = result.metrics
@@ -172,7 +175,8 @@ def main(argv=None) -> int:
                 else:
                     rec, tokens = run_one(engine, prompts, options, args.breakdown, args.repeats)
                 if method == "ar":
-                    ar_rate, ar_steady, ar_tokens = rec["decode_tokens_per_s"], rec.get("steady_decode_tokens_per_s"), tokens
+                    ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
+                    ar_steady = rec.get("steady_decode_tokens_per_s")
                 rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None
                 if args.requests:
                     steady = rec["steady_decode_tokens_per_s"]

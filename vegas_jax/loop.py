@@ -21,7 +21,7 @@ from models.kv_cache import KVCache
 from vegas_jax import sampling
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.attention.verify import VerifyAttention
-from vegas_jax.selection import Policy, SelectContext, Selection
+from vegas_jax.selection import Policy, SelectContext, Selection, set_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,21 +296,16 @@ def decode(
     return jax.lax.while_loop(cond, lambda s: iteration(params, s, config=config), state)
 
 
-def _set_rows(running: jax.Array, joining: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
-    index = (slice(None),) * axis + (slots,)
-    return running.at[index].set(joining, mode="drop")
-
-
 def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, config: DecodeConfig) -> DecodeState:
     """Continuous batching: the requests of `joining` (prefilled and bootstrapped with the same configuration and
     cache capacity) replace the finished ones in rows `slots` of a running batch; a slot past the batch drops its
     row (padding). The loop's step count and stop ids stay the running batch's."""
-    rows = lambda a, b: _set_rows(a, b, slots, 0)
+    rows = lambda a, b: set_rows(a, b, slots)
     per_request = dict(
         cache=jax.tree.map(rows, running.cache, joining.cache),
         selection=Selection(
-            indices=_set_rows(running.selection.indices, joining.selection.indices, slots, 1),
-            counts=_set_rows(running.selection.counts, joining.selection.counts, slots, 1),
+            indices=set_rows(running.selection.indices, joining.selection.indices, slots, axis=1),
+            counts=set_rows(running.selection.counts, joining.selection.counts, slots, axis=1),
             recent_start=rows(running.selection.recent_start, joining.selection.recent_start),
         ),
         policy_state=(

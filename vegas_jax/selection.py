@@ -42,6 +42,13 @@ class Selection:
     recent_start: jax.Array  # [B] int32
 
 
+def set_rows(running: jax.Array, joining: jax.Array, slots: jax.Array, axis: int = 0) -> jax.Array:
+    """running with its rows `slots` along `axis` (the batch axis) replaced by joining's; a slot past the end
+    drops its row (continuous batching's padding, see loop.admit)."""
+    index = (slice(None),) * axis + (slots,)
+    return running.at[index].set(joining, mode="drop")
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     ratio: float = 0.07
@@ -196,7 +203,7 @@ class Retrieval(Policy):
         return jnp.zeros((batch,), jnp.int32)  # per request, iterations since its last refresh
 
     def admit_state(self, running, joining, slots):
-        return running.at[slots].set(joining, mode="drop")
+        return set_rows(running, joining, slots)
 
     def select(self, ctx, selection, since_refresh):
         refresh = jnp.logical_or(ctx.first, since_refresh + 1 >= self.every)  # [B]
@@ -250,9 +257,9 @@ class Quest(Policy):
 
     def admit_state(self, running, joining, slots):
         return QuestState(
-            page_min=running.page_min.at[:, slots].set(joining.page_min, mode="drop"),
-            page_max=running.page_max.at[:, slots].set(joining.page_max, mode="drop"),
-            complete_pages=running.complete_pages.at[slots].set(joining.complete_pages, mode="drop"),
+            page_min=set_rows(running.page_min, joining.page_min, slots, axis=1),
+            page_max=set_rows(running.page_max, joining.page_max, slots, axis=1),
+            complete_pages=set_rows(running.complete_pages, joining.complete_pages, slots),
         )
 
     def _page_bounds(self, keys: jax.Array, first_page: jax.Array, num_pages: int):
