@@ -375,10 +375,10 @@ def sweep(options: dict) -> list[dict]:
     return [dict(zip(options, values)) for values in itertools.product(*options.values())]
 
 
-def run_tuning(settings, copy_gb_per_s, records, only, tiles):
+def run_tuning(settings, copy_gb_per_s, records, only, tiles, launches):
     """Launch-parameter sweeps without timing the references; the best configuration per shape is printed last.
-    Attention kernels: the `tiles` product (block_k x num_splits) first, then num_warps x num_stages around the
-    best of those (a full product would not fit in one 10-minute run)."""
+    Attention kernels: the `tiles` product (block_k x num_splits) first, then the `launches` product (num_warps x
+    num_stages) around the best of those (a full product would not fit in one 10-minute run)."""
     attention_kernels = {
         "sparse": bench_sparse,
         "verify": functools.partial(bench_verify, score_mode=None),
@@ -397,7 +397,7 @@ def run_tuning(settings, copy_gb_per_s, records, only, tiles):
                         continue
                     best = min(timed, key=lambda record: record.time_ms).config
                     tile = dict(block_k=best["block_k"], num_splits=best["num_splits"])
-                    for launch in sweep(dict(num_warps=(4, 8), num_stages=(2, 3, 4))):
+                    for launch in sweep(launches):
                         run(tile | launch)
         if "select" in only:
             for rows in (settings.topk_rows, settings.batches[-1]):
@@ -461,6 +461,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", help="comma-separated cache lengths instead of the default 32K,128K")
     parser.add_argument("--block-k", default="32,64,128", help="--tune: comma-separated block_k values")
     parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="--tune: comma-separated num_splits values")
+    parser.add_argument("--warps", default="4,8", help="--tune: comma-separated num_warps values")
+    parser.add_argument("--stages", default="2,3,4", help="--tune: comma-separated num_stages values")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     settings = SMOKE if args.smoke else FULL
@@ -480,6 +482,7 @@ def main(argv=None) -> int:
         if getattr(args, flag):
             settings = dataclasses.replace(settings, **{flag: integers(flag)})
     tiles = dict(block_k=integers("block_k"), num_splits=integers("splits"))
+    launches = dict(num_warps=integers("warps"), num_stages=integers("stages"))
     device = jax.devices()[0]
     if not args.smoke and device.platform != "gpu":
         parser.error(f"no GPU (found {device.platform}); use --smoke to check the script on a CPU")
@@ -494,7 +497,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         if args.tune:
-            run_tuning(settings, copy_gb_per_s, records, only, tiles)
+            run_tuning(settings, copy_gb_per_s, records, only, tiles, launches)
         else:
             run_benchmarks(settings, copy_gb_per_s, records, only)
     except SystemExit:
