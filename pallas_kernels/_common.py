@@ -64,17 +64,17 @@ def store_split_partials(o_ref, l_ref, m_ref, o, l, m, real_rows):
     plt.store(m_ref, m, mask=real_rows)
 
 
-def split_partial_outputs(num_splits: int, num_kv_heads: int, rows: int, head_dim: int):
-    """(out_specs, out_shape) of split-K partials o [splits, H_kv, rows, D], l and m [splits, H_kv, rows] on a
-    (kv head, split) grid."""
+def split_partial_outputs(num_splits: int, num_kv_heads: int, rows: int, head_dim: int, row_blocks: int = 1):
+    """(out_specs, out_shape) of split-K partials o [splits, H_kv, row_blocks * rows, D], l and m [splits, H_kv,
+    row_blocks * rows] on a (kv head, split) grid, or a (kv head, split, row block) grid with row blocks of `rows`."""
     specs = [
-        pl.BlockSpec((None, None, rows, head_dim), lambda h, s: (s, h, 0, 0)),
-        pl.BlockSpec((None, None, rows), lambda h, s: (s, h, 0)),
-        pl.BlockSpec((None, None, rows), lambda h, s: (s, h, 0)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda h, s, r=0: (s, h, r, 0)),
+        pl.BlockSpec((None, None, rows), lambda h, s, r=0: (s, h, r)),
+        pl.BlockSpec((None, None, rows), lambda h, s, r=0: (s, h, r)),
     ]
     shapes = [
-        jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
-        jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * rows), jnp.float32),
     ]
     return specs, shapes

@@ -4,7 +4,8 @@ Query i of sequence b sits at position start[b] + i and sees keys t <= start[b] 
 are already in the cache `[B, T, H_kv, D]`. Only keys below start[b] + S are read (ragged lengths: no streaming of
 the whole capacity T). Split-K flash decoding: one program per (sequence, KV head, key split) holds the S * G
 query rows of that KV head (G = H_q / H_kv, padded to a power of two >= 16 for the Triton dots); per-split
-partial softmax results are combined in plain JAX.
+partial softmax results are combined in plain JAX. More than 128 rows (prefill chunks: S in the hundreds) are
+tiled in row blocks of block_q, a third grid axis; each block reads keys only up to its own last query.
 
 Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean over all H_q heads and over the
 query rows 0 and S-1 of
@@ -74,12 +75,15 @@ def verify_attention_kernel(
 ):
     block_q, head_dim = q_ref.shape
     split = pl.program_id(1)
+    row_block = pl.program_id(2)
     start = start_ref[()]
-    num_keys = start + num_queries
+    row = row_block * block_q + jnp.arange(block_q)
+    last_query = jnp.minimum(((row_block + 1) * block_q - 1) // group, num_queries - 1)
+    # Never past the cache: a prefill chunk's padding may run beyond it.
+    num_keys = jnp.minimum(start + last_query + 1, k_ref.shape[0])
     keys_per_split = pl.cdiv(pl.cdiv(num_keys, num_splits), block_k) * block_k
     split_start = split * keys_per_split
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
-    row = jnp.arange(block_q)
     last_visible_key = start + row // group
     q = q_ref[...]
     # Scored rows: the G heads of query 0, then those of query S-1 (the same rows twice when S == 1, matching a
@@ -147,6 +151,7 @@ def verify_attention_unbatched(
     sm_scale: float,
     block_k: int,
     num_splits: int,
+    block_q: int,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -158,10 +163,10 @@ def verify_attention_unbatched(
     capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     query_rows = num_queries * group
-    block_q = max(16, next_power_of_2(query_rows))
+    row_blocks = pl.cdiv(query_rows, block_q)
     q_rows = q.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_rows = q_rows.reshape(num_kv_heads, query_rows, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, block_q - query_rows), (0, 0)))
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, row_blocks * block_q - query_rows), (0, 0)))
 
     kernel = functools.partial(
         verify_attention_kernel,
@@ -173,24 +178,24 @@ def verify_attention_unbatched(
         score_mode=score_mode,
         block_s=max(16, next_power_of_2(2 * group)),
     )
-    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
-    out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim)
-    # Every split of a KV head writes its own key range of the same score block.
+    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s, r: (0, h, 0))
+    out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim, row_blocks)
+    # Every split of a KV head writes its own key range of the same score block (one row block when scoring).
     if score_mode == "logit":
-        out_specs.append(pl.BlockSpec((None, capacity), lambda h, s: (h, 0)))
+        out_specs.append(pl.BlockSpec((None, capacity), lambda h, s, r: (h, 0)))
         out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, capacity), jnp.float32))
     elif score_mode == "weight":
         for slots, dtype in ((capacity, jnp.float16), (pl.cdiv(capacity, block_k), jnp.float32)):
-            out_specs.append(pl.BlockSpec((None, slots * 2 * group), lambda h, s: (h, 0)))
+            out_specs.append(pl.BlockSpec((None, slots * 2 * group), lambda h, s, r: (h, 0)))
             out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, slots * 2 * group), dtype))
     o, l, m, *score_partials = pl.pallas_call(
         kernel,
-        grid=(num_kv_heads, num_splits),
+        grid=(num_kv_heads, num_splits, row_blocks),
         in_specs=[
-            pl.BlockSpec((None, block_q, head_dim), lambda h, s: (h, 0, 0)),
+            pl.BlockSpec((None, block_q, head_dim), lambda h, s, r: (h, r, 0)),
             head_rows,
             head_rows,
-            pl.BlockSpec((), lambda h, s: ()),
+            pl.BlockSpec((), lambda h, s, r: ()),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -212,14 +217,15 @@ def verify_attention_unbatched(
     return out, (below_max, block_max, scored_lse)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: int) -> int:
-    wanted = next_power_of_2(pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
+def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: int, row_blocks: int = 1) -> int:
+    wanted = next_power_of_2(pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * row_blocks))
     return max(1, min(wanted, _MAX_SPLITS, pl.cdiv(capacity, block_k)))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("score_mode", "sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
+    static_argnames=("score_mode", "sm_scale", "block_k", "num_splits", "block_q", "num_warps", "num_stages",
+                     "interpret"),
 )
 def verify_attention(
     q: jax.Array,  # [B, S, H_q, D]
@@ -231,20 +237,23 @@ def verify_attention(
     sm_scale: float | None = None,
     block_k: int | None = None,
     num_splits: int | None = None,
+    block_q: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Causal attention of S new tokens per sequence (query i at position start[b] + i, start[b] + S <= T).
+    """Causal attention of S new tokens per sequence: query i at position start[b] + i sees the cached keys up to
+    that position (up to T - 1 for queries past the cache, such as a prefill chunk's padding).
 
     Returns (out [B, S, H_q, D] in q's dtype, scores [B, T] float32 or None). scores (score_mode "logit" or
     "weight", see the module docstring) cover keys t <= start[b] and are -inf beyond.
 
     block_k: keys per inner step (power of two >= 16; None: 128 for head dim 64 with more than 16 query rows per
     KV head, else 64).
-    num_splits: split-K parallelism per (sequence, KV head);
-    None picks enough for about 512 programs. num_warps (None: 4 up to 32 query rows, else 8), num_stages: Triton
-    launch parameters. S * H_q / H_kv must be at most 128.
+    num_splits: split-K parallelism per (sequence, KV head, row block);
+    None picks enough for about 512 programs. block_q: query rows per program (power of two >= 16; None: all S * G
+    rows in one block up to 128, else blocks of 128). Scoring needs S * G <= 128 (one block). num_warps (None: 4 up
+    to 32 query rows per program, else 8), num_stages: Triton launch parameters.
     """
     if score_mode not in SCORE_MODES:
         raise ValueError(f"score_mode must be one of {SCORE_MODES}, got {score_mode!r}")
@@ -252,20 +261,27 @@ def verify_attention(
     batch, num_queries, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads = k_cache.shape[1:3]
     query_rows = num_queries * (num_q_heads // num_kv_heads)
-    if query_rows > _MAX_QUERY_ROWS:
-        raise ValueError(f"S * G = {query_rows} query rows per KV head exceed {_MAX_QUERY_ROWS}")
+    if score_mode is not None and query_rows > _MAX_QUERY_ROWS:
+        raise ValueError(f"scoring needs S * G <= {_MAX_QUERY_ROWS} query rows per KV head, got {query_rows}")
+    if block_q is None:
+        block_q = max(16, next_power_of_2(min(query_rows, _MAX_QUERY_ROWS)))
+    check_power_of_2("block_q", block_q, 16)
+    block_q = min(block_q, max(16, next_power_of_2(query_rows)))
+    if score_mode is not None and block_q < query_rows:
+        raise ValueError(f"scoring needs all {query_rows} query rows in one block, got block_q {block_q}")
+    row_blocks = pl.cdiv(query_rows, block_q)
     if block_k is None:
         # Measured on the H200 (SmolLM2 shapes, S = 7, B = 64, T = 8K): 128 keys per step take 0.139 ms against
         # 0.167 ms for 64 (benchmarks/results/kernels-tune-2026-11-30-051414.json); head dim 128 keeps the 64
         # that measured 102% of copy bandwidth for Qwen3-8B shapes.
-        block_k = 128 if query_rows > 16 and head_dim <= 64 else 64
+        block_k = 128 if block_q > 16 and head_dim <= 64 else 64
     check_power_of_2("block_k", block_k, 16)
     if start.shape != (batch,):
         raise ValueError(f"start must have shape ({batch},), got {start.shape}")
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, capacity, block_k)
+        num_splits = default_num_splits(batch, num_kv_heads, capacity, block_k, row_blocks)
     if num_warps is None:
-        num_warps = 4 if query_rows <= 32 else 8
+        num_warps = 4 if block_q <= 32 else 8
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     inner = functools.partial(
         verify_attention_unbatched,
@@ -273,6 +289,7 @@ def verify_attention(
         sm_scale=sm_scale,
         block_k=block_k,
         num_splits=num_splits,
+        block_q=block_q,
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,

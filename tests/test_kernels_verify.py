@@ -50,7 +50,7 @@ def expected(q, k, v, start, score_mode):
         seen = start[b] + 1  # keys that row 0 sees: the scored candidates
         score_sum = np.zeros(seen)
         for i in range(queries):
-            visible = start[b] + i + 1
+            visible = min(start[b] + i + 1, capacity)
             for h in range(num_q_heads):
                 raw = k[b, :visible, h // group] @ q[b, i, h]
                 weights = np.exp(raw / np.sqrt(head_dim) - (raw / np.sqrt(head_dim)).max())
@@ -109,6 +109,38 @@ def test_verify_matches_float64(rng, case_name, dtype, score_mode):
     assert_matches(out, scores, case, score_mode, dtype)
 
 
+# Prefill chunks: more query rows than one program holds, tiled in row blocks (a partial last block), each block
+# reading keys up to its own last query; one sequence's chunk runs past the cache (its last queries see every key).
+PREFILL_CASES = {
+    "blocks_of_32": dict(capacity=120, kv_heads=2, group=3, head_dim=64, queries=50, starts=[0, 30, 85],
+                         block_q=32, block_k=16, num_splits=2),
+    "default_blocks": dict(capacity=200, kv_heads=1, group=4, head_dim=32, queries=45, starts=[100, 3],
+                           block_q=None, block_k=None, num_splits=None),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case_name", PREFILL_CASES)
+def test_prefill_row_blocks_match_float64(rng, case_name, dtype):
+    shape = dict(PREFILL_CASES[case_name])
+    launch = {name: shape.pop(name) for name in ("block_q", "block_k", "num_splits")}
+    launch = {name: value for name, value in launch.items() if value is not None}
+    case = make_case(rng, dtype=dtype, **shape)
+    out, scores = verify_attention(*case, interpret=True, **launch)
+    assert out.shape == case[0].shape and scores is None
+    assert_matches(out, scores, case, None, dtype)
+
+
+def test_scoring_needs_one_row_block(rng):
+    many_rows = make_case(rng, capacity=64, kv_heads=1, group=3, head_dim=16, queries=50, starts=[2],
+                          dtype=jnp.float32)
+    with pytest.raises(ValueError, match="scoring needs S"):
+        verify_attention(*many_rows, score_mode="logit", interpret=True)
+    gamma_rows = make_case(rng, capacity=64, kv_heads=1, group=3, head_dim=16, queries=7, starts=[2], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="scoring needs all 21"):
+        verify_attention(*gamma_rows, score_mode="logit", block_q=16, interpret=True)
+
+
 @pytest.mark.parametrize("score_mode", ["logit", "weight"])
 def test_single_query_scores_its_only_row(rng, score_mode):
     case = make_case(rng, capacity=40, kv_heads=1, group=4, head_dim=64, queries=1, starts=[39, 17],
@@ -135,10 +167,11 @@ def test_rejects_unknown_score_mode(rng):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("score_mode", [None, "logit", "weight"])
+@pytest.mark.parametrize("score_mode, queries", [(None, 7), ("logit", 7), ("weight", 7), (None, 512)],
+                         ids=["plain", "logit", "weight", "prefill_chunk"])
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (3, 3, 64)], ids=["qwen3_8b", "smollm2"])
-def test_lowers_to_triton_for_h200(kv_heads, group, head_dim, score_mode):
-    batch, queries, capacity = 2, 7, 32768
+def test_lowers_to_triton_for_h200(kv_heads, group, head_dim, score_mode, queries):
+    batch, capacity = 2, 32768
     spec = jax.ShapeDtypeStruct
     cache = spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16)
     lowered = lower_for_h200(

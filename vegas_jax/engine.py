@@ -20,7 +20,7 @@ import numpy as np
 
 from models.kv_cache import KVCache
 from vegas_jax import loop, sampling
-from vegas_jax.attention.backend import default_backend
+from vegas_jax.attention.backend import default_backend, uses_kernels
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.loading.bundle import LoadedModel
@@ -31,8 +31,9 @@ METHODS = ("ar",) + POLICIES
 CAPACITY_ALIGN = 128
 AUTO_LENGTH_BUCKET = 1024
 OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: max_new_tokens rarely recompiles
-# Prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T] (about three live
-# at once): the chunk shrinks so that these stay under this many bytes whatever the batch and context.
+# Without kernels, prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T]
+# (about three live at once): the chunk shrinks so that these stay under this many bytes whatever the batch and
+# context. The kernel keeps its scores on chip.
 PREFILL_SCORE_BYTES = 2**33
 
 
@@ -237,11 +238,9 @@ class Engine:
         then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and prefill_s."""
         params, batch = self.model.params, len(ids)
         lens = [len(p) for p in ids]
-        chunk = min(
-            options.prefill_chunk,
-            prefill_chunk_for_memory(batch, self.config.num_heads, capacity),
-            _round_up(max(lens) - 1, 16) or 16,
-        )
+        chunk = min(options.prefill_chunk, _round_up(max(lens) - 1, 16) or 16)
+        if not uses_kernels(config.backend):
+            chunk = min(chunk, prefill_chunk_for_memory(batch, self.config.num_heads, capacity))
         width = max(_round_up(max(lens) - 1, chunk), chunk)
         tokens = np.zeros((batch, width), np.int32)
         for i, p in enumerate(ids):
@@ -249,7 +248,8 @@ class Engine:
         state = self._initial_state(ids, options, config, capacity, first_request)
         t0 = time.perf_counter()
         chunk_args = (params, state.cache, jnp.zeros((batch, chunk), jnp.int32), jnp.zeros((batch, chunk), jnp.int32))
-        prefill = self._compile("prefill", loop.prefill_chunk, *chunk_args, donate=(1,), model=self.config)
+        prefill = self._compile("prefill", loop.prefill_chunk, *chunk_args, donate=(1,), model=self.config,
+                                backend=config.backend)
         bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 

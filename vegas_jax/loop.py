@@ -19,7 +19,6 @@ from models.config import ModelConfig
 from models.decoder import forward
 from models.kv_cache import KVCache
 from vegas_jax import sampling
-from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.attention.verify import VerifyAttention
 from vegas_jax.selection import Policy, SelectContext, Selection, set_rows
 
@@ -113,10 +112,13 @@ def init_state(
     )
 
 
-def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig) -> KVCache:
-    """Writes K/V of one chunk of prompt tokens [B, C] (dense causal attention); logits are not needed."""
+def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, backend: str) -> KVCache:
+    """Writes K/V of one chunk of prompt tokens [B, C] at the same positions in every sequence; logits are not
+    needed. Causal attention through verification attention without scores: on the kernel backend its kernel
+    tiles the chunk's query rows and reads each sequence's keys only up to the chunk."""
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
-    _, cache, _ = forward(params, tokens, positions, cache, DenseAttention(), config=model, logit_rows=rows)
+    attention = VerifyAttention(num_layers=model.num_layers, backend=backend)
+    _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows)
     return cache
 
 

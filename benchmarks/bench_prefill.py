@@ -1,0 +1,98 @@
+"""Prefill time: the verification kernel (query rows tiled in row blocks) against XLA's dense attention, on random
+weights of SmolLM2's shapes (prefill's cost does not depend on the weights' values).
+
+    python benchmarks/bench_prefill.py --batches 1,8,64 --prompt-tokens 7936 --chunks 512,2048 --tag h200
+
+Each configuration prefills twice and reports the second (compilation excluded, reported apart); the XLA path
+runs at the default chunk of 512 tokens, which the engine shrinks to keep its score arrays under 8 GiB. The
+caches both paths leave over the prompt's rows are compared (largest difference relative to the largest value): a
+check of the kernel on the device. Writes JSON to --out and $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
+from benchmarks.results_io import save_results  # noqa: E402
+from vegas_jax.engine import GenerationOptions  # noqa: E402
+
+XLA_CHUNK = GenerationOptions.prefill_chunk
+
+
+def prefill(engine, prompts, chunk: int, backend: str, repeats: int):
+    """(timings of the last run, the cache it left) with VEGAS_KERNELS=backend."""
+    os.environ["VEGAS_KERNELS"] = backend
+    options = GenerationOptions(method="ar", max_new_tokens=16, prefill_chunk=chunk,
+                                max_model_len=len(prompts[0]) + 16)
+    for _ in range(repeats):
+        started = engine.start(prompts, options)
+    return started.timings, started.state.cache
+
+
+def relative_difference(cache, reference, rows: int) -> float:
+    """Over the prompt's rows: past them each chunk size leaves its own padding."""
+    worst = 0.0
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(reference)):
+        got, want = np.asarray(got[:, :rows], np.float32), np.asarray(want[:, :rows], np.float32)
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return worst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--prompt-tokens", type=int, default=7936)
+    p.add_argument("--chunks", default="512,2048", help="comma-separated chunk sizes for the kernel path")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--tag", default="default")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    engine = random_smollm2_engine()
+    rng = np.random.default_rng(0)
+    records = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, args.prompt_tokens)).tolist()
+        kernels = "pallas" if jax.default_backend() == "gpu" else "interpret"  # interpret: a CPU check of the script
+        runs = [("xla", XLA_CHUNK, "reference")] + [("kernel", int(c), kernels) for c in args.chunks.split(",")]
+        reference = None
+        for path, chunk, backend in runs:
+            timings, cache = prefill(engine, prompts, chunk, backend, args.repeats)
+            if reference is None:
+                reference = cache
+            record = dict(path=path, batch=batch, prompt_tokens=args.prompt_tokens, chunk=chunk,
+                          prefill_s=timings["prefill_s"], compile_s=timings["compile_s"],
+                          prefill_tokens_per_s=batch * args.prompt_tokens / timings["prefill_s"],
+                          cache_difference=relative_difference(cache, reference, args.prompt_tokens))
+            del cache
+            records.append(record)
+            print(f"B{batch:<3} {path:6} chunk {chunk:5}  prefill {record['prefill_s']:7.3f} s  "
+                  f"{record['prefill_tokens_per_s']:10.0f} tok/s  cache difference {record['cache_difference']:.1e}",
+                  flush=True)
+        del reference
+    for record in records:
+        xla = next(r for r in records if r["batch"] == record["batch"] and r["path"] == "xla")
+        record["speedup_vs_xla"] = xla["prefill_s"] / record["prefill_s"]
+    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python " + " ".join(sys.argv), "weights": "random (SmolLM2-135M shapes)", "records": records}
+    save_results(doc, f"prefill-{datetime.date.today().isoformat()}-{args.tag}.json", args.out)
+    print(f"\n{'batch':>5} {'path':6} {'chunk':>5} {'prefill s':>9} {'tok/s':>10} {'vs xla':>6} {'cache diff':>10}")
+    for r in records:
+        print(f"{r['batch']:5} {r['path']:6} {r['chunk']:5} {r['prefill_s']:9.3f} {r['prefill_tokens_per_s']:10.0f} "
+              f"{r['speedup_vs_xla']:6.2f} {r['cache_difference']:10.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
