@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     engine = random_smollm2_engine()
     rng = np.random.default_rng(0)
     records = []
+    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python " + " ".join(sys.argv), "weights": "random (SmolLM2-135M shapes)", "records": records}
+    name = f"prefill-{datetime.date.today().isoformat()}-{args.tag}.json"
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, args.prompt_tokens)).tolist()
         kernels = "pallas" if jax.default_backend() == "gpu" else "interpret"  # interpret: a CPU check of the script
@@ -75,18 +79,14 @@ def main(argv=None) -> int:
                           prefill_tokens_per_s=batch * args.prompt_tokens / timings["prefill_s"],
                           cache_difference=relative_difference(cache, reference, args.prompt_tokens))
             del cache
+            xla = next(r for r in records + [record] if r["path"] == "xla" and r["batch"] == batch)
+            record["speedup_vs_xla"] = xla["prefill_s"] / record["prefill_s"]
             records.append(record)
+            save_results(doc, name, args.out)  # after every record: a run cut short keeps what it measured
             print(f"B{batch:<3} {path:6} chunk {chunk:5}  prefill {record['prefill_s']:7.3f} s  "
                   f"{record['prefill_tokens_per_s']:10.0f} tok/s  cache difference {record['cache_difference']:.1e}",
                   flush=True)
         del reference
-    for record in records:
-        xla = next(r for r in records if r["batch"] == record["batch"] and r["path"] == "xla")
-        record["speedup_vs_xla"] = xla["prefill_s"] / record["prefill_s"]
-    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python " + " ".join(sys.argv), "weights": "random (SmolLM2-135M shapes)", "records": records}
-    save_results(doc, f"prefill-{datetime.date.today().isoformat()}-{args.tag}.json", args.out)
     print(f"\n{'batch':>5} {'path':6} {'chunk':>5} {'prefill s':>9} {'tok/s':>10} {'vs xla':>6} {'cache diff':>10}")
     for r in records:
         print(f"{r['batch']:5} {r['path']:6} {r['chunk']:5} {r['prefill_s']:9.3f} {r['prefill_tokens_per_s']:10.0f} "
