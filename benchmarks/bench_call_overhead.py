@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
-from benchmarks.results_io import save_results  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
 
 CALLS = 10
@@ -136,13 +136,7 @@ def main(argv=None) -> int:
         for call in record.get("profiled_calls", []):
             print(f"  profiled call: GPU idle {call['idle_ms_before_iteration']:.2f} ms before an iteration of "
                   f"{call['iteration_span_ms']:.2f} ms")
-    meta = {
-        "device": str(jax.devices()[0].device_kind),
-        "jax_version": jax.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
-        "weights": "random (SmolLM2-135M shapes)",
-    }
+    meta = run_metadata(weights="random (SmolLM2-135M shapes)")
     name = f"call-overhead-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     save_results({**meta, "records": records}, name, args.out)
     return 0

@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
-from benchmarks.results_io import save_results  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -150,15 +150,8 @@ def main(argv=None) -> int:
     engine = Engine(load_model(args.model, dtype))
     corpus = stdlib_corpus()
     records = []
-    meta = {
-        "device": str(jax.devices()[0].device_kind),
-        "jax_version": jax.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
-        "model": args.model or "embedded:SmolLM2-135M-Instruct",
-        "dtype": args.dtype,
-        "attention_backend": default_backend(),
-    }
+    meta = run_metadata(model=args.model or "embedded:SmolLM2-135M-Instruct", dtype=args.dtype,
+                        attention_backend=default_backend())
     name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:

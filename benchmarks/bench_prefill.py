@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
-from benchmarks.results_io import save_results  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
 
 XLA_CHUNK = GenerationOptions.prefill_chunk
@@ -63,9 +63,7 @@ def main(argv=None) -> int:
     engine = random_smollm2_engine()
     rng = np.random.default_rng(0)
     records = []
-    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python " + " ".join(sys.argv), "weights": "random (SmolLM2-135M shapes)", "records": records}
+    doc = run_metadata(weights="random (SmolLM2-135M shapes)", records=records)
     name = f"prefill-{datetime.date.today().isoformat()}-{args.tag}.json"
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, args.prompt_tokens)).tolist()

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
-from benchmarks.results_io import save_results  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
 
@@ -60,10 +60,8 @@ def main(argv=None) -> int:
                    "ms_per_forward": 1e3 * decode_s / max(iterations, 1) / (options.effective_gamma + 1)}
             records.append(rec)
             print(json.dumps(rec), flush=True)
-    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python " + " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "attention_backend": default_backend(), "weights": "random (SmolLM2-135M shapes)", "records": records}
+    doc = run_metadata(xla_flags=os.environ.get("XLA_FLAGS", ""), attention_backend=default_backend(),
+                       weights="random (SmolLM2-135M shapes)", records=records)
     name = f"step-overhead-{datetime.date.today().isoformat()}-{args.tag}.json"
     save_results(doc, name, args.out)
     for r in records:

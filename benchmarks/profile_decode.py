@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.random_model import random_smollm2_engine  # noqa: E402
-from benchmarks.results_io import save_results  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -148,12 +148,9 @@ def main(argv=None) -> int:
             hlo_dir.mkdir(parents=True, exist_ok=True)
         results[method] = profile_method(engine, prompts, options, args.warmup, args.iterations, args.top, hlo_path)
 
-    doc = {"device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python " + " ".join(sys.argv), "weights": args.model or "random (SmolLM2-135M shapes)",
-           "attention_backend": default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "batch": args.batch, "prompt_tokens": args.prompt_tokens,
-           "gamma": args.gamma, "methods": results}
+    doc = run_metadata(weights=args.model or "random (SmolLM2-135M shapes)", attention_backend=default_backend(),
+                       xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
+                       prompt_tokens=args.prompt_tokens, gamma=args.gamma, methods=results)
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
                  args.out)
     for method, r in results.items():
