@@ -249,7 +249,7 @@ def verify_attention(
     "weight", see the module docstring) cover keys t <= start[b] and are -inf beyond.
 
     block_k: keys per inner step (power of two >= 16; None: 128 for head dim 64 with more than 16 query rows per
-    KV head, else 64).
+    program, else 64).
     num_splits: split-K parallelism per (sequence, KV head, row block);
     None picks enough for about 512 programs. block_q: query rows per program (power of two >= 16; None: all S * G
     rows in one block up to 128, else blocks of 128). Scoring needs S * G <= 128 (one block). num_warps (None: 4 up
