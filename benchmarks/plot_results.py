@@ -1,8 +1,9 @@
 """Plots of the committed end-to-end results: decode throughput (plain vs Vegas), where a Vegas iteration's GPU
 time goes step by step of the optimisation (profiles), and τ per selection policy; and a timeline of continuous
-batching's decode calls.
+batching's decode calls; prefill through XLA against the kernel.
 
-    pip install -e '.[bench]' && python benchmarks/plot_results.py   # writes benchmarks/results/e2e-summary.png and e2e-serve3-*.png
+    pip install -e '.[bench]' && python benchmarks/plot_results.py   # writes benchmarks/results/e2e-summary.png,
+                                                                      # e2e-serve3-*.png and prefill-summary.png
 """
 
 from __future__ import annotations
@@ -87,6 +88,35 @@ def plot_serving(tag: str) -> Path:
     return out
 
 
+def plot_prefill() -> Path:
+    """Prefill seconds per batch: XLA's dense attention against the verification kernel at two chunk sizes. The
+    later file wins where both measured a configuration."""
+    records = {}
+    for name in ("prefill-2026-11-30-s12.json", "prefill-2026-11-30-s12b.json"):
+        for r in json.loads((RESULTS / name).read_text())["records"]:
+            records[(r["batch"], r["path"], r["chunk"])] = r
+    batches = sorted({batch for batch, _, _ in records})
+    runs = [("xla", 512, "XLA dense (chunk 512, 144 at B64)"), ("kernel", 512, "kernel, chunk 512"),
+            ("kernel", 2048, "kernel, chunk 2048")]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for offset, (path, chunk, label) in zip((-0.27, 0, 0.27), runs):
+        found = [(i, records[(b, path, chunk)]) for i, b in enumerate(batches) if (b, path, chunk) in records]
+        bars = ax.bar([i + offset for i, _ in found], [r["prefill_s"] for _, r in found], 0.27, label=label)
+        if path == "kernel":
+            for bar, (_, r) in zip(bars, found):
+                ax.annotate(f"{r['speedup_vs_xla']:.1f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(batches)), [f"B{b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("prefill seconds (7,936-token prompts)")
+    ax.set_title("Prefill on the H200, random SmolLM2-135M weights", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = RESULTS / "prefill-summary.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> int:
     throughput = load("final4-*")  # the large and the small batches, two runs of the same code
     policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
@@ -125,6 +155,7 @@ def main() -> int:
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
     print(f"wrote {plot_serving('serve3-b64-refill8')}")
+    print(f"wrote {plot_prefill()}")
     return 0
 
 
