@@ -4,7 +4,7 @@ weights of SmolLM2's shapes (prefill's cost does not depend on the weights' valu
     python benchmarks/bench_prefill.py --batches 1,8,64 --prompt-tokens 7936 --chunks 512,2048 --tag h200
 
 Each configuration prefills twice and reports the second (compilation excluded, reported apart); the XLA path
-runs at the default chunk of 512 tokens, which the engine shrinks to keep its score arrays under 8 GiB. The
+runs at --xla-chunk (512), which the engine shrinks to keep its score arrays under 8 GiB. The
 caches both paths leave over the prompt's rows are compared (largest difference relative to the largest value): a
 check of the kernel on the device. Writes JSON to --out and $OUT.
 """
@@ -25,9 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
-
-XLA_CHUNK = GenerationOptions.prefill_chunk
-
 
 def prefill(engine, prompts, chunk: int, backend: str, repeats: int):
     """(prefill seconds of the last run, compile seconds of the first, the cache left) with VEGAS_KERNELS=backend."""
@@ -55,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--prompt-tokens", type=int, default=7936)
     p.add_argument("--chunks", default="512,2048", help="comma-separated chunk sizes for the kernel path")
+    p.add_argument("--xla-chunk", type=int, default=512, help="chunk size for the XLA path")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tag", default="default")
     p.add_argument("--out", type=Path, default=None)
@@ -68,7 +66,7 @@ def main(argv=None) -> int:
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, args.prompt_tokens)).tolist()
         kernels = "pallas" if jax.default_backend() == "gpu" else "interpret"  # interpret: a CPU check of the script
-        runs = [("xla", XLA_CHUNK, "reference")] + [("kernel", int(c), kernels) for c in args.chunks.split(",")]
+        runs = [("xla", args.xla_chunk, "reference")] + [("kernel", int(c), kernels) for c in args.chunks.split(",")]
         reference = None
         for path, chunk, backend in runs:
             prefill_s, compile_s, cache = prefill(engine, prompts, chunk, backend, args.repeats)

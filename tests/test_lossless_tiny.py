@@ -309,3 +309,15 @@ def test_prefill_chunk_bounds_score_memory():
         assert chunk % 16 == 0 and chunk >= 16
         assert chunk == 16 or 3 * 4 * batch * heads * chunk * capacity <= PREFILL_SCORE_BYTES
     assert prefill_chunk_for_memory(64, 9, 8448) < prefill_chunk_for_memory(1, 9, 8448)
+
+
+def test_prefill_chunk_bounds_activation_memory():
+    """The kernel path needs no score arrays, but a chunk of every sequence at once still holds the MLP's gate and
+    up activations: SmolLM2 keeps 2048-token chunks at batch 64, Llama-3.1-8B's MLP halves them there."""
+    from vegas_jax.engine import PREFILL_ACTIVATION_BYTES, prefill_chunk_for_activations
+
+    for batch, intermediate in [(1, 1536), (64, 1536), (64, 14336), (512, 14336), (4096, 28672)]:
+        chunk = prefill_chunk_for_activations(batch, intermediate)
+        assert chunk % 16 == 0 and chunk >= 16
+        assert chunk == 16 or 2 * 4 * batch * intermediate * chunk <= PREFILL_ACTIVATION_BYTES
+    assert prefill_chunk_for_activations(64, 1536) >= 2048 > prefill_chunk_for_activations(64, 14336) >= 1024

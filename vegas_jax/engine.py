@@ -35,6 +35,9 @@ OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: m
 # (about three live at once): the chunk shrinks so that these stay under this many bytes whatever the batch and
 # context. The kernel keeps its scores on chip.
 PREFILL_SCORE_BYTES = 2**33
+# Prefill runs a chunk of every sequence at once, and the MLP's gate and up activations are its largest arrays (2 x
+# intermediate values per token, counted as float32): the chunk shrinks so that they stay under this many bytes.
+PREFILL_ACTIVATION_BYTES = 2**33
 
 
 class InputError(ValueError):
@@ -58,7 +61,7 @@ class GenerationOptions:
     min_sparse_tokens: int = 256
     score_mode: str = "logit"
     max_model_len: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
 
     def validate(self) -> None:
         checks = [
@@ -109,10 +112,19 @@ class Started:
     timings: dict
 
 
+def _largest_chunk(budget_bytes: int, bytes_per_chunk_token: int) -> int:
+    """Largest multiple of 16 (at least 16) of chunk tokens that fit the budget."""
+    return max(16, budget_bytes // bytes_per_chunk_token // 16 * 16)
+
+
 def prefill_chunk_for_memory(batch: int, num_heads: int, capacity: int) -> int:
-    """Largest multiple of 16 (at least 16) whose prefill score arrays fit PREFILL_SCORE_BYTES."""
-    fitting = PREFILL_SCORE_BYTES // (3 * 4 * batch * num_heads * capacity)
-    return max(16, fitting // 16 * 16)
+    """The largest prefill chunk whose float32 score arrays (the jnp path's) fit PREFILL_SCORE_BYTES."""
+    return _largest_chunk(PREFILL_SCORE_BYTES, 3 * 4 * batch * num_heads * capacity)
+
+
+def prefill_chunk_for_activations(batch: int, intermediate_size: int) -> int:
+    """The largest prefill chunk whose MLP activations fit PREFILL_ACTIVATION_BYTES."""
+    return _largest_chunk(PREFILL_ACTIVATION_BYTES, 2 * 4 * batch * intermediate_size)
 
 
 def check_serving(slots: int, refill: int | None) -> int:
@@ -238,7 +250,11 @@ class Engine:
         then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and prefill_s."""
         params, batch = self.model.params, len(ids)
         lens = [len(p) for p in ids]
-        chunk = min(options.prefill_chunk, _round_up(max(lens) - 1, 16) or 16)
+        chunk = min(
+            options.prefill_chunk,
+            _round_up(max(lens) - 1, 16) or 16,
+            prefill_chunk_for_activations(batch, self.config.intermediate_size),
+        )
         if not uses_kernels(config.backend):
             chunk = min(chunk, prefill_chunk_for_memory(batch, self.config.num_heads, capacity))
         width = max(_round_up(max(lens) - 1, chunk), chunk)
