@@ -1,11 +1,13 @@
 """Verification attention: S new tokens per sequence attend causally to the cache, optionally scoring each key.
 
 Query i of sequence b sits at position start[b] + i and sees keys t <= start[b] + i; the K/V of the S new tokens
-are already in the cache `[B, T, H_kv, D]`. Only keys below start[b] + S are read (ragged lengths: no streaming of
-the whole capacity T). Split-K flash decoding: one program per (sequence, KV head, key split) holds the S * G
-query rows of that KV head (G = H_q / H_kv, padded to a power of two >= 16 for the Triton dots); per-split
-partial softmax results are combined in plain JAX. More than 128 rows (prefill chunks: S in the hundreds) are
-tiled in row blocks of block_q, a third grid axis; each block reads keys only up to its own last query.
+are already in the cache `[B, T, H_kv, D]` (those of queries past T are not: they see keys up to T - 1). Only keys
+below min(start[b] + S, T) are read (ragged lengths: no streaming of the whole capacity T). Split-K flash decoding:
+one program per (sequence, KV head, key split, row block) holds up to 128 of the S * G query rows of that KV head
+(G = H_q / H_kv; row r is query r // G, head r % G; padded to a power of two >= 16 for the Triton dots), and
+per-split partial softmax results are combined in plain JAX. Verification's S * G rows fit one block; prefill
+chunks (S in the hundreds) are tiled in row blocks, a third grid axis, and each block reads keys only up to its
+own last query.
 
 Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean over all H_q heads and over the
 query rows 0 and S-1 of
@@ -266,6 +268,8 @@ def verify_attention(
     if block_q is None:
         block_q = max(16, next_power_of_2(min(query_rows, _MAX_QUERY_ROWS)))
     check_power_of_2("block_q", block_q, 16)
+    if block_q > _MAX_QUERY_ROWS:
+        raise ValueError(f"block_q must be at most {_MAX_QUERY_ROWS}, got {block_q}")
     block_q = min(block_q, max(16, next_power_of_2(query_rows)))
     if score_mode is not None and block_q < query_rows:
         raise ValueError(f"scoring needs all {query_rows} query rows in one block, got block_q {block_q}")

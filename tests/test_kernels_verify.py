@@ -131,6 +131,22 @@ def test_prefill_row_blocks_match_float64(rng, case_name, dtype):
     assert_matches(out, scores, case, None, dtype)
 
 
+def test_row_block_reads_keys_only_up_to_its_last_query(rng):
+    """50 queries of 3 heads in blocks of 32 rows: block 0 holds queries 0-10 (query 10's heads 0 and 1). Keys past
+    start + 10 are NaN: block 0 must come out finite (its masked V rows would turn a read into NaN), later blocks see
+    them."""
+    q, k, v, start = make_case(rng, capacity=120, kv_heads=1, group=3, head_dim=16, queries=50, starts=[30],
+                               dtype=jnp.float32)
+    clean_out, _ = expected(q, k, v, start, None)
+    k, v = (x.at[:, 41:].set(jnp.nan) for x in (k, v))
+    out, _ = verify_attention(q, k, v, start, block_q=32, block_k=16, num_splits=2, interpret=True)
+    first_block = np.asarray(out)[0, :11].reshape(-1, 16)[:32]  # rows 0-31 = query r // 3, head r % 3
+    assert np.isfinite(first_block).all(), "block 0 read keys past its last query"
+    error = np.abs(first_block - clean_out[0, :11].reshape(-1, 16)[:32]).max() / np.abs(clean_out).max()
+    assert error <= OUTPUT_TOLERANCE[jnp.float32]
+    assert np.isnan(np.asarray(out)[0, 12:]).all()
+
+
 def test_scoring_needs_one_row_block(rng):
     many_rows = make_case(rng, capacity=64, kv_heads=1, group=3, head_dim=16, queries=50, starts=[2],
                           dtype=jnp.float32)
@@ -164,6 +180,8 @@ def test_rejects_unknown_score_mode(rng):
     case = make_case(rng, capacity=32, kv_heads=1, group=1, head_dim=16, queries=2, starts=[3], dtype=jnp.float32)
     with pytest.raises(ValueError, match="score_mode"):
         verify_attention(*case, score_mode="sum", interpret=True)
+    with pytest.raises(ValueError, match="block_q must be at most 128"):
+        verify_attention(*case, block_q=256, interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -95,16 +95,19 @@ def test_kernel_path_equals_plain(greedy_setup, method, monkeypatch):
 
 def test_kernel_prefill_fills_the_cache_as_the_jnp_path(monkeypatch):
     """Prefill through the verification kernel (interpret mode): chunks of 96 tokens are 192 query rows per KV
-    head, two row blocks, and the last chunk (positions 192-287) runs past the 256-row cache (250 tokens + γ + 1). Same cache as the jnp
-    path after prefill and the bootstrap step, and plain greedy decoding's tokens."""
+    head, two row blocks, in a cache of 256 rows (250 tokens + γ + 1) that the last chunk (positions 192-287) runs
+    past. Same cache as the jnp path after prefill and the bootstrap step, and plain greedy decoding's tokens. (The
+    rows past the cache write nothing and no logit of theirs is kept, so what they read is checked by the kernel's
+    own tests.)"""
     engine = tiny_engine()
     batch = prompts([244, 20, 99], engine.config.vocab_size)
     options = dataclasses.replace(GREEDY, method="vegas", prefill_chunk=96, max_new_tokens=6, max_model_len=250)
     plain = engine.generate(batch, dataclasses.replace(options, method="ar"))
     reference = engine.start(batch, options).state
     monkeypatch.setenv("VEGAS_KERNELS", "interpret")
-    kernel = engine.start(batch, options).state
-    assert kernel.cache.k[0].shape[1] == 256
+    started = engine.start(batch, options)
+    kernel = started.state
+    assert kernel.cache.k[0].shape[1] == 256 and started.timings["prefill_chunk"] == 96
     for got, want in zip(jax.tree.leaves(kernel.cache), jax.tree.leaves(reference.cache)):
         got, want = np.asarray(got), np.asarray(want)
         assert np.isfinite(got).all()

@@ -257,6 +257,7 @@ class Engine:
         )
         if not uses_kernels(config.backend):
             chunk = min(chunk, prefill_chunk_for_memory(batch, self.config.num_heads, capacity))
+        timings["prefill_chunk"] = chunk
         width = max(_round_up(max(lens) - 1, chunk), chunk)
         tokens = np.zeros((batch, width), np.int32)
         for i, p in enumerate(ids):

@@ -1,4 +1,5 @@
-"""Plain causal attention over each sequence's whole cache (prefill, plain decoding)."""
+"""Plain causal attention over each sequence's whole cache in jnp: the model-level reference that tests compare
+against (the engine attends through VerifyAttention, which runs the kernel on a GPU)."""
 
 from __future__ import annotations
 
