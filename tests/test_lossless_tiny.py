@@ -30,11 +30,11 @@ class IdsTokenizer:
         return " ".join(map(str, ids))
 
 
-def tiny_engine(vocab=96, layers=2, seed=0, weight_scale=6.0, eos_ids=()) -> Engine:
+def tiny_engine(vocab=96, layers=2, seed=0, weight_scale=6.0, eos_ids=(), context=512) -> Engine:
     config = ModelConfig(
         architecture="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers,
         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=512, tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=context, tie_word_embeddings=True, qk_norm=True,
     )
     # Larger weights than an initialiser's make attention peaky, so a sparse draft really differs from the target.
     params = jax.tree.map(lambda x: x * weight_scale if x.ndim > 1 else x, init_params(config, jnp.float32, seed))
@@ -312,6 +312,41 @@ def test_prefill_chunk_bounds_score_memory():
         assert chunk % 16 == 0 and chunk >= 16
         assert chunk == 16 or 3 * 4 * batch * heads * chunk * capacity <= PREFILL_SCORE_BYTES
     assert prefill_chunk_for_memory(64, 9, 8448) < prefill_chunk_for_memory(1, 9, 8448)
+
+
+def test_prefill_spans_cover_the_prompt_in_at_most_two_sizes():
+    from vegas_jax.engine import PREFILL_TAIL_CHUNK, prefill_spans
+
+    assert prefill_spans(0, 2048) == []
+    assert prefill_spans(4096, 2048) == [(0, 2048), (2048, 2048)]
+    assert prefill_spans(2099, 2048) == [(0, 2048), (2048, PREFILL_TAIL_CHUNK)]  # 51 tokens: one small chunk
+    assert prefill_spans(7935, 2048)[-1] == (6144, 2048)  # 1791 tokens: one more big chunk, not four small
+    assert prefill_spans(44, 32) == [(0, 32), (32, 32)]  # chunks below twice the tail size stay one size
+    for num_tokens in range(0, 5000, 37):
+        for chunk in (16, 96, 1024, 1168, 2048):
+            spans = prefill_spans(num_tokens, chunk)
+            ends = [start + size for start, size in spans]
+            assert [start for start, _ in spans] == ([0] + ends[:-1] if spans else [])  # contiguous from 0
+            assert not spans or ends[-1] - chunk < num_tokens <= ends[-1]  # covers, less than a chunk of padding
+            assert {size for _, size in spans} <= {chunk, PREFILL_TAIL_CHUNK}
+
+
+def test_two_chunk_sizes_prefill_as_one(monkeypatch):
+    """1,100-token prompts in a 1,024-token chunk and a 512-token tail leave the cache and the tokens that chunks of
+    64 do."""
+    engine = tiny_engine(context=2048)
+    batch = prompts([1100, 700, 1050], engine.config.vocab_size)
+    small = dataclasses.replace(GREEDY, method="vegas", prefill_chunk=64, max_new_tokens=8, max_model_len=1200)
+    large = dataclasses.replace(small, prefill_chunk=1024)
+    by_small = engine.start(batch, small).state
+    started = engine.start(batch, large)
+    assert started.timings["prefill_chunk"] == 1024
+    for got, want in zip(jax.tree.leaves(started.state.cache), jax.tree.leaves(by_small.cache)):
+        np.testing.assert_allclose(np.asarray(got)[:, :1099], np.asarray(want)[:, :1099], rtol=1e-4,
+                                   atol=1e-4 * np.abs(np.asarray(want)).max())
+    assert [r.tokens for r in engine.generate(batch, large).requests] == [
+        r.tokens for r in engine.generate(batch, small).requests
+    ]
 
 
 def test_prefill_chunk_bounds_activation_memory():

@@ -1,6 +1,7 @@
 """The library API: an `Engine` holds a loaded model and turns prompts into tokens, text and metrics.
 
-Compiled shapes: prefill compiles once per (batch, chunk size, cache capacity); the bootstrap step and the decode
+Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
+(prefill_spans); the bootstrap step and the decode
 loop once per (batch, cache capacity, method configuration, sampling mode). The cache capacity is `max_model_len`
 (rounded up to a multiple of 128, plus room for γ+1 draft rows); left unset, `max_model_len` is the prompt plus
 `max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
@@ -38,6 +39,11 @@ PREFILL_SCORE_BYTES = 2**33
 # Prefill runs a chunk of every sequence at once, and the MLP's gate and up activations are its largest arrays (2 x
 # intermediate values per token, counted as float32): the chunk shrinks so that they stay under this many bytes.
 PREFILL_ACTIVATION_BYTES = 2**33
+# Prefill runs full chunks, then, where the rest of the longest prompt fills at most half a chunk, chunks of this
+# many tokens: a prompt just past a multiple of a large chunk does not pay for a chunk of padding. On the H200 a
+# 512-token chunk took about half a 2048-token one's time at batch 1 and a quarter at batch 64 (7.9K-token
+# prompts, benchmarks/results/prefill-2026-11-30-s12*.json), so the small chunks never cost more than the big one.
+PREFILL_TAIL_CHUNK = 512
 
 
 class InputError(ValueError):
@@ -125,6 +131,17 @@ def prefill_chunk_for_memory(batch: int, num_heads: int, capacity: int) -> int:
 def prefill_chunk_for_activations(batch: int, intermediate_size: int) -> int:
     """The largest prefill chunk whose MLP activations fit PREFILL_ACTIVATION_BYTES."""
     return _largest_chunk(PREFILL_ACTIVATION_BYTES, 2 * 4 * batch * intermediate_size)
+
+
+def prefill_spans(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, size) of the prefill steps covering positions [0, num_tokens): chunks of `chunk` while a whole one
+    fits; the rest in chunks of PREFILL_TAIL_CHUNK where they fill at most half a chunk, else in one more padded
+    chunk. At most two sizes, each compiled once for any length."""
+    whole = num_tokens // chunk * chunk
+    tail = PREFILL_TAIL_CHUNK if _round_up(num_tokens - whole, PREFILL_TAIL_CHUNK) <= chunk // 2 else chunk
+    return [(start, chunk) for start in range(0, whole, chunk)] + [
+        (start, tail) for start in range(whole, num_tokens, tail)
+    ]
 
 
 def check_serving(slots: int, refill: int | None) -> int:
@@ -246,8 +263,9 @@ class Engine:
         )
 
     def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, progress=None):
-        """Prefill of all but each prompt's last token, in fixed-size chunks (one compilation for any length),
-        then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and prefill_s."""
+        """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
+        length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
+        prefill_s."""
         params, batch = self.model.params, len(ids)
         lens = [len(p) for p in ids]
         chunk = min(
@@ -258,26 +276,28 @@ class Engine:
         if not uses_kernels(config.backend):
             chunk = min(chunk, prefill_chunk_for_memory(batch, self.config.num_heads, capacity))
         timings["prefill_chunk"] = chunk
-        width = max(_round_up(max(lens) - 1, chunk), chunk)
+        spans = prefill_spans(max(lens) - 1, chunk)
+        width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
         for i, p in enumerate(ids):
             tokens[i, : len(p) - 1] = p[:-1]
         state = self._initial_state(ids, options, config, capacity, first_request)
         t0 = time.perf_counter()
-        chunk_args = (params, state.cache, jnp.zeros((batch, chunk), jnp.int32), jnp.zeros((batch, chunk), jnp.int32))
-        prefill = self._compile("prefill", loop.prefill_chunk, *chunk_args, donate=(1,), model=self.config,
-                                backend=config.backend)
+        prefill = {}
+        for size in sorted({size for _, size in spans}):
+            steps = (jnp.zeros((batch, size), jnp.int32),) * 2
+            prefill[size] = self._compile("prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,),
+                                          model=self.config, backend=config.backend)
         bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        num_chunks = width // chunk
         cache = state.cache
-        for c in range(num_chunks):
-            positions = np.broadcast_to(np.arange(c * chunk, (c + 1) * chunk, dtype=np.int32), (batch, chunk))
-            cache = prefill(params, cache, jnp.asarray(tokens[:, c * chunk : (c + 1) * chunk]), jnp.asarray(positions))
+        for step, (start, size) in enumerate(spans):
+            positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
+            cache = prefill[size](params, cache, jnp.asarray(tokens[:, start : start + size]), jnp.asarray(positions))
             if progress:
-                progress("prefill", c + 1, num_chunks)
+                progress("prefill", step + 1, len(spans))
         state = bootstrap(params, dataclasses.replace(state, cache=cache))
         jax.block_until_ready(state.output)
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
