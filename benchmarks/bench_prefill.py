@@ -2,11 +2,12 @@
 weights of SmolLM2's shapes (prefill's cost does not depend on the weights' values).
 
     python benchmarks/bench_prefill.py --batches 1,8,64 --prompt-tokens 7936 --chunks 512,2048 --tag h200
+    python benchmarks/bench_prefill.py --batches 64 --prompt-tokens 1100,2600,4600,7936 --xla-chunk 0   # chunk rules
 
 Each configuration prefills twice and reports the second (compilation excluded, reported apart); the XLA path
-runs at --xla-chunk (512), which the engine shrinks to keep its score arrays under 8 GiB. The
-caches both paths leave over the prompt's rows are compared (largest difference relative to the largest value): a
-check of the kernel on the device. Writes JSON to --out and $OUT.
+runs at --xla-chunk (512; 0 leaves it out), which the engine shrinks to keep its score arrays under 8 GiB. The
+caches each run leaves over the prompt's rows are compared with the first run's (largest difference relative to
+the largest value): a check of the kernel on the device. Writes JSON to --out and $OUT.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def relative_difference(cache, reference, rows: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--prompt-tokens", type=int, default=7936)
+    p.add_argument("--prompt-tokens", default="7936", help="comma-separated prompt lengths")
     p.add_argument("--chunks", default="512,2048", help="comma-separated chunk sizes for the kernel path")
-    p.add_argument("--xla-chunk", type=int, default=512, help="chunk size for the XLA path")
+    p.add_argument("--xla-chunk", type=int, default=512, help="chunk size for the XLA path (0: no XLA run)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tag", default="default")
     p.add_argument("--out", type=Path, default=None)
@@ -64,10 +65,12 @@ def main(argv=None) -> int:
     records = []
     doc = run_metadata(weights="random (SmolLM2-135M shapes)", records=records)
     name = f"prefill-{datetime.date.today().isoformat()}-{args.tag}.json"
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, args.prompt_tokens)).tolist()
-        kernels = "pallas" if jax.default_backend() == "gpu" else "interpret"  # interpret: a CPU check of the script
-        runs = [("xla", args.xla_chunk, "reference")] + [("kernel", int(c), kernels) for c in args.chunks.split(",")]
+    kernels = "pallas" if jax.default_backend() == "gpu" else "interpret"  # interpret: a CPU check of the script
+    runs = [("xla", args.xla_chunk, "reference")] if args.xla_chunk else []
+    runs += [("kernel", int(c), kernels) for c in args.chunks.split(",")]
+    shapes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.prompt_tokens.split(",")]
+    for batch, length in shapes:
+        prompts = rng.integers(0, SMOLLM2_135M.vocab_size, (batch, length)).tolist()
         reference = None
         for path, chunk, backend in runs:
             timings, compile_s, cache = prefill(engine, prompts, chunk, backend, args.repeats)
@@ -75,23 +78,26 @@ def main(argv=None) -> int:
                 reference = cache
             prefill_s = timings["prefill_s"]
             # chunk: as asked; effective_chunk: as the engine ran it (smaller where memory bounds it)
-            record = dict(path=path, batch=batch, prompt_tokens=args.prompt_tokens, chunk=chunk,
+            record = dict(path=path, batch=batch, prompt_tokens=length, chunk=chunk,
                           effective_chunk=timings["prefill_chunk"], prefill_s=prefill_s, compile_s=compile_s,
-                          prefill_tokens_per_s=batch * args.prompt_tokens / prefill_s,
-                          cache_difference=relative_difference(cache, reference, args.prompt_tokens))
+                          prefill_tokens_per_s=batch * length / prefill_s,
+                          cache_difference=relative_difference(cache, reference, length))
             del cache
-            xla = next(r for r in records + [record] if r["path"] == "xla" and r["batch"] == batch)
-            record["speedup_vs_xla"] = xla["prefill_s"] / record["prefill_s"]
+            xla = [r["prefill_s"] for r in records + [record]
+                   if r["path"] == "xla" and (r["batch"], r["prompt_tokens"]) == (batch, length)]
+            record["speedup_vs_xla"] = xla[0] / prefill_s if xla else None
             records.append(record)
             save_results(doc, name, args.out)  # after every record: a run cut short keeps what it measured
-            print(f"B{batch:<3} {path:6} chunk {record['effective_chunk']:5}  prefill {record['prefill_s']:7.3f} s  "
+            print(f"B{batch:<3} {length:6} {path:6} chunk {record['effective_chunk']:5}  prefill {prefill_s:7.3f} s  "
                   f"{record['prefill_tokens_per_s']:10.0f} tok/s  cache difference {record['cache_difference']:.1e}",
                   flush=True)
         del reference
-    print(f"\n{'batch':>5} {'path':6} {'chunk':>5} {'prefill s':>9} {'tok/s':>10} {'vs xla':>6} {'cache diff':>10}")
+    print(f"\n{'batch':>5} {'prompt':>6} {'path':6} {'chunk':>5} {'prefill s':>9} {'tok/s':>10} {'vs xla':>6} "
+          f"{'cache diff':>10}")
     for r in records:
-        print(f"{r['batch']:5} {r['path']:6} {r['effective_chunk']:5} {r['prefill_s']:9.3f} {r['prefill_tokens_per_s']:10.0f} "
-              f"{r['speedup_vs_xla']:6.2f} {r['cache_difference']:10.1e}")
+        speedup = f"{r['speedup_vs_xla']:6.2f}" if r["speedup_vs_xla"] else f"{'-':>6}"
+        print(f"{r['batch']:5} {r['prompt_tokens']:6} {r['path']:6} {r['effective_chunk']:5} {r['prefill_s']:9.3f} "
+              f"{r['prefill_tokens_per_s']:10.0f} {speedup} {r['cache_difference']:10.1e}")
     return 0
 
 
