@@ -2,9 +2,9 @@
 
 Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
 (prefill_spans); the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
-sampling mode). The cache capacity is `max_model_len`
-(rounded up to a multiple of 128, plus room for γ+1 draft rows); left unset, `max_model_len` is the prompt plus
-`max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
+sampling mode). The cache capacity is `max_model_len` (rounded up to a multiple of 128, plus room for γ+1 draft
+rows); left unset, `max_model_len` is the prompt plus `max_new_tokens` rounded up to a multiple of 1024, so prompts
+of similar length share one compilation.
 """
 
 from __future__ import annotations
