@@ -24,7 +24,7 @@ def load(tag: str) -> list[dict]:
     return [r for f in sorted(RESULTS.glob(f"e2e-*-{tag}.json")) for r in json.loads(f.read_text())["records"]]
 
 
-# Profiles of one Vegas iteration (B = 64, 7.9K-token prompts, random SmolLM2-shaped weights), in the order the
+# Profiles of one Vegas iteration (B = 64, 7.9K-token prompts, random SmolLM2-shaped weights but the last), in the order the
 # optimisations landed: (file tag, label).
 PROFILE_STEPS = [
     ("default", "XLA Triton\nGEMMs"),
@@ -32,6 +32,7 @@ PROFILE_STEPS = [
     ("opt1", "+ kernel writes\nK/V, reads\nselections"),
     ("opt2", "+ packed\noperand,\n2 splits"),
     ("rope", "+ RoPE in\ndraft kernel"),
+    ("s14-real-b64", "main 431f64f,\nreal weights"),
 ]
 KINDS = ("pallas", "gemm", "xla_fusion", "copy")
 
@@ -118,7 +119,7 @@ def plot_prefill() -> Path:
 
 
 def main() -> int:
-    throughput = load("final4-*")  # the large and the small batches, two runs of the same code
+    throughput = load("s14-large") + load("s14-small")  # two runs of the same code
     policies = {"greedy": load("policies-greedy-logit"), "T=0.7": load("policies-t07-logit")}
     fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(19, 4.8), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
 
