@@ -4,9 +4,10 @@ collection, and per-row top-k selection. Each module holds a kernel, its jitted 
 
 from pallas_kernels.select_topk import PAD_INDEX, select_topk, select_topk_reference
 from pallas_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
-from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+from pallas_kernels.verify_attention import MAX_QUERY_ROWS, verify_attention, verify_attention_reference
 
 __all__ = [
+    "MAX_QUERY_ROWS",
     "PAD_INDEX",
     "select_topk",
     "select_topk_reference",

@@ -55,7 +55,7 @@ from pallas_kernels._common import (
 SCORE_MODES = (None, "logit", "weight")
 _MAX_SPLITS = 64
 # Query rows per program; beyond this the accumulator tile no longer fits in registers.
-_MAX_QUERY_ROWS = 128
+MAX_QUERY_ROWS = 128
 
 
 def verify_attention_kernel(
@@ -263,13 +263,13 @@ def verify_attention(
     batch, num_queries, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads = k_cache.shape[1:3]
     query_rows = num_queries * (num_q_heads // num_kv_heads)
-    if score_mode is not None and query_rows > _MAX_QUERY_ROWS:
-        raise ValueError(f"scoring needs S * G <= {_MAX_QUERY_ROWS} query rows per KV head, got {query_rows}")
+    if score_mode is not None and query_rows > MAX_QUERY_ROWS:
+        raise ValueError(f"scoring needs S * G <= {MAX_QUERY_ROWS} query rows per KV head, got {query_rows}")
     if block_q is None:
-        block_q = max(16, next_power_of_2(min(query_rows, _MAX_QUERY_ROWS)))
+        block_q = max(16, next_power_of_2(min(query_rows, MAX_QUERY_ROWS)))
     check_power_of_2("block_q", block_q, 16)
-    if block_q > _MAX_QUERY_ROWS:
-        raise ValueError(f"block_q must be at most {_MAX_QUERY_ROWS}, got {block_q}")
+    if block_q > MAX_QUERY_ROWS:
+        raise ValueError(f"block_q must be at most {MAX_QUERY_ROWS}, got {block_q}")
     block_q = min(block_q, max(16, next_power_of_2(query_rows)))
     if score_mode is not None and block_q < query_rows:
         raise ValueError(f"scoring needs all {query_rows} query rows in one block, got block_q {block_q}")

@@ -39,3 +39,13 @@ def test_inactive_sequences_read_only_their_new_rows(rng):
     np.testing.assert_array_equal(np.asarray(v_some), np.asarray(v_every))
     assert np.isnan(np.asarray(out_every)[1]).any()  # reading its whole length meets the NaN rows
     assert np.isfinite(np.asarray(out_some)[1]).all()  # skipping reads only rows [0, S)
+
+
+def test_scored_tokens_limit_follows_where_the_kernel_collects():
+    """The kernel collects the Vegas rows for one block of MAX_QUERY_ROWS query rows per KV head; other row sets,
+    the jnp path and passes without scores have no limit."""
+    vegas = VerifyAttention(ScoreRequest("logit"), num_layers=2, backend="interpret")
+    assert vegas.scored_tokens_limit(group=3) == 42 and vegas.scored_tokens_limit(group=4) == 32
+    assert dataclasses.replace(vegas, backend="reference").scored_tokens_limit(3) is None
+    assert VerifyAttention(ScoreRequest("logit", rows="all"), 2, "interpret").scored_tokens_limit(3) is None
+    assert VerifyAttention(None, 2, "interpret").scored_tokens_limit(3) is None

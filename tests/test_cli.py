@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from vegas_jax import convert, generate
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.engine import Engine, GenerationOptions, InputError
 from vegas_jax.loading import load_model
 
 REPO = Path(__file__).parent.parent
@@ -118,7 +118,24 @@ BAD_INPUT = {
     "refill-over-slots": (["--prompt", PROMPT, "--slots", "2", "--refill", "3"], ["--refill", "--slots 2"]),
     "refill-without-slots": (["--prompt", PROMPT, "--refill", "1"], ["--refill", "--slots"]),
     "stream-with-slots": (["--prompt", PROMPT, "--slots", "1", "--stream"], ["--stream", "--slots"]),
+    "temperature-infinite": (["--prompt", PROMPT, "--temperature", "inf"], ["--temperature"]),
+    "top-k-past-32-bits": (["--prompt", PROMPT, "--temperature", "1", "--top-k", "3000000000"], ["--top-k"]),
+    "top-k-with-greedy": (["--prompt", PROMPT, "--top-k", "5"], ["--top-k", "--temperature 0"]),
+    "top-p-with-greedy": (["--prompt", PROMPT, "--top-p", "0.9"], ["--top-p", "--temperature 0"]),
+    "seed-past-32-bits": (["--prompt", PROMPT, "--seed", "2147483648"], ["--seed"]),
+    "last-request-seed-past-32-bits": (["--prompt", PROMPT, "--prompt", PROMPT, "--seed", "2147483647"],
+                                       ["--seed 2147483647", "2 requests"]),
+    "gamma-huge": (["--prompt", PROMPT, *VEGAS, "--gamma", "100000"], ["--gamma"]),
+    "compare-ar-with-ar": (["--prompt", PROMPT, "--method", "ar", "--compare-ar"], ["--compare-ar", "--method"]),
+    "output-json-under-a-file": (lambda tmp: ["--prompt", PROMPT, "--output-json", str(_a_file(tmp) / "out.json")],
+                                 ["--output-json", "out.json"]),
 }
+
+
+def _a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "plain-file"
+    path.write_text("not a folder")
+    return path
 
 
 def bad_run(case: str, tmp_path: Path, capsys) -> tuple[int, list[str], list[str]]:
@@ -143,6 +160,25 @@ def test_bad_input_exits_with_one_error_line_naming_the_culprit(case, tmp_path, 
 def test_bad_input_error_line_is_all_of_stderr(case, tmp_path, capsys):
     _, lines, _ = bad_run(case, tmp_path, capsys)
     assert len(lines) == 1 and lines[0].startswith("error:"), lines
+
+
+def test_gamma_beyond_what_the_verification_kernel_scores_is_refused(monkeypatch, capsys):
+    """With kernels (here in interpret mode), verification collects scores for one block of 128 query rows per KV
+    head: the fixture's two query heads per KV head allow γ + 1 <= 64, and γ = 64 gets one line naming --gamma
+    before anything compiles."""
+    monkeypatch.setenv("VEGAS_KERNELS", "interpret")
+    rc = generate.main([*BASE, "--prompt", PROMPT, *VEGAS, "--gamma", "64"])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert err.startswith("error: --gamma 64: the verification kernel scores at most 64 tokens") and err.count("\n") == 1
+
+
+def test_stream_refuses_a_step_count_below_one():
+    """A step limit that never moves would loop forever: `Engine.stream` refuses it before compiling."""
+    engine = Engine(load_model(str(FIXTURE), jnp.float32))
+    for bad in (0, -1):
+        with pytest.raises(InputError, match="steps_per_call"):
+            next(engine.stream([PROMPT], GenerationOptions(max_new_tokens=4), steps_per_call=bad))
 
 
 # ---- --output-json and --compare-ar ------------------------------------------------------------------------------

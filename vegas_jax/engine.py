@@ -2,9 +2,9 @@
 
 Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
 (prefill_spans); the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
-sampling mode). The cache capacity is `max_model_len` (rounded up to a multiple of 128, plus room for γ+1 draft
-rows); left unset, `max_model_len` is the prompt plus `max_new_tokens` rounded up to a multiple of 1024, so prompts
-of similar length share one compilation.
+sampling mode, output buffer width: max_new_tokens rounded up to OUTPUT_BUCKET). The cache capacity is
+`max_model_len` plus γ+1 rows (for the drafts), rounded up to a multiple of 128; left unset, `max_model_len` is the
+prompt plus `max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ PREFILL_ACTIVATION_BYTES = 2**33
 # 512-token chunk took about half a 2048-token one's time at batch 1 and a quarter at batch 64 (7.9K-token
 # prompts, benchmarks/results/prefill-2026-11-30-s12*.json), so the small chunks never cost more than the big one.
 PREFILL_TAIL_CHUNK = 512
+INT32_MAX = 2**31 - 1
+# Drafts per iteration: beyond a few dozen every verification pass mostly checks tokens that are rejected anyway,
+# and the draft probabilities ([batch, γ, vocabulary] float32 when sampling) grow with γ.
+MAX_GAMMA = 64
 
 
 class InputError(ValueError):
@@ -73,12 +77,18 @@ class GenerationOptions:
         checks = [
             (self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}"),
             # Below ~1e-37 logits / temperature overflows float32; anything that small is greedy in effect.
-            (self.temperature == 0 or self.temperature >= 1e-6, "--temperature",
-             f"must be 0 (greedy) or >= 1e-6, got {self.temperature}"),
-            (self.top_k >= 0, "--top-k", f"must be >= 0, got {self.top_k}"),
+            (self.temperature == 0 or 1e-6 <= self.temperature < math.inf, "--temperature",
+             f"must be 0 (greedy) or a finite number >= 1e-6, got {self.temperature}"),
+            (0 <= self.top_k <= INT32_MAX, "--top-k", f"must be in [0, 2**31 - 1], got {self.top_k}"),
             (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
+            # Greedy decoding takes the argmax whatever the filters keep: a filter given with it would be ignored.
+            (self.temperature > 0 or self.top_k == 0, "--top-k",
+             f"{self.top_k} has no effect with --temperature 0 (greedy); give a temperature to sample"),
+            (self.temperature > 0 or self.top_p == 1, "--top-p",
+             f"{self.top_p} has no effect with --temperature 0 (greedy); give a temperature to sample"),
+            (-INT32_MAX - 1 <= self.seed <= INT32_MAX, "--seed", f"must fit in 32 bits, got {self.seed}"),
             (self.method in METHODS, "--method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),
-            (self.gamma >= 0, "--gamma", f"must be >= 0, got {self.gamma}"),
+            (0 <= self.gamma <= MAX_GAMMA, "--gamma", f"must be in [0, {MAX_GAMMA}], got {self.gamma}"),
             (0 < self.sparse_ratio <= 1, "--sparse-ratio", f"must be in (0, 1], got {self.sparse_ratio}"),
             (self.min_sparse_tokens >= 1, "--min-sparse-tokens", f"must be >= 1, got {self.min_sparse_tokens}"),
             (self.score_mode in SCORE_MODES, "--score-mode", f"must be one of {SCORE_MODES}, got {self.score_mode!r}"),
@@ -197,10 +207,10 @@ class Engine:
         return encoded
 
     # ---- compilation ---------------------------------------------------------------------------------------
-    def check_lengths(self, prompt_ids: list[list[int]], options: GenerationOptions) -> int:
-        """The context length these prompts run with; InputError if they (plus max_new_tokens) do not fit."""
-        options.validate()
-        return self._max_model_len([len(p) for p in prompt_ids], options)
+    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions) -> None:
+        """InputError if these prompts cannot run with these options on this model: every check `generate` and
+        `serve` make before they compile anything."""
+        self._plan(prompt_ids, options)
 
     def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
         model_max = self.config.max_position_embeddings
@@ -242,9 +252,18 @@ class Engine:
     # ---- generation ----------------------------------------------------------------------------------------
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
+        options.validate()
+        if options.seed + len(ids) - 1 > INT32_MAX:
+            raise InputError(f"--seed {options.seed}: request i uses seed + i, which passes 2**31 - 1 for {len(ids)} "
+                             f"requests")
         max_model_len = self._max_model_len([len(p) for p in ids], options)
         mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
         config = self._decode_config(options, mode, max_model_len)
+        gamma, group = options.effective_gamma, self.config.num_heads // self.config.num_kv_heads
+        most = config.verify_attention().scored_tokens_limit(group)
+        if most is not None and gamma + 1 > most:
+            raise InputError(f"--gamma {gamma}: the verification kernel scores at most {most} tokens per sequence "
+                             f"for this model's heads (γ + 1 <= {most})")
         return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
 
     def _initial_state(self, ids, options, config, capacity, first_request: int) -> loop.DecodeState:
@@ -313,7 +332,6 @@ class Engine:
     def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves)."""
-        options.validate()
         ids = self.encode_prompts(prompts, chat_template)
         config, capacity = self._plan(ids, options)
         timings = {}
@@ -331,8 +349,11 @@ class Engine:
         steps_per_call: int | None = 16,
         progress: Callable[[str, int, int], None] | None = None,
     ) -> Iterator[list[list[int]] | GenerationResult]:
-        """Yields, after every `steps_per_call` loop iterations, the new tokens of each request; last, the
-        GenerationResult. `steps_per_call=None` runs the whole decode in one device call."""
+        """Yields the bootstrap step's token of each request, then, after every `steps_per_call` loop iterations,
+        the new tokens of each request; last, the GenerationResult. `steps_per_call=None` runs the whole decode in
+        one device call."""
+        if steps_per_call is not None and steps_per_call < 1:
+            raise InputError(f"steps_per_call must be None or >= 1, got {steps_per_call}")
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params = started.state, started.timings, self.model.params
         batch = len(started.prompt_ids)
@@ -388,7 +409,6 @@ class Engine:
         (steady_decode_tokens_per_s) leaves out the drain at the end, where slots empty out. metrics.decode_calls
         has each call's busy slots, queue length, iterations, tokens and seconds.
         """
-        options.validate()
         refill = check_serving(slots, refill)
         ids = self.encode_prompts(prompts, chat_template)
         config, capacity = self._plan(ids, options)

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continuous batching: at most this many requests decode together, the others queue and are "
                         "admitted as requests finish (default: all prompts in one batch)")
     p.add_argument("--refill", type=int, default=None,
-                   help="with --slots: admit queued requests once this many slots are free (default slots // 8)")
+                   help="with --slots: admit queued requests once this many slots are free "
+                        "(default slots // 8, at least 1)")
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
@@ -112,6 +113,16 @@ def _read_prompts(args) -> list[str]:
     if not prompts:
         raise InputError("--prompt: give at least one --prompt or --prompt-file")
     return prompts
+
+
+def _check_output_path(path: Path) -> None:
+    """Before any work: the file can be created where it is asked for (its folder is made if missing)."""
+    if path.is_dir():
+        raise InputError(f"--output-json {path}: is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--output-json {path}: cannot make its folder: {e.strerror}") from None
 
 
 def _resolve_dtype(name: str):
@@ -192,9 +203,11 @@ def main(argv=None) -> int:
                 raise InputError("--stream: not with --slots (continuous batching returns whole requests)")
         elif args.refill is not None:
             raise InputError("--refill: only with --slots")
+        if args.compare_ar and options.method == "ar":
+            raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
         prompts = _read_prompts(args)
-        if args.output_json and args.output_json.is_dir():
-            raise InputError(f"--output-json {args.output_json}: is a directory")
+        if args.output_json:
+            _check_output_path(args.output_json)
         dtype_name, dtype = _resolve_dtype(args.dtype)
         from vegas_jax.loading import load_model
 
@@ -204,7 +217,7 @@ def main(argv=None) -> int:
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         prompts = engine.encode_prompts(prompts, args.chat_template)
-        engine.check_lengths(prompts, options)
+        engine.check_input(prompts, options)
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
@@ -220,7 +233,7 @@ def main(argv=None) -> int:
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
         _print_result(result, options.method, show_text=not args.stream)
         out = {"config": resolved, **_as_json(result)}
-        if args.compare_ar and options.method != "ar":
+        if args.compare_ar:
             ar = _run(engine, prompts, dataclasses.replace(options, method="ar"), args, progress, stream=False)
             _print_result(ar, "ar", show_text=False)
             identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
@@ -228,8 +241,10 @@ def main(argv=None) -> int:
             out.update({"ar": _as_json(ar), "identical_to_ar": identical, "speedup_vs_ar": speedup})
             print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
         if args.output_json:
-            args.output_json.parent.mkdir(parents=True, exist_ok=True)
-            args.output_json.write_text(json.dumps(out, indent=1))
+            try:
+                args.output_json.write_text(json.dumps(out, indent=1))
+            except OSError as e:
+                raise InputError(f"--output-json {args.output_json}: {e.strerror}") from None
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from models.kv_cache import write_rows
-from pallas_kernels import verify_attention
+from pallas_kernels import MAX_QUERY_ROWS, verify_attention
 from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.core import causal_mask, masked_attention
 
@@ -50,6 +50,13 @@ class VerifyAttention:
         if self.request is None:
             return False
         return not self.request.last_layer_only or layer == self.num_layers - 1
+
+    def scored_tokens_limit(self, group: int) -> int | None:
+        """The most new tokens per sequence this attention can verify when each KV head has `group` query heads:
+        where the kernel collects scores, all of a KV head's query rows must fit its one block. None: no limit."""
+        if self.request is None or not self._kernel_serves(self.num_layers - 1):
+            return None
+        return MAX_QUERY_ROWS // group
 
     def _kernel_serves(self, layer: int) -> bool:
         """The kernel collects the Vegas rows (0 and γ); other row sets (ablations) take the jnp path."""
