@@ -362,7 +362,7 @@ class Engine:
 
         t0 = time.perf_counter()
         seen = np.asarray(state.num_generated)
-        limit = 2**31 - 1
+        limit = INT32_MAX
         while True:
             step = int(state.step) + steps_per_call if steps_per_call else limit
             state = started.decode(params, state, jnp.int32(min(step, limit)), jnp.int32(batch))
@@ -450,7 +450,7 @@ class Engine:
             finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
             before, step = np.asarray(state.num_generated), int(state.step)
             t0 = time.perf_counter()
-            state = decode(params, state, jnp.int32(2**31 - 1), jnp.int32(finished_limit))
+            state = decode(params, state, jnp.int32(INT32_MAX), jnp.int32(finished_limit))
             jax.block_until_ready(state.done)
             elapsed = time.perf_counter() - t0
             rows = self._host_rows(state)
