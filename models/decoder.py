@@ -8,8 +8,11 @@ F MLP width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +21,38 @@ from flax import nnx
 from models.attention import Attention, NewTokens, rope_tables
 from models.config import ModelConfig, rope_inverse_frequencies
 from models.kv_cache import KVCache
+from models.logical_axes import HEADS, MLP, Axes
 
 Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Megatron-style tensor parallelism, as one program of `size` sees it: it holds 1/size of every layer's query
+    and KV heads (column-parallel q/k/v, row-parallel o) and of the MLP's units (column-parallel gate/up,
+    row-parallel down), so it runs the decoder of `local(config)` and adds the two row-parallel projections' partial
+    sums across the mesh axis `axis` (bound by the caller's shard_map). size 1: a whole model, no collectives."""
+
+    axis: str | None = None
+    size: int = 1
+
+    def local(self, config: ModelConfig) -> ModelConfig:
+        if self.size == 1:
+            return config
+        return dataclasses.replace(
+            config,
+            num_heads=config.num_heads // self.size,
+            num_kv_heads=config.num_kv_heads // self.size,
+            intermediate_size=config.intermediate_size // self.size,
+        )
+
+    def row_parallel(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """einsum(spec, x, w) summed over the shards' slices of the contracted axis, in x's dtype. Partial sums are
+        added in float32 and rounded once, as one device's GEMM accumulates and rounds."""
+        if self.size == 1:
+            return jnp.einsum(spec, x, w)
+        partial = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+        return jax.lax.psum(partial, self.axis).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -56,7 +89,7 @@ class DecoderLayer(nnx.Module):
         self.num_kv_heads = c.num_kv_heads
         self.qk_norm = c.qk_norm
 
-    def __call__(self, layer: int, x, positions, rope, k_cache, v_cache, attention: Attention):
+    def __call__(self, layer: int, x, positions, rope, k_cache, v_cache, attention: Attention, tp: TensorParallel):
         h = self.attn_norm(x)
         qkv = jnp.einsum("BSD,DNH->BSNH", h, self.qkv_proj[...])
         if self.attention_bias:
@@ -66,10 +99,10 @@ class DecoderLayer(nnx.Module):
             qkv = jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=2)
         new = NewTokens(qkv, *rope, num_kv_heads=self.num_kv_heads)
         out, k_cache, v_cache, aux = attention(layer, new, positions, k_cache, v_cache)
-        x = x + jnp.einsum("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj[...])
+        x = x + tp.row_parallel("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj[...])
         h = self.mlp_norm(x)
         gate_up = jnp.einsum("BSD,DGF->BSGF", h, self.gate_up_proj[...])
-        x = x + jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], self.down_proj[...])
+        x = x + tp.row_parallel("BSF,FD->BSD", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], self.down_proj[...])
         return x, k_cache, v_cache, aux
 
 
@@ -84,12 +117,12 @@ class Decoder(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (config.hidden_size, config.vocab_size), dtype)
             )
 
-    def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows=None):
+    def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows, tp: TensorParallel):
         rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32))
         x = jnp.take(self.embed[...], tokens, axis=0)
         k_out, v_out, aux_out = [], [], []
         for i, layer in enumerate(self.layers):
-            x, k, v, aux = layer(i, x, positions, rope, kv_cache.k[i], kv_cache.v[i], attention)
+            x, k, v, aux = layer(i, x, positions, rope, kv_cache.k[i], kv_cache.v[i], attention, tp)
             k_out.append(k)
             v_out.append(v)
             aux_out.append(aux)
@@ -115,13 +148,36 @@ def param_shapes(config: ModelConfig) -> Params:
     return jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(state))
 
 
-_SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
-_SEPARATE_BIAS = ("q_bias", "k_bias", "v_bias")
+# Parameter name -> logical axes; parameters not listed (norm scales, embedding, LM head) are whole on every device.
+# The embedding and LM head are replicated rather than split over the vocabulary: a split LM head needs its logits
+# gathered (batch x rows x vocabulary floats) before sampling, which at SmolLM2's sizes moves more bytes per
+# verification than the replicated head reads.
+_PARAM_AXES = {
+    "qkv_proj": Axes(None, HEADS, None),
+    "qkv_bias": Axes(HEADS, None),
+    "o_proj": Axes(HEADS, None, None),
+    "gate_up_proj": Axes(None, None, MLP),
+    "down_proj": Axes(MLP, None),
+}
+
+
+def axes_of_param(name: str, ndim: int) -> Axes:
+    """The logical axes of the parameter called `name` (its key in the parameter tree)."""
+    return _PARAM_AXES.get(name, Axes(*(None,) * ndim))
+
+
+def param_axes(params: Params) -> Params:
+    """The logical axes of every parameter (any tree in the layout of param_shapes, arrays or shapes as leaves)."""
+
+    def axes(path, x):
+        return axes_of_param(path[-1].key, len(x) if isinstance(x, tuple) else x.ndim)
+
+    return jax.tree_util.tree_map_with_path(axes, params, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def checkpoint_param_shapes(config: ModelConfig) -> Params:
     """The layout checkpoints store (and loaders fill): q/k/v and gate/up projections apart, as in HF and GGUF
-    files. `fuse_projections` turns it into the model's layout."""
+    files. `fuse_layer` turns a layer of it into the model's layout."""
     c = config
     layer = {
         "q_proj": (c.hidden_size, c.num_heads, c.head_dim),
@@ -140,18 +196,29 @@ def checkpoint_param_shapes(config: ModelConfig) -> Params:
     return shapes
 
 
-def fuse_projections(params: Params) -> Params:
-    """Checkpoint layout (checkpoint_param_shapes) -> model layout (param_shapes), arrays of any kind."""
+def fused_head_order(config: ModelConfig, shards: int) -> np.ndarray:
+    """Where the fused q/k/v head axis of a model split over `shards` takes its heads from the plain order
+    [q heads, k heads, v heads]: shard s's block is [its q heads, its k heads, its v heads], so a shard's slice is
+    exactly a whole model's layout for its heads and the attention code (and kernels) run unchanged on it."""
+    q, kv = config.num_heads // shards, config.num_kv_heads // shards
+    k_start, v_start = config.num_heads, config.num_heads + config.num_kv_heads
+    return np.concatenate([
+        np.concatenate([np.arange(s * q, (s + 1) * q), k_start + np.arange(s * kv, (s + 1) * kv),
+                        v_start + np.arange(s * kv, (s + 1) * kv)])
+        for s in range(shards)
+    ])
 
-    def fuse(layer):
-        layer = dict(layer)
-        fused = {"qkv_proj": jnp.concatenate([layer.pop(k) for k in _SEPARATE_QKV], axis=1)}
-        if "q_bias" in layer:
-            fused["qkv_bias"] = jnp.concatenate([layer.pop(k) for k in _SEPARATE_BIAS], axis=0)
-        fused["gate_up_proj"] = jnp.stack([layer.pop("gate_proj"), layer.pop("up_proj")], axis=1)
-        return layer | fused
 
-    return {**params, "layers": {i: fuse(layer) for i, layer in params["layers"].items()}}
+def fuse_layer(layer: dict, config: ModelConfig, shards: int = 1) -> dict:
+    """One layer of host (numpy) arrays from the checkpoint layout to the model's, for a model split over `shards`
+    devices of the mesh's model axis (fused_head_order)."""
+    layer = dict(layer)
+    order = fused_head_order(config, shards)
+    fused = {"qkv_proj": np.concatenate([layer.pop(k) for k in ("q_proj", "k_proj", "v_proj")], axis=1)[:, order]}
+    if "q_bias" in layer:
+        fused["qkv_bias"] = np.concatenate([layer.pop(k) for k in ("q_bias", "k_bias", "v_bias")], axis=0)[order]
+    fused["gate_up_proj"] = np.stack([layer.pop("gate_proj"), layer.pop("up_proj")], axis=1)
+    return layer | fused
 
 
 def init_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Params:
@@ -169,10 +236,12 @@ def forward(
     *,
     config: ModelConfig,
     logit_rows: jax.Array | None = None,  # [B, R] row indices into S; logits only for these rows
+    tensor_parallel: TensorParallel = TensorParallel(),
 ) -> tuple[jax.Array, KVCache, tuple]:
-    """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux)."""
-    graphdef, abstract_state = _split_abstract(config)
+    """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux). With tensor parallelism,
+    params, cache and attention are this program's shard of them (`TensorParallel`); the logits are whole."""
+    graphdef, abstract_state = _split_abstract(tensor_parallel.local(config))
     state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, kv_cache, attention, logit_rows)
+    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel)

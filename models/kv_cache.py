@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.logical_axes import BATCH, KV_HEADS, axes_field
 
 
 @jax.tree_util.register_dataclass
@@ -19,8 +20,8 @@ class KVCache:
     donated buffer, and no loop over layers ever slices (and copies) a stacked cache.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
+    v: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "KVCache":

@@ -10,6 +10,9 @@ import numpy as np
 
 from models.attention import NewTokens, rope_tables
 from vegas_jax.attention.verify import ScoreRequest, VerifyAttention
+from vegas_jax.sharding import Placement
+
+INTERPRET = Placement("interpret")
 
 
 def test_inactive_sequences_read_only_their_new_rows(rng):
@@ -25,7 +28,7 @@ def test_inactive_sequences_read_only_their_new_rows(rng):
     cos, sin = rope_tables(positions, 10000.0 ** -(jnp.arange(0, head_dim, 2) / head_dim))
     new = NewTokens(jnp.asarray(heads, jnp.float32), cos, sin, num_kv_heads=kv_heads)
     caches = (jnp.asarray(k_cache, jnp.float32), jnp.asarray(v_cache, jnp.float32))
-    every = VerifyAttention(ScoreRequest("logit"), num_layers=1, backend="interpret")
+    every = VerifyAttention(ScoreRequest("logit"), num_layers=1, placement=INTERPRET)
     some = dataclasses.replace(every, active=jnp.asarray([True, False, True]))
 
     out_every, k_every, v_every, scores_every = every(0, new, positions, *caches)
@@ -44,8 +47,8 @@ def test_inactive_sequences_read_only_their_new_rows(rng):
 def test_scored_tokens_limit_follows_where_the_kernel_collects():
     """The kernel collects the Vegas rows for one block of MAX_QUERY_ROWS query rows per KV head; other row sets,
     the jnp path and passes without scores have no limit."""
-    vegas = VerifyAttention(ScoreRequest("logit"), num_layers=2, backend="interpret")
+    vegas = VerifyAttention(ScoreRequest("logit"), num_layers=2, placement=INTERPRET)
     assert vegas.scored_tokens_limit(group=3) == 42 and vegas.scored_tokens_limit(group=4) == 32
-    assert dataclasses.replace(vegas, backend="reference").scored_tokens_limit(3) is None
-    assert VerifyAttention(ScoreRequest("logit", rows="all"), 2, "interpret").scored_tokens_limit(3) is None
-    assert VerifyAttention(None, 2, "interpret").scored_tokens_limit(3) is None
+    assert dataclasses.replace(vegas, placement=Placement("reference")).scored_tokens_limit(3) is None
+    assert VerifyAttention(ScoreRequest("logit", rows="all"), 2, INTERPRET).scored_tokens_limit(3) is None
+    assert VerifyAttention(None, 2, INTERPRET).scored_tokens_limit(3) is None

@@ -16,17 +16,20 @@ from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputE
 __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "NonFiniteLogitsError", "load"]
 
 
-def load(model: str | None = None, dtype: str = "auto") -> Engine:
+def load(model: str | None = None, dtype: str = "auto", mesh=None) -> Engine:
     """An Engine for a checkpoint (None: the embedded SmolLM2). dtype: auto (bf16 on GPU, float32 on CPU),
-    bfloat16 or float32."""
+    bfloat16 or float32. mesh: a `jax.sharding.Mesh` with axes `data` (splits the batch) and `model` (splits heads
+    and MLP units), either optional; the parameters are loaded straight into their shards and every generate /
+    stream / serve call runs on it. None: one device."""
     import jax
     import jax.numpy as jnp
 
     from vegas_jax.loading import load_model
+    from vegas_jax.sharding import adopt_mesh
 
     if dtype == "auto":
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     if dtype not in ("bfloat16", "float32"):
         raise InputError(f"dtype must be auto, bfloat16 or float32, got {dtype!r}")
-    return Engine(load_model(model, getattr(jnp, dtype)))
+    return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh)))
 

@@ -19,14 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.decoder import param_axes
 from models.kv_cache import KVCache
-from vegas_jax import loop, sampling
-from vegas_jax.attention.backend import default_backend, uses_kernels
+from models.logical_axes import Axes, axes_of
+from vegas_jax import loop, memory, sampling
+from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
+from vegas_jax.errors import InputError, NonFiniteLogitsError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
+from vegas_jax.sharding import Placement, check_model_fits, on_all_shards, round_up_to_shards
 
 METHODS = ("ar",) + POLICIES
 CAPACITY_ALIGN = 128
@@ -48,14 +52,6 @@ INT32_MAX = 2**31 - 1
 # Drafts per iteration: beyond a few dozen every verification pass mostly checks tokens that are rejected anyway,
 # and the draft probabilities ([batch, γ, vocabulary] float32 when sampling) grow with γ.
 MAX_GAMMA = 64
-
-
-class InputError(ValueError):
-    """Bad user input; the message starts with the flag (or argument) at fault."""
-
-
-class NonFiniteLogitsError(RuntimeError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +119,10 @@ class GenerationResult:
 class Started:
     prompt_ids: list[list[int]]
     config: loop.DecodeConfig
-    state: loop.DecodeState  # after prefill and the bootstrap step
-    decode: Callable  # compiled loop.decode(params, state, step_limit, finished_limit)
+    # After prefill and the bootstrap step; on a mesh with a data axis the batch is padded to a multiple of its
+    # size with rows that never generate (rows len(prompt_ids) on).
+    state: loop.DecodeState
+    decode: Callable  # compiled loop.decode(params, state, step_limit, finished_limit) over global arrays
     timings: dict
 
 
@@ -172,11 +170,18 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 class Engine:
+    """A loaded model on its devices (one, or the mesh it was loaded onto: `vegas_jax.load(..., mesh=...)`)."""
+
     def __init__(self, model: LoadedModel):
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
         self._compiled: dict = {}
+
+    @property
+    def placement(self) -> Placement:
+        """The attention backend (VEGAS_KERNELS, read at each call) and the model's mesh."""
+        return Placement(default_backend(), self.model.mesh)
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], chat_template: bool | None = None) -> list[list[int]]:
@@ -206,11 +211,37 @@ class Engine:
             encoded.append(list(ids))
         return encoded
 
-    # ---- compilation ---------------------------------------------------------------------------------------
-    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions) -> None:
-        """InputError if these prompts cannot run with these options on this model: every check `generate` and
-        `serve` make before they compile anything."""
-        self._plan(prompt_ids, options)
+    # ---- planning ------------------------------------------------------------------------------------------
+    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None) -> None:
+        """InputError if these prompts cannot run with these options on this model and its devices: every check
+        `generate` and `serve` make before they compile (or allocate) anything."""
+        self.plan(prompt_ids, options, slots=slots)
+
+    def plan(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None) -> dict:
+        """What a run of these prompts would compile and allocate, without doing either: the mesh, the compiled
+        shapes and the bytes per device (vegas_jax.memory). InputError if they do not fit."""
+        config, capacity = self._plan(prompt_ids, options)
+        batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
+        p = self.placement
+        estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
+                                   gamma=config.gamma, k_max=config.policy.budget.k_max if config.policy else 0,
+                                   policy=options.method, output_width=config.max_new_tokens,
+                                   sampling=not config.sampling.greedy,
+                                   prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
+                                                                     options, p),
+                                   refill=None if slots is None else self._batch_rows(check_serving(slots, None)))
+        memory.check_fits(estimate, p)
+        return {
+            "placement": p.describe(),
+            "mesh": {"data": p.data_shards, "model": p.model_shards},
+            "backend": p.backend,
+            "batch_rows": batch,
+            "cache_capacity": capacity,
+            "output_width": config.max_new_tokens,
+            "gamma": config.gamma,
+            "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
+            "bytes_per_device": estimate,
+        }
 
     def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
         model_max = self.config.max_position_embeddings
@@ -234,22 +265,14 @@ class Engine:
 
     def _decode_config(self, options: GenerationOptions, mode: sampling.SamplingMode, max_model_len: int):
         gamma = options.effective_gamma
-        backend = default_backend()
+        placement = self.placement
         policy = None
         if gamma:
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
-            policy = make_policy(options.method, budget, gamma, backend)
+            policy = make_policy(options.method, budget, gamma, placement)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
-        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, backend)
+        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement)
 
-    def _compile(self, name: str, fn: Callable, *args, donate: tuple = (), **static):
-        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)
-        key = (name, tuple(sorted(static.items())), str(jax.tree.structure(args)), tuple(jax.tree.leaves(shapes)))
-        if key not in self._compiled:
-            self._compiled[key] = compile_jitted(functools.partial(fn, **static), *args, donate=donate)
-        return self._compiled[key]
-
-    # ---- generation ----------------------------------------------------------------------------------------
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
         options.validate()
@@ -259,6 +282,9 @@ class Engine:
         max_model_len = self._max_model_len([len(p) for p in ids], options)
         mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
         config = self._decode_config(options, mode, max_model_len)
+        check_model_fits(self.config, config.placement)
+        # The kernels run on each shard's heads: the verification kernel's limit is per KV head's query heads,
+        # which a model axis does not change (it splits query and KV heads alike).
         gamma, group = options.effective_gamma, self.config.num_heads // self.config.num_kv_heads
         most = config.verify_attention().scored_tokens_limit(group)
         if most is not None and gamma + 1 > most:
@@ -266,55 +292,98 @@ class Engine:
                              f"for this model's heads (γ + 1 <= {most})")
         return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
 
-    def _initial_state(self, ids, options, config, capacity, first_request: int) -> loop.DecodeState:
-        """The state of these requests before prefill; request i (counted from first_request) is seeded with
-        options.seed + i, whatever batch it runs in."""
-        batch = len(ids)
-        return loop.init_state(
-            config,
-            KVCache.create(self.config, batch, capacity, self.model.params["embed"].dtype),
-            jnp.asarray([len(p) for p in ids]),
-            jnp.asarray([p[-1] for p in ids]),
-            jnp.full((batch,), options.max_new_tokens),
-            jax.vmap(jax.random.key)(jnp.arange(batch) + first_request + options.seed),
-            sampling.SamplingParams.create(batch, options.temperature, options.top_k, options.top_p),
-            jnp.asarray(list(self.tokenizer.eos_ids) or [-1]),
-        )
+    def _batch_rows(self, requests: int) -> int:
+        """Rows a batch of this many requests takes: a multiple of the mesh's data axis (padding never generates)."""
+        return round_up_to_shards(requests, self.placement)
 
-    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, progress=None):
+    def _prefill_chunk(self, batch: int, longest: int, capacity: int, options: GenerationOptions,
+                       placement: Placement) -> int:
+        """The prefill chunk for a batch of this many rows: the memory bounds count one shard's rows and heads."""
+        rows, model = batch // placement.data_shards, placement.model_shards
+        chunk = min(
+            options.prefill_chunk,
+            _round_up(longest - 1, 16) or 16,
+            prefill_chunk_for_activations(rows, self.config.intermediate_size // model),
+        )
+        if not placement.uses_kernels:
+            chunk = min(chunk, prefill_chunk_for_memory(rows, self.config.num_heads // model, capacity))
+        return chunk
+
+    # ---- compilation ---------------------------------------------------------------------------------------
+    def _compile(self, name: str, fn: Callable, *args, in_axes: tuple, out_axes, layout: Placement,
+                 donate: tuple = (), **static):
+        """fn(*args, **static) compiled once per shapes and static values, as one program per shard of the
+        layout's mesh, its arguments and result laid out by their logical axes."""
+        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)
+        key = (name, layout, tuple(sorted(static.items())), str(jax.tree.structure(args)),
+               tuple(jax.tree.leaves(shapes)))
+        if key not in self._compiled:
+            program = layout.program(functools.partial(fn, **static), in_axes, out_axes)
+            self._compiled[key] = compile_jitted(program, *args, donate=donate)
+        return self._compiled[key]
+
+    def _put(self, host, axes: Axes, placement: Placement):
+        return placement.put(np.asarray(host), axes)
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def _initial_state(self, ids, options, config, capacity, first_request: int, *, rows: int | None = None,
+                       finished: bool = False) -> loop.DecodeState:
+        """The state of these requests before prefill, created straight into its shards; request i (counted from
+        first_request) is seeded with options.seed + i, whatever batch it runs in. Rows past the requests (up to
+        `rows`) are padding that never generates."""
+        batch = len(ids) if rows is None else rows
+        padded = list(ids) + [ids[-1]] * (batch - len(ids))
+        host = (
+            np.asarray([len(p) for p in padded], np.int32),
+            np.asarray([p[-1] for p in padded], np.int32),
+            np.where(np.arange(batch) < len(ids), options.max_new_tokens, 0).astype(np.int32),
+            (np.arange(batch) + first_request + options.seed).astype(np.int32),
+            np.asarray(list(self.tokenizer.eos_ids) or [-1], np.int32),
+            np.float32(options.temperature), np.int32(options.top_k), np.float32(options.top_p), np.bool_(finished),
+        )
+        create = functools.partial(_new_state, config=config, capacity=capacity,
+                                   dtype=self.model.params["embed"].dtype)
+        key = ("init", config, capacity, jax.tree.map(np.shape, host))
+        if key not in self._compiled:
+            self._compiled[key] = config.placement.creator(create, *host)
+        return self._compiled[key](*host)
+
+    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
         prefill_s."""
-        params, batch = self.model.params, len(ids)
+        placement, params = config.placement, self.model.params
+        batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
-        chunk = min(
-            options.prefill_chunk,
-            _round_up(max(lens) - 1, 16) or 16,
-            prefill_chunk_for_activations(batch, self.config.intermediate_size),
-        )
-        if not uses_kernels(config.backend):
-            chunk = min(chunk, prefill_chunk_for_memory(batch, self.config.num_heads, capacity))
+        chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
         spans = prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
         for i, p in enumerate(ids):
             tokens[i, : len(p) - 1] = p[:-1]
-        state = self._initial_state(ids, options, config, capacity, first_request)
+        state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
+        p_axes, cache_axes, state_axes = param_axes(params), axes_of(state.cache), axes_of(state)
         prefill = {}
         for size in sorted({size for _, size in spans}):
-            steps = (jnp.zeros((batch, size), jnp.int32),) * 2
-            prefill[size] = self._compile("prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,),
-                                          model=self.config, backend=config.backend)
-        bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), config=config)
+            steps = (self._put(np.zeros((batch, size), np.int32), loop.PREFILL_TOKENS_AXES, placement),) * 2
+            prefill[size] = self._compile(
+                "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
+                in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
+                out_axes=cache_axes, model=self.config, placement=placement,
+            )
+        bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
+                                  in_axes=(p_axes, state_axes), out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
         cache = state.cache
         for step, (start, size) in enumerate(spans):
             positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
-            cache = prefill[size](params, cache, jnp.asarray(tokens[:, start : start + size]), jnp.asarray(positions))
+            cache = prefill[size](params, cache, self._put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES,
+                                                           placement),
+                                  self._put(positions, loop.PREFILL_TOKENS_AXES, placement))
             if progress:
                 progress("prefill", step + 1, len(spans))
         state = bootstrap(params, dataclasses.replace(state, cache=cache))
@@ -323,9 +392,13 @@ class Engine:
         return state
 
     def _compile_decode(self, config, state, timings) -> Callable:
+        """The compiled decode loop: decode(params, state, step_limit, finished_limit), the limits int32 scalars."""
         t0 = time.perf_counter()
-        args = (self.model.params, state, jnp.int32(0), jnp.int32(0))
-        decode = self._compile("decode", loop.decode, *args, donate=(1,), config=config)
+        state_axes = axes_of(state)
+        args = (self.model.params, state, np.int32(0), np.int32(0))
+        decode = self._compile("decode", loop.decode, *args, donate=(1,), layout=config.placement,
+                               in_axes=(param_axes(self.model.params), state_axes, Axes(), Axes()),
+                               out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return decode
 
@@ -333,12 +406,18 @@ class Engine:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves)."""
         ids = self.encode_prompts(prompts, chat_template)
+        self.check_input(ids, options)
         config, capacity = self._plan(ids, options)
         timings = {}
-        state = self._prefill(ids, options, config, capacity, timings, progress=progress)
+        state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
+                              progress=progress)
         decode = self._compile_decode(config, state, timings)
-        self._raise_if_nonfinite(state.nonfinite)
+        self._raise_if_nonfinite(self._fetch(config, state.nonfinite)[: len(ids)])
         return Started(ids, config, state, decode, timings)
+
+    @staticmethod
+    def _fetch(config: loop.DecodeConfig, tree):
+        return config.placement.fetch(tree)
 
     def stream(
         self,
@@ -355,33 +434,33 @@ class Engine:
         if steps_per_call is not None and steps_per_call < 1:
             raise InputError(f"steps_per_call must be None or >= 1, got {steps_per_call}")
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
-        state, timings, params = started.state, started.timings, self.model.params
-        batch = len(started.prompt_ids)
-        first = np.asarray(state.output[:, :1])
-        yield [list(first[i]) if int(state.num_generated[i]) else [] for i in range(batch)]
+        state, timings, params, config = started.state, started.timings, self.model.params, started.config
+        batch, rows = len(started.prompt_ids), state.committed.shape[0]
+        first, seen = self._fetch(config, (state.output[:, :1], state.num_generated))
+        yield [list(first[i]) if int(seen[i]) else [] for i in range(batch)]
 
         t0 = time.perf_counter()
-        seen = np.asarray(state.num_generated)
         limit = INT32_MAX
+        step = 0
         while True:
-            step = int(state.step) + steps_per_call if steps_per_call else limit
-            state = started.decode(params, state, jnp.int32(min(step, limit)), jnp.int32(batch))
-            num_generated = np.asarray(state.num_generated)
+            step = step + steps_per_call if steps_per_call else limit
+            state = started.decode(params, state, np.int32(min(step, limit)), np.int32(rows))
+            num_generated, done, step = self._fetch(config, (state.num_generated, state.done, state.step))
             if steps_per_call:
-                output = np.asarray(state.output)
+                output = self._fetch(config, state.output)
                 yield [list(output[i, seen[i] : num_generated[i]]) for i in range(batch)]
                 if progress:
-                    progress("decode", int(num_generated.sum()), batch * options.max_new_tokens)
+                    progress("decode", int(num_generated[:batch].sum()), batch * options.max_new_tokens)
             seen = num_generated
-            if bool(np.all(np.asarray(state.done))) or not steps_per_call:
+            if bool(np.all(done)) or not steps_per_call:
                 break
         jax.block_until_ready(state.output)
         timings["decode_s"] = time.perf_counter() - t0
-        self._raise_if_nonfinite(state.nonfinite)
+        host = {k: v[:batch] for k, v in self._host_rows(config, state).items()}
+        self._raise_if_nonfinite(host["nonfinite"])
         if not steps_per_call:
-            output = np.asarray(state.output)
-            yield [list(output[i, 1 : num_generated[i]]) for i in range(batch)]
-        yield self._result(options, started.prompt_ids, self._host_rows(state), timings)
+            yield [list(host["output"][i, 1 : num_generated[i]]) for i in range(batch)]
+        yield self._result(options, started.prompt_ids, host, timings, config.placement)
 
     def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:
         *_, result = self.stream(prompts, options, **kwargs)
@@ -402,7 +481,8 @@ class Engine:
         many queued requests as there are free slots are then prefilled and bootstrapped in groups of `refill`
         and admitted into the running batch (`loop.admit`), and decoding resumes. Results come in prompt order
         and, request for request, equal `generate`'s on all the prompts at once (each request's seed and random
-        draws do not depend on the batch it ran in).
+        draws do not depend on the batch it ran in). On a mesh the slots are split over its data axis (`slots`
+        must be a multiple of its size) and a group is prefilled on all data shards, padded to a multiple of it.
 
         Timings: prefill_s covers every group's prefill and bootstrap, decode_s only the decode loop. Decode
         calls that start with every slot busy and requests still queued are "steady": their tokens/s
@@ -410,15 +490,20 @@ class Engine:
         has each call's busy slots, queue length, iterations, tokens and seconds.
         """
         refill = check_serving(slots, refill)
+        data = self.placement.data_shards
+        if slots % data:
+            raise InputError(f"--slots {slots}: must be a multiple of the mesh's data axis (--mesh data={data})")
         ids = self.encode_prompts(prompts, chat_template)
+        self.check_input(ids, options, slots=slots)
         config, capacity = self._plan(ids, options)
-        slots = min(slots, len(ids))
+        placement = config.placement
+        slots = min(slots, self._batch_rows(len(ids)))
         refill = min(refill, slots)
+        group_rows = self._batch_rows(refill)
         params, timings = self.model.params, {}
 
         # An empty batch: every slot finished, so the first admissions fill it.
-        state = self._initial_state([[0]] * slots, options, config, capacity, 0)
-        state = dataclasses.replace(state, done=jnp.ones((slots,), bool))
+        state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
         decode = self._compile_decode(config, state, timings)
 
         queue = list(range(len(ids)))[::-1]  # popped from the end: request 0 first
@@ -433,10 +518,14 @@ class Engine:
                 # Fixed-size groups (one compilation): padding repeats the last request and is dropped on admission.
                 padded = group + [group[-1]] * (refill - len(group))
                 joining = self._prefill([ids[r] for r in padded], options, config, capacity, timings,
-                                        first_request=group[0])
-                into = jnp.asarray(targets + [slots] * (refill - len(group)), jnp.int32)
+                                        first_request=group[0], rows=group_rows)
+                into = self._put(np.asarray(targets + [slots] * (group_rows - len(group)), np.int32), Axes(None),
+                                 placement)
                 t0 = time.perf_counter()
-                admit = self._compile("admit", loop.admit, state, joining, into, donate=(0,), config=config)
+                running_axes = axes_of(state)
+                admit = self._compile("admit", loop.admit, state, joining, into, donate=(0,), layout=placement,
+                                      in_axes=(running_axes, on_all_shards(axes_of(joining)), Axes(None)),
+                                      out_axes=running_axes, config=config)
                 timings["compile_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 state = admit(state, joining, into)
@@ -448,16 +537,16 @@ class Engine:
             if not occupied:
                 break
             finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
-            before, step = np.asarray(state.num_generated), int(state.step)
+            before, step = self._fetch(config, (state.num_generated, state.step))
             t0 = time.perf_counter()
-            state = decode(params, state, jnp.int32(INT32_MAX), jnp.int32(finished_limit))
+            state = decode(params, state, np.int32(INT32_MAX), np.int32(finished_limit))
             jax.block_until_ready(state.done)
             elapsed = time.perf_counter() - t0
-            rows = self._host_rows(state)
+            rows = self._host_rows(config, state)
             calls.append({
                 "busy_slots": len(occupied),
                 "queued": len(queue),
-                "iterations": int(state.step) - step,
+                "iterations": int(self._fetch(config, state.step)) - int(step),
                 "tokens": int((rows["num_generated"] - before)[occupied].sum()),
                 "seconds": elapsed,
             })
@@ -474,7 +563,7 @@ class Engine:
         steady_tokens = sum(c["tokens"] for c in steady)
         rows = {k: np.stack([finished[r][k] for r in range(len(ids))]) for k in finished[0]}
         self._raise_if_nonfinite(rows["nonfinite"])
-        result = self._result(options, ids, rows, timings)
+        result = self._result(options, ids, rows, timings, placement)
         result.metrics.update(
             slots=slots,
             refill=refill,
@@ -486,18 +575,17 @@ class Engine:
         )
         return result
 
-    @staticmethod
-    def _host_rows(state) -> dict[str, np.ndarray]:
-        """Host copies of a state's per-request results."""
-        return {
-            "output": np.asarray(state.output),
-            "num_generated": np.asarray(state.num_generated),
-            "done": np.asarray(state.done),
-            "nonfinite": np.asarray(state.nonfinite),
-            "iterations": np.asarray(state.metrics.iterations),
-            "drafted": np.asarray(state.metrics.drafted),
-            "accepted": np.asarray(state.metrics.accepted),
-        }
+    def _host_rows(self, config: loop.DecodeConfig, state) -> dict[str, np.ndarray]:
+        """Host copies of a state's per-request results (one gather for all of them)."""
+        return self._fetch(config, {
+            "output": state.output,
+            "num_generated": state.num_generated,
+            "done": state.done,
+            "nonfinite": state.nonfinite,
+            "iterations": state.metrics.iterations,
+            "drafted": state.metrics.drafted,
+            "accepted": state.metrics.accepted,
+        })
 
     def _raise_if_nonfinite(self, nonfinite) -> None:
         bad = np.flatnonzero(np.asarray(nonfinite))
@@ -506,7 +594,7 @@ class Engine:
                 f"non-finite logits in request(s) {bad.tolist()}: generation stopped (check the checkpoint and --dtype)"
             )
 
-    def _result(self, options, ids, rows: dict, timings) -> GenerationResult:
+    def _result(self, options, ids, rows: dict, timings, placement: Placement) -> GenerationResult:
         output, num_generated = rows["output"], rows["num_generated"]
         iterations, drafted, accepted = rows["iterations"], rows["drafted"], rows["accepted"]
         requests = []
@@ -524,5 +612,20 @@ class Engine:
         metrics = dict(timings)
         metrics["decode_tokens"] = decode_tokens
         metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
+        metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
         metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
         return GenerationResult(options, requests, metrics)
+
+
+def _new_state(lengths, last, max_new, seeds, stop_ids, temperature, top_k, top_p, finished, *, config, capacity,
+               dtype) -> loop.DecodeState:
+    """The decode state of a batch before prefill (Engine._initial_state), from host arrays."""
+    batch = lengths.shape[0]
+    state = loop.init_state(
+        config,
+        KVCache.create(config.model, batch, capacity, dtype),
+        lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
+        sampling.SamplingParams.create(batch, temperature, top_k, top_p),
+        stop_ids,
+    )
+    return dataclasses.replace(state, done=jnp.full_like(state.done, finished))

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.decoder import forward
 from models.kv_cache import KVCache
+from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from vegas_jax import sampling
 from vegas_jax.attention.verify import VerifyAttention
-from vegas_jax.selection import Policy, SelectContext, Selection, set_rows
+from vegas_jax.selection import Policy, SelectContext, Selection
+from vegas_jax.sharding import Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +35,7 @@ class DecodeConfig:
     score_mode: str
     sampling: sampling.SamplingMode
     max_new_tokens: int  # width of the output buffer (each request's own limit is DecodeState.max_new)
-    backend: str = "reference"  # attention implementation, see vegas_jax.attention.backend
+    placement: Placement = Placement()  # attention backend and mesh
 
     def __post_init__(self):
         if (self.policy is None) != (self.gamma == 0):
@@ -41,35 +43,43 @@ class DecodeConfig:
 
     def verify_attention(self, active: jax.Array | None = None) -> VerifyAttention:
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return VerifyAttention(request, self.model.num_layers, self.backend, active)
+        return VerifyAttention(request, self.model.num_layers, self.placement, active)
+
+    def forward(self, params, tokens, positions, cache, attention, logit_rows=None):
+        """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
+        return forward(params, tokens, positions, cache, attention, config=self.model, logit_rows=logit_rows,
+                       tensor_parallel=self.placement.tensor_parallel)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Metrics:
-    iterations: jax.Array  # [B] verification passes (the bootstrap step not counted)
-    drafted: jax.Array  # [B, γ] drafts that counted, by position
-    accepted: jax.Array  # [B, γ] drafts accepted, by position
+    iterations: jax.Array = axes_field(BATCH)  # [B] verification passes (the bootstrap step not counted)
+    drafted: jax.Array = axes_field(BATCH, None)  # [B, γ] drafts that counted, by position
+    accepted: jax.Array = axes_field(BATCH, None)  # [B, γ] drafts accepted, by position
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
+    """Every array declares its logical axes (models.logical_axes): the mesh programs shard the state by them and
+    `admit` replaces a request's rows by them, whatever fields the state (or a policy's state) has."""
+
     cache: KVCache
-    committed: jax.Array  # [B] int32
-    last_token: jax.Array  # [B] int32
-    output: jax.Array  # [B, N] int32 generated tokens
-    num_generated: jax.Array  # [B] int32
-    max_new: jax.Array  # [B] int32 per-request token limit (<= N)
-    done: jax.Array  # [B] bool
-    nonfinite: jax.Array  # [B] bool: stopped because logits were not finite
-    keys: jax.Array  # [B] per-request PRNG keys
+    committed: jax.Array = axes_field(BATCH)  # [B] int32
+    last_token: jax.Array = axes_field(BATCH)  # [B] int32
+    output: jax.Array = axes_field(BATCH, None)  # [B, N] int32 generated tokens
+    num_generated: jax.Array = axes_field(BATCH)  # [B] int32
+    max_new: jax.Array = axes_field(BATCH)  # [B] int32 per-request token limit (<= N)
+    done: jax.Array = axes_field(BATCH)  # [B] bool
+    nonfinite: jax.Array = axes_field(BATCH)  # [B] bool: stopped because logits were not finite
+    keys: jax.Array = axes_field(BATCH)  # [B] per-request PRNG keys
     sampling: sampling.SamplingParams
-    stop_ids: jax.Array  # [E] int32, -1 padded
+    stop_ids: jax.Array = axes_field(None)  # [E] int32, -1 padded
     selection: Selection
-    policy_state: Any
+    policy_state: Any  # Policy.init_state
     metrics: Metrics
-    step: jax.Array  # scalar int32: iterations run
+    step: jax.Array = axes_field()  # scalar int32: iterations run
 
 
 def init_state(
@@ -112,14 +122,18 @@ def init_state(
     )
 
 
-def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, backend: str) -> KVCache:
+def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, placement: Placement) -> KVCache:
     """Writes K/V of one chunk of prompt tokens [B, C] at the same positions in every sequence; logits are not
     needed. Causal attention through verification attention without scores: on the kernel backend its kernel
     tiles the chunk's query rows and reads each sequence's keys only up to the chunk."""
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
-    attention = VerifyAttention(num_layers=model.num_layers, backend=backend)
-    _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows)
+    attention = VerifyAttention(num_layers=model.num_layers, placement=placement)
+    _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
+                          tensor_parallel=placement.tensor_parallel)
     return cache
+
+
+PREFILL_TOKENS_AXES = Axes(BATCH, None)  # prefill_chunk's tokens and positions [B, C]
 
 
 def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: jax.Array):
@@ -162,9 +176,8 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     """Verifies each prompt's last token: its K/V, the first generated token, and (Vegas) the first selection from
     that row's scores over the whole prompt."""
     positions = state.committed[:, None]
-    logits, cache, scores = forward(
-        params, state.last_token[:, None], positions, state.cache, config.verify_attention(), config=config.model
-    )
+    logits, cache, scores = config.forward(params, state.last_token[:, None], positions, state.cache,
+                                           config.verify_attention())
     finite = _check_finite(logits, jnp.ones_like(state.committed))
     (key,) = step_keys(state.keys, 0, 1)
     if config.sampling.greedy:
@@ -186,6 +199,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     )
     if config.policy is None:
         return state
+    scores = config.placement.mean_over_model(scores)
     ctx = SelectContext(scores, committed, committed, jnp.zeros_like(committed), cache, first=True)
     selection, policy_state = config.policy.select(ctx, state.selection, state.policy_state)
     return dataclasses.replace(state, selection=selection, policy_state=policy_state)
@@ -205,9 +219,7 @@ def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num
 
     def step(j, carry):
         cache, token, drafts, probs, finite = carry
-        logits, cache, _ = forward(
-            params, token[:, None], (state.committed + j)[:, None], cache, attention, config=config.model
-        )
+        logits, cache, _ = config.forward(params, token[:, None], (state.committed + j)[:, None], cache, attention)
         logits = logits[:, 0]
         finite = finite & (jnp.all(jnp.isfinite(logits), axis=-1) | (j >= num_drafts))
         if greedy:
@@ -223,6 +235,36 @@ def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num
     return cache, drafts, probs, finite
 
 
+def verify(params, state: DecodeState, cache: KVCache, drafts: jax.Array, config: DecodeConfig):
+    """The full-attention pass over each sequence's newest token and its drafts [B, γ]: (logits [B, γ+1, V], cache,
+    per-layer selection scores averaged over every head)."""
+    gamma = drafts.shape[1]
+    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
+    logits, cache, scores = config.forward(params, tokens, positions, cache, config.verify_attention(~state.done))
+    # One collective for every layer's scores (each shard has averaged its own heads).
+    return logits, cache, config.placement.mean_over_model(scores)
+
+
+def accept(state: DecodeState, logits, drafts, draft_probs, num_drafts, keys, config: DecodeConfig):
+    """(accepted drafts [B], the token after them [B]): greedy verification, speculative sampling, or with γ = 0 a
+    plain draw from the target."""
+    if config.sampling.greedy:
+        return sampling.accept_greedy(drafts, logits, num_drafts)
+    target_probs = sampling.probabilities(logits, state.sampling, config.sampling)
+    if config.gamma:
+        return sampling.accept_speculative(keys[config.gamma], drafts, draft_probs, target_probs, num_drafts)
+    return jnp.zeros_like(num_drafts), sampling.sample_rows(keys[0], target_probs[:, 0])
+
+
+def select(state: DecodeState, verified: DecodeState, scores, accepted, config: DecodeConfig) -> DecodeState:
+    """`verified` (the state after this iteration's acceptance) with the next draft's KV selection, from the
+    verification of `state`."""
+    ctx = SelectContext(scores, verified.committed, state.committed + 1, accepted, verified.cache, first=False)
+    selection, policy_state = config.policy.select(ctx, state.selection, state.policy_state)
+    return dataclasses.replace(verified, selection=selection, policy_state=policy_state)
+
+
 def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
     """One draft -> verify -> accept -> select round for every unfinished sequence."""
     gamma = config.gamma
@@ -236,22 +278,9 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)
 
-    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
-    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
-    logits, cache, scores = forward(
-        params, tokens, positions, cache, config.verify_attention(active), config=config.model
-    )
+    logits, cache, scores = verify(params, state, cache, drafts, config)
     finite = draft_finite & _check_finite(logits, num_drafts + 1)
-
-    if config.sampling.greedy:
-        accepted, next_token = sampling.accept_greedy(drafts, logits, num_drafts)
-    else:
-        target_probs = sampling.probabilities(logits, state.sampling, config.sampling)
-        if gamma:
-            accepted, next_token = sampling.accept_speculative(keys[gamma], drafts, draft_probs, target_probs, num_drafts)
-        else:
-            accepted = jnp.zeros_like(num_drafts)
-            next_token = sampling.sample_rows(keys[0], target_probs[:, 0])
+    accepted, next_token = accept(state, logits, drafts, draft_probs, num_drafts, keys, config)
 
     emit_ok = active & finite
     candidates = jnp.concatenate([drafts, next_token[:, None]], axis=1)
@@ -266,7 +295,7 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
         drafted=state.metrics.drafted + (counted & (positions_idx < num_drafts[:, None])),
         accepted=state.metrics.accepted + (counted & (positions_idx < accepted[:, None])),
     )
-    new = dataclasses.replace(
+    verified = dataclasses.replace(
         state,
         cache=cache,
         committed=committed,
@@ -279,10 +308,8 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
         step=state.step + 1,
     )
     if config.policy is None:
-        return new
-    ctx = SelectContext(scores, committed, state.committed + 1, accepted, cache, first=False)
-    selection, policy_state = config.policy.select(ctx, state.selection, state.policy_state)
-    return dataclasses.replace(new, selection=selection, policy_state=policy_state)
+        return verified
+    return select(state, verified, scores, accepted, config)
 
 
 def decode(
@@ -290,10 +317,12 @@ def decode(
 ) -> DecodeState:
     """Iterates until `finished_limit` sequences are done (the batch size: all of them) or `step_limit` iterations
     have run in total. Streaming runs the loop in slices of steps; continuous batching returns as soon as enough
-    slots have finished to admit new requests; a plain call passes limits it never reaches before the end."""
+    slots have finished to admit new requests; a plain call passes limits it never reaches before the end. On a
+    mesh every data shard counts the whole batch's finished sequences, so all of them run the same iterations."""
 
     def cond(s: DecodeState):
-        return (jnp.sum(s.done) < finished_limit) & (s.step < step_limit)
+        finished = config.placement.sum_over_data(jnp.sum(s.done, dtype=jnp.int32))
+        return (finished < finished_limit) & (s.step < step_limit)
 
     return jax.lax.while_loop(cond, lambda s: iteration(params, s, config=config), state)
 
@@ -301,20 +330,19 @@ def decode(
 def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, config: DecodeConfig) -> DecodeState:
     """Continuous batching: the requests of `joining` (prefilled and bootstrapped with the same configuration and
     cache capacity) replace the finished ones in rows `slots` of a running batch; a slot past the batch drops its
-    row (padding). The loop's step count and stop ids stay the running batch's."""
-    rows = lambda a, b: set_rows(a, b, slots)
-    per_request = dict(
-        cache=jax.tree.map(rows, running.cache, joining.cache),
-        selection=Selection(
-            indices=set_rows(running.selection.indices, joining.selection.indices, slots, axis=1),
-            counts=set_rows(running.selection.counts, joining.selection.counts, slots, axis=1),
-            recent_start=rows(running.selection.recent_start, joining.selection.recent_start),
-        ),
-        policy_state=(
-            config.policy.admit_state(running.policy_state, joining.policy_state, slots) if config.policy else ()
-        ),
-    )
-    for field in ("committed", "last_token", "output", "num_generated", "max_new", "done", "nonfinite", "keys",
-                  "sampling", "metrics"):
-        per_request[field] = jax.tree.map(rows, getattr(running, field), getattr(joining, field))
-    return dataclasses.replace(running, **per_request)
+    row (padding). Every array with a batch axis takes the joining rows; the others (the loop's step count, the
+    stop ids) stay the running batch's.
+
+    On a mesh this program holds its data shard's rows of `running` and all of `joining`'s: each shard writes the
+    joining rows whose slots fall in its range, so admitted requests land on their shard."""
+    local_batch = running.committed.shape[0]
+    local_slots = slots - config.placement.first_row(local_batch)
+    local_slots = jnp.where((local_slots >= 0) & (local_slots < local_batch), local_slots, local_batch)
+
+    def take(axes: Axes, old: jax.Array, new: jax.Array) -> jax.Array:
+        if BATCH not in axes:
+            return old
+        index = (slice(None),) * axes.index(BATCH) + (local_slots,)
+        return old.at[index].set(new, mode="drop")
+
+    return jax.tree.map(take, axes_of(running), running, joining)

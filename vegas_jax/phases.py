@@ -1,6 +1,6 @@
-"""Where an iteration's time goes: draft, verify, accept and select, each jitted alone and timed on the state right
-after prefill. Inside the one compiled while_loop the phases cannot be timed apart; timed alone, each pays its own
-dispatch, so the sum exceeds a loop iteration by a little."""
+"""Where an iteration's time goes: the loop's draft, verify, accept and select phases, each jitted alone and timed
+on the state right after prefill. Inside the one compiled while_loop the phases cannot be timed apart; timed alone,
+each pays its own dispatch, so the sum exceeds a loop iteration by a little."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.decoder import forward
-from vegas_jax import loop, sampling
+from vegas_jax import loop
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.engine import Engine, Started
-from vegas_jax.selection import SelectContext
+from vegas_jax.errors import InputError
 
 
 def _time(fn, *args, reps: int = 5, donate: bool = False):
@@ -34,54 +33,49 @@ def _time(fn, *args, reps: int = 5, donate: bool = False):
 
 
 def time_phases(engine: Engine, started: Started) -> dict:
-    """Milliseconds per phase of one iteration. Consumes `started` (its cache is donated to the timed phases).
+    """Milliseconds per phase of one iteration, each phase the loop's own function (loop.draft, verify, accept,
+    select) on the state after the bootstrap step. Consumes `started` (its cache is donated to the timed phases).
+    One device only: on a mesh the phases would each need their own sharded program.
 
     Every array a phase reads is an argument of its jitted function, as in the decode loop: closed-over arrays
     (the parameters above all) would be compiled in as constants, which times something else."""
     config, state, params = started.config, started.state, engine.model.params
+    if config.placement.mesh is not None:
+        raise InputError("--phase-times: not on a --mesh (run it on one device)")
     gamma, batch = config.gamma, state.committed.shape[0]
     keys = loop.step_keys(state.keys, loop.request_step(state), gamma + 2)
+    num_drafts = jnp.full((batch,), gamma, jnp.int32)
     uncached = dataclasses.replace(state, cache=None)
     result = {"draft_ms": 0.0, "select_ms": 0.0}
 
     cache, drafts, draft_probs = state.cache, jnp.zeros((batch, 0), jnp.int32), None
     if gamma:
         def drafted(cache, params, uncached, keys):
-            cache, drafts, probs, _ = loop.draft(
-                params, dataclasses.replace(uncached, cache=cache), keys, config, jnp.full((batch,), gamma)
-            )
+            cache, drafts, probs, _ = loop.draft(params, dataclasses.replace(uncached, cache=cache), keys, config,
+                                                 num_drafts)
             return cache, drafts, probs
 
         t, (cache, drafts, draft_probs) = _time(drafted, cache, params, uncached, keys, donate=True)
         result["draft_ms"] = t * 1e3
 
-    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
-    positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
-
-    def verified(cache, params, tokens, positions):
-        logits, cache, scores = forward(params, tokens, positions, cache, config.verify_attention(), config=config.model)
+    def verified(cache, params, uncached, drafts):
+        logits, cache, scores = loop.verify(params, uncached, cache, drafts, config)
         return cache, logits, scores
 
-    t, (cache, logits, scores) = _time(verified, cache, params, tokens, positions, donate=True)
+    t, (cache, logits, scores) = _time(verified, cache, params, uncached, drafts, donate=True)
     result["verify_ms"] = t * 1e3
 
-    num_drafts = jnp.full((batch,), gamma, jnp.int32)
+    def accepted(x, uncached, logits, drafts, draft_probs, keys):
+        return x, loop.accept(uncached, logits, drafts, draft_probs, num_drafts, keys, config)
 
-    def accepted(x, logits, drafts, draft_probs, num_drafts, uncached, keys):
-        if config.sampling.greedy or not gamma:
-            return x, sampling.accept_greedy(drafts, logits, num_drafts)
-        target = sampling.probabilities(logits, uncached.sampling, config.sampling)
-        return x, sampling.accept_speculative(keys[gamma], drafts, draft_probs, target, num_drafts)
-
-    t, (_, (num_accepted, _)) = _time(accepted, jnp.zeros(()), logits, drafts, draft_probs, num_drafts, uncached, keys)
+    t, (_, (num_accepted, _)) = _time(accepted, jnp.zeros(()), uncached, logits, drafts, draft_probs, keys)
     result["accept_ms"] = t * 1e3
 
     if config.policy is not None:
-        def selected(x, scores, num_accepted, cache, uncached):
-            committed = uncached.committed + num_accepted + 1
-            ctx = SelectContext(scores, committed, uncached.committed + 1, num_accepted, cache, first=False)
-            return x, config.policy.select(ctx, uncached.selection, uncached.policy_state)
+        def selected(x, uncached, cache, scores, num_accepted):
+            after = dataclasses.replace(uncached, cache=cache, committed=uncached.committed + num_accepted + 1)
+            return x, loop.select(uncached, after, scores, num_accepted, config).selection
 
-        t, _ = _time(selected, jnp.zeros(()), scores, num_accepted, cache, uncached)
+        t, _ = _time(selected, jnp.zeros(()), uncached, cache, scores, num_accepted)
         result["select_ms"] = t * 1e3
     return result

@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from models.logical_axes import BATCH, axes_field
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingMode:
@@ -26,9 +28,9 @@ class SamplingMode:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    temperature: jax.Array  # [B] float32; 0 means greedy
-    top_k: jax.Array  # [B] int32; 0 means off
-    top_p: jax.Array  # [B] float32; 1 means off
+    temperature: jax.Array = axes_field(BATCH)  # [B] float32; 0 means greedy
+    top_k: jax.Array = axes_field(BATCH)  # [B] int32; 0 means off
+    top_p: jax.Array = axes_field(BATCH)  # [B] float32; 1 means off
 
     @classmethod
     def create(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0) -> "SamplingParams":

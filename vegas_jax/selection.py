@@ -23,10 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models.logical_axes import BATCH, KV_HEADS, axes_field
 from pallas_kernels import select_topk
-from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.sparse_draft import SparseDraftAttention, sparse_attend
 from vegas_jax.attention.verify import ScoreRequest
+from vegas_jax.sharding import Placement
 
 POLICIES = ("vegas", "vegas-all", "last", "streaming", "quest", "retrieval")
 
@@ -37,16 +38,9 @@ class Selection:
     """Per layer, selected positions (all < recent_start) and how many are valid; positions from recent_start on
     are attended too."""
 
-    indices: jax.Array  # [layers, B, K_max] int32
-    counts: jax.Array  # [layers, B] int32
-    recent_start: jax.Array  # [B] int32
-
-
-def set_rows(running: jax.Array, joining: jax.Array, slots: jax.Array, axis: int = 0) -> jax.Array:
-    """running with its rows `slots` along `axis` (the batch axis) replaced by joining's; a slot past the end
-    drops its row (continuous batching's padding, see loop.admit)."""
-    index = (slice(None),) * axis + (slots,)
-    return running.at[index].set(joining, mode="drop")
+    indices: jax.Array = axes_field(None, BATCH, None)  # [layers, B, K_max] int32
+    counts: jax.Array = axes_field(None, BATCH)  # [layers, B] int32
+    recent_start: jax.Array = axes_field(BATCH)  # [B] int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +61,15 @@ class Budget:
         return jnp.minimum(jnp.clip(k, self.min_tokens, self.k_max), candidates)
 
 
-def top_k_indices(scores: jax.Array, k: jax.Array, k_max: int, backend: str = "reference"):
+def top_k_indices(scores: jax.Array, k: jax.Array, k_max: int, placement: Placement = Placement()):
     """Per row, the positions of the k[r] largest finite scores: (indices [R, k_max], counts [R]).
 
     On GPU `lax.top_k` with k >= 256 is a full sort; the kernel finds the k-th value by radix counting instead.
     The kernel's faster bracketing method is not used here: its fallback is a `lax.cond`, and inside the decode
     loop that host-side branch cost more than the passes it saves (Vegas iteration at batch 1: 9.49 ms with radix,
     11.47 ms with bracketing; benchmarks/results/step-overhead-2026-11-30-{C-radix,A-new}.json)."""
-    if uses_kernels(backend):
-        return select_topk(scores, k, k_max=k_max, method="radix", interpret=interpret(backend))
+    if placement.uses_kernels:
+        return select_topk(scores, k, k_max=k_max, method="radix", interpret=placement.interpret)
     k_max = min(k_max, scores.shape[-1])
     values, indices = jax.lax.top_k(scores, k_max)
     counts = jnp.minimum(k, jnp.sum(jnp.isfinite(values), axis=-1)).astype(jnp.int32)
@@ -84,7 +78,8 @@ def top_k_indices(scores: jax.Array, k: jax.Array, k_max: int, backend: str = "r
 
 @dataclasses.dataclass(frozen=True)
 class SelectContext:
-    """What a policy may look at when it selects after a verification."""
+    """What a policy may look at when it selects after a verification (on a mesh: this program's rows and KV
+    heads, with scores already averaged over every head)."""
 
     scores: tuple  # per layer: [B, T] or [B, S, T] float32 (-inf at non-candidates), or None
     committed: jax.Array  # [B] tokens with verified KV after acceptance (L')
@@ -100,12 +95,14 @@ class Policy:
 
     name: str
     budget: Budget
-    backend: str
+    placement: Placement
 
     def score_request(self, mode: str) -> ScoreRequest | None:
         raise NotImplementedError
 
     def init_state(self, config, batch: int, capacity: int, dtype) -> Any:
+        """Whatever the policy carries between iterations: a pytree of dataclasses whose arrays declare their
+        logical axes (models.logical_axes), so the loop can shard it and admit requests into it."""
         return ()
 
     def empty_selection(self, num_layers: int, batch: int) -> Selection:
@@ -118,13 +115,8 @@ class Policy:
     def select(self, ctx: SelectContext, selection: Selection, state) -> tuple[Selection, Any]:
         raise NotImplementedError
 
-    def admit_state(self, running, joining, slots: jax.Array):
-        """The policy state after requests of `joining` take rows `slots` of a running batch (see loop.admit);
-        states without per-request rows are the running batch's."""
-        return running
-
     def draft_attention(self, selection: Selection, state):
-        return SparseDraftAttention(selection.indices, selection.counts, selection.recent_start, self.backend)
+        return SparseDraftAttention(selection.indices, selection.counts, selection.recent_start, self.placement)
 
 
 def _row_of(scores: jax.Array, accepted: jax.Array) -> jax.Array:
@@ -138,7 +130,7 @@ class ScoredTokens(Policy):
 
     name: str
     budget: Budget
-    backend: str
+    placement: Placement
     rows: str
 
     def score_request(self, mode):
@@ -150,7 +142,7 @@ class ScoredTokens(Policy):
         num_layers, batch, capacity = scores.shape
         # One selection call for every (layer, sequence) row.
         indices, counts = top_k_indices(
-            scores.reshape(num_layers * batch, capacity), jnp.tile(k, num_layers), self.budget.k_max, self.backend
+            scores.reshape(num_layers * batch, capacity), jnp.tile(k, num_layers), self.budget.k_max, self.placement
         )
         indices = _pad_k(indices, self.budget.k_max).reshape(num_layers, batch, -1)
         return Selection(indices, counts.reshape(num_layers, batch), ctx.candidates_end), state
@@ -167,7 +159,7 @@ class Streaming(Policy):
 
     name: str
     budget: Budget
-    backend: str
+    placement: Placement
     sinks: int = 16
 
     def score_request(self, mode):
@@ -183,6 +175,12 @@ class Streaming(Policy):
         return Selection(indices, counts.astype(jnp.int32), window_start.astype(jnp.int32)), state
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RetrievalState:
+    since_refresh: jax.Array = axes_field(BATCH)  # [B] int32: the request's iterations since its last refresh
+
+
 @dataclasses.dataclass(frozen=True)
 class Retrieval(Policy):
     """Chunks ranked by the last layer's attention weights of the last accepted token, refreshed every
@@ -191,7 +189,7 @@ class Retrieval(Policy):
 
     name: str
     budget: Budget
-    backend: str
+    placement: Placement
     chunk: int = 32
     every: int = 4
 
@@ -200,12 +198,10 @@ class Retrieval(Policy):
         return ScoreRequest(mode="weight", rows="each", last_layer_only=True)
 
     def init_state(self, config, batch, capacity, dtype):
-        return jnp.zeros((batch,), jnp.int32)  # per request, iterations since its last refresh
+        return RetrievalState(jnp.zeros((batch,), jnp.int32))
 
-    def admit_state(self, running, joining, slots):
-        return set_rows(running, joining, slots)
-
-    def select(self, ctx, selection, since_refresh):
+    def select(self, ctx, selection, state):
+        since_refresh = state.since_refresh
         refresh = jnp.logical_or(ctx.first, since_refresh + 1 >= self.every)  # [B]
         scores = _row_of(ctx.scores[-1], ctx.accepted)  # [B, T]
         batch, capacity = scores.shape
@@ -229,22 +225,23 @@ class Retrieval(Policy):
             counts=jnp.where(refresh[None, :], fresh.counts, selection.counts),
             recent_start=jnp.where(refresh, fresh.recent_start, selection.recent_start),
         )
-        return new, jnp.where(refresh, 0, since_refresh + 1)
+        return new, RetrievalState(jnp.where(refresh, 0, since_refresh + 1))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuestState:
-    page_min: jax.Array  # [layers, B, pages, H_kv, D] element-wise min of the keys of each complete page
-    page_max: jax.Array
-    complete_pages: jax.Array  # [B] pages entirely inside the verified KV
+    # [layers, B, pages, H_kv, D] element-wise min (max) of the keys of each complete page
+    page_min: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    page_max: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    complete_pages: jax.Array = axes_field(BATCH)  # [B] pages entirely inside the verified KV
 
 
 @dataclasses.dataclass(frozen=True)
 class Quest(Policy):
     name: str
     budget: Budget
-    backend: str
+    placement: Placement
     gamma: int
     page: int = 16
 
@@ -254,13 +251,6 @@ class Quest(Policy):
     def init_state(self, config, batch, capacity, dtype):
         shape = (config.num_layers, batch, capacity // self.page, config.num_kv_heads, config.head_dim)
         return QuestState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-    def admit_state(self, running, joining, slots):
-        return QuestState(
-            page_min=set_rows(running.page_min, joining.page_min, slots, axis=1),
-            page_max=set_rows(running.page_max, joining.page_max, slots, axis=1),
-            complete_pages=set_rows(running.complete_pages, joining.complete_pages, slots),
-        )
 
     def _page_bounds(self, keys: jax.Array, first_page: jax.Array, num_pages: int):
         """min/max of num_pages pages of one layer's keys [B, T, H, D] starting at first_page [B]."""
@@ -297,7 +287,7 @@ class Quest(Policy):
     def draft_attention(self, selection, state):
         return QuestDraftAttention(
             state.page_min, state.page_max, state.complete_pages, selection.recent_start,
-            page=self.page, budget=self.budget, backend=self.backend,
+            page=self.page, budget=self.budget, placement=self.placement,
         )
 
 
@@ -305,8 +295,9 @@ class Quest(Policy):
 @dataclasses.dataclass(frozen=True)
 class QuestDraftAttention:
     """At every draft step and layer, scores complete pages by Quest's upper bound sum_d max(q_d min_d, q_d max_d)
-    (mean over query heads: one token set per layer, as every policy here), attends to the top pages plus the
-    trailing partial page and everything newer."""
+    (mean over query heads: one token set per layer, as every policy here; on a mesh each shard bounds with its
+    own heads and the means are combined), attends to the top pages plus the trailing partial page and everything
+    newer."""
 
     page_min: jax.Array
     page_max: jax.Array
@@ -314,7 +305,7 @@ class QuestDraftAttention:
     recent_start: jax.Array
     page: int = dataclasses.field(metadata=dict(static=True))
     budget: Budget = dataclasses.field(metadata=dict(static=True))
-    backend: str = dataclasses.field(metadata=dict(static=True))
+    placement: Placement = dataclasses.field(metadata=dict(static=True))
 
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, _, _ = new.rotated()
@@ -325,6 +316,7 @@ class QuestDraftAttention:
             jnp.einsum("BKGD,BPKD->BPKGD", qg, lo.astype(jnp.float32)),
             jnp.einsum("BKGD,BPKD->BPKGD", qg, hi.astype(jnp.float32)),
         ).sum(-1).mean(axis=(2, 3))  # [B, P]
+        bound = self.placement.mean_over_model(bound)
         num_pages = bound.shape[1]
         bound = jnp.where(jnp.arange(num_pages)[None] < self.complete_pages[:, None], bound, -jnp.inf)
         committed = self.recent_start  # complete pages end where the recent range starts
@@ -333,22 +325,22 @@ class QuestDraftAttention:
         indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
         out, k_cache, v_cache = sparse_attend(
             new, k_cache, v_cache, indices[None], (page_counts * self.page)[None], 0, self.recent_start,
-            positions, self.backend,
+            positions, self.placement,
         )
         return out, k_cache, v_cache, None
 
 
-def make_policy(name: str, budget: Budget, gamma: int, backend: str = "reference") -> Policy:
+def make_policy(name: str, budget: Budget, gamma: int, placement: Placement = Placement()) -> Policy:
     if name == "vegas":
-        return ScoredTokens(name, budget, backend, "boundary")
+        return ScoredTokens(name, budget, placement, "boundary")
     if name == "vegas-all":
-        return ScoredTokens(name, budget, backend, "all")
+        return ScoredTokens(name, budget, placement, "all")
     if name == "last":
-        return ScoredTokens(name, budget, backend, "last")
+        return ScoredTokens(name, budget, placement, "last")
     if name == "streaming":
-        return Streaming(name, budget, backend)
+        return Streaming(name, budget, placement)
     if name == "quest":
-        return Quest(name, budget, backend, gamma)
+        return Quest(name, budget, placement, gamma)
     if name == "retrieval":
-        return Retrieval(name, budget, backend)
+        return Retrieval(name, budget, placement)
     raise ValueError(f"unknown selection policy {name!r}; choose from {', '.join(POLICIES)}")

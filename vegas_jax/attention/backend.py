@@ -1,8 +1,8 @@
 """Which implementation computes attention and selection: Pallas kernels on a GPU, the same kernels in interpret
 mode (CPU tests of the kernel path), or plain jnp (the reference, and the CPU default).
 
-The choice is a static string carried by the attention objects and policies, so it is part of what a loop
-compiles for; `VEGAS_KERNELS` (auto | pallas | interpret | reference) overrides the default.
+The choice is a static string carried, with the mesh, by `vegas_jax.sharding.Placement`, so it is part of what a
+loop compiles for; `VEGAS_KERNELS` (auto | pallas | interpret | reference) overrides the default.
 """
 
 from __future__ import annotations
@@ -21,11 +21,3 @@ def default_backend() -> str:
     if choice not in BACKENDS:
         raise ValueError(f"VEGAS_KERNELS must be auto or one of {', '.join(BACKENDS)}, got {choice!r}")
     return choice
-
-
-def uses_kernels(backend: str) -> bool:
-    return backend != "reference"
-
-
-def interpret(backend: str) -> bool:
-    return backend == "interpret"

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from models.kv_cache import write_rows
 from pallas_kernels import sparse_decode_attention
-from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.core import masked_attention
+from vegas_jax.sharding import Placement
 
 
 def selected_mask(indices: jax.Array, counts: jax.Array, capacity: int) -> jax.Array:
@@ -28,16 +28,16 @@ def recent_mask(recent_start: jax.Array, positions: jax.Array, capacity: int) ->
     return (t >= recent_start[:, None, None]) & (t <= positions[:, :, None])
 
 
-def sparse_attend(new, k_cache, v_cache, indices, counts, layer, recent_start, positions, backend: str):
+def sparse_attend(new, k_cache, v_cache, indices, counts, layer, recent_start, positions, placement: Placement):
     """One new token per sequence (`new`: NewTokens with S = 1) over indices[layer, b, :counts[layer, b]] (all <
     recent_start[b]) and the positions from recent_start[b] to its own; also writes its K/V into the caches.
     Returns (out [B, 1, H_q, D], k_cache, v_cache). The kernel rotates q and k, reads the rows straight from the
     cache and writes the new row in the same launch; the reference scatters, then masks a dense pass over the
     whole cache."""
-    if uses_kernels(backend):
+    if placement.uses_kernels:
         out, k_cache, v_cache = sparse_decode_attention(
             new.heads[:, 0], new.rope_cos[:, 0], new.rope_sin[:, 0], k_cache, v_cache, indices, counts,
-            recent_start, positions[:, 0], layer=layer, interpret=interpret(backend),
+            recent_start, positions[:, 0], layer=layer, interpret=placement.interpret,
         )
         return out[:, None], k_cache, v_cache
     q, k, v = new.rotated()
@@ -55,10 +55,10 @@ class SparseDraftAttention:
     indices: jax.Array  # [layers, B, K_max] int32 selected positions (< recent_start)
     counts: jax.Array  # [layers, B] int32
     recent_start: jax.Array  # [B] int32
-    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
 
     def __call__(self, layer, new, positions, k_cache, v_cache):
         out, k_cache, v_cache = sparse_attend(
-            new, k_cache, v_cache, self.indices, self.counts, layer, self.recent_start, positions, self.backend
+            new, k_cache, v_cache, self.indices, self.counts, layer, self.recent_start, positions, self.placement
         )
         return out, k_cache, v_cache, None

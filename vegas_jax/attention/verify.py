@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from models.kv_cache import write_rows
 from pallas_kernels import MAX_QUERY_ROWS, verify_attention
-from vegas_jax.attention.backend import interpret, uses_kernels
 from vegas_jax.attention.core import causal_mask, masked_attention
+from vegas_jax.sharding import Placement
 
 SCORE_MODES = ("logit", "weight")
 # Which verification rows are scored: 'boundary' = rows 0 and γ (Vegas), 'all' = every row (mean),
@@ -37,11 +37,12 @@ class ScoreRequest:
 class VerifyAttention:
     """Candidates for selection are the positions up to and including row 0's (the last committed token); later
     positions hold this pass's own drafts and are never selectable (they are attended as recent tokens anyway).
-    aux per layer: scores float32 [B, T] ('each': [B, S, T]) with -inf at non-candidates, or None."""
+    aux per layer: scores float32 [B, T] ('each': [B, S, T]) with -inf at non-candidates, or None. On a mesh the
+    scores are the mean over this shard's heads: Placement.mean_over_model makes them every head's."""
 
     request: ScoreRequest | None = dataclasses.field(default=None, metadata=dict(static=True))
     num_layers: int = dataclasses.field(default=0, metadata=dict(static=True))
-    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
     # [B] bool or None (all). The kernel skips the keys of inactive sequences (finished ones, whose results the
     # loop discards): their outputs and scores are unspecified. The jnp path computes them anyway.
     active: jax.Array | None = None
@@ -60,7 +61,7 @@ class VerifyAttention:
 
     def _kernel_serves(self, layer: int) -> bool:
         """The kernel collects the Vegas rows (0 and γ); other row sets (ablations) take the jnp path."""
-        if not uses_kernels(self.backend):
+        if not self.placement.uses_kernels:
             return False
         return not self.collects(layer) or self.request.rows == "boundary"
 
@@ -74,7 +75,7 @@ class VerifyAttention:
             if self.active is not None:
                 start = jnp.where(self.active, start, 0)  # reads only the first S rows
             out, scores = verify_attention(
-                q, k_cache, v_cache, start, score_mode=mode, interpret=interpret(self.backend)
+                q, k_cache, v_cache, start, score_mode=mode, interpret=self.placement.interpret
             )
             return out, k_cache, v_cache, scores
         mask = causal_mask(positions, k_cache.shape[1])

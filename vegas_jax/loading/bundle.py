@@ -37,3 +37,19 @@ class LoadedModel:
     tokenizer: "Tokenizer"
     source: str  # path (or "embedded:SmolLM2-135M-Instruct") it was loaded from
     format: str  # "gguf" | "hf" | "orbax"
+    # The mesh (axes data, model) the parameters are laid out on, their fused q/k/v heads in per-shard blocks
+    # (models.decoder.fused_head_order); None: one device.
+    mesh: Any = None
+
+    @property
+    def model_shards(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape["model"]
+
+    def on_mesh(self, mesh) -> "LoadedModel":
+        """The same model with its parameters laid out for another mesh (None: one device)."""
+        from vegas_jax.loading.placing import relayout
+        from vegas_jax.sharding import adopt_mesh
+
+        mesh = None if mesh is None else adopt_mesh(mesh)
+        params = relayout(self.params, self.config, self.model_shards, mesh)
+        return dataclasses.replace(self, params=params, mesh=mesh)

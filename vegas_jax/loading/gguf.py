@@ -19,8 +19,9 @@ import numpy as np
 from tqdm import tqdm
 
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
-from models.decoder import checkpoint_param_shapes, fuse_projections
+from models.decoder import checkpoint_param_shapes
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.loading.placing import ParamPlacer
 from vegas_jax.tokenizer import Tokenizer
 
 T = gguf.GGMLQuantizationType
@@ -45,7 +46,8 @@ def embedded_smollm2_path() -> Path:
     )
 
 
-def load_gguf(path: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
+def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
+    """mesh: the (data, model) mesh to lay the parameters out on (vegas_jax.sharding), None for one device."""
     path = Path(path)
     reader = _open(path)
     arch = _field(reader, "general.architecture", path)
@@ -53,7 +55,7 @@ def load_gguf(path: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, tensors, path)
-    params = _params(tensors, config, dtype, path)
+    params = _params(tensors, config, ParamPlacer(config, dtype, mesh), path)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
     except (CheckpointError, UnsupportedModelError) as e:
@@ -62,7 +64,7 @@ def load_gguf(path: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
         raise CheckpointError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only {config.vocab_size} rows"
         )
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path), format="gguf")
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path), format="gguf", mesh=mesh)
 
 
 def dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
@@ -179,21 +181,36 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, dtype, path: Path) -> dict[str, Any]:
+def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, placer: ParamPlacer, path: Path) -> dict[str, Any]:
+    """Dequantised a layer at a time, checked against the metadata's shapes and placed: the host holds one layer's
+    float32 tensors at most."""
     c = config
-    used: set[str] = {"rope_freqs.weight"}
+    expected = checkpoint_param_shapes(config)
+    unknown = sorted(n for n in tensors if not _known(n, c))
+    if unknown:
+        raise UnsupportedModelError(f"{path}: tensors this llama loader does not know: {', '.join(unknown[:8])}")
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise CheckpointError(f"{path}: missing tensor {name}")
-        used.add(name)
         return dequantize(tensors[name], path)
+
+    def checked(tree: dict, shapes: dict, where: str) -> dict:
+        wrong = [
+            f"{where}{jax.tree_util.keystr(k)} {x.shape} (expected {shapes_by_path[k]})"
+            for shapes_by_path in [dict(jax.tree.leaves_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple)))]
+            for k, x in jax.tree.leaves_with_path(tree)
+            if x.shape != shapes_by_path[k]
+        ]
+        if wrong:
+            raise CheckpointError(f"{path}: tensor shapes do not match the metadata's model: {'; '.join(wrong[:4])}")
+        return tree
 
     def layer(i: int) -> dict[str, Any]:
         p = f"blk.{i}."
         q = _unpermute(get(p + "attn_q.weight"), c.num_heads)
         k = _unpermute(get(p + "attn_k.weight"), c.num_kv_heads)
-        return {
+        host = {
             "attn_norm": {"scale": get(p + "attn_norm.weight")},
             "q_proj": q.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
             "k_proj": k.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
@@ -204,24 +221,29 @@ def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, dtype, p
             "up_proj": get(p + "ffn_up.weight").T,
             "down_proj": get(p + "ffn_down.weight").T,
         }
+        return placer.layer(checked(host, expected["layers"][i], f"layer {i}"))
 
-    params: dict[str, Any] = {
-        "embed": get("token_embd.weight"),
-        "final_norm": {"scale": get("output_norm.weight")},
-        # disable=None: a bar only on a terminal, never in logs or tests.
-        "layers": {i: layer(i) for i in tqdm(range(c.num_layers), desc="loading", unit="layer", leave=False, disable=None)},
-    }
+    top = {"embed": get("token_embd.weight"), "final_norm": {"scale": get("output_norm.weight")}}
     if not c.tie_word_embeddings:
-        params["lm_head"] = get("output.weight").T
-    if unused := sorted(set(tensors) - used):
-        raise UnsupportedModelError(f"{path}: tensors this llama loader does not know: {', '.join(unused[:8])}")
+        top["lm_head"] = get("output.weight").T
+    top_shapes = {k: v for k, v in expected.items() if k != "layers"}
+    params: dict[str, Any] = placer.tree(checked(top, top_shapes, ""))
+    # disable=None: a bar only on a terminal, never in logs or tests.
+    params["layers"] = {i: layer(i) for i in tqdm(range(c.num_layers), desc="loading", unit="layer", leave=False,
+                                                   disable=None)}
+    return params
 
-    expected = dict(jax.tree.leaves_with_path(checkpoint_param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
-    wrong = [
-        f"{jax.tree_util.keystr(k)} {x.shape} (expected {expected[k]})"
-        for k, x in jax.tree.leaves_with_path(params)
-        if x.shape != expected[k]
-    ]
-    if wrong:
-        raise CheckpointError(f"{path}: tensor shapes do not match the metadata's model: {'; '.join(wrong[:4])}")
-    return fuse_projections(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                  "ffn_down")
+
+
+def _known(name: str, config: ModelConfig) -> bool:
+    """A tensor name this loader reads (or, rope_freqs, has read with the metadata)."""
+    if name in ("token_embd.weight", "output_norm.weight", "rope_freqs.weight"):
+        return True
+    if name == "output.weight":
+        return not config.tie_word_embeddings
+    parts = name.split(".")
+    return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < config.num_layers
+            and parts[2] in _LAYER_TENSORS and parts[3] == "weight")

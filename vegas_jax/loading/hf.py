@@ -19,8 +19,9 @@ from tqdm import tqdm
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.decoder import checkpoint_param_shapes, fuse_projections
+from models.decoder import checkpoint_param_shapes
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel, read_json_object
+from vegas_jax.loading.placing import ParamPlacer
 from vegas_jax.tokenizer import Tokenizer
 
 
@@ -143,7 +144,7 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
+def load_hf(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
     folder = Path(folder)
     config = read_config(folder)
     table = name_map(config)
@@ -162,10 +163,18 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
         )
 
     shapes = checkpoint_param_shapes(config)
+    placer = ParamPlacer(config, dtype, mesh)
     by_file: dict[Path, list[str]] = {}
     for name in table:
         by_file.setdefault(stored[name], []).append(name)
-    params: dict = {}
+    # A layer is fused and placed as soon as all its tensors are read: the host holds a few layers' worth at most
+    # (a layer's tensors may sit in two files).
+    layer_size = {}
+    for path, _ in table.values():
+        if path[0] == "layers":
+            layer_size[path[1]] = layer_size.get(path[1], 0) + 1
+    pending: dict[int, dict] = {}
+    params: dict = {"layers": {}}
     # disable=None: a bar only on a terminal, never in logs or tests.
     bar = tqdm(total=len(table), desc="loading", unit="tensor", leave=False, disable=None)
     for file, names in by_file.items():
@@ -185,13 +194,23 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
                         f"{file}: tensor {name!r} has shape {list(w.shape)}, "
                         f"config.json implies {list(layout.stored_shape(target))}"
                     )
-                _set(params, path, jnp.asarray(layout.to_ours(w, target), dtype=dtype))
+                host = layout.to_ours(w, target)
+                if path[0] == "layers":
+                    layer = pending.setdefault(path[1], {})
+                    _set(layer, path[2:], host)
+                    layer_size[path[1]] -= 1
+                    if not layer_size[path[1]]:
+                        params["layers"][path[1]] = placer.layer(pending.pop(path[1]))
+                else:
+                    _set(params, path, placer.tensor(path[-1], host))
                 bar.update()
     bar.close()
+    params["layers"] = dict(sorted(params["layers"].items()))
     return LoadedModel(
         config=config,
-        params=fuse_projections(params),
+        params=params,
         tokenizer=Tokenizer.from_hf_folder(folder),
         source=str(folder),
         format="hf",
+        mesh=mesh,
     )

@@ -19,8 +19,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.decoder import param_shapes
+from models.decoder import axes_of_param, param_shapes
+from models.logical_axes import HEADS
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel, read_json_object
+from vegas_jax.loading.placing import relayout
+from vegas_jax.sharding import Placement, check_model_fits
 from vegas_jax.tokenizer import Tokenizer
 
 CONFIG_FILE = "vegas_config.json"
@@ -29,7 +32,8 @@ FORMAT_VERSION = 1
 
 
 def save_orbax(loaded: LoadedModel, folder: str | Path) -> None:
-    """Writes `loaded` into `folder` (created if needed), replacing any vegas-jax checkpoint already there."""
+    """Writes `loaded` into `folder` (created if needed), replacing any vegas-jax checkpoint already there. The
+    checkpoint holds the one-device layout whatever mesh `loaded` is on (fused q/k/v heads in plain order)."""
     folder = Path(folder).absolute()  # Orbax requires absolute paths
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / CONFIG_FILE
@@ -38,8 +42,9 @@ def save_orbax(loaded: LoadedModel, folder: str | Path) -> None:
     config_path.unlink(missing_ok=True)
     shutil.rmtree(folder / "tokenizer", ignore_errors=True)
     loaded.tokenizer.save(folder / "tokenizer")
+    params = loaded.on_mesh(None).params if loaded.model_shards > 1 else loaded.params
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(folder / "params", loaded.params, force=True)
+        checkpointer.save(folder / "params", params, force=True)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -67,19 +72,27 @@ def read_config(folder: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: invalid model config ({e!r})") from e
 
 
-def load_orbax(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
+def load_orbax(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
     folder = Path(folder).absolute()
     config = read_config(folder)
     params_path = folder / "params"
     if not params_path.is_dir():
         raise CheckpointError(f"{params_path}: no such directory")
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    # Orbax casts to the target's dtype as it restores: one checkpoint serves every dtype.
-    target = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-        param_shapes(config),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+    placement = Placement(mesh=mesh)
+    check_model_fits(config, placement)
+    shards = placement.model_shards
+    default = jax.sharding.SingleDeviceSharding(jax.config.jax_default_device or jax.local_devices()[0])
+
+    def target(path, shape):
+        name = path[-1].key
+        axes = axes_of_param(name, len(shape))
+        if shards > 1 and name in ("qkv_proj", "qkv_bias"):
+            axes = axes.replace(HEADS, None)  # stored in plain head order: reordered for the shards below
+        sharding = default if mesh is None else placement.sharding(axes)
+        # Orbax casts to the target's dtype as it restores: one checkpoint serves every dtype.
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    target = jax.tree_util.tree_map_with_path(target, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_path, target)
@@ -91,8 +104,10 @@ def load_orbax(folder: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
         ) from e
     return LoadedModel(
         config=config,
-        params=params,
+        # Stored in the plain head order: reordered into the shards' blocks (a no-op on one model shard).
+        params=relayout(params, config, 1, mesh) if shards > 1 else params,
         tokenizer=Tokenizer.from_hf_folder(folder / "tokenizer"),
         source=str(folder),
         format="orbax",
+        mesh=mesh,
     )

@@ -1,0 +1,99 @@
+"""Bytes per device before anything is allocated: parameters, the KV cache, and the decode loop's largest buffers,
+each counted for one shard of the mesh, against what one device holds.
+
+The estimate counts what the engine keeps live at its peak: the parameters and the decode state (cache, selection,
+policy state, output) for the whole run, and on top of them the largest of the transient arrays of one step
+(verification logits and, when sampling, the draft and target distributions; the layers' selection scores;
+prefill's MLP activations and, without kernels, its score arrays; under continuous batching a joining group's
+state, which admission gathers onto every data shard). XLA's own temporaries are not counted, so the bound is what
+must fit, not everything that will be used; MARGIN leaves room for them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from models.decoder import param_axes
+from models.logical_axes import HEADS, MLP
+from vegas_jax.errors import InputError
+from vegas_jax.sharding import Placement
+
+# Fraction of a device's memory the estimate may take: the rest is for XLA's temporaries and fragmentation.
+MARGIN = 0.9
+_GIB = 2**30
+
+
+def _params_per_device(params, placement: Placement) -> int:
+    total = 0
+    for array, axes in zip(jax.tree.leaves(params), jax.tree.leaves(param_axes(params))):
+        split = placement.model_shards if (HEADS in axes or MLP in axes) else 1
+        total += int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize // split
+    return total
+
+
+def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, capacity: int, gamma: int,
+             k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
+             refill: int | None) -> dict:
+    """Bytes per device, by part; `total` is what must fit."""
+    dtype = np.dtype(params["embed"].dtype).itemsize
+    rows = batch // placement.data_shards
+    kv_heads = config.num_kv_heads // placement.model_shards
+    heads = config.num_heads // placement.model_shards
+    layers, vocab = config.num_layers, config.vocab_size
+    cache_row = 2 * layers * capacity * kv_heads * config.head_dim * dtype  # one sequence's K and V
+
+    state = rows * cache_row + rows * output_width * 4
+    if gamma:
+        state += layers * rows * k_max * 4  # selected positions
+    if policy == "quest":
+        state += 2 * layers * rows * (capacity // 16) * kv_heads * config.head_dim * dtype  # page min / max
+
+    verify_rows = gamma + 1
+    logits = rows * verify_rows * vocab * 4
+    if sampling:
+        # target and draft distributions, and the sorted copy top-k / top-p filtering makes
+        logits += rows * (2 * verify_rows + gamma) * vocab * 4
+    scores = layers * rows * capacity * 4 * (verify_rows if policy == "last" else 1) if gamma else 0
+    prefill = 2 * 4 * rows * prefill_chunk * config.intermediate_size // placement.model_shards
+    if not placement.uses_kernels:
+        prefill += 3 * 4 * rows * heads * prefill_chunk * capacity
+    joining = refill * (cache_row + output_width * 4) if refill else 0
+    parts = {
+        "params": _params_per_device(params, placement),
+        "kv_cache": rows * cache_row,
+        "decode_state": state,
+        "largest_step_buffers": max(logits + scores, prefill),
+        "joining_group": joining,
+    }
+    parts["total"] = parts["params"] + parts["decode_state"] + parts["largest_step_buffers"] + joining
+    return parts
+
+
+def device_bytes(placement: Placement) -> tuple[int, str]:
+    """(bytes one device can hold, where that number comes from)."""
+    device = (jax.local_devices() if placement.mesh is None else
+              [d for d in placement.mesh.devices.flat if d.process_index == jax.process_index()])[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    # CPU devices share the host's memory.
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, len(jax.local_devices())), "host memory / local devices"
+
+
+def check_fits(parts: dict, placement: Placement) -> None:
+    """InputError naming the flags that shrink the plan when it does not fit one device."""
+    limit, source = device_bytes(placement)
+    if parts["total"] > MARGIN * limit:
+        raise InputError(
+            f"--max-model-len / --slots / --mesh: this run needs {parts['total'] / _GIB:.2f} GiB per device "
+            f"(params {parts['params'] / _GIB:.2f}, KV cache {parts['kv_cache'] / _GIB:.2f}, decode state "
+            f"{parts['decode_state'] / _GIB:.2f}, step buffers {parts['largest_step_buffers'] / _GIB:.2f}) but a "
+            f"device has {limit / _GIB:.2f} GiB ({source}, {math.floor(MARGIN * 100)} % usable): shorten the "
+            f"context, run fewer sequences at once, or spread them over more devices"
+        )
