@@ -595,8 +595,9 @@ class Engine:
             )
 
     def _result(self, options, ids, rows: dict, timings, placement: Placement) -> GenerationResult:
-        output, num_generated = rows["output"], rows["num_generated"]
-        iterations, drafted, accepted = rows["iterations"], rows["drafted"], rows["accepted"]
+        output, num_generated, gamma = rows["output"], rows["num_generated"], options.effective_gamma
+        # The loop's counts have at least one column (loop.init_state): keep those of real draft positions.
+        iterations, drafted, accepted = rows["iterations"], rows["drafted"][:, :gamma], rows["accepted"][:, :gamma]
         requests = []
         for i, prompt in enumerate(ids):
             tokens = output[i, : num_generated[i]].tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-times", action="store_true",
                    help="also time one iteration's draft, verify, accept and select phases (metrics.phase_ms)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--mesh", default=None,
+                   help="run on a device mesh: data=D,model=M (D splits the batch, M each layer's heads and MLP; "
+                        "D x M = all devices of all processes); default: one device")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (mesh, compiled shapes, bytes per device) and exit without compiling")
+    p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (jax.distributed)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     return p
+
+
+def _init_distributed(args) -> None:
+    """jax.distributed from the three flags, or from JAX's own environment (a cluster launcher's variables) when
+    none is given; every process then runs the same command on one global mesh."""
+    given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if any(given) and not all(given):
+        raise InputError("--coordinator, --num-processes and --process-id go together (or none of them)")
+    if all(given):
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            raise InputError(f"--process-id {args.process_id}: must be in [0, --num-processes {args.num_processes})")
+        import jax
+
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    elif args.mesh is not None and any(k in os.environ for k in _CLUSTER_ENV):
+        import jax
+
+        jax.distributed.initialize()
+
+
+# Variables by which jax.distributed.initialize() finds its cluster (SLURM, Open MPI, JAX's own).
+_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+
+
+def _mesh(args):
+    if args.mesh is None:
+        return None
+    from vegas_jax.sharding import make_mesh, parse_mesh
+
+    return make_mesh(parse_mesh(args.mesh))
 
 
 class _Progress:
@@ -194,8 +233,15 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse exits on --help and on malformed flags; callers of main() get the code
         return e.code
-    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     try:
+        _init_distributed(args)
+        import jax
+
+        # One process speaks for all: every process runs the same command on the global mesh.
+        speaker = jax.process_index() == 0
+        if not speaker:
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
         options = _options(args)
         if args.slots is not None:
             check_serving(args.slots, args.refill)
@@ -205,6 +251,9 @@ def main(argv=None) -> int:
             raise InputError("--refill: only with --slots")
         if args.compare_ar and options.method == "ar":
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
+        mesh = _mesh(args)
+        if args.phase_times and mesh is not None:
+            raise InputError("--phase-times: not with --mesh (the phases are timed on one device)")
         prompts = _read_prompts(args)
         if args.output_json:
             _check_output_path(args.output_json)
@@ -212,16 +261,19 @@ def main(argv=None) -> int:
         from vegas_jax.loading import load_model
 
         t0 = time.perf_counter()
-        loaded = load_model(args.model, dtype)
+        loaded = load_model(args.model, dtype, mesh)
         load_s = time.perf_counter() - t0
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         prompts = engine.encode_prompts(prompts, args.chat_template)
-        engine.check_input(prompts, options)
+        plan = engine.plan(prompts, options, slots=args.slots)
+        if args.dry_run:
+            print(json.dumps({"plan": plan, "prompt_tokens": [len(p) for p in prompts]}, indent=1))
+            return 0
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
-                    "slots": args.slots, "refill": args.refill}
+                    "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"]}
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
         result = _run(engine, prompts, options, args, progress, stream=args.stream)
@@ -240,7 +292,7 @@ def main(argv=None) -> int:
             speedup = result.metrics["decode_tokens_per_s"] / ar.metrics["decode_tokens_per_s"]
             out.update({"ar": _as_json(ar), "identical_to_ar": identical, "speedup_vs_ar": speedup})
             print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
-        if args.output_json:
+        if args.output_json and speaker:
             try:
                 args.output_json.write_text(json.dumps(out, indent=1))
             except OSError as e:

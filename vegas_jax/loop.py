@@ -55,8 +55,8 @@ class DecodeConfig:
 @dataclasses.dataclass(frozen=True)
 class Metrics:
     iterations: jax.Array = axes_field(BATCH)  # [B] verification passes (the bootstrap step not counted)
-    drafted: jax.Array = axes_field(BATCH, None)  # [B, γ] drafts that counted, by position
-    accepted: jax.Array = axes_field(BATCH, None)  # [B, γ] drafts accepted, by position
+    drafted: jax.Array = axes_field(BATCH, None)  # [B, max(γ, 1)] drafts that counted, by position
+    accepted: jax.Array = axes_field(BATCH, None)  # [B, max(γ, 1)] drafts accepted, by position
 
 
 @jax.tree_util.register_dataclass
@@ -99,10 +99,13 @@ def init_state(
         selection = policy.empty_selection(mc.num_layers, batch)
         policy_state = policy.init_state(mc, batch, cache.capacity, cache.k[0].dtype)
     else:
-        empty = jnp.zeros((mc.num_layers, batch, 0), jnp.int32)
-        selection = Selection(empty, jnp.zeros((mc.num_layers, batch), jnp.int32), jnp.zeros((batch,), jnp.int32))
+        # Never read. One column wide, not zero: no state array may have a zero-sized axis, since XLA's CPU
+        # partitioner crashes on zero-sized shards (and the state crosses shard_map on a mesh).
+        unused = jnp.zeros((mc.num_layers, batch, 1), jnp.int32)
+        selection = Selection(unused, jnp.zeros((mc.num_layers, batch), jnp.int32), jnp.zeros((batch,), jnp.int32))
         policy_state = ()
-    gamma_counts = lambda: jnp.zeros((batch, config.gamma), jnp.int32)
+    # Counts by draft position; with γ = 0 one column that stays zero (not zero columns, as above).
+    gamma_counts = lambda: jnp.zeros((batch, max(config.gamma, 1)), jnp.int32)
     return DecodeState(
         cache=cache,
         committed=(prompt_lengths - 1).astype(jnp.int32),
@@ -288,7 +291,7 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     output, num_generated, hit_stop = _emit(state, candidates, accepted + 1, emit_ok)
     committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
 
-    positions_idx = jnp.arange(gamma)[None, :]
+    positions_idx = jnp.arange(state.metrics.drafted.shape[1])[None, :]
     counted = emit_ok[:, None]
     metrics = Metrics(
         iterations=state.metrics.iterations + emit_ok,

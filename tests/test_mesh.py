@@ -1,0 +1,254 @@
+"""Decoding on device meshes equals decoding on one device: tokens, drafts accepted, selections, for every mesh shape
+tested, on a tiny random Qwen3 and on the real SmolLM2; continuous batching on a data-parallel mesh; two processes
+on one global mesh; the layout of the cache after the loop and the collectives the compiled loop contains; bad
+meshes refused with one line.
+
+Each scenario runs in a subprocess of this file with `--xla_force_host_platform_device_count`, so the CPU has the
+devices the scenario needs whatever the rest of the suite sees; it prints one JSON object that the test checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run_scenario(name: str, devices: int, timeout: int = 420) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, name], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- scenarios (run in the subprocess) -----------------------------------------------------------------------
+
+def _tiny_qwen3():
+    """8 query / 4 KV heads, so that model axes of 1, 2 and 4 all divide; large weights make attention peaky, so a
+    sparse draft really differs from the target and selections matter."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import ModelConfig
+    from models.decoder import init_params
+    from tests.test_lossless_tiny import IdsTokenizer
+    from vegas_jax.loading.bundle import LoadedModel
+
+    config = ModelConfig(
+        architecture="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+        num_kv_heads=4, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
+        tie_word_embeddings=True, qk_norm=True,
+    )
+    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, init_params(config, jnp.float32, 0))
+    return LoadedModel(config, params, IdsTokenizer(), "random", "random")
+
+
+def _run_to_end(engine, batch, options) -> dict:
+    """Tokens, per-request draft counts and the final selection of a whole decode, from the loop's state."""
+    import numpy as np
+
+    started = engine.start(batch, options)
+    rows = started.state.committed.shape[0]
+    state = started.decode(engine.model.params, started.state, np.int32(2**31 - 1), np.int32(rows))
+    host = started.config.placement.fetch({
+        "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
+        "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,
+    })
+    n = len(batch)
+    selected = [[sorted(host["indices"][layer, b, : host["counts"][layer, b]].tolist()) for b in range(n)]
+                for layer in range(host["indices"].shape[0])]
+    return {
+        "tokens": [host["output"][b, : host["n"][b]].tolist() for b in range(n)],
+        "accepted": host["accepted"][:n].tolist(),
+        "drafted": host["drafted"][:n].tolist(),
+        "selected": selected,
+        "state": state,
+        "decode": started.decode,
+    }
+
+
+def scenario_tiny() -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tests.test_lossless_tiny import GREEDY, prompts
+    from vegas_jax.engine import Engine
+    from vegas_jax.sharding import make_mesh
+
+    loaded = _tiny_qwen3()
+    batch = prompts([45, 12, 80, 30, 64], loaded.config.vocab_size, seed=5)  # 5 requests: padded on data=2, 4, 8
+    one = Engine(loaded)
+    meshes = {"data=8": (8, 1), "data=4,model=2": (4, 2), "data=2,model=4": (2, 4)}
+    engines = {name: Engine(loaded.on_mesh(make_mesh({"data": d, "model": m}))) for name, (d, m) in meshes.items()}
+    out = {"runs": []}
+    # Greedy Vegas on every mesh; each other case on one mesh with a model axis (compilations dominate the time).
+    cases = [("vegas", 0.0, list(meshes)), ("ar", 0.0, ["data=4,model=2"]), ("streaming", 0.0, ["data=2,model=4"]),
+             ("quest", 0.0, ["data=4,model=2"]), ("vegas", 0.8, ["data=2,model=4"])]
+    for method, temperature, names in cases:
+        options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40)
+        reference = _run_to_end(one, batch, options)
+        for name in names:
+            engine = engines[name]
+            got = _run_to_end(engine, batch, options)
+            out["runs"].append({
+                "method": method, "temperature": temperature, "mesh": name,
+                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected")},
+                "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
+            })
+            if method == "vegas" and temperature == 0 and name == "data=2,model=4":
+                mesh = engine.model.mesh
+                want = NamedSharding(mesh, PartitionSpec("data", None, "model", None))
+                out["cache_sharded"] = all(x.sharding.is_equivalent_to(want, 4) for x in got["state"].cache.k)
+                hlo = got["decode"].as_text()
+                out["collectives"] = sorted(set(re.findall(
+                    r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(", hlo)))
+    # Continuous batching on a data-parallel mesh of four of the devices.
+    serve_batch = prompts([45, 12, 80, 7, 33, 60, 21, 50, 9], loaded.config.vocab_size, seed=3)
+    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=32)
+    data4 = Engine(loaded.on_mesh(make_mesh({"data": 4, "model": 1}, jax.devices()[:4])))
+    served = data4.serve(serve_batch, options, slots=4, refill=2)
+    alone = one.serve(serve_batch, options, slots=4, refill=2)
+    out["serve_identical"] = [a.tokens == b.tokens for a, b in zip(served.requests, alone.requests)]
+    out["serve_calls"] = len(served.metrics["decode_calls"])
+    return out
+
+
+def scenario_smollm2() -> dict:
+    """The real model on data=2, model=3 (SmolLM2's 3 KV heads split over 3 devices), float32, a long real prompt;
+    plus the CLI's answers to bad meshes."""
+    import textwrap
+
+    import jax.numpy as jnp
+
+    from vegas_jax.engine import Engine, GenerationOptions
+    from vegas_jax.generate import main
+    from vegas_jax.loading import load_model
+    from vegas_jax.sharding import make_mesh
+
+    one = Engine(load_model(None, jnp.float32))
+    mesh = Engine(load_model(None, jnp.float32, make_mesh({"data": 2, "model": 3})))
+    code = one.tokenizer.encode(open(textwrap.__file__, encoding="utf-8").read())[:1000]
+    question = one.tokenizer.encode_chat([{"role": "user", "content": "What does textwrap.dedent do?"}])
+    batch = [code, question]
+    out = {}
+    for label, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+        options = GenerationOptions(method="vegas", max_new_tokens=64, temperature=temperature, seed=11,
+                                    min_sparse_tokens=32, max_model_len=1152, prefill_chunk=512)
+        a = one.generate(batch, options, steps_per_call=None)
+        b = mesh.generate(batch, options, steps_per_call=None)
+        out[label] = {"identical": [x.tokens == y.tokens for x, y in zip(a.requests, b.requests)],
+                      "lengths": [len(x.tokens) for x in a.requests], "tau": a.metrics["tau"]}
+    bad = {}
+    for flag in ("data=2,model=2", "data=3,model=2", "data=2,modle=3", "data=2,model=3,data=1"):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["--mesh", flag, "--prompt", "hi", "--quiet"])
+        bad[flag] = {"code": code, "stderr": err.getvalue()}
+    out["bad_meshes"] = bad
+    return out
+
+
+SCENARIOS = {"tiny": scenario_tiny, "smollm2": scenario_smollm2}
+
+
+# ---- tests --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    return run_scenario("tiny", devices=8)
+
+
+def test_every_mesh_decodes_as_one_device(tiny):
+    """Greedy Vegas on (data=8), (data=4, model=2) and (data=2, model=4); plain decoding and Quest on (data=4,
+    model=2); streaming and sampled Vegas on (data=2, model=4); 5 requests (padded to the data axis): same tokens,
+    same drafts accepted at every position, same final selections per layer and request as one device."""
+    assert len(tiny["runs"]) == 7
+    for run in tiny["runs"]:
+        assert run["tokens"] and run["accepted"] and run["drafted"] and run["selected"], run
+    # The comparison has teeth: drafts were accepted (and so selections mattered) in the speculative runs.
+    assert all(run["drafts_accepted"] > 0 for run in tiny["runs"] if run["method"] != "ar")
+
+
+def test_the_loop_keeps_its_layout_without_gathering(tiny):
+    """After the loop the cache is still split over batch (data) and KV heads (model), and the compiled loop's only
+    collectives are all-reduces (row-parallel projections, scores, the finished count): nothing is gathered."""
+    assert tiny["cache_sharded"]
+    assert tiny["collectives"] == ["all-reduce"]
+
+
+def test_serve_on_a_data_parallel_mesh_equals_one_device(tiny):
+    assert all(tiny["serve_identical"]) and len(tiny["serve_identical"]) == 9
+    assert tiny["serve_calls"] > 1  # requests were admitted into a running batch
+
+
+@pytest.mark.slow
+def test_smollm2_on_data2_model3_equals_one_device():
+    out = run_scenario("smollm2", devices=6, timeout=600)
+    for label in ("greedy", "sampled"):
+        assert out[label]["identical"] == [True, True], out[label]
+        assert min(out[label]["lengths"]) >= 32 and max(out[label]["lengths"]) == 64
+    assert out["greedy"]["tau"] > 2.0  # real drafts, mostly accepted
+    for flag, result in out["bad_meshes"].items():
+        lines = result["stderr"].strip().splitlines()
+        assert result["code"] == 2 and len(lines) == 1 and lines[0].startswith("error: --mesh"), (flag, result)
+    assert "KV heads" in out["bad_meshes"]["data=3,model=2"]["stderr"]
+    assert "6 are available" in out["bad_meshes"]["data=2,model=2"]["stderr"]
+    assert "unknown axis 'modle'" in out["bad_meshes"]["data=2,modle=3"]["stderr"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_one_global_mesh_equal_one_process(tmp_path):
+    """Two processes with 4 CPU devices each run the same CLI command on a (data=4, model=2) mesh across both;
+    process 0 writes the output, which equals one process on one device."""
+    model = FIXTURES / "tiny-llama"
+    common = ["-m", "vegas_jax.generate", "--model", str(model), "--method", "vegas", "--max-new-tokens", "24",
+              "--min-sparse-tokens", "8", "--quiet", "--no-chat-template"]
+    for text in ("the quick brown fox jumps over the lazy dog", "a b c d e f g", "hello world", "one two three"):
+        common += ["--prompt", text]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, *common, "--mesh", "data=4,model=2", "--coordinator", f"127.0.0.1:{port}",
+                          "--num-processes", "2", "--process-id", str(i), "--output-json", str(tmp_path / f"p{i}.json")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert not (tmp_path / "p1.json").exists()  # only process 0 writes
+    alone = subprocess.run([sys.executable, *common, "--output-json", str(tmp_path / "one.json")], cwd=ROOT,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    meshed, single = (json.loads((tmp_path / name).read_text()) for name in ("p0.json", "one.json"))
+    assert [r["tokens"] for r in meshed["requests"]] == [r["tokens"] for r in single["requests"]]
+    assert all(len(r["tokens"]) == 24 for r in single["requests"])
+    assert meshed["metrics"]["mesh"] == {"data": 4, "model": 2}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(SCENARIOS[sys.argv[1]](), default=str))
