@@ -33,6 +33,7 @@ from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.phases import time_phases  # noqa: E402
+from vegas_jax.sharding import make_mesh, parse_mesh  # noqa: E402
 
 
 def configuration(options: GenerationOptions, prompts) -> dict:
@@ -59,13 +60,15 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
             phases = time_phases(engine, started)
             started = engine.start(prompts, options)
         t0 = time.perf_counter()
-        state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1), jnp.int32(len(prompts)))
+        rows = started.state.committed.shape[0]  # the batch, padded to a multiple of a mesh's data axis
+        state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1), jnp.int32(rows))
         jax.block_until_ready(state.output)
         decode_s = time.perf_counter() - t0
-    generated = np.asarray(state.num_generated)
-    iterations = np.asarray(state.metrics.iterations)
-    accepted = np.asarray(state.metrics.accepted)
-    drafted = np.asarray(state.metrics.drafted)
+    n, gamma = len(prompts), options.effective_gamma
+    generated = np.asarray(state.num_generated)[:n]
+    iterations = np.asarray(state.metrics.iterations)[:n]
+    accepted = np.asarray(state.metrics.accepted)[:n, :gamma]
+    drafted = np.asarray(state.metrics.drafted)[:n, :gamma]
     decode_tokens = int((generated - 1).sum())
     record = {
         **configuration(options, prompts),
@@ -78,7 +81,7 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
         "acceptance_by_position": (accepted.sum(0) / np.maximum(drafted.sum(0), 1)).tolist(),
         "compile_s": compile_s,
         "prefill_s": started.timings["prefill_s"],
-        "outputs": np.asarray(state.output)[:, :8].tolist(),
+        "outputs": np.asarray(state.output)[:n, :8].tolist(),
     }
     if with_breakdown:
         record["breakdown"] = phases
@@ -144,14 +147,17 @@ def main(argv=None) -> int:
                    help="with --requests: admit queued requests once this many slots are free (default slots // 8)")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--mesh", default=None, help="data=D,model=M: run on a mesh of all devices (default: one)")
     args = p.parse_args(argv)
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    engine = Engine(load_model(args.model, dtype))
+    mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
+    engine = Engine(load_model(args.model, dtype, mesh))
     corpus = stdlib_corpus()
     records = []
     meta = run_metadata(model=args.model or "embedded:SmolLM2-135M-Instruct", dtype=args.dtype,
-                        attention_backend=default_backend())
+                        attention_backend=default_backend(), mesh=args.mesh or "one device",
+                        gpus=jax.device_count() if args.mesh else 1)
     name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
