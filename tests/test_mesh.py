@@ -115,6 +115,12 @@ def scenario_tiny() -> dict:
                 hlo = got["decode"].as_text()
                 out["collectives"] = sorted(set(re.findall(
                     r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(", hlo)))
+    # The plan counts one shard: on data=2, model=4 the 5 requests take 3 rows of each data shard and a quarter of
+    # the KV heads.
+    plan_options = dataclasses.replace(GREEDY, method="vegas")
+    one_cache = one.plan(batch, plan_options)["bytes_per_device"]["kv_cache"]
+    out["kv_cache_per_device_ratio"] = (engines["data=2,model=4"].plan(batch, plan_options)["bytes_per_device"]
+                                        ["kv_cache"] / one_cache)
     # Continuous batching on a data-parallel mesh of four of the devices.
     serve_batch = prompts([45, 12, 80, 7, 33, 60, 21, 50, 9], loaded.config.vocab_size, seed=3)
     options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=32)
@@ -187,6 +193,10 @@ def test_the_loop_keeps_its_layout_without_gathering(tiny):
     collectives are all-reduces (row-parallel projections, scores, the finished count): nothing is gathered."""
     assert tiny["cache_sharded"]
     assert tiny["collectives"] == ["all-reduce"]
+
+
+def test_the_memory_plan_counts_one_shard(tiny):
+    assert tiny["kv_cache_per_device_ratio"] == pytest.approx(3 / 5 / 4)
 
 
 def test_serve_on_a_data_parallel_mesh_equals_one_device(tiny):
