@@ -121,6 +121,29 @@ def scenario_tiny() -> dict:
     one_cache = one.plan(batch, plan_options)["bytes_per_device"]["kv_cache"]
     out["kv_cache_per_device_ratio"] = (engines["data=2,model=4"].plan(batch, plan_options)["bytes_per_device"]
                                         ["kv_cache"] / one_cache)
+    # Orbax: a one-device checkpoint restores onto a mesh as the HF loader places the same model there.
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from vegas_jax.loading.hf import load_hf
+    from vegas_jax.loading.orbax_ckpt import load_orbax, save_orbax
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_orbax(load_hf(FIXTURES / "tiny-llama", jnp.float32), folder)
+        restored = load_orbax(folder, jnp.float32, make_mesh({"data": 4, "model": 2}))
+    placed = load_hf(FIXTURES / "tiny-llama", jnp.float32, make_mesh({"data": 4, "model": 2}))
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))
+                                          and a.sharding.is_equivalent_to(b.sharding, a.ndim)),
+                        restored.params, placed.params)
+    out["orbax_on_mesh_equals_hf_on_mesh"] = all(jax.tree.leaves(same))
+    with tempfile.TemporaryDirectory() as folder:  # and written from the mesh, it is the one-device layout again
+        save_orbax(placed, folder)
+        back = load_orbax(folder, jnp.float32)
+    one_device = load_hf(FIXTURES / "tiny-llama", jnp.float32)
+    out["orbax_from_mesh_equals_one_device"] = all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), back.params, one_device.params)))
     # Continuous batching on a data-parallel mesh of four of the devices.
     serve_batch = prompts([45, 12, 80, 7, 33, 60, 21, 50, 9], loaded.config.vocab_size, seed=3)
     options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=32)
@@ -193,6 +216,13 @@ def test_the_loop_keeps_its_layout_without_gathering(tiny):
     collectives are all-reduces (row-parallel projections, scores, the finished count): nothing is gathered."""
     assert tiny["cache_sharded"]
     assert tiny["collectives"] == ["all-reduce"]
+
+
+def test_checkpoints_restore_onto_a_mesh(tiny):
+    """An Orbax checkpoint (written from one device) restored onto (data=4, model=2) holds, array for array and
+    shard for shard, what the HF loader places there from the same model's safetensors; written from that mesh,
+    the checkpoint loads on one device as the model loaded there directly."""
+    assert tiny["orbax_on_mesh_equals_hf_on_mesh"] and tiny["orbax_from_mesh_equals_one_device"]
 
 
 def test_the_memory_plan_counts_one_shard(tiny):

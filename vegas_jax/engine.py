@@ -212,14 +212,17 @@ class Engine:
         return encoded
 
     # ---- planning ------------------------------------------------------------------------------------------
-    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None) -> None:
+    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None,
+                    refill: int | None = None) -> None:
         """InputError if these prompts cannot run with these options on this model and its devices: every check
-        `generate` and `serve` make before they compile (or allocate) anything."""
-        self.plan(prompt_ids, options, slots=slots)
+        `generate` and `serve` (with `slots`, `refill`) make before they compile (or allocate) anything."""
+        self.plan(prompt_ids, options, slots=slots, refill=refill)
 
-    def plan(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None) -> dict:
-        """What a run of these prompts would compile and allocate, without doing either: the mesh, the compiled
-        shapes and the bytes per device (vegas_jax.memory). InputError if they do not fit."""
+    def plan(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None,
+             refill: int | None = None) -> dict:
+        """What a run of these prompts (with `slots`: served through that many) would compile and allocate, without
+        doing either: the mesh, the compiled shapes and the bytes per device (vegas_jax.memory). InputError if it
+        does not fit."""
         config, capacity = self._plan(prompt_ids, options)
         batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
         p = self.placement
@@ -229,7 +232,7 @@ class Engine:
                                    sampling=not config.sampling.greedy,
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
                                                                      options, p),
-                                   refill=None if slots is None else self._batch_rows(check_serving(slots, None)))
+                                   refill=None if slots is None else self._batch_rows(check_serving(slots, refill)))
         memory.check_fits(estimate, p)
         return {
             "placement": p.describe(),
@@ -494,7 +497,7 @@ class Engine:
         if slots % data:
             raise InputError(f"--slots {slots}: must be a multiple of the mesh's data axis (--mesh data={data})")
         ids = self.encode_prompts(prompts, chat_template)
-        self.check_input(ids, options, slots=slots)
+        self.check_input(ids, options, slots=slots, refill=refill)
         config, capacity = self._plan(ids, options)
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))

@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         prompts = engine.encode_prompts(prompts, args.chat_template)
-        plan = engine.plan(prompts, options, slots=args.slots)
+        plan = engine.plan(prompts, options, slots=args.slots, refill=args.refill)
         if args.dry_run:
             print(json.dumps({"plan": plan, "prompt_tokens": [len(p) for p in prompts]}, indent=1))
             return 0
