@@ -13,17 +13,18 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.kv_cache import KVCache
-from vegas_jax import loop, sampling
+from vegas_jax import inputs, loop, sampling
 from vegas_jax.attention.backend import default_backend, uses_kernels
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
+from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
@@ -50,14 +51,6 @@ INT32_MAX = 2**31 - 1
 MAX_GAMMA = 64
 
 
-class InputError(ValueError):
-    """Bad user input; the message starts with the flag (or argument) at fault."""
-
-
-class NonFiniteLogitsError(RuntimeError):
-    pass
-
-
 @dataclasses.dataclass(frozen=True)
 class GenerationOptions:
     max_new_tokens: int = 256
@@ -73,31 +66,42 @@ class GenerationOptions:
     max_model_len: int | None = None
     prefill_chunk: int = 2048
 
+    @classmethod
+    def check(cls, options: Any) -> GenerationOptions:
+        """`options` with plain Python values, every field checked for its type (`inputs.options_of`: a dict, a
+        float count or a numeric string is refused) and then its range (`validate`); InputError names the field.
+        Every Engine entry point checks its options so, before anything compiles."""
+        options = inputs.options_of(options, cls)
+        options.validate()
+        return options
+
     def validate(self) -> None:
+        """InputError naming the first field out of range (of options whose types `check` has checked)."""
         checks = [
-            (self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}"),
+            (self.max_new_tokens >= 1, "{max_new_tokens} must be >= 1, got {}", self.max_new_tokens),
             # Below ~1e-37 logits / temperature overflows float32; anything that small is greedy in effect.
-            (self.temperature == 0 or 1e-6 <= self.temperature < math.inf, "--temperature",
-             f"must be 0 (greedy) or a finite number >= 1e-6, got {self.temperature}"),
-            (0 <= self.top_k <= INT32_MAX, "--top-k", f"must be in [0, 2**31 - 1], got {self.top_k}"),
-            (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
+            (self.temperature == 0 or 1e-6 <= self.temperature < math.inf,
+             "{temperature} must be 0 (greedy) or a finite number >= 1e-6, got {}", self.temperature),
+            (0 <= self.top_k <= INT32_MAX, "{top_k} must be in [0, 2**31 - 1], got {}", self.top_k),
+            (0 < self.top_p <= 1, "{top_p} must be in (0, 1], got {}", self.top_p),
             # Greedy decoding takes the argmax whatever the filters keep: a filter given with it would be ignored.
-            (self.temperature > 0 or self.top_k == 0, "--top-k",
-             f"{self.top_k} has no effect with --temperature 0 (greedy); give a temperature to sample"),
-            (self.temperature > 0 or self.top_p == 1, "--top-p",
-             f"{self.top_p} has no effect with --temperature 0 (greedy); give a temperature to sample"),
-            (-INT32_MAX - 1 <= self.seed <= INT32_MAX, "--seed", f"must fit in 32 bits, got {self.seed}"),
-            (self.method in METHODS, "--method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),
-            (0 <= self.gamma <= MAX_GAMMA, "--gamma", f"must be in [0, {MAX_GAMMA}], got {self.gamma}"),
-            (0 < self.sparse_ratio <= 1, "--sparse-ratio", f"must be in (0, 1], got {self.sparse_ratio}"),
-            (self.min_sparse_tokens >= 1, "--min-sparse-tokens", f"must be >= 1, got {self.min_sparse_tokens}"),
-            (self.score_mode in SCORE_MODES, "--score-mode", f"must be one of {SCORE_MODES}, got {self.score_mode!r}"),
-            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", f"must be >= 2, got {self.max_model_len}"),
-            (self.prefill_chunk >= 1, "--prefill-chunk", f"must be >= 1, got {self.prefill_chunk}"),
+            (self.temperature > 0 or self.top_k == 0,
+             "{top_k} {} has no effect with {temperature} 0 (greedy); give a temperature to sample", self.top_k),
+            (self.temperature > 0 or self.top_p == 1,
+             "{top_p} {} has no effect with {temperature} 0 (greedy); give a temperature to sample", self.top_p),
+            (-INT32_MAX - 1 <= self.seed <= INT32_MAX, "{seed} must fit in 32 bits, got {}", self.seed),
+            (self.method in METHODS, "{method} must be one of " + ", ".join(METHODS) + ", got {!r}", self.method),
+            (0 <= self.gamma <= MAX_GAMMA, "{gamma} must be in [0, " + str(MAX_GAMMA) + "], got {}", self.gamma),
+            (0 < self.sparse_ratio <= 1, "{sparse_ratio} must be in (0, 1], got {}", self.sparse_ratio),
+            (self.min_sparse_tokens >= 1, "{min_sparse_tokens} must be >= 1, got {}", self.min_sparse_tokens),
+            (self.score_mode in SCORE_MODES, "{score_mode} must be one of {}, got {!r}", SCORE_MODES, self.score_mode),
+            (self.max_model_len is None or self.max_model_len >= 2, "{max_model_len} must be >= 2, got {}",
+             self.max_model_len),
+            (self.prefill_chunk >= 1, "{prefill_chunk} must be >= 1, got {}", self.prefill_chunk),
         ]
-        for ok, flag, message in checks:
+        for ok, template, *values in checks:
             if not ok:
-                raise InputError(f"{flag} {message}")
+                raise InputError(template, *values)
 
     @property
     def effective_gamma(self) -> int:
@@ -110,6 +114,10 @@ class RequestResult:
     tokens: list[int]
     text: str
     metrics: dict
+    # "ok"; "failed": its logits became non-finite, it stopped there alone (tokens: those emitted before);
+    # "interrupted": decoding was stopped (`stop`) before it finished (tokens so far; none if still queued).
+    status: str
+    reason: str | None  # why it failed or stopped; None when ok
 
 
 @dataclasses.dataclass
@@ -156,19 +164,43 @@ def prefill_spans(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
 
 def check_serving(slots: int, refill: int | None) -> int:
     """The refill group size for continuous batching (default slots // 8, at least 1); InputError if either
-    number is out of range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to a half of
+    number is not an integer in range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to a half of
     an iteration) and a finished slot idles until its group is complete: groups of 1, 4 and 8 measured within 4 %
     of each other there, 8 ahead (benchmarks/results/e2e-2026-11-30-serve{2,3}-*.json)."""
+    slots = inputs.integer(slots, "slots")
     if slots < 1:
-        raise InputError(f"--slots must be >= 1, got {slots}")
-    refill = max(1, slots // 8) if refill is None else refill
+        raise InputError("{slots} must be >= 1, got {}", slots)
+    refill = max(1, slots // 8) if refill is None else inputs.integer(refill, "refill")
     if not 1 <= refill <= slots:
-        raise InputError(f"--refill must be in [1, --slots {slots}], got {refill}")
+        raise InputError("{refill} must be in [1, {slots} {}], got {}", slots, refill)
     return refill
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+class _Pacer:
+    """The step limit of each decode call of a run: `steps` iterations past the loop's count (None: no limit).
+    With `seconds`, the count adapts after every call so that calls last about that long at the last call's pace:
+    the host, which can react (to `stop`, say) only between calls, then waits about that long whatever the model,
+    batch and context. Each call may at most double the count, so that one fast call (most sequences finished,
+    say) does not make the next overshoot."""
+
+    def __init__(self, steps: int | None, seconds: float | None):
+        if steps is not None and (inputs.integer(steps, "steps_per_call") < 1):
+            raise InputError("{steps_per_call} must be None or >= 1, got {}", steps)
+        if seconds is not None and not inputs.real(seconds, "seconds_per_call") > 0:
+            raise InputError("{seconds_per_call} must be None or > 0, got {}", seconds)
+        self.steps = 1 if steps is None and seconds is not None else steps
+        self.seconds = seconds
+
+    def limit(self, step: int) -> int:
+        return INT32_MAX if self.steps is None else min(step + self.steps, INT32_MAX)
+
+    def update(self, iterations: int, elapsed: float) -> None:
+        if self.seconds is not None and iterations > 0 and elapsed > 0:
+            self.steps = max(1, min(2 * self.steps, int(iterations * self.seconds / elapsed)))
 
 
 class Engine:
@@ -180,55 +212,52 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], chat_template: bool | None = None) -> list[list[int]]:
-        """Strings are tokenized (through the chat template when the model has one, unless told otherwise);
-        lists of ids are taken as they are."""
-        if not prompts:
-            raise InputError("--prompt: no prompt given")
+        """The token ids of a batch of prompts (`inputs.prompt_batch`: a bare string is one prompt). Strings are
+        tokenized (through the chat template when the model has one, unless told otherwise); token ids are checked
+        and taken as they are."""
+        batch = inputs.prompt_batch(prompts, self.config.vocab_size)
+        if chat_template is not None:
+            chat_template = inputs.boolean(chat_template, "chat_template")
         use_template = self.tokenizer.chat_template is not None if chat_template is None else chat_template
         if use_template and self.tokenizer.chat_template is None:
-            raise InputError("--chat-template: the model has no chat template")
+            raise InputError("{chat_template}: the model has no chat template")
         encoded = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(batch):
             if isinstance(prompt, str):
-                if not prompt.strip():
-                    raise InputError(f"--prompt: prompt {i} is empty")
                 if use_template:
-                    ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                    prompt = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
                 else:
-                    ids = self.tokenizer.encode(prompt)
-            else:
-                ids = [int(t) for t in prompt]
-            if not ids:
-                raise InputError(f"--prompt: prompt {i} has no tokens")
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise InputError(f"--prompt: prompt {i} has token ids outside the vocabulary: {bad[:5]}")
-            encoded.append(list(ids))
+                    prompt = self.tokenizer.encode(prompt)
+                if not prompt:
+                    raise InputError("{prompts}: prompt {} has no tokens", i)
+            encoded.append(prompt)
         return encoded
 
     # ---- compilation ---------------------------------------------------------------------------------------
-    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions) -> None:
+    def check_input(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None) -> None:
         """InputError if these prompts cannot run with these options on this model: every check `generate` and
         `serve` make before they compile anything."""
-        self._plan(prompt_ids, options)
+        self._plan(self.encode_prompts(prompts, chat_template), GenerationOptions.check(options))
 
     def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
         model_max = self.config.max_position_embeddings
         longest = max(prompt_lens)
         if options.max_model_len is not None:
             if options.max_model_len > model_max:
-                raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's context of {model_max}")
+                raise InputError("{max_model_len} {} exceeds the model's context of {}", options.max_model_len,
+                                 model_max)
             limit = options.max_model_len
             if longest > limit:
-                raise InputError(f"--max-model-len: a prompt of {longest} tokens is longer than {limit}")
+                raise InputError("{max_model_len}: a prompt of {} tokens is longer than {}", longest, limit)
         else:
             limit = min(model_max, _round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
             if longest > limit:
-                raise InputError(f"--prompt: a prompt of {longest} tokens is longer than the model's context of {limit}")
+                raise InputError("{prompts}: a prompt of {} tokens is longer than the model's context of {}", longest,
+                                 limit)
         if longest + options.max_new_tokens > limit:
             raise InputError(
-                f"--max-new-tokens {options.max_new_tokens}: with a prompt of {longest} tokens it exceeds the "
-                f"context of {limit} tokens (--max-model-len)"
+                "{max_new_tokens} {}: with a prompt of {} tokens it exceeds the context of {} tokens ({max_model_len})",
+                options.max_new_tokens, longest, limit,
             )
         return limit
 
@@ -254,16 +283,16 @@ class Engine:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
         options.validate()
         if options.seed + len(ids) - 1 > INT32_MAX:
-            raise InputError(f"--seed {options.seed}: request i uses seed + i, which passes 2**31 - 1 for {len(ids)} "
-                             f"requests")
+            raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
+                             options.seed, len(ids))
         max_model_len = self._max_model_len([len(p) for p in ids], options)
         mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
         config = self._decode_config(options, mode, max_model_len)
         gamma, group = options.effective_gamma, self.config.num_heads // self.config.num_kv_heads
         most = config.verify_attention().scored_tokens_limit(group)
         if most is not None and gamma + 1 > most:
-            raise InputError(f"--gamma {gamma}: the verification kernel scores at most {most} tokens per sequence "
-                             f"for this model's heads (γ + 1 <= {most})")
+            raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
+                             "model's heads (γ + 1 <= {})", gamma, most, most)
         return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
 
     def _initial_state(self, ids, options, config, capacity, first_request: int) -> loop.DecodeState:
@@ -331,13 +360,14 @@ class Engine:
 
     def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
-        for tools, such as benchmarks, that time parts of an iteration themselves)."""
+        for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
+        not finite already is done there (`DecodeState.nonfinite`)."""
         ids = self.encode_prompts(prompts, chat_template)
+        options = GenerationOptions.check(options)
         config, capacity = self._plan(ids, options)
         timings = {}
         state = self._prefill(ids, options, config, capacity, timings, progress=progress)
         decode = self._compile_decode(config, state, timings)
-        self._raise_if_nonfinite(state.nonfinite)
         return Started(ids, config, state, decode, timings)
 
     def stream(
@@ -348,12 +378,17 @@ class Engine:
         chat_template: bool | None = None,
         steps_per_call: int | None = 16,
         progress: Callable[[str, int, int], None] | None = None,
+        seconds_per_call: float | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[list[list[int]] | GenerationResult]:
         """Yields the bootstrap step's token of each request, then, after every `steps_per_call` loop iterations,
         the new tokens of each request; last, the GenerationResult. `steps_per_call=None` runs the whole decode in
-        one device call."""
-        if steps_per_call is not None and steps_per_call < 1:
-            raise InputError(f"steps_per_call must be None or >= 1, got {steps_per_call}")
+        one device call. With `seconds_per_call`, the iterations per call adapt so that each call lasts about that
+        long (`_Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
+        True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
+        A request whose logits become non-finite stops alone ("failed"); the others go on."""
+        pacer = _Pacer(steps_per_call, seconds_per_call)
+        options = GenerationOptions.check(options)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params = started.state, started.timings, self.model.params
         batch = len(started.prompt_ids)
@@ -361,24 +396,21 @@ class Engine:
         yield [list(first[i]) if int(state.num_generated[i]) else [] for i in range(batch)]
 
         t0 = time.perf_counter()
-        seen = np.asarray(state.num_generated)
-        limit = INT32_MAX
-        while True:
-            step = int(state.step) + steps_per_call if steps_per_call else limit
-            state = started.decode(params, state, jnp.int32(min(step, limit)), jnp.int32(batch))
+        seen = num_generated = np.asarray(state.num_generated)
+        while not bool(np.all(np.asarray(state.done))) and not (stop is not None and stop()):
+            call_start, step = time.perf_counter(), int(state.step)
+            state = started.decode(params, state, jnp.int32(pacer.limit(step)), jnp.int32(batch))
             num_generated = np.asarray(state.num_generated)
-            if steps_per_call:
+            pacer.update(int(state.step) - step, time.perf_counter() - call_start)
+            if pacer.steps is not None:
                 output = np.asarray(state.output)
                 yield [list(output[i, seen[i] : num_generated[i]]) for i in range(batch)]
                 if progress:
                     progress("decode", int(num_generated.sum()), batch * options.max_new_tokens)
             seen = num_generated
-            if bool(np.all(np.asarray(state.done))) or not steps_per_call:
-                break
         jax.block_until_ready(state.output)
         timings["decode_s"] = time.perf_counter() - t0
-        self._raise_if_nonfinite(state.nonfinite)
-        if not steps_per_call:
+        if pacer.steps is None:
             output = np.asarray(state.output)
             yield [list(output[i, 1 : num_generated[i]]) for i in range(batch)]
         yield self._result(options, started.prompt_ids, self._host_rows(state), timings)
@@ -396,6 +428,9 @@ class Engine:
         refill: int | None = None,
         chat_template: bool | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        steps_per_call: int | None = None,
+        seconds_per_call: float | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Continuous batching: at most `slots` requests decode together. The loop returns to the host as soon as
         `refill` (`check_serving`) of them have finished or the queue holds fewer than that; as
@@ -408,9 +443,15 @@ class Engine:
         calls that start with every slot busy and requests still queued are "steady": their tokens/s
         (steady_decode_tokens_per_s) leaves out the drain at the end, where slots empty out. metrics.decode_calls
         has each call's busy slots, queue length, iterations, tokens and seconds.
+
+        `steps_per_call`, `seconds_per_call` and `stop` are `stream`'s: calls also return after that many
+        iterations, and `stop` is asked before every admission and call (queued requests that never started are
+        "interrupted" with no tokens). A failed request (non-finite logits) frees its slot like a finished one.
         """
         refill = check_serving(slots, refill)
+        pacer = _Pacer(steps_per_call, seconds_per_call)
         ids = self.encode_prompts(prompts, chat_template)
+        options = GenerationOptions.check(options)
         config, capacity = self._plan(ids, options)
         slots = min(slots, len(ids))
         refill = min(refill, slots)
@@ -425,7 +466,7 @@ class Engine:
         slot_request: list[int | None] = [None] * slots
         finished: dict[int, dict] = {}
         calls = []  # per decode call: busy slots at its start, iterations, tokens, seconds
-        while True:
+        while not (stop is not None and stop()):
             free = [i for i, r in enumerate(slot_request) if r is None]
             while queue and free:
                 group = [queue.pop() for _ in range(min(refill, len(queue), len(free)))]
@@ -450,9 +491,10 @@ class Engine:
             finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
             before, step = np.asarray(state.num_generated), int(state.step)
             t0 = time.perf_counter()
-            state = decode(params, state, jnp.int32(INT32_MAX), jnp.int32(finished_limit))
+            state = decode(params, state, jnp.int32(pacer.limit(step)), jnp.int32(finished_limit))
             jax.block_until_ready(state.done)
             elapsed = time.perf_counter() - t0
+            pacer.update(int(state.step) - step, elapsed)
             rows = self._host_rows(state)
             calls.append({
                 "busy_slots": len(occupied),
@@ -472,8 +514,12 @@ class Engine:
         steady = [c for c in calls if c["busy_slots"] == slots and c["queued"]]
         steady_s = sum(c["seconds"] for c in steady)
         steady_tokens = sum(c["tokens"] for c in steady)
-        rows = {k: np.stack([finished[r][k] for r in range(len(ids))]) for k in finished[0]}
-        self._raise_if_nonfinite(rows["nonfinite"])
+        rows = self._host_rows(state)
+        for slot, r in enumerate(slot_request):  # still decoding when `stop` ended the loop
+            if r is not None:
+                finished[r] = {k: v[slot] for k, v in rows.items()}
+        queued = {k: np.zeros_like(v[0]) for k, v in rows.items()}  # never started: no tokens, not done
+        rows = {k: np.stack([finished.get(r, queued)[k] for r in range(len(ids))]) for k in rows}
         result = self._result(options, ids, rows, timings)
         result.metrics.update(
             slots=slots,
@@ -499,12 +545,16 @@ class Engine:
             "accepted": np.asarray(state.metrics.accepted),
         }
 
-    def _raise_if_nonfinite(self, nonfinite) -> None:
-        bad = np.flatnonzero(np.asarray(nonfinite))
-        if bad.size:
-            raise NonFiniteLogitsError(
-                f"non-finite logits in request(s) {bad.tolist()}: generation stopped (check the checkpoint and --dtype)"
-            )
+    @staticmethod
+    def _status(rows: dict, i: int) -> tuple[str, str | None]:
+        """Request i's status and reason (RequestResult)."""
+        generated = int(rows["num_generated"][i])
+        if rows["nonfinite"][i]:
+            return "failed", (f"non-finite logits after {generated} generated tokens: this request stopped there "
+                              f"(check the checkpoint and the dtype)")
+        if not rows["done"][i]:
+            return "interrupted", f"stopped after {generated} generated tokens, before it finished"
+        return "ok", None
 
     def _result(self, options, ids, rows: dict, timings) -> GenerationResult:
         output, num_generated = rows["output"], rows["num_generated"]
@@ -512,12 +562,15 @@ class Engine:
         requests = []
         for i, prompt in enumerate(ids):
             tokens = output[i, : num_generated[i]].tolist()
+            status, reason = self._status(rows, i)
             requests.append(
                 RequestResult(
                     prompt_tokens=len(prompt),
                     tokens=tokens,
                     text=self.tokenizer.decode(tokens),
                     metrics=request_metrics(len(tokens), iterations[i], drafted[i], accepted[i]),
+                    status=status,
+                    reason=reason,
                 )
             )
         decode_tokens = int(np.maximum(num_generated - 1, 0).sum())  # the first token comes from prefill
@@ -525,4 +578,6 @@ class Engine:
         metrics["decode_tokens"] = decode_tokens
         metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
         metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
+        for status in ("failed", "interrupted"):
+            metrics[f"{status}_requests"] = [i for i, r in enumerate(requests) if r.status == status]
         return GenerationResult(options, requests, metrics)

@@ -6,11 +6,36 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from models.config import UnsupportedModelError
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+
+# Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
+CAUSE_CHARS = 400
 
 
 def load_model(model: str | Path | None, dtype=jnp.bfloat16) -> LoadedModel:
-    """None: the embedded SmolLM2 GGUF; a .gguf file; a vegas-jax Orbax folder; a Hugging Face folder."""
+    """None: the embedded SmolLM2 GGUF; a .gguf file; a vegas-jax Orbax folder; a Hugging Face folder.
+
+    Raises CheckpointError or UnsupportedModelError naming the file at fault: any other failure while reading
+    (a corrupt file deep inside a reader library, say) becomes a CheckpointError naming the checkpoint and the
+    innermost cause, the reader's exception being its __cause__."""
+    try:
+        return _load(model, dtype)
+    except (CheckpointError, UnsupportedModelError):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{model or 'the embedded model'}: cannot read the checkpoint: {cause(e)}") from e
+
+
+def cause(error: BaseException) -> str:
+    """The first line of the innermost exception that `error` was raised from, with its type."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:CAUSE_CHARS] if lines else ''}"
+
+
+def _load(model: str | Path | None, dtype) -> LoadedModel:
     # Each branch imports only its own loader: importing Orbax alone costs a noticeable fraction of a second.
     if model is None:
         from vegas_jax.loading.gguf import embedded_smollm2_path, load_gguf
