@@ -164,9 +164,9 @@ def prefill_spans(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
 
 def check_serving(slots: int, refill: int | None) -> int:
     """The refill group size for continuous batching (default slots // 8, at least 1); InputError if either
-    number is not an integer in range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to a half of
-    an iteration) and a finished slot idles until its group is complete: groups of 1, 4 and 8 measured within 4 %
-    of each other there, 8 ahead (benchmarks/results/e2e-2026-11-30-serve{2,3}-*.json)."""
+    number is not an integer in range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to
+    a half of an iteration) and a finished slot idles until its group is complete: groups of 1, 4 and 8 measured
+    within 4 % of each other there, 8 ahead (benchmarks/results/e2e-2026-11-30-serve{2,3}-*.json)."""
     slots = inputs.integer(slots, "slots")
     if slots < 1:
         raise InputError("{slots} must be >= 1, got {}", slots)

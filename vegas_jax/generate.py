@@ -208,26 +208,31 @@ def _load(model: str | None, dtype):
         raise InputError("--model {}: {}", model or "(the embedded SmolLM2)", message) from None
 
 
+def _pacing(interrupt: _Interrupt) -> dict:
+    """Engine.stream's and serve's arguments for device calls of about SECONDS_PER_CALL, which `interrupt` can stop
+    between."""
+    return dict(steps_per_call=1, seconds_per_call=SECONDS_PER_CALL, stop=interrupt)
+
+
 def _run(engine: Engine, prompts, options, args, progress, interrupt, *, stream: bool) -> GenerationResult:
-    """One generation, in device calls of about SECONDS_PER_CALL that `interrupt` can stop between."""
-    pacing = dict(steps_per_call=1, seconds_per_call=SECONDS_PER_CALL, stop=interrupt)
     try:
         if args.slots is not None:
             return engine.serve(prompts, options, slots=args.slots, refill=args.refill,
-                                chat_template=args.chat_template, progress=progress, **pacing)
-        return _stream(engine, prompts, options, args, progress, pacing, stream=stream)
+                                chat_template=args.chat_template, progress=progress, **_pacing(interrupt))
+        return _stream(engine, prompts, options, args, progress, interrupt, stream=stream)
     finally:
         progress.close()
         interrupt.decoding = False  # until the next run decodes, SIGINT interrupts at once
 
 
-def _stream(engine: Engine, prompts, options, args, progress, pacing, *, stream: bool) -> GenerationResult:
+def _stream(engine: Engine, prompts, options, args, progress, interrupt, *, stream: bool) -> GenerationResult:
     result = None
     batch = len(prompts)
     decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)] if stream else None
-    for item in engine.stream(prompts, options, chat_template=args.chat_template, progress=progress, **pacing):
+    items = engine.stream(prompts, options, chat_template=args.chat_template, progress=progress, **_pacing(interrupt))
+    for item in items:
         # The bootstrap step's tokens come first: prefill is done, and the stream asks `stop` before each call.
-        pacing["stop"].decoding = True
+        interrupt.decoding = True
         if isinstance(item, GenerationResult):
             result = item
         elif stream:
@@ -275,8 +280,11 @@ def _interrupted(out: dict, path: Path | None) -> int:
         finished = sum(r["status"] != "interrupted" for r in out["requests"])
         line += f": {finished} of {len(out['requests'])} requests finished"
         if path is not None:
-            _write_json(path, {**out, "interrupted": True})
-            line += f", written to {path}"
+            try:
+                _write_json(path, {**out, "interrupted": True})
+                line += f", written to {path}"
+            except InputError as e:
+                line += f"; error: {e.render(_flag)}"
     print(line, file=sys.stderr)
     return INTERRUPTED
 
