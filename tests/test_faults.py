@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -143,6 +144,8 @@ def test_library_errors_name_the_python_argument_and_the_cli_its_flag(engine):
         with pytest.raises(InputError) as e:
             engine.check_input(["hi"], options)
         assert str(e.value).startswith(library) and e.value.render(generate._flag).startswith(cli)
+        # Across processes too: pickled as template and values.
+        assert pickle.loads(pickle.dumps(e.value)).render(generate._flag) == e.value.render(generate._flag)
     with pytest.raises(InputError, match=r"^steps_per_call must be None or >= 1, got 0$"):
         next(engine.stream(["hi"], OPTIONS, steps_per_call=0))
     with pytest.raises(InputError, match=r"^chat_template must be True or False, got 'no' \(str\)$"):

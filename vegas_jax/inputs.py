@@ -35,6 +35,10 @@ class InputError(ValueError):
         """The message with every argument named by `name(python_name)`."""
         return self.template.format(*self.values, **{n: name(n) for n in self.names})
 
+    def __reduce__(self):
+        # Pickled (across processes) as template and values: the rendered message is no template.
+        return type(self), (self.template, *self.values)
+
 
 def _named(name: str) -> str:
     """A template field naming the argument `name`."""
