@@ -378,12 +378,16 @@ def test_json_is_never_half_written(monkeypatch, tmp_path):
 
 
 def test_sigint_stops_a_cli_run_within_a_second_or_so(tmp_path):
-    """A real SIGINT to `python -m vegas_jax.generate` once it prints tokens (16 requests x 2,000 tokens would
-    decode for about 20 s here): exit 130 within a few seconds, one line, and a JSON of what it generated."""
+    """A real SIGINT to `python -m vegas_jax.generate` once it prints tokens: 64 requests x 2,000 tokens (the
+    fixture without its stop tokens, which this random model emits within a few hundred) would decode for 15 s or
+    more. Exit 130 within a few seconds, one line, and a JSON of what it generated."""
+    model = Path(shutil.copytree(FIXTURE, tmp_path / "no-eos"))
+    for name, no_stop in [("tokenizer_config.json", {"eos_token": None}), ("generation_config.json", {"eos_token_id": []})]:
+        (model / name).write_text(json.dumps(json.loads((model / name).read_text()) | no_stop))
     path = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "vegas_jax.generate", "--model", str(FIXTURE), "--dtype", "float32", "--quiet",
+    cmd = [sys.executable, "-m", "vegas_jax.generate", "--model", str(model), "--dtype", "float32", "--quiet",
            "--max-model-len", "2048", "--max-new-tokens", "2000", "--stream", "--output-json", str(path),
-           *["--prompt", PROMPT] * 16]
+           *["--prompt", PROMPT] * 64]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     guard = threading.Timer(120, proc.kill)
     guard.start()
@@ -399,7 +403,7 @@ def test_sigint_stops_a_cli_run_within_a_second_or_so(tmp_path):
     assert proc.returncode == 130, err
     lines = err.splitlines()
     assert lines[0].startswith("config: ") and lines[1].startswith("loaded ")
-    assert lines[2:] == [f"interrupted (SIGINT): 0 of 16 requests finished, written to {path}"]
+    assert lines[2:] == [f"interrupted (SIGINT): 0 of 64 requests finished, written to {path}"]
     assert elapsed < 5
     doc = json.loads(path.read_text())
     assert doc["interrupted"] is True and {r["status"] for r in doc["requests"]} == {"interrupted"}
