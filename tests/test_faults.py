@@ -382,8 +382,9 @@ def test_sigint_stops_a_cli_run_within_a_second_or_so(tmp_path):
     fixture without its stop tokens, which this random model emits within a few hundred) would decode for 15 s or
     more. Exit 130 within a few seconds, one line, and a JSON of what it generated."""
     model = Path(shutil.copytree(FIXTURE, tmp_path / "no-eos"))
-    for name, no_stop in [("tokenizer_config.json", {"eos_token": None}), ("generation_config.json", {"eos_token_id": []})]:
-        (model / name).write_text(json.dumps(json.loads((model / name).read_text()) | no_stop))
+    no_stop = {"tokenizer_config.json": {"eos_token": None}, "generation_config.json": {"eos_token_id": []}}
+    for name, change in no_stop.items():
+        (model / name).write_text(json.dumps(json.loads((model / name).read_text()) | change))
     path = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "vegas_jax.generate", "--model", str(model), "--dtype", "float32", "--quiet",
            "--max-model-len", "2048", "--max-new-tokens", "2000", "--stream", "--output-json", str(path),
