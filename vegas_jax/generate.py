@@ -194,18 +194,14 @@ def _options(args) -> GenerationOptions:
 
 
 def _load(model: str | None, dtype):
-    """The checkpoint; any failure to read it is an InputError `--model PATH: cause`, PATH being the file at
-    fault where the loader names one inside the folder."""
+    """The checkpoint; any failure to read it is an InputError `--model PATH: cause`."""
     from models.config import UnsupportedModelError
-    from vegas_jax.loading import CheckpointError, load_model
+    from vegas_jax.loading import CheckpointError, load_model, where_and_why
 
     try:
         return load_model(model, dtype)
     except (CheckpointError, UnsupportedModelError) as e:
-        message = str(e)
-        if model is not None and message.startswith((str(Path(model)), str(Path(model).absolute()))):
-            raise InputError("--model {}", message) from None
-        raise InputError("--model {}: {}", model or "(the embedded SmolLM2)", message) from None
+        raise InputError("--model {}", where_and_why(model, e)) from None
 
 
 def _pacing(interrupt: _Interrupt) -> dict:

@@ -27,6 +27,15 @@ def load_model(model: str | Path | None, dtype=jnp.bfloat16) -> LoadedModel:
         raise CheckpointError(f"{model or 'the embedded model'}: cannot read the checkpoint: {cause(e)}") from e
 
 
+def where_and_why(model: str | Path | None, error: Exception) -> str:
+    """`PATH: cause` for an error of load_model(model), PATH being the file at fault where the message names one
+    inside the folder (loaders' messages start with the file they name), else the checkpoint."""
+    message = str(error)
+    if model is not None and message.startswith((str(Path(model)), str(Path(model).absolute()))):
+        return message
+    return f"{model or '(the embedded SmolLM2)'}: {message}"
+
+
 def cause(error: BaseException) -> str:
     """The first line of the innermost exception that `error` was raised from, with its type."""
     while error.__cause__ is not None:
@@ -63,4 +72,4 @@ def _load(model: str | Path | None, dtype) -> LoadedModel:
     )
 
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model"]
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "where_and_why"]
