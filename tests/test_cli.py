@@ -93,6 +93,8 @@ BAD_INPUT = {
     "blank-prompt": (["--prompt", "   "], ["--prompt"]),
     "no-prompt": ([], ["--prompt"]),
     "missing-prompt-file": (lambda tmp: ["--prompt-file", str(tmp / "absent.txt")], ["--prompt-file", "absent.txt"]),
+    "blank-prompt-file": (lambda tmp: ["--prompt", PROMPT, "--prompt-file", str(_a_file(tmp, " \n\t\n"))],
+                          ["--prompt-file", "plain-file", "empty"]),
     "missing-model": (lambda tmp: ["--model", str(tmp / "no-such-model"), "--prompt", PROMPT],
                       ["--model", "no-such-model"]),
     "not-a-checkpoint": (not_a_checkpoint, ["--model", "not-a-checkpoint"]),
@@ -132,9 +134,9 @@ BAD_INPUT = {
 }
 
 
-def _a_file(tmp_path: Path) -> Path:
+def _a_file(tmp_path: Path, text: str = "not a folder") -> Path:
     path = tmp_path / "plain-file"
-    path.write_text("not a folder")
+    path.write_text(text)
     return path
 
 

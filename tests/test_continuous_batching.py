@@ -71,10 +71,12 @@ def test_more_slots_than_requests(engine_and_prompts):
     assert [r.tokens for r in served.requests] == [r.tokens for r in engine.generate(batch[:2], options).requests]
 
 
-@pytest.mark.parametrize("slots,refill,flag", [(0, None, "--slots"), (4, 5, "--refill"), (4, 0, "--refill")])
-def test_bad_slots_or_refill(engine_and_prompts, slots, refill, flag):
+@pytest.mark.parametrize("slots,refill,argument", [(0, None, "slots"), (4, 5, "refill"), (4, 0, "refill"),
+                                                  (2.0, None, "slots"), (4, True, "refill")])
+def test_bad_slots_or_refill(engine_and_prompts, slots, refill, argument):
+    """Named as the Python caller wrote them (the CLI names its flags)."""
     engine, batch = engine_and_prompts
-    with pytest.raises(InputError, match=f"^{flag} "):
+    with pytest.raises(InputError, match=f"^{argument} "):
         engine.serve(batch, GREEDY, slots=slots, refill=refill)
 
 

@@ -30,11 +30,11 @@ class IdsTokenizer:
         return " ".join(map(str, ids))
 
 
-def tiny_engine(vocab=96, layers=2, seed=0, weight_scale=6.0, eos_ids=(), context=512) -> Engine:
+def tiny_engine(vocab=96, layers=2, seed=0, weight_scale=6.0, eos_ids=(), context=512, tied=True) -> Engine:
     config = ModelConfig(
         architecture="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers,
         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=context, tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=context, tie_word_embeddings=tied, qk_norm=True,
     )
     # Larger weights than an initialiser's make attention peaky, so a sparse draft really differs from the target.
     params = jax.tree.map(lambda x: x * weight_scale if x.ndim > 1 else x, init_params(config, jnp.float32, seed))
@@ -276,16 +276,17 @@ def _wrong_rule(keys, draft_tokens, draft_probs, target_probs, num_drafts):
     return accepted, sampling.sample_rows(residual_keys, p_row)
 
 
-def test_nonfinite_logits_stop_with_an_error():
-    """A NaN in the weights makes every logit NaN: generation must stop with an error, never emit a token."""
-    from vegas_jax.engine import NonFiniteLogitsError
-
+def test_nonfinite_logits_fail_the_request_without_a_token():
+    """A NaN in the weights makes every logit NaN: every request must fail, never emit a token. (One failing
+    request among healthy ones: tests/test_faults.py.)"""
     engine = tiny_engine()
     params = dict(engine.model.params)
     params["final_norm"] = {"scale": params["final_norm"]["scale"].at[3].set(jnp.nan)}
     broken = Engine(dataclasses.replace(engine.model, params=params))
-    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
-        broken.generate(prompts([10], engine.config.vocab_size), dataclasses.replace(GREEDY, method="vegas"))
+    result = broken.generate(prompts([10, 4], engine.config.vocab_size), dataclasses.replace(GREEDY, method="vegas"))
+    assert [(r.status, r.tokens) for r in result.requests] == [("failed", [])] * 2
+    assert all(r.reason.startswith("non-finite logits after 0 generated tokens") for r in result.requests)
+    assert result.metrics["failed_requests"] == [0, 1]
 
 
 def test_load_gives_an_engine_for_a_checkpoint():

@@ -36,7 +36,7 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating():
     engine = tiny_engine()
     limit, _ = device_bytes(engine.placement)
     rows = 2 * limit // (2 * 2 * 384 * 2 * 16 * 4)  # twice as many sequences' caches as the device holds
-    with pytest.raises(InputError, match=r"--max-model-len / --slots / --mesh: this run needs .* GiB per device"):
+    with pytest.raises(InputError, match=r"max_model_len / slots / mesh: this run needs .* GiB per device"):
         engine.generate([[1]] * rows, dataclasses.replace(GREEDY, max_new_tokens=8))
     assert not engine._compiled
 

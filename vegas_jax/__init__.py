@@ -11,25 +11,30 @@ points are `load` and the Engine's `generate` / `stream`.)
 
 from __future__ import annotations
 
-from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError, NonFiniteLogitsError
+import os
 
-__all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "NonFiniteLogitsError", "load"]
+from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
+
+__all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "load"]
 
 
 def load(model: str | None = None, dtype: str = "auto", mesh=None) -> Engine:
     """An Engine for a checkpoint (None: the embedded SmolLM2). dtype: auto (bf16 on GPU, float32 on CPU),
     bfloat16 or float32. mesh: a `jax.sharding.Mesh` with axes `data` (splits the batch) and `model` (splits heads
     and MLP units), either optional; the parameters are loaded straight into their shards and every generate /
-    stream / serve call runs on it. None: one device."""
+    stream / serve call runs on it. None: one device. A checkpoint that cannot be read raises CheckpointError
+    naming the file and the cause."""
     import jax
     import jax.numpy as jnp
 
     from vegas_jax.loading import load_model
     from vegas_jax.sharding import adopt_mesh
 
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InputError("{model} must be a path or None, got {!r} ({})", model, type(model).__name__)
     if dtype == "auto":
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     if dtype not in ("bfloat16", "float32"):
-        raise InputError(f"dtype must be auto, bfloat16 or float32, got {dtype!r}")
+        raise InputError("{dtype} must be auto, bfloat16 or float32, got {!r}", dtype)
     return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh)))
 

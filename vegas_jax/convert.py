@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import UnsupportedModelError
-from vegas_jax.loading import CheckpointError, load_model
+from vegas_jax.loading import CheckpointError, load_model, where_and_why
 from vegas_jax.loading.orbax_ckpt import save_orbax
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             loaded = load_model(args.model, DTYPES[args.dtype])
         except (CheckpointError, UnsupportedModelError) as e:
-            raise _UsageError(f"--model: {e}") from e
+            raise _UsageError(f"--model {where_and_why(args.model, e)}") from None
     except _UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

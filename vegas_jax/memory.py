@@ -20,7 +20,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.decoder import param_axes
 from models.logical_axes import HEADS, MLP
-from vegas_jax.errors import InputError
+from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
 
 # Fraction of a device's memory the estimate may take: the rest is for XLA's temporaries and fragmentation.
@@ -90,10 +90,11 @@ def check_fits(parts: dict, placement: Placement) -> None:
     """InputError naming the flags that shrink the plan when it does not fit one device."""
     limit, source = device_bytes(placement)
     if parts["total"] > MARGIN * limit:
+        gib = lambda key: f"{parts[key] / _GIB:.2f}"
         raise InputError(
-            f"--max-model-len / --slots / --mesh: this run needs {parts['total'] / _GIB:.2f} GiB per device "
-            f"(params {parts['params'] / _GIB:.2f}, KV cache {parts['kv_cache'] / _GIB:.2f}, decode state "
-            f"{parts['decode_state'] / _GIB:.2f}, step buffers {parts['largest_step_buffers'] / _GIB:.2f}) but a "
-            f"device has {limit / _GIB:.2f} GiB ({source}, {math.floor(MARGIN * 100)} % usable): shorten the "
-            f"context, run fewer sequences at once, or spread them over more devices"
+            "{max_model_len} / {slots} / {mesh}: this run needs {} GiB per device (params {}, KV cache {}, decode "
+            "state {}, step buffers {}) but a device has {:.2f} GiB ({}, {} % usable): shorten the context, run "
+            "fewer sequences at once, or spread them over more devices",
+            gib("total"), gib("params"), gib("kv_cache"), gib("decode_state"), gib("largest_step_buffers"),
+            limit / _GIB, source, math.floor(MARGIN * 100),
         )

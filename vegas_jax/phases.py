@@ -14,7 +14,7 @@ import numpy as np
 from vegas_jax import loop
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.engine import Engine, Started
-from vegas_jax.errors import InputError
+from vegas_jax.inputs import InputError
 
 
 def _time(fn, *args, reps: int = 5, donate: bool = False):
@@ -41,7 +41,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
     (the parameters above all) would be compiled in as constants, which times something else."""
     config, state, params = started.config, started.state, engine.model.params
     if config.placement.mesh is not None:
-        raise InputError("--phase-times: not on a --mesh (run it on one device)")
+        raise InputError("{phase_times}: not on a {mesh} (run it on one device)")
     gamma, batch = config.gamma, state.committed.shape[0]
     keys = loop.step_keys(state.keys, loop.request_step(state), gamma + 2)
     num_drafts = jnp.full((batch,), gamma, jnp.int32)

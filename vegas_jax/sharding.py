@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.decoder import TensorParallel
 from models.logical_axes import BATCH, HEADS, KV_HEADS, MLP, Axes, axes_of
-from vegas_jax.errors import InputError
+from vegas_jax.inputs import InputError
 
 DATA, MODEL = "data", "model"
 MESH_AXES = {BATCH: DATA, HEADS: MODEL, KV_HEADS: MODEL, MLP: MODEL}
@@ -141,14 +141,14 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\w+)\s*=\s*(\d+)\s*", part)
         if not match:
-            raise InputError(f"--mesh {text!r}: expected axis=size pairs such as data=2,model=4")
+            raise InputError("{mesh} {!r}: expected axis=size pairs such as data=2,model=4", text)
         name, size = match.group(1), int(match.group(2))
         if name not in sizes:
-            raise InputError(f"--mesh {text!r}: unknown axis {name!r} (axes: {DATA}, {MODEL})")
+            raise InputError("{mesh} {!r}: unknown axis {!r} (axes: data, model)", text, name)
         if name in seen:
-            raise InputError(f"--mesh {text!r}: axis {name!r} given twice")
+            raise InputError("{mesh} {!r}: axis {!r} given twice", text, name)
         if size < 1:
-            raise InputError(f"--mesh {text!r}: axis {name!r} must have size >= 1")
+            raise InputError("{mesh} {!r}: axis {!r} must have size >= 1", text, name)
         seen.add(name)
         sizes[name] = size
     return sizes
@@ -160,8 +160,8 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     count = sizes[DATA] * sizes[MODEL]
     if count != len(devices):
-        raise InputError(f"--mesh data={sizes[DATA]},model={sizes[MODEL]}: {count} devices, but "
-                         f"{len(devices)} are available ({devices[0].platform})")
+        raise InputError("{mesh} data={},model={}: {} devices, but {} are available ({})", sizes[DATA],
+                         sizes[MODEL], count, len(devices), devices[0].platform)
     # Model-parallel neighbours (whose collectives run every layer) adjacent in device order, which on a GPU host
     # is NVLink order; data shards only meet once per iteration.
     grid = np.asarray(devices, dtype=object).reshape(sizes[DATA], sizes[MODEL])
@@ -174,7 +174,7 @@ def adopt_mesh(mesh: Mesh) -> Mesh:
     names = tuple(mesh.axis_names)
     unknown = [n for n in names if n not in (DATA, MODEL)]
     if unknown:
-        raise InputError(f"mesh: unknown axis {unknown[0]!r}; the engine's mesh has axes {DATA!r} and {MODEL!r}")
+        raise InputError("{mesh}: unknown axis {!r}; the engine's mesh has axes 'data' and 'model'", unknown[0])
     sizes = {DATA: 1, MODEL: 1} | {n: mesh.shape[n] for n in names}
     grid = np.asarray(mesh.devices).transpose([names.index(n) for n in (DATA, MODEL) if n in names])
     return Mesh(grid.reshape(sizes[DATA], sizes[MODEL]), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -192,9 +192,9 @@ def check_model_fits(config: ModelConfig, placement: Placement) -> None:
                         ("MLP units", config.intermediate_size)):
         if count % m:
             raise InputError(
-                f"--mesh model={m}: the model's {count} {what} do not split evenly over {m} devices "
-                f"(it has {config.num_heads} query / {config.num_kv_heads} KV heads; a model axis must divide "
-                f"the KV heads)"
+                "{mesh} model={}: the model's {} {} do not split evenly over {} devices (it has {} query / {} KV "
+                "heads; a model axis must divide the KV heads)",
+                m, count, what, m, config.num_heads, config.num_kv_heads,
             )
 
 

@@ -11,13 +11,34 @@ import os
 
 import jax
 
+from vegas_jax.inputs import InputError
+
 BACKENDS = ("pallas", "interpret", "reference")
+# Pallas lowers to Triton on NVIDIA GPUs of compute capability 8.0 (Ampere) and newer (jax#26799).
+MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 def default_backend() -> str:
+    """The backend `VEGAS_KERNELS` names, or the platform's; InputError naming the variable for a value that is
+    not a backend or a backend this platform cannot run (pallas without a capable GPU)."""
     choice = os.environ.get("VEGAS_KERNELS", "auto")
+    if choice not in ("auto", *BACKENDS):
+        raise InputError("VEGAS_KERNELS must be auto or one of {}, got {!r}", ", ".join(BACKENDS), choice)
+    problem = _pallas_problem()
     if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if choice not in BACKENDS:
-        raise ValueError(f"VEGAS_KERNELS must be auto or one of {', '.join(BACKENDS)}, got {choice!r}")
+        return "reference" if problem else "pallas"
+    if choice == "pallas" and problem:
+        raise InputError("VEGAS_KERNELS=pallas: {}; use interpret (the kernels in interpret mode, slow) or reference",
+                         problem)
     return choice
+
+
+def _pallas_problem() -> str | None:
+    """Why this platform cannot run the Pallas GPU kernels, or None."""
+    if jax.default_backend() != "gpu":
+        return f"the Pallas kernels need a GPU, and JAX runs on {jax.default_backend()}"
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if capability.replace(".", "").isdigit() and tuple(map(int, capability.split("."))) < MIN_COMPUTE_CAPABILITY:
+        return f"the Pallas kernels need compute capability 8.0 or newer, GPU 0 has {capability}"
+    return None  # a newer NVIDIA GPU, or one that names no such number (ROCm's gfx names): left to the kernels
+

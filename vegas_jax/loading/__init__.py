@@ -6,12 +6,47 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from models.config import UnsupportedModelError
+from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+
+# Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
+CAUSE_CHARS = 400
 
 
 def load_model(model: str | Path | None, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
     """None: the embedded SmolLM2 GGUF; a .gguf file; a vegas-jax Orbax folder; a Hugging Face folder. mesh: the
-    (data, model) mesh to lay the parameters out on (vegas_jax.sharding.adopt_mesh), None for one device."""
+    (data, model) mesh to lay the parameters out on (vegas_jax.sharding.adopt_mesh), None for one device.
+
+    Raises CheckpointError or UnsupportedModelError naming the file at fault: any other failure while reading
+    (a corrupt file deep inside a reader library, say) becomes a CheckpointError naming the checkpoint and the
+    innermost cause, the reader's exception being its __cause__."""
+    try:
+        return _load(model, dtype, mesh)
+    except (CheckpointError, UnsupportedModelError, InputError):  # InputError: a mesh that cannot hold the model
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{model or 'the embedded model'}: cannot read the checkpoint: {cause(e)}") from e
+
+
+def where_and_why(model: str | Path | None, error: Exception) -> str:
+    """`PATH: cause` for an error of load_model(model), PATH being the file at fault where the message names one
+    inside the folder (loaders' messages start with the file they name), else the checkpoint."""
+    message = str(error)
+    if model is not None and message.startswith((str(Path(model)), str(Path(model).absolute()))):
+        return message
+    return f"{model or '(the embedded SmolLM2)'}: {message}"
+
+
+def cause(error: BaseException) -> str:
+    """The first line of the innermost exception that `error` was raised from, with its type."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:CAUSE_CHARS] if lines else ''}"
+
+
+def _load(model: str | Path | None, dtype, mesh) -> LoadedModel:
     # Each branch imports only its own loader: importing Orbax alone costs a noticeable fraction of a second.
     if model is None:
         from vegas_jax.loading.gguf import embedded_smollm2_path, load_gguf
@@ -39,4 +74,4 @@ def load_model(model: str | Path | None, dtype=jnp.bfloat16, mesh=None) -> Loade
     )
 
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model"]
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "where_and_why"]

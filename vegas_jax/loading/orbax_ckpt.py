@@ -9,6 +9,8 @@ It exists to load fast: no name mapping, transposes or dequantisation, just a pa
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -94,7 +96,7 @@ def load_orbax(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel
 
     target = jax.tree_util.tree_map_with_path(target, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with _pending_reads_drained(), ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_path, target)
     except (ValueError, KeyError, OSError) as e:
         # Orbax appends whole TensorStore specs to its messages; the first line says what went wrong.
@@ -111,3 +113,38 @@ def load_orbax(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel
         format="orbax",
         mesh=mesh,
     )
+
+
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that cancels the tasks still pending on it, and waits for them, before it closes.
+
+    Orbax restores all arrays through one asyncio.gather on an event loop of its own. When a read fails (a corrupt
+    data file), gather raises at once and Orbax closes its loop with the other reads still in flight: their
+    TensorStore callbacks then hit a closed loop ("Event loop is closed"), and their never-finished tasks are
+    collected at interpreter exit, printing dozens of tracebacks (the last an ImportError about sys.meta_path)
+    after the one line that reports the cause."""
+
+    def close(self):
+        pending = asyncio.all_tasks(self)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self):
+        return _DrainingLoop()
+
+
+@contextlib.contextmanager
+def _pending_reads_drained():
+    """Event loops created meanwhile (Orbax's) are _DrainingLoops. (Loop policies are deprecated from Python 3.14
+    on; Orbax offers no other way to reach its loop.)"""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)

@@ -1,0 +1,170 @@
+"""What the library receives, normalised and checked in one place before anything compiles: prompts (a string, or
+a 1-D sequence of integer token ids), batches of them, and the typed fields of option dataclasses.
+
+Errors name the argument at fault as the caller wrote it. `InputError` keeps its message as a template whose
+named fields are argument names: `str(error)` names the Python arguments (`max_new_tokens`), and the CLI renders
+the same error with its flags (`--max-new-tokens`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+class InputError(ValueError):
+    """Bad user input; the message starts with the argument (or flag, or variable) at fault.
+
+    `template` is a `str.format` string: its named fields are argument names, filled in by `render`'s naming
+    function; its positional fields are `values`, filled in as they are (a value may hold braces)."""
+
+    def __init__(self, template: str, *values: Any):
+        self.template, self.values = template, values
+        self.names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name: Callable[[str], str]) -> str:
+        """The message with every argument named by `name(python_name)`."""
+        return self.template.format(*self.values, **{n: name(n) for n in self.names})
+
+    def __reduce__(self):
+        # Pickled (across processes) as template and values: the rendered message is no template.
+        return type(self), (self.template, *self.values)
+
+
+def _named(name: str) -> str:
+    """A template field naming the argument `name`."""
+    return "{" + name + "}"
+
+
+def _is_integer(value: Any) -> bool:
+    # bool is an int subclass, but True is no count of tokens.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def integer(value: Any, name: str) -> int:
+    """`value` as a Python int: ints and numpy integers pass; bools, floats (even 4.0) and strings do not."""
+    if not _is_integer(value):
+        raise InputError(_named(name) + " must be an integer, got {!r} ({})", value, type(value).__name__)
+    return int(value)
+
+
+def real(value: Any, name: str) -> float:
+    """`value` as a Python float: ints, floats and their numpy kinds pass; bools and strings do not."""
+    if not (_is_integer(value) or isinstance(value, (float, np.floating))):
+        raise InputError(_named(name) + " must be a number, got {!r} ({})", value, type(value).__name__)
+    return float(value)
+
+
+def text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise InputError(_named(name) + " must be a string, got {!r} ({})", value, type(value).__name__)
+    return value
+
+
+def boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(_named(name) + " must be True or False, got {!r} ({})", value, type(value).__name__)
+    return bool(value)
+
+
+_CHECKS = {int: integer, float: real, str: text, bool: boolean}
+
+
+def plain_fields(obj: Any) -> dict[str, Any]:
+    """Every field of the dataclass `obj` annotated int, float, str or bool (optionally `| None`) checked against
+    its annotation and converted to a plain Python value; InputError names the field. Fields of other types are
+    left to their own checks."""
+    hints = typing.get_type_hints(type(obj))
+    values = {}
+    for field in dataclasses.fields(obj):
+        value, hint = getattr(obj, field.name), hints[field.name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        check = _CHECKS.get(kinds[0]) if len(kinds) == 1 or kinds[1:] == (type(None),) else None
+        if check is not None and not (value is None and type(None) in kinds):
+            values[field.name] = check(value, field.name)
+    return values
+
+
+def options_of(options: Any, cls: type[T]) -> T:
+    """`options` if it is a `cls`, with plain Python values of its fields' types (`plain_fields`). A dict is
+    refused rather than read by key: `cls(**d)` says which key is unknown, a silent reading would not."""
+    if isinstance(options, Mapping):
+        raise InputError("{options} must be a {}, not a dict: pass {}(**options)", cls.__name__, cls.__name__)
+    if not isinstance(options, cls):
+        raise InputError("{options} must be a {}, got {}", cls.__name__, type(options).__name__)
+    return dataclasses.replace(options, **plain_fields(options))
+
+
+def _as_array(value: Any) -> np.ndarray | None:
+    """numpy and JAX arrays (anything with __array__) as a numpy array; None for anything else."""
+    return np.asarray(value) if hasattr(value, "__array__") else None
+
+
+def _token_ids(prompt: Any, index: int, vocab_size: int) -> list[int]:
+    array = _as_array(prompt)
+    if array is not None:
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise InputError("{prompts}: prompt {} is an array of shape {} and dtype {}; a prompt of token ids is "
+                             "1-D and of integers", index, array.shape, array.dtype)
+        ids = array.tolist()
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
+        ids = list(prompt)
+        for position, token in enumerate(ids):
+            if not _is_integer(token):
+                raise InputError("{prompts}: prompt {} has a token id that is not an integer at position {}: {!r} "
+                                 "({})", index, position, token, type(token).__name__)
+        ids = [int(t) for t in ids]
+    elif isinstance(prompt, bytes):
+        raise InputError("{prompts}: prompt {} is bytes; decode it to a str", index)
+    else:
+        raise InputError("{prompts}: prompt {} is a {}; a prompt is a string or a sequence of token ids", index,
+                         type(prompt).__name__)
+    if not ids:
+        raise InputError("{prompts}: prompt {} has no tokens", index)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InputError("{prompts}: prompt {} has token ids outside the vocabulary [0, {}): {}", index, vocab_size,
+                         bad[:5])
+    return ids
+
+
+def prompt_batch(prompts: Any, vocab_size: int) -> list[str | list[int]]:
+    """A batch of prompts as a list of strings and lists of Python ints. A batch is a list or tuple of prompts, or
+    a 2-D integer array (one prompt a row); a bare string is one prompt, never a sequence of characters. A prompt is
+    a string with more than whitespace, or a 1-D sequence (list, tuple, numpy or JAX array) of integer token ids
+    within the vocabulary: bools, floats and numeric strings are refused, not truncated. A flat list of integers is
+    refused as ambiguous (one prompt, or many one-token ones): one prompt of ids is `[ids]`."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    array = _as_array(prompts)
+    if array is not None:
+        if array.ndim != 2 or array.dtype.kind not in "iu":
+            raise InputError("{prompts}: an array of prompts must be 2-D and of integer token ids (one prompt a row), "
+                             "got shape {} and dtype {}", array.shape, array.dtype)
+        prompts = array.tolist()
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise InputError("{prompts} must be a list of prompts (strings or sequences of token ids), got {}",
+                         type(prompts).__name__)
+    if not prompts:
+        raise InputError("{prompts}: no prompt given")
+    if all(_is_integer(p) for p in prompts):
+        raise InputError("{prompts} is a flat sequence of integers; a batch is a list of prompts, so one prompt of "
+                         "token ids is [ids]")
+    batch = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("{prompts}: prompt {} is empty (whitespace only)", i)
+            batch.append(prompt)
+        else:
+            batch.append(_token_ids(prompt, i, vocab_size))
+    return batch
