@@ -12,7 +12,6 @@ a CPU, so the kernel path is tied to the tested jnp path instead: the same seeds
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -89,10 +88,6 @@ def tiny_sampler() -> Engine:
 
 @pytest.fixture(scope="module")
 def model():
-    return model_and_logits()
-
-
-def model_and_logits():
     engine = tiny_sampler()
     prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
     # Logits of every continuation t1..t4 in one dense pass: row PROMPT_LENGTH - 1 + i of sequence (t1..t4) is
