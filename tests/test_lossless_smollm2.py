@@ -1,11 +1,15 @@
-"""Greedy losslessness on the real SmolLM2-135M-Instruct (float32): every selection policy reproduces plain greedy
-decoding token for token, for a batch of three prompts of different lengths, one of which stops on EOS."""
+"""Greedy decoding on the real SmolLM2-135M-Instruct (float32) through `Engine.generate`: plain decoding and Vegas
+against Hugging Face transformers' greedy continuations (tests/fixtures/smollm2/greedy.json), and every selection
+policy against plain greedy decoding token for token, for a batch of three prompts of different lengths, one of
+which stops on EOS."""
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import textwrap
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -15,6 +19,7 @@ from vegas_jax.loading import load_model
 from vegas_jax.selection import POLICIES
 
 pytestmark = pytest.mark.slow
+GREEDY_CASES = {c["kind"]: c for c in json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "greedy.json").read_text())}
 
 # A small budget floor, so that the drafts' attention really is sparse at these prompt lengths.
 OPTIONS = GenerationOptions(max_new_tokens=128, gamma=6, sparse_ratio=0.07, min_sparse_tokens=24, max_model_len=1024,
@@ -45,3 +50,22 @@ def test_greedy_speculative_equals_plain_smollm2(setup, method):
         assert spec.tokens == ref.tokens, f"request {i} differs from plain decoding"
     # Real weights and real text: drafts are mostly right, so τ is well above 1.
     assert result.metrics["tau"] > 2.0
+
+
+@pytest.mark.parametrize("method", ["ar", "vegas"])
+def test_generate_equals_transformers_greedy(setup, method):
+    """The fixtures' prompts, encoded by the engine (plain text; the chat template), and 32 greedy tokens from
+    `generate`, against transformers' (its smallest top-1/top-2 logit margin on these paths: 0.0135). The third
+    request, the module's first prompt, keeps the compiled shapes of the tests above (batch 3, 128-token chunks)."""
+    engine, batch, plain = setup
+    text, chat = GREEDY_CASES["plain"], GREEDY_CASES["chat"]
+    (message,) = chat["prompt"]
+    assert message["role"] == "user"
+    ids = [engine.encode_prompts([text["prompt"]], chat_template=False)[0],
+           engine.encode_prompts([message["content"]], chat_template=True)[0]]
+    assert ids == [text["prompt_ids"], chat["prompt_ids"]]
+    new = len(text["new_ids"])
+    assert new == len(chat["new_ids"]) == 32 and not set(engine.tokenizer.eos_ids) & set(text["new_ids"] + chat["new_ids"])
+    options = dataclasses.replace(OPTIONS, method=method, max_new_tokens=new)
+    result = engine.generate(ids + batch[:1], options, steps_per_call=None)
+    assert [r.tokens for r in result.requests] == [text["new_ids"], chat["new_ids"], plain.requests[0].tokens[:new]]

@@ -4,6 +4,7 @@ tests/fixtures/make_hf_fixtures_smollm2.py), plus the Hugging Face folder format
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -188,3 +189,119 @@ def test_missing_tokenizer_config_names_it(saved, tmp_path):
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(CheckpointError, match="tokenizer_config.json"):
         Tokenizer.from_hf_folder(folder)
+
+
+# ---- the GGUF `llama-bpe` pre-tokenizer (Llama 3) -------------------------------------------------------------
+# No Llama 3 vocabulary is available offline, so the expected ids come from an independent construction: the
+# pieces Llama 3's split regex (Meta's tokenizer.py, llama.cpp's LLAMA3 pre-type) cuts each string into, worked out
+# by hand below, encoded with tiktoken's algorithm (Llama 3's tokenizer is tiktoken) written out in Python: a
+# piece that is itself in the vocabulary is its own token, else its bytes are merged pairwise, lowest rank first.
+# The vocabulary is a small byte-level BPE trained on those pieces, stored as llama.cpp's converter stores a
+# tiktoken vocabulary (ranks as ids; every split of a token into two lower-ranked tokens as a merge).
+
+LLAMA3_PIECES = {
+    "I'M here": ["I", "'M", " here"],  # contractions in any case
+    "12345 apples": ["123", "45", " apples"],  # digits in groups of at most three
+    "(hello)": ["(hello", ")"],  # one non-letter joins the letters after it
+    "a\n\n  b": ["a", "\n\n", " ", " b"],  # newlines apart; the space before a word stays with it
+    "don't STOP": ["don", "'t", " STOP"],
+    "x=1000000;": ["x", "=", "100", "000", "0", ";"],
+    "über café": ["über", " café"],
+    "hi  \n": ["hi", "  \n"],
+}
+# A token that lowest-rank-first merging never reaches in its own piece ("qv" and "jk" meet "vj", ranked first, in
+# "qvjk"): tiktoken, llama.cpp's llama-bpe and transformers' Llama 3 tokenizer (ignore_merges) emit it whole.
+UNREACHABLE = [b"vj", b"qv", b"jk", b"qvjk"]
+UNREACHABLE_TEXT = "qvjk"
+
+
+def _byte_level(data: bytes) -> str:
+    """GPT-2's byte-to-unicode map, which byte-level BPE vocabularies spell their tokens in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = dict(zip(printable + others, [*map(chr, printable), *(chr(256 + i) for i in range(len(others)))]))
+    return "".join(table[b] for b in data)
+
+
+def _train_ranks(pieces: list[bytes], merges: int) -> dict[bytes, int]:
+    """Byte-level BPE: the 256 bytes, then `merges` times the most frequent adjacent pair inside the pieces."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [[bytes([b]) for b in p] for p in pieces]
+    for _ in range(merges):
+        pairs: dict[tuple[bytes, bytes], int] = {}
+        for w in words:
+            for pair in zip(w, w[1:]):
+                pairs[pair] = pairs.get(pair, 0) + 1
+        if not pairs:
+            break
+        left, right = max(pairs, key=lambda p: (pairs[p], p))
+        ranks.setdefault(left + right, len(ranks))
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == (left, right):
+                    w[i : i + 2] = [left + right]
+                i += 1
+    return ranks
+
+
+def _tiktoken_encode(pieces: list[bytes], ranks: dict[bytes, int]) -> list[int]:
+    ids = []
+    for piece in pieces:
+        if piece in ranks:
+            ids.append(ranks[piece])
+            continue
+        parts = [bytes([b]) for b in piece]
+        while len(parts) > 1:
+            rank, i = min((ranks.get(parts[i] + parts[i + 1], math.inf), i) for i in range(len(parts) - 1))
+            if rank == math.inf:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        ids += [ranks[p] for p in parts]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def llama3_vocab() -> dict[bytes, int]:
+    pieces = [p.encode() for ps in LLAMA3_PIECES.values() for p in ps]
+    ranks = _train_ranks(pieces, merges=60)
+    for token in UNREACHABLE:
+        ranks.setdefault(token, len(ranks))
+    return ranks
+
+
+def _gguf_tokenizer(tmp_path: Path, ranks: dict[bytes, int], pre: str) -> Tokenizer:
+    by_id = sorted(ranks, key=ranks.get)
+    merges = [  # as llama.cpp's converter writes a tiktoken vocabulary's merges
+        f"{_byte_level(t[:i])} {_byte_level(t[i:])}"
+        for t in by_id
+        for i in range(1, len(t))
+        if ranks.get(t[:i], math.inf) < ranks[t] and ranks.get(t[i:], math.inf) < ranks[t]
+    ]
+    path = tmp_path / f"{pre}.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([_byte_level(t) for t in by_id])
+    writer.add_token_types([1] * len(by_id))
+    writer.add_token_merges(merges)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Tokenizer.from_gguf(gguf.GGUFReader(path))
+
+
+def test_llama_bpe_splits_and_merges_as_llama3(tmp_path, llama3_vocab):
+    tok = _gguf_tokenizer(tmp_path, llama3_vocab, "llama-bpe")
+    for text, pieces in LLAMA3_PIECES.items():
+        expected = _tiktoken_encode([p.encode() for p in pieces], llama3_vocab)
+        assert tok.encode(text) == expected, text
+        assert tok.decode(expected) == text
+    assert tok.encode(UNREACHABLE_TEXT) == [llama3_vocab[b"qvjk"]]
+    # GPT-2's split ('default') gives other ids where its pieces cross Llama 3's (contractions in upper case,
+    # punctuation before a word, long numbers): the checks above see the pre-tokenizer. (Elsewhere the merges,
+    # learned inside Llama 3's pieces, happen to cut GPT-2's pieces at the same places.)
+    gpt2 = _gguf_tokenizer(tmp_path, llama3_vocab, "default")
+    differ = [text for text in LLAMA3_PIECES if gpt2.encode(text) != tok.encode(text)]
+    assert differ == ["I'M here", "(hello)", "x=1000000;"]

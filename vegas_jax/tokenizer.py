@@ -67,6 +67,11 @@ _GGUF_PRE_TOKENIZERS = {
 }
 
 
+# Pre-types whose vocabulary comes from tiktoken, which looks a whole piece up before merging (llama.cpp sets
+# ignore_merges for them).
+_WHOLE_PIECES_FIRST = {"llama-bpe"}
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -128,6 +133,9 @@ class Tokenizer:
                 vocab={token: i for i, token in enumerate(tokens)},
                 merges=[tuple(m.split(" ")) for m in merges],
                 fuse_unk=False,
+                # Llama 3 is tiktoken: a piece that is itself a token is emitted whole, even where the merges would
+                # split it (llama.cpp's llama-bpe and transformers' Llama 3 tokenizer.json do the same).
+                ignore_merges=pre in _WHOLE_PIECES_FIRST,
             )
         )
         backend.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
