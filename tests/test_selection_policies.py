@@ -16,7 +16,8 @@ from models.attention import NewTokens, rope_tables
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from vegas_jax.attention.verify import SCORE_MODES, SCORE_ROWS, ScoreRequest, VerifyAttention
-from vegas_jax.selection import Budget, SelectContext, Selection, make_policy, set_rows
+from vegas_jax.loop import replace_rows
+from vegas_jax.selection import Budget, SelectContext, Selection, make_policy
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 2, 2, 2, 16
 HEADS = KV_HEADS * GROUP
@@ -335,7 +336,8 @@ def retrieval_selection(budget, scores, accepted, committed, candidates_end):
 
 def test_retrieval_refreshes_its_chunks_every_4_iterations_of_each_request():
     """Fresh chunks at the bootstrap selection and at every 4th iteration of a request, the previous ones in
-    between; a request admitted into a running batch (`admit_state`) keeps its own rhythm."""
+    between; a request admitted into a running batch (`loop.replace_rows`, as `loop.admit` does) keeps its own
+    rhythm."""
     rng = np.random.default_rng(9)
     budget = Budget.for_length(0.6, CHUNK, CAPACITY - GAMMA - 1)
     policy = make_policy("retrieval", budget, GAMMA)
@@ -368,10 +370,8 @@ def test_retrieval_refreshes_its_chunks_every_4_iterations_of_each_request():
             joining, joining_state, (want_j, recent_j) = select(policy.empty_selection(LAYERS, 1), joining_state,
                                                                  np.array([90]), np.zeros(1, int), first=True)
             slot = jnp.asarray([1], jnp.int32)
-            selection = Selection(set_rows(selection.indices, joining.indices, slot, axis=1),
-                                  set_rows(selection.counts, joining.counts, slot, axis=1),
-                                  set_rows(selection.recent_start, joining.recent_start, slot))
-            state = policy.admit_state(state, joining_state, slot)
+            selection = replace_rows(selection, joining, slot)  # what loop.admit does to these parts of the state
+            state = replace_rows(state, joining_state, slot)
             committed[1], since[1], current[1] = 90, 0, (want_j[0], recent_j[0])
         accepted = rng.integers(0, GAMMA + 1, 2)
         committed = committed + accepted + 1

@@ -341,11 +341,17 @@ def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, confi
     local_batch = running.committed.shape[0]
     local_slots = slots - config.placement.first_row(local_batch)
     local_slots = jnp.where((local_slots >= 0) & (local_slots < local_batch), local_slots, local_batch)
+    return replace_rows(running, joining, local_slots)
+
+
+def replace_rows(running, joining, slots: jax.Array):
+    """`running` (a pytree of dataclasses whose arrays declare their logical axes) with rows `slots` of every
+    array's batch axis replaced by `joining`'s rows; slots past the batch drop their row."""
 
     def take(axes: Axes, old: jax.Array, new: jax.Array) -> jax.Array:
         if BATCH not in axes:
             return old
-        index = (slice(None),) * axes.index(BATCH) + (local_slots,)
+        index = (slice(None),) * axes.index(BATCH) + (slots,)
         return old.at[index].set(new, mode="drop")
 
     return jax.tree.map(take, axes_of(running), running, joining)
