@@ -258,6 +258,10 @@ class Engine:
         """What a run of these prompts (with `slots`: served through that many) would compile and allocate, without
         doing either: the mesh, the compiled shapes and the bytes per device (vegas_jax.memory). InputError if it
         does not fit."""
+        return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill)[2]
+
+    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None) -> tuple[loop.DecodeConfig, int, dict]:
+        """(loop configuration, cache capacity, `plan`'s summary) once the run is known to fit its devices."""
         config, capacity = self._plan(prompt_ids, options)
         batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
         p = self.placement
@@ -269,7 +273,7 @@ class Engine:
                                                                      options, p),
                                    refill=None if slots is None else self._batch_rows(check_serving(slots, refill)))
         memory.check_fits(estimate, p)
-        return {
+        return config, capacity, {
             "placement": p.describe(),
             "mesh": {"data": p.data_shards, "model": p.model_shards},
             "backend": p.backend,
@@ -362,9 +366,6 @@ class Engine:
             self._compiled[key] = compile_jitted(program, *args, donate=donate)
         return self._compiled[key]
 
-    def _put(self, host, axes: Axes, placement: Placement):
-        return placement.put(np.asarray(host), axes)
-
     # ---- generation ----------------------------------------------------------------------------------------
     def _initial_state(self, ids, options, config, capacity, first_request: int, *, rows: int | None = None,
                        finished: bool = False) -> loop.DecodeState:
@@ -407,7 +408,7 @@ class Engine:
         p_axes, cache_axes, state_axes = param_axes(params), axes_of(state.cache), axes_of(state)
         prefill = {}
         for size in sorted({size for _, size in spans}):
-            steps = (self._put(np.zeros((batch, size), np.int32), loop.PREFILL_TOKENS_AXES, placement),) * 2
+            steps = (placement.put(np.zeros((batch, size), np.int32), loop.PREFILL_TOKENS_AXES),) * 2
             prefill[size] = self._compile(
                 "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
                 in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
@@ -421,9 +422,8 @@ class Engine:
         cache = state.cache
         for step, (start, size) in enumerate(spans):
             positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
-            cache = prefill[size](params, cache, self._put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES,
-                                                           placement),
-                                  self._put(positions, loop.PREFILL_TOKENS_AXES, placement))
+            chunk_tokens = placement.put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES)
+            cache = prefill[size](params, cache, chunk_tokens, placement.put(positions, loop.PREFILL_TOKENS_AXES))
             if progress:
                 progress("prefill", step + 1, len(spans))
         state = bootstrap(params, dataclasses.replace(state, cache=cache))
@@ -448,8 +448,7 @@ class Engine:
         not finite already is done there (`DecodeState.nonfinite`)."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        self.plan(ids, options)  # refuses what cannot fit before anything is allocated
-        config, capacity = self._plan(ids, options)
+        config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
         timings = {}
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
                               progress=progress)
@@ -486,12 +485,12 @@ class Engine:
         yield [list(first[i]) if int(seen[i]) else [] for i in range(batch)]
 
         t0 = time.perf_counter()
-        num_generated, done = seen, self._fetch(config, state.done)
+        num_generated, done, step = seen, *self._fetch(config, (state.done, state.step))
         while not bool(np.all(done)) and not (stop is not None and stop()):
-            call_start, step = time.perf_counter(), int(self._fetch(config, state.step))
-            state = started.decode(params, state, np.int32(pacer.limit(step)), np.int32(rows))
-            num_generated, done, new_step = self._fetch(config, (state.num_generated, state.done, state.step))
-            pacer.update(int(new_step) - step, time.perf_counter() - call_start)
+            call_start, before = time.perf_counter(), int(step)
+            state = started.decode(params, state, np.int32(pacer.limit(before)), np.int32(rows))
+            num_generated, done, step = self._fetch(config, (state.num_generated, state.done, state.step))
+            pacer.update(int(step) - before, time.perf_counter() - call_start)
             if pacer.steps is not None:
                 output = self._fetch(config, state.output)
                 yield [list(output[i, seen[i] : num_generated[i]]) for i in range(batch)]
@@ -546,8 +545,7 @@ class Engine:
             raise InputError("{slots} {}: must be a multiple of the mesh's data axis ({mesh} data={})", slots, data)
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        self.plan(ids, options, slots=slots, refill=refill)
-        config, capacity = self._plan(ids, options)
+        config, capacity, _ = self._fitted_plan(ids, options, slots=slots, refill=refill)
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))
         refill = min(refill, slots)
@@ -571,8 +569,7 @@ class Engine:
                 padded = group + [group[-1]] * (refill - len(group))
                 joining = self._prefill([ids[r] for r in padded], options, config, capacity, timings,
                                         first_request=group[0], rows=group_rows)
-                into = self._put(np.asarray(targets + [slots] * (group_rows - len(group)), np.int32), Axes(None),
-                                 placement)
+                into = placement.put(np.asarray(targets + [slots] * (group_rows - len(group)), np.int32), Axes(None))
                 t0 = time.perf_counter()
                 running_axes = axes_of(state)
                 admit = self._compile("admit", loop.admit, state, joining, into, donate=(0,), layout=placement,
@@ -594,12 +591,13 @@ class Engine:
             state = decode(params, state, np.int32(pacer.limit(int(step))), np.int32(finished_limit))
             jax.block_until_ready(state.done)
             elapsed = time.perf_counter() - t0
-            pacer.update(int(self._fetch(config, state.step)) - int(step), elapsed)
+            iterations = int(self._fetch(config, state.step)) - int(step)
+            pacer.update(iterations, elapsed)
             rows = self._host_rows(config, state)
             calls.append({
                 "busy_slots": len(occupied),
                 "queued": len(queue),
-                "iterations": int(self._fetch(config, state.step)) - int(step),
+                "iterations": iterations,
                 "tokens": int((rows["num_generated"] - before)[occupied].sum()),
                 "seconds": elapsed,
             })

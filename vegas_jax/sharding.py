@@ -66,12 +66,9 @@ class Placement:
         return TensorParallel(MODEL, self.model_shards) if self.model_shards > 1 else TensorParallel()
 
     # ---- inside a program: collectives over the mesh axes (no-ops without a mesh) ---------------------------
-    def sum_over_model(self, x):
-        """Sums per-shard partial results (a pytree: one collective) over the model axis."""
-        return jax.lax.psum(x, MODEL) if self.model_shards > 1 else x
-
     def mean_over_model(self, x):
-        """The mean over all heads from each shard's mean over its own (every shard holds as many heads)."""
+        """The mean over all heads from each shard's mean over its own (every shard holds as many heads); a pytree
+        is one collective."""
         if self.model_shards == 1:
             return x
         return jax.tree.map(lambda s: s / self.model_shards, jax.lax.psum(x, MODEL))
