@@ -249,6 +249,21 @@ def test_smollm2_on_data2_model3_equals_one_device():
     assert "unknown axis 'modle'" in out["bad_meshes"]["data=2,modle=3"]["stderr"]
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--coordinator", "127.0.0.1:1"], "error: --coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "error: --process-id 2: must be in [0, --num-processes 2)"),
+])
+def test_bad_multi_host_flags_are_one_line(flags, needle):
+    from vegas_jax.generate import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([*flags, "--prompt", "hi", "--quiet"])
+    assert code == 2 and err.getvalue().strip().splitlines() == [err.getvalue().strip()]
+    assert err.getvalue().startswith(needle), err.getvalue()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
