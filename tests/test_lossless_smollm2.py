@@ -42,7 +42,8 @@ def setup():
     return engine, batch, plain
 
 
-def assert_equals_plain(setup, method):
+@pytest.mark.parametrize("method", POLICIES)
+def test_greedy_speculative_equals_plain_smollm2(setup, method):
     engine, batch, plain = setup
     result = engine.generate(batch, dataclasses.replace(OPTIONS, method=method), steps_per_call=None)
     for i, (spec, ref) in enumerate(zip(result.requests, plain.requests)):
@@ -51,42 +52,21 @@ def assert_equals_plain(setup, method):
     assert result.metrics["tau"] > 2.0
 
 
-# Two classes, two scopes for `--dist loadscope`: each of two workers sets the model up once and runs half of the
-# policies (each compiles its own loop for SmolLM2's 30 layers), where one scope would leave one worker with all.
-SCORED, BASELINES = ["vegas", "vegas-all", "last"], ["streaming", "quest", "retrieval"]
-
-
-def test_the_two_halves_cover_every_policy():
-    assert sorted(SCORED + BASELINES) == sorted(POLICIES)
-
-
-class TestScoredPolicies:
-    @pytest.mark.parametrize("method", SCORED)
-    def test_greedy_speculative_equals_plain_smollm2(self, setup, method):
-        assert_equals_plain(setup, method)
-
-
-class TestBaselinesAndTransformers:
-    @pytest.mark.parametrize("method", BASELINES)
-    def test_greedy_speculative_equals_plain_smollm2(self, setup, method):
-        assert_equals_plain(setup, method)
-
-    @pytest.mark.parametrize("method", ["ar", "vegas"])
-    def test_generate_equals_transformers_greedy(self, setup, method):
-        """The fixtures' prompts, encoded by the engine (plain text; the chat template), and 32 greedy tokens from
-        `generate`, against transformers' (its smallest top-1/top-2 logit margin on these paths: 0.0135). The third
-        request, the module's first prompt, keeps the compiled shapes of the tests above (batch 3, 128-token
-        chunks)."""
-        engine, batch, plain = setup
-        text, chat = GREEDY_CASES["plain"], GREEDY_CASES["chat"]
-        (message,) = chat["prompt"]
-        assert message["role"] == "user"
-        ids = [engine.encode_prompts([text["prompt"]], chat_template=False)[0],
-               engine.encode_prompts([message["content"]], chat_template=True)[0]]
-        assert ids == [text["prompt_ids"], chat["prompt_ids"]]
-        new = len(text["new_ids"])
-        assert new == len(chat["new_ids"]) == 32
-        assert not set(engine.tokenizer.eos_ids) & set(text["new_ids"] + chat["new_ids"])  # the fixture ran on past EOS
-        options = dataclasses.replace(OPTIONS, method=method, max_new_tokens=new)
-        result = engine.generate(ids + batch[:1], options, steps_per_call=None)
-        assert [r.tokens for r in result.requests] == [text["new_ids"], chat["new_ids"], plain.requests[0].tokens[:new]]
+@pytest.mark.parametrize("method", ["ar", "vegas"])
+def test_generate_equals_transformers_greedy(setup, method):
+    """The fixtures' prompts, encoded by the engine (plain text; the chat template), and 32 greedy tokens from
+    `generate`, against transformers' (its smallest top-1/top-2 logit margin on these paths: 0.0135). The third
+    request, the module's first prompt, keeps the compiled shapes of the tests above (batch 3, 128-token chunks)."""
+    engine, batch, plain = setup
+    text, chat = GREEDY_CASES["plain"], GREEDY_CASES["chat"]
+    (message,) = chat["prompt"]
+    assert message["role"] == "user"
+    ids = [engine.encode_prompts([text["prompt"]], chat_template=False)[0],
+           engine.encode_prompts([message["content"]], chat_template=True)[0]]
+    assert ids == [text["prompt_ids"], chat["prompt_ids"]]
+    new = len(text["new_ids"])
+    assert new == len(chat["new_ids"]) == 32
+    assert not set(engine.tokenizer.eos_ids) & set(text["new_ids"] + chat["new_ids"])  # the fixture ran on past EOS
+    options = dataclasses.replace(OPTIONS, method=method, max_new_tokens=new)
+    result = engine.generate(ids + batch[:1], options, steps_per_call=None)
+    assert [r.tokens for r in result.requests] == [text["new_ids"], chat["new_ids"], plain.requests[0].tokens[:new]]
