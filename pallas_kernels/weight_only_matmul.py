@@ -38,6 +38,18 @@ def _block_partial(x, q, scale, offset):
     return acc
 
 
+def _nibble_partial(x, nibbles, scale, offset):
+    """_block_partial for 4-bit values [bk, bn] (int32, 0..15) without an int -> float convert: the bf16 with
+    bits 0x4300 | v is exactly 128 + v (its exponent puts the unit in the last mantissa bit), so the dot gives
+    x @ q + 128 rowsum(x), and the offset term takes the 128 back. Other dtypes of x convert."""
+    if x.dtype != jnp.bfloat16:
+        return _block_partial(x, nibbles, scale, offset)
+    w = lax.bitcast_convert_type((nibbles | 0x4300).astype(jnp.uint16), jnp.bfloat16)
+    rowsum = jnp.sum(x.astype(jnp.float32), axis=1)[:, None]
+    shift = -128.0 * scale if offset is None else offset - 128.0 * scale
+    return plt.dot(x, w, allow_tf32=False) * scale[None, :] + rowsum * shift[None, :]
+
+
 def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
                               blocks_per_split: int, half_k: int):
     """One (column block, K split) program. x_ref [M, K]; q_ref [K or K/2, bn]; scale_ref, offset_ref
@@ -56,13 +68,48 @@ def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bit
             return acc + _block_partial(x, q, scale_row(scale_ref, k0), scale_row(offset_ref, k0))
         q = q.astype(jnp.int32)
         low, high = q & 0xF, q >> 4
-        acc += _block_partial(x_ref[:, pl.ds(k0, block_k)], low, scale_row(scale_ref, k0),
-                              scale_row(offset_ref, k0))
-        return acc + _block_partial(x_ref[:, pl.ds(half_k + k0, block_k)], high,
-                                    scale_row(scale_ref, half_k + k0), scale_row(offset_ref, half_k + k0))
+        acc += _nibble_partial(x_ref[:, pl.ds(k0, block_k)], low, scale_row(scale_ref, k0),
+                               scale_row(offset_ref, k0))
+        return acc + _nibble_partial(x_ref[:, pl.ds(half_k + k0, block_k)], high,
+                                     scale_row(scale_ref, half_k + k0), scale_row(offset_ref, half_k + k0))
 
     acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((m, o_ref.shape[1]), jnp.float32))
     o_ref[...] = acc
+
+
+def _exact_float(q):
+    """float32(q) for int32 q in [-128, 255] without an int -> float convert (a quarter-rate instruction, the
+    vector kernel's bottleneck): the float32 with bits 0x4B000000 | (q + 128) is exactly 2^23 + q + 128."""
+    return lax.bitcast_convert_type((q + 128) | 0x4B000000, jnp.float32) - 8388736.0
+
+
+def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
+                              blocks_per_split: int, half_k: int):
+    """weight_only_matmul_kernel for one row of x: no dot (a dot pads the row to 16 and sends each weight tile
+    through shared memory into the tensor cores' layout); the weights are dequantised and multiplied by x in
+    registers, into a [block_k, block_n] accumulator summed over K once at the end."""
+    split = pl.program_id(1)
+
+    def dequantized(q, k0):
+        w = _exact_float(q) * scale_ref[k0 // group, :].astype(jnp.float32)[None, :]
+        if offset_ref is not None:
+            w += offset_ref[k0 // group, :].astype(jnp.float32)[None, :]
+        return w
+
+    def times_x(w, k0):
+        return x_ref[0, pl.ds(k0, block_k)].astype(jnp.float32)[:, None] * w
+
+    def body(i, acc):
+        k0 = (split * blocks_per_split + i) * block_k
+        q = q_ref[pl.ds(k0, block_k), :]
+        q = q.astype(jnp.int32)
+        if bits == 8:
+            return acc + times_x(dequantized(q, k0), k0)
+        acc += times_x(dequantized(q & 0xF, k0), k0)
+        return acc + times_x(dequantized(q >> 4, half_k + k0), half_k + k0)
+
+    acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((block_k, o_ref.shape[1]), jnp.float32))
+    o_ref[...] = jnp.sum(acc, axis=0)[None, :]
 
 
 def default_splits(column_blocks: int, k_blocks: int) -> int:
@@ -98,10 +145,12 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     splits = num_splits or default_splits(n // block_n, k_blocks)
     if k_blocks % splits:
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
-    rows = max(_MIN_ROWS, next_power_of_2(m))
-    xp = jnp.zeros((rows, k), x.dtype).at[:m].set(x)
+    vector = m == 1
+    rows = 1 if vector else max(_MIN_ROWS, next_power_of_2(m))
+    xp = x if vector else jnp.zeros((rows, k), x.dtype).at[:m].set(x)
 
-    kernel = functools.partial(weight_only_matmul_kernel, bits=bits, group=group, block_k=block_k,
+    body = weight_only_vector_kernel if vector else weight_only_matmul_kernel
+    kernel = functools.partial(body, bits=bits, group=group, block_k=block_k,
                                blocks_per_split=k_blocks // splits, half_k=k // 2)
     column = lambda j, s: (0, j)
     in_specs = [pl.BlockSpec((rows, k), lambda j, s: (0, 0)), pl.BlockSpec((rows_of_q, block_n), column),

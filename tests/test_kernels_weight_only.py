@@ -25,8 +25,9 @@ def numpy_weight(q, scale, offset, bits, group):
 
 @pytest.mark.parametrize("bits,group,with_offset,m,splits", [
     (8, 256, False, 3, None),  # per output channel
+    (8, 256, True, 1, 2),  # one row: the kernel without a dot
     (8, 32, True, 17, 2),
-    (4, 64, True, 1, None),
+    (4, 64, True, 1, None),  # one row
     (4, 32, False, 8, 4),
 ])
 def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, splits):
@@ -48,6 +49,10 @@ def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, sp
                              num_splits=splits, interpret=True)
     assert got.shape == (m, n)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4)
+    # bf16 activations (the GPU's int4 path builds its bf16 weights from bits): the output, rounded to bf16.
+    got = weight_only_matmul(x, jnp.asarray(q), scale, offset, bits=bits, group=group, block_k=32, block_n=32,
+                             num_splits=splits, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
 def test_bad_layouts_are_refused():
