@@ -127,30 +127,35 @@ def _as_array(value: Any) -> np.ndarray | None:
     return np.asarray(value) if hasattr(value, "__array__") else None
 
 
-def _token_ids(prompt: Any, index: int, vocab_size: int) -> list[int]:
+def _item(name: str) -> str:
+    """The start of a template naming item `{}` of the argument `name` ("{prompts}: prompt {}")."""
+    return _named(name) + ": " + name.removesuffix("s") + " {}"
+
+
+def _token_ids(prompt: Any, index: int, vocab_size: int, name: str) -> list[int]:
     array = _as_array(prompt)
     if array is not None:
         if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise InputError("{prompts}: prompt {} is an array of shape {} and dtype {}; a prompt of token ids is "
+            raise InputError(_item(name) + " is an array of shape {} and dtype {}; a prompt of token ids is "
                              "1-D and of integers", index, array.shape, array.dtype)
         ids = array.tolist()
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
         ids = list(prompt)
         for position, token in enumerate(ids):
             if not _is_integer(token):
-                raise InputError("{prompts}: prompt {} has a token id that is not an integer at position {}: {!r} "
+                raise InputError(_item(name) + " has a token id that is not an integer at position {}: {!r} "
                                  "({})", index, position, token, type(token).__name__)
         ids = [int(t) for t in ids]
     elif isinstance(prompt, bytes):
-        raise InputError("{prompts}: prompt {} is bytes; decode it to a str", index)
+        raise InputError(_item(name) + " is bytes; decode it to a str", index)
     else:
-        raise InputError("{prompts}: prompt {} is a {}; a prompt is a string or a sequence of token ids", index,
+        raise InputError(_item(name) + " is a {}; a prompt is a string or a sequence of token ids", index,
                          type(prompt).__name__)
     if not ids:
-        raise InputError("{prompts}: prompt {} has no tokens", index)
+        raise InputError(_item(name) + " has no tokens", index)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InputError("{prompts}: prompt {} has token ids outside the vocabulary [0, {}): {}", index, vocab_size,
+        raise InputError(_item(name) + " has token ids outside the vocabulary [0, {}): {}", index, vocab_size,
                          bad[:5])
     return ids
 
@@ -181,9 +186,9 @@ def messages(value: Any, where: str, *where_values: Any) -> list[dict[str, Any]]
     return out
 
 
-def prompt_batch(prompts: Any, vocab_size: int) -> list[str | list[int] | list[dict]]:
-    """A batch of prompts as a list of strings, lists of Python ints and conversations (lists of message dicts,
-    `messages`). A batch is a list or tuple of prompts, or a 2-D integer array (one prompt a row); a bare string is
+def prompt_batch(prompts: Any, vocab_size: int, name: str = "prompts") -> list[str | list[int] | list[dict]]:
+    """A batch of prompts (the argument `name`, which errors name) as a list of strings, lists of Python ints and
+    conversations (lists of message dicts, `messages`). A batch is a list or tuple of prompts, or a 2-D integer array (one prompt a row); a bare string is
     one prompt, never a sequence of characters. A prompt is a string with more than whitespace, a 1-D sequence
     (list, tuple, numpy or JAX array) of integer token ids within the vocabulary (bools, floats and numeric strings
     are refused, not truncated), or a conversation. A flat list of integers is refused as ambiguous (one prompt, or
@@ -193,28 +198,28 @@ def prompt_batch(prompts: Any, vocab_size: int) -> list[str | list[int] | list[d
     array = _as_array(prompts)
     if array is not None:
         if array.ndim != 2 or array.dtype.kind not in "iu":
-            raise InputError("{prompts}: an array of prompts must be 2-D and of integer token ids (one prompt a row), "
-                             "got shape {} and dtype {}", array.shape, array.dtype)
+            raise InputError(_named(name) + ": an array of prompts must be 2-D and of integer token ids (one prompt "
+                             "a row), got shape {} and dtype {}", array.shape, array.dtype)
         prompts = array.tolist()
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
-        raise InputError("{prompts} must be a list of prompts (strings or sequences of token ids), got {}",
+        raise InputError(_named(name) + " must be a list of prompts (strings or sequences of token ids), got {}",
                          type(prompts).__name__)
     if not prompts:
-        raise InputError("{prompts}: no prompt given")
+        raise InputError(_named(name) + ": no prompt given")
     if all(_is_integer(p) for p in prompts):
-        raise InputError("{prompts} is a flat sequence of integers; a batch is a list of prompts, so one prompt of "
-                         "token ids is [ids]")
+        raise InputError(_named(name) + " is a flat sequence of integers; a batch is a list of prompts, so one "
+                         "prompt of token ids is [ids]")
     if all(isinstance(p, Mapping) for p in prompts):
-        raise InputError("{prompts} is a flat list of messages; a batch is a list of prompts, so one conversation is "
-                         "[messages]")
+        raise InputError(_named(name) + " is a flat list of messages; a batch is a list of prompts, so one "
+                         "conversation is [messages]")
     batch = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise InputError("{prompts}: prompt {} is empty (whitespace only)", i)
+                raise InputError(_item(name) + " is empty (whitespace only)", i)
             batch.append(prompt)
         elif _is_messages(prompt):
-            batch.append(messages(prompt, "{prompts}: prompt {}", i))
+            batch.append(messages(prompt, _item(name), i))
         else:
-            batch.append(_token_ids(prompt, i, vocab_size))
+            batch.append(_token_ids(prompt, i, vocab_size, name))
     return batch

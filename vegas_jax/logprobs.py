@@ -55,5 +55,6 @@ class Logprobs:
 
 def host_list(chosen, top_ids, top_values, tokens: list[int], k: int) -> list[TokenLogprob]:
     """One request's TokenLogprobs from host copies of its rows of the buffers."""
-    return [TokenLogprob(int(t), float(chosen[j]), [(int(i), float(v)) for i, v in zip(top_ids[j, :k], top_values[j, :k])])
+    return [TokenLogprob(int(t), float(chosen[j]), [(int(i), float(v)) for i, v in zip(top_ids[j, :k],
+                                                                                       top_values[j, :k])])
             for j, t in enumerate(tokens)]

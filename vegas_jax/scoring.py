@@ -74,13 +74,11 @@ def score_chunk(params, cache: KVCache, tokens, positions, targets, *, model, pl
 
 
 def _ids(engine: Engine, prompt, continuation, index: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, continuation ids) of one pair; strings as lm-eval-harness splits them."""
-    vocab = engine.config.vocab_size
-    (prompt,) = inputs.prompt_batch([prompt], vocab)
-    (continuation,) = inputs.prompt_batch([continuation], vocab)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) or (
-            isinstance(continuation, list) and continuation and isinstance(continuation[0], dict)):
-        raise InputError("{prompts}: pair {} is a conversation; score strings or token ids", index)
+    """(prompt ids, continuation ids) of one checked pair (`inputs.prompt_batch`); strings as lm-eval-harness
+    splits them."""
+    for item, name in ((prompt, "prompts"), (continuation, "continuations")):
+        if isinstance(item, list) and isinstance(item[0], dict):
+            raise InputError("{" + name + "}: pair {} is a conversation; score strings or token ids", index)
     tokenizer = engine.tokenizer
     if isinstance(prompt, str) and isinstance(continuation, str):
         head = tokenizer.encode(prompt)
@@ -101,14 +99,13 @@ def _ids(engine: Engine, prompt, continuation, index: int) -> tuple[list[int], l
 
 def score(engine: Engine, prompts, continuations, *, batch_size: int = 8, prefill_chunk: int = 2048,
           progress=None) -> tuple[list[Scored], dict]:
-    """(one Scored per pair, in order; timings). InputError naming the argument for bad pairs or sizes."""
-    if isinstance(prompts, str) or isinstance(continuations, str):
-        prompts, continuations = [prompts], [continuations]
-    if not isinstance(prompts, (list, tuple)) or not isinstance(continuations, (list, tuple)):
-        raise InputError("{prompts} and {continuations} must be lists (of strings or token-id sequences)")
-    if len(prompts) != len(continuations) or not prompts:
-        raise InputError("{prompts} and {continuations}: {} and {} given; one continuation per prompt, at least "
-                         "one", len(prompts), len(continuations))
+    """(one Scored per pair, in order; timings). Prompts and continuations are batches as `Engine.generate` takes
+    them (a bare string is one); InputError naming the argument for bad pairs or sizes."""
+    prompts = inputs.prompt_batch(prompts, engine.config.vocab_size)
+    continuations = inputs.prompt_batch(continuations, engine.config.vocab_size, name="continuations")
+    if len(prompts) != len(continuations):
+        raise InputError("{prompts} and {continuations}: {} and {} given; one continuation per prompt",
+                         len(prompts), len(continuations))
     batch_size = inputs.integer(batch_size, "batch_size")
     prefill_chunk = inputs.integer(prefill_chunk, "prefill_chunk")
     if batch_size < 1 or prefill_chunk < 1:
@@ -149,9 +146,9 @@ def score(engine: Engine, prompts, continuations, *, batch_size: int = 8, prefil
         top = np.zeros((rows, end), bool)
         for start, size in spans:
             t0 = time.perf_counter()
+            example = placement.put(np.zeros((rows, size), np.int32), TOKEN_AXES)
             step = engine._compile(
-                "score", score_chunk, params, cache, *(placement.put(np.zeros((rows, size), np.int32), TOKEN_AXES),) * 3,
-                donate=(1,), layout=placement,
+                "score", score_chunk, params, cache, example, example, example, donate=(1,), layout=placement,
                 in_axes=(param_axes(params), axes_of(cache), TOKEN_AXES, TOKEN_AXES, TOKEN_AXES),
                 out_axes=(axes_of(cache), TOKEN_AXES, TOKEN_AXES), model=engine.config, placement=placement,
             )

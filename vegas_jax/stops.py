@@ -128,11 +128,17 @@ def table(vocab_size: int, stop_ids, strings, token_bytes_: list[bytes] | None) 
     return out
 
 
-def cut_text(text: str, strings, include_stop: bool) -> str:
-    """`text` up to the stop string that ends first in it (of those ending at the same place, the longest): before
-    it, or with `include_stop` after it; `text` itself when none occurs."""
+def first_stop(text: str, strings) -> tuple[int, int] | None:
+    """(start, end) of the stop string that ends first in `text` (of those ending at the same place, the longest),
+    or None: the occurrence that stopped the request, which stopped at the token that completed it."""
     found = [(i + len(s), -len(s)) for s in strings if (i := text.find(s)) >= 0]
     if not found:
-        return text
+        return None
     end, minus_length = min(found)
-    return text[: end if include_stop else end + minus_length]
+    return end + minus_length, end
+
+
+def cut_text(text: str, strings, include_stop: bool) -> str:
+    """`text` cut at `first_stop`: before the stop string, or with `include_stop` after it; all of it if none."""
+    found = first_stop(text, strings)
+    return text if found is None else text[: found[include_stop]]
