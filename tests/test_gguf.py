@@ -77,6 +77,19 @@ def test_score_matches_transformers(smollm2):
     np.testing.assert_allclose(got - got[0], slice_[[10, 20, 30]] - slice_[10], atol=2e-3)
 
 
+def test_stop_strings_read_smollm2_text_as_its_tokens_bytes(smollm2):
+    """Stop strings are matched on the bytes of the emitted tokens: for SmolLM2's vocabulary (checked token by token
+    inside token_bytes) the decoded text of any sequence is the UTF-8 decoding of its tokens' bytes joined."""
+    from vegas_jax import stops
+
+    pieces = stops.token_bytes(smollm2.tokenizer)
+    assert len(pieces) == smollm2.config.vocab_size and pieces[smollm2.tokenizer.eos_ids[0]] == b""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        ids = rng.integers(0, len(pieces), rng.integers(1, 30)).tolist()
+        assert smollm2.tokenizer.decode(ids) == b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+
 # One compiled step per input shape, shared by every test (the model is the same).
 _forward = jax.jit(forward, static_argnames="config")
 CACHE_ROWS = 128  # fixed, so the one-token step compiles once for all prompts
