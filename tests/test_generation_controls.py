@@ -18,14 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from models.kv_cache import KVCache
 import tokenizers
 
+from models.kv_cache import KVCache
 from tests.test_lossless_tiny import GREEDY, IdsTokenizer, _dense_forward, prompts, tiny_engine
 from vegas_jax import penalties, sampling, scoring, stops
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.engine import Engine, GenerationOptions, InputError
+from vegas_jax.engine import Engine, InputError
 from vegas_jax.loading import load_model
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.logprobs import Logprobs, host_list

@@ -561,7 +561,7 @@ class Engine:
         progress: Callable[[str, int, int], None] | None = None,
         seconds_per_call: float | None = None,
         stop: Callable[[], bool] | None = None,
-    ) -> Iterator[list[list[int]] | GenerationResult]:
+    ) -> Iterator[list[StreamedTokens] | GenerationResult]:
         """Yields the bootstrap step's token of each request, then, after every `steps_per_call` loop iterations,
         the new tokens of each request (a StreamedTokens each: a list of ids, with their logprobs when the options
         ask for them); last, the GenerationResult. `steps_per_call=None` runs the whole decode in
@@ -775,7 +775,7 @@ class Engine:
         return "ok", None
 
     def _result(self, options, ids, rows: dict, timings, placement: Placement) -> GenerationResult:
-        output, num_generated, gamma = rows["output"], rows["num_generated"], options.effective_gamma
+        num_generated, gamma = rows["num_generated"], options.effective_gamma
         # The loop's counts have at least one column (loop.init_state): keep those of real draft positions.
         iterations, drafted, accepted = rows["iterations"], rows["drafted"][:, :gamma], rows["accepted"][:, :gamma]
         requests = []

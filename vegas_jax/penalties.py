@@ -39,10 +39,6 @@ class History:
     in_prompt: jax.Array = axes_field(BATCH, None)  # [B, V] bool
 
     @classmethod
-    def unused(cls, batch: int) -> "History":
-        return cls(jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), bool))
-
-    @classmethod
     def of_prompts(cls, in_prompt: jax.Array) -> "History":
         return cls(jnp.zeros(in_prompt.shape, jnp.int32), in_prompt)
 
