@@ -66,15 +66,15 @@ def _run_to_end(engine, batch, options) -> dict:
     host = started.config.placement.fetch({
         "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
         "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,
-        "logprobs": state.logprobs.chosen, "top_ids": state.logprobs.top_ids,
+        **({} if state.logprobs is None else {"logprobs": state.logprobs.chosen, "top_ids": state.logprobs.top_ids}),
     })
     n = len(batch)
     selected = [[sorted(host["indices"][layer, b, : host["counts"][layer, b]].tolist()) for b in range(n)]
                 for layer in range(host["indices"].shape[0])]
     return {
         "tokens": [host["output"][b, : host["n"][b]].tolist() for b in range(n)],
-        "logprobs": [host["logprobs"][b, : host["n"][b]] for b in range(n)],
-        "top_ids": [host["top_ids"][b, : host["n"][b]].tolist() for b in range(n)],
+        "logprobs": [host["logprobs"][b, : host["n"][b]] if "logprobs" in host else [] for b in range(n)],
+        "top_ids": [host["top_ids"][b, : host["n"][b]].tolist() if "top_ids" in host else [] for b in range(n)],
         "accepted": host["accepted"][:n].tolist(),
         "drafted": host["drafted"][:n].tolist(),
         "selected": selected,

@@ -264,6 +264,7 @@ class Engine:
         self.config = model.config
         self.tokenizer = model.tokenizer
         self._compiled: dict = {}
+        self._stop_tables: dict = {}
 
     @property
     def placement(self) -> Placement:
@@ -418,13 +419,13 @@ class Engine:
     def _stop_table(self, options: GenerationOptions) -> np.ndarray:
         """vegas_jax.stops.table for these options and the tokenizer's EOS ids (kept: building one for stop strings
         walks every token's bytes)."""
-        key = ("stops", tuple(self.tokenizer.eos_ids), options.stop_token_ids, options.stop)
-        if key not in self._compiled:
+        key = (tuple(self.tokenizer.eos_ids), options.stop_token_ids, options.stop)
+        if key not in self._stop_tables:
             strings = options.stop
             pieces = stops.token_bytes(self.tokenizer) if strings else None
-            self._compiled[key] = stops.table(self.config.vocab_size, (*self.tokenizer.eos_ids,
-                                                                       *options.stop_token_ids), strings, pieces)
-        return self._compiled[key]
+            self._stop_tables[key] = stops.table(self.config.vocab_size, (*self.tokenizer.eos_ids,
+                                                                          *options.stop_token_ids), strings, pieces)
+        return self._stop_tables[key]
 
     def _batch_rows(self, requests: int) -> int:
         """Rows a batch of this many requests takes: a multiple of the mesh's data axis (padding never generates)."""
@@ -464,8 +465,7 @@ class Engine:
         `rows`) are padding that never generates."""
         batch = len(ids) if rows is None else rows
         padded = list(ids) + [ids[-1]] * (batch - len(ids))
-        in_prompt = (penalties.prompt_mask(padded, self.config.vocab_size) if config.sampling.penalties
-                     else np.zeros((batch, 1), bool))
+        in_prompt = penalties.prompt_mask(padded, self.config.vocab_size) if config.sampling.penalties else None
         host = (
             np.asarray([len(p) for p in padded], np.int32),
             np.asarray([p[-1] for p in padded], np.int32),
@@ -820,6 +820,6 @@ def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, sampling_va
         lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
         sampling.SamplingParams.create(batch, *sampling_values),
         stop_table,
-        penalties.History.of_prompts(in_prompt),
+        None if in_prompt is None else penalties.History.of_prompts(in_prompt),
     )
     return dataclasses.replace(state, done=jnp.full_like(state.done, finished))

@@ -28,15 +28,15 @@ class TokenLogprob:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Logprobs:
-    """Per request, aligned with the output buffer. Without logprobs one column wide and never written."""
+    """Per request, aligned with the output buffer."""
 
     chosen: jax.Array = axes_field(BATCH, None)  # [B, N] float32
     top_ids: jax.Array = axes_field(BATCH, None, None)  # [B, N, max(K, 1)] int32
     top_values: jax.Array = axes_field(BATCH, None, None)  # [B, N, max(K, 1)] float32
 
     @classmethod
-    def create(cls, batch: int, width: int, k: int | None) -> "Logprobs":
-        width, k = (1, 1) if k is None else (width, max(k, 1))
+    def create(cls, batch: int, width: int, k: int) -> "Logprobs":
+        k = max(k, 1)  # with none asked for, one column that is never written: no array has a zero-sized axis
         return cls(jnp.zeros((batch, width), jnp.float32), jnp.zeros((batch, width, k), jnp.int32),
                    jnp.zeros((batch, width, k), jnp.float32))
 

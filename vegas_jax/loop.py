@@ -82,10 +82,10 @@ class DecodeState:
     nonfinite: jax.Array = axes_field(BATCH)  # [B] bool: stopped because logits were not finite
     keys: jax.Array = axes_field(BATCH)  # [B] per-request PRNG keys
     sampling: sampling.SamplingParams
-    history: penalties.History  # emitted-token counts and prompt tokens (one column wide without penalties)
+    history: penalties.History | None  # emitted-token counts and prompt tokens; None without penalties
     stop_table: jax.Array = axes_field(None, None)  # [S, V] int32 (vegas_jax.stops.table)
     stop_state: jax.Array = axes_field(BATCH)  # [B] int32: the stop automaton's state after the emitted text
-    logprobs: Logprobs
+    logprobs: Logprobs | None  # None without logprobs
     selection: Selection
     policy_state: Any  # Policy.init_state
     metrics: Metrics
@@ -101,7 +101,7 @@ def init_state(
     keys: jax.Array,
     sampling_params: sampling.SamplingParams,
     stop_table: jax.Array,
-    history: penalties.History,
+    history: penalties.History | None,
 ) -> DecodeState:
     """State after prefill of all but each prompt's last token (which the bootstrap step verifies)."""
     batch = prompt_lengths.shape[0]
@@ -131,7 +131,7 @@ def init_state(
         history=history,
         stop_table=stop_table.astype(jnp.int32),
         stop_state=jnp.zeros((batch,), jnp.int32),
-        logprobs=Logprobs.create(batch, config.max_new_tokens, config.logprobs),
+        logprobs=None if config.logprobs is None else Logprobs.create(batch, config.max_new_tokens, config.logprobs),
         selection=selection,
         policy_state=policy_state,
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),

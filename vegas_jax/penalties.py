@@ -32,8 +32,7 @@ from vegas_jax.sampling import SamplingParams
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class History:
-    """Per request and token: how often it was emitted, and whether the prompt has it. Without penalties both are one
-    column wide and never read (no state array may have a zero-sized axis: loop.init_state)."""
+    """Per request and token: how often it was emitted, and whether the prompt has it."""
 
     counts: jax.Array = axes_field(BATCH, None)  # [B, V] int32: occurrences in the output so far
     in_prompt: jax.Array = axes_field(BATCH, None)  # [B, V] bool
