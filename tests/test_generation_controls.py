@@ -103,25 +103,31 @@ def test_repetition_penalty_counts_occurrence_not_repeats():
     np.testing.assert_array_equal(np.asarray(got)[0, 0], once)
 
 
-def hf_filters(logits, temperature, top_k, top_p, min_p) -> tuple[np.ndarray, float]:
-    """transformers' warpers in its order (temperature, top-k, top-p, min-p) in float64, rows [..., V]; also the
-    smallest distance of a kept or removed token from the min-p threshold (in log-probability)."""
+def hf_filters(logits, temperature, top_k, top_p, min_p) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' warpers in its order (temperature, top-k, top-p, min-p) in float64, rows [..., V]; also each
+    row's smallest distance from a threshold (top-k's in logits, top-p's in mass, min-p's in log-probability)."""
     z = logits.astype(np.float64) / temperature
-    kth = -np.sort(-z, axis=-1)[..., top_k - 1 : top_k]
+    ordered = -np.sort(-z, axis=-1)
+    kth = ordered[..., top_k - 1 : top_k]
+    margin = np.full(z.shape[:-1], np.inf) if top_k == z.shape[-1] else kth[..., 0] - ordered[..., top_k]
     z = np.where(z < kth, -np.inf, z)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     order = np.argsort(-p, axis=-1, kind="stable")
     sorted_p = np.take_along_axis(p, order, -1)
     keep = np.zeros(p.shape, bool)
-    np.put_along_axis(keep, order, np.cumsum(sorted_p, -1) - sorted_p < top_p, -1)
+    mass_before = np.cumsum(sorted_p, -1) - sorted_p
+    np.put_along_axis(keep, order, mass_before < top_p, -1)
+    if top_p < 1:
+        margin = np.minimum(margin, np.min(np.where(sorted_p > 0, np.abs(mass_before - top_p), np.inf), axis=-1))
     p = np.where(keep, p, 0.0)
     p /= p.sum(-1, keepdims=True)
     # MinPLogitsWarper: probabilities after the warpers before it, threshold min_p times the largest.
     with np.errstate(divide="ignore", invalid="ignore"):
         distance = np.abs(np.log(p) - np.log(min_p * p.max(-1, keepdims=True)))
     p = np.where(p < min_p * p.max(-1, keepdims=True), 0.0, p)
-    return p / p.sum(-1, keepdims=True), float(np.min(distance[np.isfinite(distance)], initial=np.inf))
+    margin = np.minimum(margin, np.min(np.where(np.isfinite(distance), distance, np.inf), axis=-1))
+    return p / p.sum(-1, keepdims=True), margin
 
 
 @pytest.mark.parametrize("top_k,top_p", [(40, 1.0), (6, 0.9)])
@@ -129,11 +135,12 @@ def test_min_p_matches_transformers(rng, top_k, top_p):
     logits = rng.normal(0, 2.5, (64, 40)).astype(np.float32)
     min_p, temperature = 0.12, 0.8
     want, margin = hf_filters(logits, temperature, top_k, top_p, min_p)
-    assert margin > 1e-4
+    clear = margin > 1e-4  # rows where no float32 rounding can move a token across the threshold
+    assert clear.sum() > 48
     params = sampling.SamplingParams.create(64, temperature, top_k, top_p, min_p)
     got = sampling.probabilities(jnp.asarray(logits), params, params.mode())
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
-    assert ((want > 0).sum(-1) < (hf_filters(logits, temperature, top_k, top_p, 0.0)[0] > 0).sum(-1)).any()
+    np.testing.assert_allclose(np.asarray(got)[clear], want[clear], atol=1e-6)
+    assert ((want > 0).sum(-1) < (hf_filters(logits, temperature, top_k, top_p, 0.0)[0] > 0).sum(-1))[clear].any()
 
 
 # ---- stop strings, on the tokenizer alone --------------------------------------------------------------------------
