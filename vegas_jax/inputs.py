@@ -149,7 +149,8 @@ def _token_ids(prompt: Any, index: int, vocab_size: int, name: str) -> list[int]
     elif isinstance(prompt, bytes):
         raise InputError(_item(name) + " is bytes; decode it to a str", index)
     else:
-        raise InputError(_item(name) + " is a {}; a prompt is a string or a sequence of token ids", index,
+        raise InputError(_item(name) + " is a {}; a prompt is a string, a sequence of token ids or a list of "
+                         "{{\"role\", \"content\"}} messages", index,
                          type(prompt).__name__)
     if not ids:
         raise InputError(_item(name) + " has no tokens", index)
