@@ -37,7 +37,8 @@ PLAIN = dataclasses.replace(GREEDY, method="ar", max_new_tokens=NEW, **PENALTIES
 SPARSE = dataclasses.replace(PLAIN, method="vegas")
 # sparse_ratio 1: drafts attend to everything and the target accepts all of them, so iteration i emits output
 # positions 5i - 4 .. 5i (four drafts, then the bonus token; position 0 is the bootstrap step's).
-ACCEPT_ALL = dataclasses.replace(PLAIN, method="vegas", sparse_ratio=1.0, gamma=4)
+# With one logprob a token, which `serve` must return as `generate` does.
+ACCEPT_ALL = dataclasses.replace(PLAIN, method="vegas", sparse_ratio=1.0, gamma=4, logprobs=1)
 
 
 # ---- the definitions, in numpy ------------------------------------------------------------------------------------
@@ -346,7 +347,8 @@ def test_stop_strings_end_requests_where_the_text_has_them(setup, stopped, optio
 
 def test_serve_frees_a_stopped_request_slot_at_once(setup, stopped):
     """Under continuous batching the request that a stop string ends leaves its slot in the iteration it stops: the
-    first decode call (three slots, refill 1) returns right then, and every request gets `generate`'s tokens."""
+    first decode call (three slots, refill 1) returns right then, and every request gets `generate`'s tokens and
+    logprobs."""
     engine, batch, _ = setup
     strings, expected = stopped
     longest = max((0, 1), key=lambda i: len(expected[i]))
@@ -355,6 +357,11 @@ def test_serve_frees_a_stopped_request_slot_at_once(setup, stopped):
     options = dataclasses.replace(ACCEPT_ALL, stop=strings)
     served = engine.serve([batch[i] for i in order], options, slots=3, refill=1)
     assert [r.tokens for r in served.requests] == [expected[i] for i in order]
+    together = engine.generate(batch, options)
+    for r, i in zip(served.requests, order):
+        # Float32 rounding differs a little with the batch a request is prefilled in (1e-6 here).
+        np.testing.assert_allclose([e.logprob for e in r.logprobs], [e.logprob for e in together.requests[i].logprobs],
+                                   atol=1e-5)
     first_call = served.metrics["decode_calls"][0]
     assert first_call["iterations"] == served.requests[0].metrics["iterations"] < NEW // 5
 
