@@ -66,12 +66,15 @@ def _run_to_end(engine, batch, options) -> dict:
     host = started.config.placement.fetch({
         "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
         "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,
+        **({} if state.logprobs is None else {"logprobs": state.logprobs.chosen, "top_ids": state.logprobs.top_ids}),
     })
     n = len(batch)
     selected = [[sorted(host["indices"][layer, b, : host["counts"][layer, b]].tolist()) for b in range(n)]
                 for layer in range(host["indices"].shape[0])]
     return {
         "tokens": [host["output"][b, : host["n"][b]].tolist() for b in range(n)],
+        "logprobs": [host["logprobs"][b, : host["n"][b]] if "logprobs" in host else [] for b in range(n)],
+        "top_ids": [host["top_ids"][b, : host["n"][b]].tolist() if "top_ids" in host else [] for b in range(n)],
         "accepted": host["accepted"][:n].tolist(),
         "drafted": host["drafted"][:n].tolist(),
         "selected": selected,
@@ -82,6 +85,7 @@ def _run_to_end(engine, batch, options) -> dict:
 
 def scenario_tiny() -> dict:
     import jax
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     from tests.test_lossless_tiny import GREEDY, prompts
@@ -95,17 +99,22 @@ def scenario_tiny() -> dict:
     engines = {name: Engine(loaded.on_mesh(make_mesh({"data": d, "model": m}))) for name, (d, m) in meshes.items()}
     out = {"runs": []}
     # Greedy Vegas on every mesh; each other case on one mesh with a model axis (compilations dominate the time).
-    cases = [("vegas", 0.0, list(meshes)), ("ar", 0.0, ["data=4,model=2"]), ("streaming", 0.0, ["data=2,model=4"]),
-             ("quest", 0.0, ["data=4,model=2"]), ("vegas", 0.8, ["data=2,model=4"])]
-    for method, temperature, names in cases:
-        options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40)
+    # Sampled Vegas with every penalty (their token counts split over data), min-p, logprobs and a stop id.
+    controls = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05, logprobs=2,
+                    stop_token_ids=(7,))
+    cases = [("vegas", 0.0, list(meshes), {}), ("ar", 0.0, ["data=4,model=2"], {}),
+             ("streaming", 0.0, ["data=2,model=4"], {}), ("quest", 0.0, ["data=4,model=2"], {}),
+             ("vegas", 0.8, ["data=2,model=4"], controls)]
+    for method, temperature, names, extra in cases:
+        options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40, **extra)
         reference = _run_to_end(one, batch, options)
         for name in names:
             engine = engines[name]
             got = _run_to_end(engine, batch, options)
             out["runs"].append({
-                "method": method, "temperature": temperature, "mesh": name,
-                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected")},
+                "method": method, "temperature": temperature, "mesh": name, "controls": bool(extra),
+                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected", "top_ids")},
+                "logprobs": all(np.allclose(a, b, atol=1e-5) for a, b in zip(got["logprobs"], reference["logprobs"])),
                 "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
             })
             if method == "vegas" and temperature == 0 and name == "data=2,model=4":
@@ -121,11 +130,16 @@ def scenario_tiny() -> dict:
     one_cache = one.plan(batch, plan_options)["bytes_per_device"]["kv_cache"]
     out["kv_cache_per_device_ratio"] = (engines["data=2,model=4"].plan(batch, plan_options)["bytes_per_device"]
                                         ["kv_cache"] / one_cache)
+    # Scoring: batches split over data, heads over model; the same log-probabilities as one device.
+    continuations = prompts([9, 17, 4, 12, 20], loaded.config.vocab_size, seed=6)
+    one_scored = one.score(batch, continuations, batch_size=4, prefill_chunk=32)
+    mesh_scored = engines["data=2,model=4"].score(batch, continuations, batch_size=4, prefill_chunk=32)
+    out["score_identical"] = [bool(np.allclose(a.logprobs, b.logprobs, atol=1e-5)) and a.greedy == b.greedy
+                              for a, b in zip(one_scored, mesh_scored)]
     # Orbax: a one-device checkpoint restores onto a mesh as the HF loader places the same model there.
     import tempfile
 
     import jax.numpy as jnp
-    import numpy as np
 
     from vegas_jax.loading.hf import load_hf
     from vegas_jax.loading.orbax_ckpt import load_orbax, save_orbax
@@ -202,11 +216,12 @@ def tiny():
 
 def test_every_mesh_decodes_as_one_device(tiny):
     """Greedy Vegas on (data=8), (data=4, model=2) and (data=2, model=4); plain decoding and Quest on (data=4,
-    model=2); streaming and sampled Vegas on (data=2, model=4); 5 requests (padded to the data axis): same tokens,
-    same drafts accepted at every position, same final selections per layer and request as one device."""
-    assert len(tiny["runs"]) == 7
+    model=2); streaming, and sampled Vegas with penalties, min-p, logprobs and a stop id, on (data=2, model=4); 5
+    requests (padded to the data axis): same tokens, same drafts accepted at every position, same final selections
+    per layer and request, same logprobs as one device."""
+    assert len(tiny["runs"]) == 7 and sum(run["controls"] for run in tiny["runs"]) == 1
     for run in tiny["runs"]:
-        assert run["tokens"] and run["accepted"] and run["drafted"] and run["selected"], run
+        assert all(run[k] for k in ("tokens", "accepted", "drafted", "selected", "logprobs", "top_ids")), run
     # The comparison has teeth: drafts were accepted (and so selections mattered) in the speculative runs.
     assert all(run["drafts_accepted"] > 0 for run in tiny["runs"] if run["method"] != "ar")
 
@@ -223,6 +238,10 @@ def test_checkpoints_restore_onto_a_mesh(tiny):
     shard for shard, what the HF loader places there from the same model's safetensors; written from that mesh,
     the checkpoint loads on one device as the model loaded there directly."""
     assert tiny["orbax_on_mesh_equals_hf_on_mesh"] and tiny["orbax_from_mesh_equals_one_device"]
+
+
+def test_scoring_on_a_mesh_equals_one_device(tiny):
+    assert tiny["score_identical"] == [True] * 5
 
 
 def test_the_memory_plan_counts_one_shard(tiny):
