@@ -62,7 +62,7 @@ def _run_to_end(engine, batch, options) -> dict:
 
     started = engine.start(batch, options)
     rows = started.state.committed.shape[0]
-    state = started.decode(engine.model.params, started.state, np.int32(2**31 - 1), np.int32(rows))
+    state = started.decode(engine.model.params, started.draft_params, started.state, np.int32(2**31 - 1), np.int32(rows))
     host = started.config.placement.fetch({
         "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
         "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,

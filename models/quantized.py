@@ -1,0 +1,147 @@
+"""Weight-only quantized linear weights (int8, int4) and the product of activations with them.
+
+A weight W of shape [*in, *out] (its leading `in_ndim` axes contracted, as every projection in models.decoder)
+is stored as a `QuantizedWeight`: integer values [K, *out] (K = prod(in), the input axes flattened), and per group
+of `K // G` consecutive input positions a scale and optionally an offset [G, *out], so that
+
+    W[k, o] = scale[k // g, o] * values[k, o] + offset[k // g, o]        (g = K // G; no offset: 0)
+
+int8 here is symmetric per output channel (G = 1); int4 is asymmetric (min / max) in groups along the input axis;
+GGUF's Q8_0, Q4_0 and Q4_1 blocks (groups of 32) map onto the same form (vegas_jax.loading.gguf_blocks). Groups
+run along the input axis only, so quantizing commutes with splitting the output axis over devices
+(column-parallel), and a row-parallel split of the input axis keeps whole groups on each device as long as the
+group size divides the local input size (`group_size_for`).
+
+Scales and offsets are stored in the model's dtype. `quantized_matmul` is the one place that multiplies by a
+quantized weight, so a kernel can replace its XLA formulation without touching the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PRECISIONS = ("bf16", "int8", "int4")  # bf16: the model's own (unquantized) weights
+INT4_GROUP_SIZES = (128, 64, 32)  # preferred first: fewer scales to read
+INT8_MAX, INT4_LEVELS = 127, 15
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    values: jax.Array  # [K, *out] int8 or int4
+    scale: jax.Array  # [G, *out]
+    offset: jax.Array | None  # [G, *out], or None (symmetric)
+    in_ndim: int = dataclasses.field(default=1, metadata=dict(static=True))  # leading axes of W contracted
+
+    @property
+    def groups(self) -> int:
+        return self.scale.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[0] // self.groups
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.values.dtype == jnp.int4 else 8
+
+
+def _flat(w: jax.Array, in_ndim: int) -> jax.Array:
+    return w.reshape((math.prod(w.shape[:in_ndim]),) + w.shape[in_ndim:])
+
+
+def quantize_int8(w: jax.Array, in_ndim: int = 1) -> QuantizedWeight:
+    """Symmetric per output channel: scale = max |W[:, o]| / 127."""
+    flat = _flat(w, in_ndim).astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(flat), axis=0, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    values = jnp.clip(jnp.round(flat / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return QuantizedWeight(values, scale.astype(w.dtype), None, in_ndim)
+
+
+def quantize_int4(w: jax.Array, group: int, in_ndim: int = 1) -> QuantizedWeight:
+    """Asymmetric in groups of `group` input positions: 16 levels from the group's min to its max, the integer
+    values shifted to [-8, 7] (offset = min + 8 * scale)."""
+    flat = _flat(w, in_ndim).astype(jnp.float32)
+    k = flat.shape[0]
+    if k % group:
+        raise ValueError(f"int4 group size {group} does not divide the input size {k}")
+    grouped = flat.reshape((k // group, group) + flat.shape[1:])
+    lo, hi = grouped.min(axis=1), grouped.max(axis=1)
+    scale = jnp.where(hi > lo, (hi - lo) / INT4_LEVELS, 1.0)
+    levels = jnp.clip(jnp.round((grouped - lo[:, None]) / scale[:, None]), 0, INT4_LEVELS)
+    values = (levels - 8).astype(jnp.int4).reshape(flat.shape)
+    return QuantizedWeight(values, scale.astype(w.dtype), (lo + 8 * scale).astype(w.dtype), in_ndim)
+
+
+def quantize(w: jax.Array, precision: str, in_ndim: int, group: int | None = None) -> QuantizedWeight:
+    if precision == "int8":
+        return quantize_int8(w, in_ndim)
+    if precision == "int4":
+        return quantize_int4(w, group, in_ndim)
+    raise ValueError(f"no quantized form for precision {precision!r}")
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The weight the quantized form stands for, [K, *out] (input axes flattened)."""
+    g = w.group_size
+    values = w.values.astype(jnp.float32).reshape((w.groups, g) + w.values.shape[1:])
+    full = values * w.scale.astype(jnp.float32)[:, None]
+    if w.offset is not None:
+        full = full + w.offset.astype(jnp.float32)[:, None]
+    return full.reshape(w.values.shape).astype(dtype)
+
+
+def group_size_for(local_input: int) -> int | None:
+    """The int4 group size for a weight whose input axis holds `local_input` positions on one device: the largest
+    of INT4_GROUP_SIZES that divides it, None if none does."""
+    return next((g for g in INT4_GROUP_SIZES if local_input % g == 0), None)
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, preferred_element_type=None) -> jax.Array:
+    """x [..., *in] times the weight [*in, *out] -> [..., *out], in `preferred_element_type` (default x's dtype).
+
+    XLA's formulation: the integer values converted to x's dtype inside the product (a convert XLA can fuse into
+    the GEMM's operand), accumulated in float32; per channel the scale multiplies the product, with groups a
+    batched product per group is scaled and summed, and an offset adds (sum of x over each group) x offset."""
+    k, out_shape = w.values.shape[0], w.values.shape[1:]
+    lead = x.shape[: x.ndim - w.in_ndim]
+    rows = x.reshape(-1, k)
+    groups = w.groups
+    values = w.values.reshape(groups, k // groups, -1).astype(x.dtype)  # [G, g, O]
+    scale = w.scale.reshape(groups, -1).astype(jnp.float32)
+    if groups == 1:
+        y = jnp.dot(rows, values[0], preferred_element_type=jnp.float32) * scale
+    else:
+        per_group = rows.reshape(-1, groups, k // groups)
+        partial = jnp.einsum("MGg,GgO->MGO", per_group, values, preferred_element_type=jnp.float32)
+        y = jnp.einsum("MGO,GO->MO", partial, scale)
+    if w.offset is not None:
+        sums = rows.reshape(-1, groups, k // groups).astype(jnp.float32).sum(-1)
+        y = y + sums @ w.offset.reshape(groups, -1).astype(jnp.float32)
+    return y.astype(preferred_element_type or x.dtype).reshape(lead + out_shape)
+
+
+def overlay(params: Any, replacements: Any) -> Any:
+    """`params` (nested dicts) with the entries of `replacements` (nested dicts in the same layout, any subset of
+    the keys, possibly keys params lacks) put in their place. No array is copied."""
+    if not isinstance(replacements, dict):
+        return replacements
+    merged = dict(params)
+    for key, value in replacements.items():
+        merged[key] = overlay(params[key], value) if key in params and isinstance(params[key], dict) else value
+    return merged
+
+
+def nbytes(array) -> int:
+    """Bytes an array (or ShapeDtypeStruct) takes on a device: int4 packs two values a byte."""
+    size = int(np.prod(array.shape))
+    if array.dtype == jnp.int4:
+        return (size + 1) // 2
+    return size * np.dtype(array.dtype).itemsize
