@@ -150,6 +150,11 @@ class GenerationOptions:
             return self.gamma_max or adaptive_gamma.DEFAULT_GAMMA_MAX
         return self.gamma
 
+    def plain(self) -> "GenerationOptions":
+        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them."""
+        return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
+                                   gamma_max=None, draft_cost=None, verify_cost=None)
+
     @property
     def given_costs(self) -> tuple[float, float] | None:
         return None if self.draft_cost is None else (self.draft_cost, self.verify_cost)
@@ -355,8 +360,7 @@ class Engine:
     def _draft_source(self, precision: str) -> str:
         if precision == "bf16":
             return "the model's own weights"
-        return self.model.draft_sources.get(precision, f"to be quantized from the {self.model.params['embed'].dtype} "
-                                                      f"weights at the first run")
+        return self.model.draft_sources.get(precision, "made at the first run that reads them")
 
     def _draft_params(self, precision: str):
         try:

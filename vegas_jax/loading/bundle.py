@@ -47,15 +47,21 @@ class LoadedModel:
     draft_sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def draft_params(self, precision: str):
-        """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), quantized from
-        the parameters on first use and kept. DraftWeightsError when the shapes admit no such draft."""
+        """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
+        use and kept: from a GGUF file's own blocks where they have that precision, else quantized from the
+        parameters. DraftWeightsError when the shapes admit no such draft."""
         if precision == "bf16":
             return None
         if precision not in self.drafts:
-            from vegas_jax.loading.placing import quantize_draft
+            if self.format == "gguf":
+                from vegas_jax.loading.gguf import gguf_draft
 
-            self.drafts[precision] = quantize_draft(self.params, self.config, precision, self.mesh)
-            self.draft_sources[precision] = f"quantized from the {self.params['embed'].dtype} weights"
+                self.drafts[precision], self.draft_sources[precision] = gguf_draft(self, precision)
+            else:
+                from vegas_jax.loading.placing import quantize_draft
+
+                self.drafts[precision] = quantize_draft(self.params, self.config, precision, self.mesh)
+                self.draft_sources[precision] = f"quantized from the {self.params['embed'].dtype} weights"
         return self.drafts[precision]
 
     @property

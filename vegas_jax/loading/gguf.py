@@ -65,9 +65,7 @@ def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None, draft: str | None
     params = _params(tensors, config, ParamPlacer(config, dtype, mesh), path)
     drafts, sources = {}, {}
     if draft not in (None, "bf16"):
-        native = _native_draft(tensors, config, draft, dtype, mesh)
-        drafts[draft] = quantize_draft(params, config, draft, mesh, given=native)
-        sources[draft] = _describe_native(native, tensors, config, draft, params["embed"].dtype)
+        drafts[draft], sources[draft] = _draft(tensors, config, params, draft, mesh)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
     except (CheckpointError, UnsupportedModelError) as e:
@@ -260,6 +258,20 @@ def _known(name: str, config: ModelConfig) -> bool:
     parts = name.split(".")
     return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < config.num_layers
             and parts[2] in _LAYER_TENSORS and parts[3] == "weight")
+
+
+def gguf_draft(loaded: LoadedModel, precision: str) -> tuple[dict, str]:
+    """The draft tree of a model loaded from a GGUF file (its `source`), from the file's own blocks where they have
+    `precision`; and where its weights came from. DraftWeightsError when those blocks would straddle devices."""
+    tensors = {t.name: t for t in _open(Path(loaded.source)).tensors}
+    return _draft(tensors, loaded.config, loaded.params, precision, loaded.mesh)
+
+
+def _draft(tensors, config: ModelConfig, params: dict, precision: str, mesh) -> tuple[dict, str]:
+    dtype = params["embed"].dtype
+    native = _native_draft(tensors, config, precision, dtype, mesh)
+    return (quantize_draft(params, config, precision, mesh, given=native),
+            _describe_native(native, tensors, config, precision, dtype))
 
 
 def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, precision: str, dtype, mesh) -> dict:
