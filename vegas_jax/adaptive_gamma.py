@@ -15,8 +15,8 @@ The model, in units of a plain step:
                                                   with score collection and selection; draft: one draft step)
 
 and g maximises E / cost. β_k is estimated from decayed counts pooled over the batch (on a mesh over every data
-shard: one g for the whole batch, the same on all devices), with an optimistic prior (one pseudo-draft accepted at
-each position) and made non-increasing in k. Positions not drafted for a while drift back towards the prior as
+shard: one g for the whole batch, the same on all devices), with a prior of a good draft's acceptance (PRIOR_RATE
+per position) and made non-increasing in k. Positions not drafted for a while drift back towards the prior as
 their counts decay, so a run that fell back to plain decoding probes speculation again now and then (after about
 log(batch) / (1 - DECAY) iterations), and one whose acceptance improves finds its way back to longer drafts.
 
@@ -35,8 +35,12 @@ import numpy as np
 
 from models.logical_axes import axes_field
 
-DECAY = 0.98  # per iteration: the estimates follow about the last 50 iterations
-PRIOR = 1.0  # pseudo-drafts, each accepted, at every position
+# Per iteration: the estimates follow about the last 200 iterations. With useless drafts a probe (a few drafts)
+# comes every ~log(batch) / -log(DECAY) iterations or more: about 1 % of plain decoding's time at batch 1.
+DECAY = 0.995
+# The prior: PRIOR_WEIGHT pseudo-observations at each position k of drafts 1..k accepted with probability
+# PRIOR_RATE ** k, a good draft's: what positions without recent evidence drift back to.
+PRIOR_WEIGHT, PRIOR_RATE = 1.0, 0.9
 DEFAULT_GAMMA_MAX = 8
 AUTO = "auto"
 # Costs are clamped to what an iteration can cost: its fixed part at least a plain step, a draft step above 0.
@@ -63,7 +67,8 @@ class GammaControl:
 
 def acceptance(control: GammaControl) -> jax.Array:
     """[γ_max] β_k: estimated P(drafts 1..k all accepted), non-increasing."""
-    estimate = (control.accepted + PRIOR) / (control.drafted + PRIOR)
+    prior = PRIOR_RATE ** jnp.arange(1, control.drafted.shape[0] + 1, dtype=jnp.float32)
+    estimate = (control.accepted + PRIOR_WEIGHT * prior) / (control.drafted + PRIOR_WEIGHT)
     return jax.lax.cummin(estimate, axis=0)
 
 
