@@ -66,6 +66,7 @@ def _run_to_end(engine, batch, options) -> dict:
     host = started.config.placement.fetch({
         "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
         "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,
+        "chosen": None if state.gamma_control is None else state.gamma_control.chosen,
     })
     n = len(batch)
     selected = [[sorted(host["indices"][layer, b, : host["counts"][layer, b]].tolist()) for b in range(n)]
@@ -75,6 +76,7 @@ def _run_to_end(engine, batch, options) -> dict:
         "accepted": host["accepted"][:n].tolist(),
         "drafted": host["drafted"][:n].tolist(),
         "selected": selected,
+        "chosen": None if host["chosen"] is None else host["chosen"].tolist(),  # adaptive γ: iterations by g
         "state": state,
         "decode": started.decode,
     }
@@ -95,18 +97,22 @@ def scenario_tiny() -> dict:
     engines = {name: Engine(loaded.on_mesh(make_mesh({"data": d, "model": m}))) for name, (d, m) in meshes.items()}
     out = {"runs": []}
     # Greedy Vegas on every mesh; each other case on one mesh with a model axis (compilations dominate the time).
-    cases = [("vegas", 0.0, list(meshes)), ("ar", 0.0, ["data=4,model=2"]), ("streaming", 0.0, ["data=2,model=4"]),
-             ("quest", 0.0, ["data=4,model=2"]), ("vegas", 0.8, ["data=2,model=4"])]
-    for method, temperature, names in cases:
-        options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40)
+    # Sampled Vegas with int4 drafts and adaptive γ (fixed costs: one g per iteration for the whole batch).
+    quantized_auto = dict(draft_weights="int4", gamma="auto", draft_cost=0.3, verify_cost=1.1)
+    cases = [("vegas", 0.0, list(meshes), {}), ("ar", 0.0, ["data=4,model=2"], {}),
+             ("streaming", 0.0, ["data=2,model=4"], {}), ("quest", 0.0, ["data=4,model=2"], {}),
+             ("vegas", 0.8, ["data=2,model=4"], quantized_auto)]
+    for method, temperature, names, extra in cases:
+        options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40, **extra)
         reference = _run_to_end(one, batch, options)
         for name in names:
             engine = engines[name]
             got = _run_to_end(engine, batch, options)
             out["runs"].append({
-                "method": method, "temperature": temperature, "mesh": name,
-                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected")},
+                "method": method, "temperature": temperature, "mesh": name, "extra": extra,
+                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected", "chosen")},
                 "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
+                "chosen_histogram": reference["chosen"],
             })
             if method == "vegas" and temperature == 0 and name == "data=2,model=4":
                 mesh = engine.model.mesh
@@ -117,15 +123,22 @@ def scenario_tiny() -> dict:
                     r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(", hlo)))
     # The plan counts one shard: on data=2, model=4 the 5 requests take 3 rows of each data shard and a quarter of
     # the KV heads.
+    import jax.numpy as jnp
+    import numpy as np
+
     plan_options = dataclasses.replace(GREEDY, method="vegas")
     one_cache = one.plan(batch, plan_options)["bytes_per_device"]["kv_cache"]
     out["kv_cache_per_device_ratio"] = (engines["data=2,model=4"].plan(batch, plan_options)["bytes_per_device"]
                                         ["kv_cache"] / one_cache)
+    # The int4 drafts made on one device and moved to the mesh with the model (LoadedModel.on_mesh) are the ones
+    # made on the mesh, array for array and shard for shard.
+    mesh_made = engines["data=2,model=4"].model.drafts["int4"]
+    moved = one.model.on_mesh(engines["data=2,model=4"].model.mesh).drafts["int4"]
+    out["draft_weights_move_to_a_mesh"] = all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+                          and a.sharding.is_equivalent_to(b.sharding, a.ndim)), moved, mesh_made)))
     # Orbax: a one-device checkpoint restores onto a mesh as the HF loader places the same model there.
     import tempfile
-
-    import jax.numpy as jnp
-    import numpy as np
 
     from vegas_jax.loading.hf import load_hf
     from vegas_jax.loading.orbax_ckpt import load_orbax, save_orbax
@@ -202,13 +215,18 @@ def tiny():
 
 def test_every_mesh_decodes_as_one_device(tiny):
     """Greedy Vegas on (data=8), (data=4, model=2) and (data=2, model=4); plain decoding and Quest on (data=4,
-    model=2); streaming and sampled Vegas on (data=2, model=4); 5 requests (padded to the data axis): same tokens,
-    same drafts accepted at every position, same final selections per layer and request as one device."""
+    model=2); streaming, and sampled Vegas with int4 drafts and adaptive γ, on (data=2, model=4); 5 requests (padded
+    to the data axis): same tokens, same drafts accepted at every position, same final selections per layer and
+    request, and (adaptive γ) the same number of drafts chosen at every iteration as one device."""
     assert len(tiny["runs"]) == 7
     for run in tiny["runs"]:
-        assert run["tokens"] and run["accepted"] and run["drafted"] and run["selected"], run
+        assert run["tokens"] and run["accepted"] and run["drafted"] and run["selected"] and run["chosen"], run
     # The comparison has teeth: drafts were accepted (and so selections mattered) in the speculative runs.
     assert all(run["drafts_accepted"] > 0 for run in tiny["runs"] if run["method"] != "ar")
+    (auto,) = [run for run in tiny["runs"] if run["extra"]]
+    chosen = auto["chosen_histogram"]
+    assert chosen[0] and sum(chosen[1:]), chosen  # adaptive γ ran plain steps and speculative ones
+    assert tiny["draft_weights_move_to_a_mesh"]
 
 
 def test_the_loop_keeps_its_layout_without_gathering(tiny):

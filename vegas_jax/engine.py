@@ -540,6 +540,8 @@ class Engine:
         draft_params = self._draft_params(config.draft_weights)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
                               progress=progress)
+        if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
+            state = self._with_control(config, state, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
         return Started(ids, config, state, decode, timings, draft_params)
 
@@ -768,11 +770,16 @@ class Engine:
             return state, limit
         force, most = tuner.next_call()
         costs = tuner.costs or (adaptive_gamma.MIN_DRAFT, adaptive_gamma.MIN_VERIFY)
+        limit = limit if most is None else min(limit, step + most)
+        return self._with_control(config, state, force, costs), limit
+
+    @staticmethod
+    def _with_control(config, state, force: int, costs: tuple[float, float]):
+        """The state with adaptive γ's force (-1: choose) and cost model (draft step, verify) set."""
         put = config.placement.put
         control = dataclasses.replace(state.gamma_control, force=put(np.int32(force), Axes()),
                                       costs=put(np.asarray(costs, np.float32), Axes(None)))
-        limit = limit if most is None else min(limit, step + most)
-        return dataclasses.replace(state, gamma_control=control), limit
+        return dataclasses.replace(state, gamma_control=control)
 
     def _tuned(self, config, options, rows, capacity, tuner, iterations: int, seconds: float) -> None:
         """After a decode call: its timing to the measurement, the measured costs kept for later runs."""

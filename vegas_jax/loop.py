@@ -308,12 +308,18 @@ def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig)
     return dataclasses.replace(after, gamma_control=adaptive_gamma.update(control, g, drafted, accepted))
 
 
+def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
+    """[B] the drafts of this iteration that count: never past the tokens still owed (the bonus token always
+    comes on top of the accepted drafts), nor past `most_drafts` (adaptive γ's g: positions from g on hold no
+    drafts, and verification treats them as rejected)."""
+    return jnp.clip(state.max_new - state.num_generated - 1, 0, most_drafts)
+
+
 def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts) -> DecodeState:
     """`iteration` with at most `most_drafts` drafts (γ, or adaptive γ's traced g)."""
     gamma = config.gamma
     active = ~state.done
-    # Never draft past the tokens still owed: the bonus token always comes on top of the accepted drafts.
-    num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, most_drafts)
+    num_drafts = counted_drafts(state, most_drafts)
     keys = step_keys(state.keys, request_step(state), gamma + 2)
     if gamma:
         steps = None if isinstance(most_drafts, int) else most_drafts
