@@ -104,27 +104,45 @@ def group_size_for(local_input: int) -> int | None:
     return next((g for g in INT4_GROUP_SIZES if local_input % g == 0), None)
 
 
-def quantized_matmul(x: jax.Array, w: QuantizedWeight, preferred_element_type=None) -> jax.Array:
+# How XLA is asked for a product with grouped (G > 1) weights: "grouped" contracts each group with its integer
+# values (converted inside the product) and sums the scaled partial products; "dequantized" forms the weight in
+# x's dtype first and multiplies once. On the CPU, XLA fuses a convert into a dot's operand by emitting a naive loop
+# instead of calling its GEMM library, and its batched products are slow, so there the dequantized weight is
+# 2-4x faster (SmolLM2's shapes, rows 3); elsewhere the grouped form reads each weight once.
+# (benchmarks/bench_quantized_gemm.py times both.)
+FORMULATIONS = ("grouped", "dequantized")
+
+
+def default_formulation() -> str:
+    return "dequantized" if jax.default_backend() == "cpu" else "grouped"
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, preferred_element_type=None,
+                     formulation: str | None = None) -> jax.Array:
     """x [..., *in] times the weight [*in, *out] -> [..., *out], in `preferred_element_type` (default x's dtype).
 
     XLA's formulation: the integer values converted to x's dtype inside the product (a convert XLA can fuse into
-    the GEMM's operand), accumulated in float32; per channel the scale multiplies the product, with groups a
-    batched product per group is scaled and summed, and an offset adds (sum of x over each group) x offset."""
+    the GEMM's operand), accumulated in float32; per channel (G = 1) the scale multiplies the product. With groups,
+    FORMULATIONS; an offset adds (sum of x over each group) x offset."""
     k, out_shape = w.values.shape[0], w.values.shape[1:]
     lead = x.shape[: x.ndim - w.in_ndim]
     rows = x.reshape(-1, k)
     groups = w.groups
-    values = w.values.reshape(groups, k // groups, -1).astype(x.dtype)  # [G, g, O]
-    scale = w.scale.reshape(groups, -1).astype(jnp.float32)
-    if groups == 1:
-        y = jnp.dot(rows, values[0], preferred_element_type=jnp.float32) * scale
+    formulation = formulation or default_formulation()
+    if groups > 1 and formulation == "dequantized":
+        y = jnp.dot(rows, dequantize(w, x.dtype).reshape(k, -1), preferred_element_type=jnp.float32)
     else:
-        per_group = rows.reshape(-1, groups, k // groups)
-        partial = jnp.einsum("MGg,GgO->MGO", per_group, values, preferred_element_type=jnp.float32)
-        y = jnp.einsum("MGO,GO->MO", partial, scale)
-    if w.offset is not None:
-        sums = rows.reshape(-1, groups, k // groups).astype(jnp.float32).sum(-1)
-        y = y + sums @ w.offset.reshape(groups, -1).astype(jnp.float32)
+        values = w.values.reshape(groups, k // groups, -1).astype(x.dtype)  # [G, g, O]
+        scale = w.scale.reshape(groups, -1).astype(jnp.float32)
+        if groups == 1:
+            y = jnp.dot(rows, values[0], preferred_element_type=jnp.float32) * scale
+        else:
+            per_group = rows.reshape(-1, groups, k // groups)
+            partial = jnp.einsum("MGg,GgO->MGO", per_group, values, preferred_element_type=jnp.float32)
+            y = jnp.einsum("MGO,GO->MO", partial, scale)
+        if w.offset is not None:
+            sums = rows.reshape(-1, groups, k // groups).astype(jnp.float32).sum(-1)
+            y = y + sums @ w.offset.reshape(groups, -1).astype(jnp.float32)
     return y.astype(preferred_element_type or x.dtype).reshape(lead + out_shape)
 
 

@@ -16,7 +16,15 @@ import pytest
 from models import draft_weights
 from models.decoder import forward
 from models.kv_cache import KVCache
-from models.quantized import QuantizedWeight, dequantize, overlay, quantize_int4, quantize_int8, quantized_matmul
+from models.quantized import (
+    FORMULATIONS,
+    QuantizedWeight,
+    dequantize,
+    overlay,
+    quantize_int4,
+    quantize_int8,
+    quantized_matmul,
+)
 from tests.test_lossless_tiny import tiny_engine
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.engine import GenerationOptions
@@ -88,18 +96,19 @@ def _random_weight(rng, kind: str, k: int, out: tuple, groups: int) -> Quantized
     return QuantizedWeight(jnp.asarray(values), jnp.asarray(scale), None if offset is None else jnp.asarray(offset))
 
 
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("kind,groups,in_shape,out", [
     ("int8", 1, (64,), (48,)),  # per channel: (x @ q) * scale
     ("int8", 4, (64,), (3, 16)),  # GGUF Q8_0's groups
     ("int4", 2, (64,), (48,)),  # groups with offsets
     ("int4", 8, (4, 32), (24,)),  # o_proj's two contracted axes
 ])
-def test_quantized_matmul_against_float64(rng, kind, groups, in_shape, out):
+def test_quantized_matmul_against_float64(rng, kind, groups, in_shape, out, formulation):
     k = int(np.prod(in_shape))
     w = _random_weight(rng, kind, k, out, groups)
     w = QuantizedWeight(w.values, w.scale, w.offset, len(in_shape))
     x = rng.standard_normal((2, 3) + in_shape).astype(np.float32)
-    got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), w))
+    got = np.asarray(jax.jit(quantized_matmul, static_argnums=(2, 3))(jnp.asarray(x), w, None, formulation))
     values = np.asarray(w.values.astype(jnp.int8), np.float64).reshape(groups, k // groups, -1)
     full = values * np.asarray(w.scale, np.float64).reshape(groups, 1, -1)
     if w.offset is not None:
