@@ -474,19 +474,20 @@ class Engine:
             self._compiled[key] = config.placement.creator(create, *host)
         return self._compiled[key](*host)
 
-    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None):
+    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
+                 skip=False):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s."""
+        prefill_s. skip: no chunks (`start`'s skip_prefill)."""
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
         chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
-        spans = prefill_spans(max(lens) - 1, chunk)
+        spans = [] if skip else prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids):
+        for i, p in enumerate(ids if spans else ()):
             tokens[i, : len(p) - 1] = p[:-1]
         state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
@@ -529,17 +530,20 @@ class Engine:
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return decode
 
-    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
+    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None,
+              skip_prefill: bool = False) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
-        not finite already is done there (`DecodeState.nonfinite`)."""
+        not finite already is done there (`DecodeState.nonfinite`). skip_prefill (timing only, never for text):
+        the cache keeps the zeros it was created with, as if prefill had written them, so a long context costs no
+        prefill; what is decoded then means nothing."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
         config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
         timings = {}
         draft_params = self._draft_params(config.draft_weights)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
-                              progress=progress)
+                              progress=progress, skip=skip_prefill)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = self._with_control(config, state, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
