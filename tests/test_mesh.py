@@ -187,7 +187,7 @@ def scenario_smollm2() -> dict:
     batch = [code, question]
     out = {}
     for label, temperature in (("greedy", 0.0), ("sampled", 0.8)):
-        options = GenerationOptions(method="vegas", max_new_tokens=64, temperature=temperature, seed=11,
+        options = GenerationOptions(method="vegas", max_new_tokens=32, temperature=temperature, seed=11,
                                     min_sparse_tokens=32, max_model_len=768, prefill_chunk=1024)
         a = one.generate(batch, options, steps_per_call=None)
         b = mesh.generate(batch, options, steps_per_call=None)
@@ -257,7 +257,7 @@ def test_smollm2_on_data2_model3_equals_one_device():
     out = run_scenario("smollm2", devices=6, timeout=600)
     for label in ("greedy", "sampled"):
         assert out[label]["identical"] == [True, True], out[label]
-        assert min(out[label]["lengths"]) >= 32 and max(out[label]["lengths"]) == 64
+        assert min(out[label]["lengths"]) >= 16 and max(out[label]["lengths"]) == 32
     assert out["greedy"]["tau"] > 2.0  # real drafts, mostly accepted
     for flag, result in out["bad_meshes"].items():
         lines = result["stderr"].strip().splitlines()

@@ -1,0 +1,183 @@
+"""Weight-only quantized GEMMs at decode shapes: bf16 weights, XLA's int8 / int4 path (convert then dot, scale
+after), and the Pallas kernel (pallas_kernels/weight_only_matmul.py) over its block sizes.
+
+    python benchmarks/bench_weight_only.py [--rows 1,8,16,64] [--shapes llama8b] [--smoke]
+
+Each measurement chains one matmul per layer through `layers` distinct weights inside one jitted program (the
+weights together exceed the L2 cache, and the per-call dispatch cost is spread over the chain, as in a decode
+step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
+second against a device copy measured in the same run. Prints a table; writes JSON to $OUT (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from pallas_kernels.weight_only_matmul import weight_only_matmul, weight_only_matmul_reference  # noqa: E402
+
+# (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
+SHAPES = {
+    "llama8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
+    "smoke": {"small": (256, 256)},
+}
+
+
+def time_chain_ms(fn, x, weights: list, repeats: int) -> float:
+    """GPU ms per matmul of fn(x, weight) chained over every weight of the list (unrolled: a scan over stacked
+    weights would slice, and copy, each one before the dot): the kernels' own durations from the profiler,
+    every kernel of the chain counted (padding, split sums), the median over repeats. Off the GPU, wall time."""
+
+    @jax.jit
+    def chain(x, weights):
+        for w in weights:
+            y = fn(x, w)
+            # Each matmul depends on the previous one (no overlap between layers); x * 0 is not folded for floats.
+            x = x + (y[0, 0] * 0).astype(x.dtype)
+        return x
+
+    jax.block_until_ready(chain(x, weights))
+    samples = []
+    for _ in range(repeats):
+        if jax.default_backend() == "gpu":
+            with tempfile.TemporaryDirectory() as log_dir:
+                with jax.profiler.trace(log_dir):
+                    jax.block_until_ready(chain(x, weights))
+                samples.append(sum(e["dur"] for e in gpu_kernel_events(Path(log_dir))) / 1e3)
+        else:
+            start = time.perf_counter()
+            jax.block_until_ready(chain(x, weights))
+            samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples) / len(weights)
+
+
+def copy_gb_per_s(repeats: int) -> float:
+    x = jnp.ones((256 * 2**20,), jnp.float32)
+    copy = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(copy(x))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        samples.append(time.perf_counter() - start)
+    return 2 * x.nbytes / statistics.median(samples) / 1e9
+
+
+def quantized(key, k, n, bits, group):
+    """Random q, scale and offset of one layer (int4: symmetric, stored as 0..15 with offset -8 * scale)."""
+    rows = k if bits == 8 else k // 2
+    if bits == 8:
+        q = jax.random.randint(key, (rows, n), -127, 128, jnp.int32).astype(jnp.int8)
+    else:
+        q = jax.random.randint(key, (rows, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    scale = jnp.full((k // group, n), 0.01, jnp.float32)
+    offset = None if bits == 8 else -8 * scale
+    return q, scale, offset
+
+
+def xla_path(bits, group):
+    """What XLA gets when left alone: dequantise (convert, scale) and a bf16 dot."""
+    def fn(x, w):
+        q, scale, offset = w
+        return weight_only_matmul_reference(x, q, scale, offset, bits=bits, group=group)
+    return fn
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8,16,64")
+    p.add_argument("--shapes", default="llama8b", choices=sorted(SHAPES))
+    p.add_argument("--blocks", default="64x128,128x128,32x256,64x64",
+                   help="Pallas block_k x block_n candidates")
+    p.add_argument("--warps", default="4")
+    p.add_argument("--stages", default="3")
+    p.add_argument("--matrices", default=None, help="comma-separated subset of the shapes' matrices")
+    p.add_argument("--bits", default="8,4")
+    p.add_argument("--group", type=int, default=128, help="int4 scale group along K (int8: per output channel)")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    interpret = args.smoke
+    shapes = SHAPES["smoke" if args.smoke else args.shapes]
+    if args.matrices:
+        shapes = {name: shapes[name] for name in args.matrices.split(",")}
+    blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
+    bandwidth = copy_gb_per_s(args.repeats)
+    print(f"device copy {bandwidth:.0f} GB/s (read + write)", flush=True)
+    records = []
+    key = jax.random.key(0)
+    for name, (k, n) in shapes.items():
+        keys = jax.random.split(key, args.layers)
+        bf16 = [jax.random.normal(kk, (k, n), jnp.bfloat16) for kk in keys]
+        for m in (int(r) for r in args.rows.split(",")):
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            variants = [("bf16", "xla", 16, lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
+                         .astype(x.dtype), bf16, None)]
+            for bits in (int(b) for b in args.bits.split(",")):
+                group = k if bits == 8 else args.group
+                w = [quantized(kk, k, n, bits, group) for kk in keys]
+                variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
+                for (bk, bn), warps, stages in ((b, int(wp), int(st)) for b in blocks for wp in args.warps.split(",")
+                                                for st in args.stages.split(",")):
+                    fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
+                                           num_warps=warps, num_stages=stages, interpret=interpret)
+                    variants.append((f"int{bits}", "pallas", bits, fn, w, f"{bk}x{bn}/w{warps}s{stages}"))
+            for weights_kind, backend, bits, fn, w, config in variants:
+                record = {"matrix": name, "k": k, "n": n, "rows": m, "weights": weights_kind, "backend": backend,
+                          "config": config, "weight_bytes": k * n * bits // 8}
+                try:
+                    ms = time_chain_ms(fn, x, w, args.repeats)
+                    record |= {"ms": ms, "weight_gb_per_s": record["weight_bytes"] / ms / 1e6,
+                               "fraction_of_copy_read": record["weight_bytes"] / ms / 1e6 / (bandwidth / 2)}
+                except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the run
+                    record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    traceback.print_exc(limit=1)
+                records.append(record)
+                print(_line(record), flush=True)
+    doc = run_metadata(copy_gb_per_s=bandwidth, layers=args.layers, group=args.group, records=records)
+    save_results(doc, f"weight-only-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
+                 args.out)
+    print("\nbest per (matrix, rows, weights): weight GB/s (fraction of the copy's read rate)")
+    best = {}
+    for r in records:
+        if "ms" in r:
+            key_ = (r["matrix"], r["rows"], r["weights"])
+            if key_ not in best or r["ms"] < best[key_]["ms"]:
+                best[key_] = r
+    for r in best.values():
+        print(_line(r))
+    return 0
+
+
+def _pallas(x, w, **kw):
+    q, scale, offset = w
+    return weight_only_matmul(x, q, scale, offset, **kw)
+
+
+def _line(r) -> str:
+    head = f"{r['matrix']:8} M={r['rows']:<3} {r['weights']:5} {r['backend']:6} {r['config'] or '':14}"
+    if "ms" not in r:
+        return f"{head} error: {r['error'][:120]}"
+    return f"{head} {r['ms'] * 1e3:8.1f} us {r['weight_gb_per_s']:7.0f} GB/s ({r['fraction_of_copy_read']:.0%})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

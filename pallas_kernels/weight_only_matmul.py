@@ -1,0 +1,197 @@
+"""Weight-only quantized matmul for decode shapes: x [M, K] (bf16, M a few rows) times an int8 or packed int4
+weight, dequantised on the fly, so a step reads the packed bytes and not a bf16 copy.
+
+The weight is w[k, n] = q[k, n] * scale[k // group, n] + offset[k // group, n] (offset absent: symmetric).
+- int8: q [K, N] int8.
+- int4: q [K / 2, N] uint8; byte [j, n] holds row j in its low nibble and row j + K / 2 in its high nibble
+  (values 0..15, so symmetric int4 stores q + 8 with offset -8 * scale; group <= K / 2). Pairing
+  rows K / 2 apart, rather than neighbours, lets a program split the nibbles into two [block_k, block_n] tiles
+  and multiply each by a contiguous slice of x: Triton values cannot be interleaved or reshaped.
+
+XLA keeps the int → bf16 convert out of its GEMMs at these shapes and reads no fewer bytes than a bf16 weight
+(design notes, 2026-12-01), hence a kernel. Each program owns a block of output columns and a share of K
+(split-K, so that narrow matrices still occupy every SM); a K block lies inside one scale group, so a block's
+partial product is scaled once: x_blk @ (q_blk * s + o) = (x_blk @ q_blk) * s + rowsum(x_blk) * o. The
+split partials are summed in float32 outside the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2
+
+_MIN_ROWS = 16  # Triton dots need every dimension >= 16
+
+
+def _block_partial(x, q, scale, offset):
+    """(x [M, bk] @ q [bk, bn]) * scale [bn] (+ rowsum(x) * offset [bn]), float32."""
+    acc = plt.dot(x, q.astype(x.dtype), allow_tf32=False) * scale[None, :]
+    if offset is not None:
+        acc += jnp.sum(x.astype(jnp.float32), axis=1)[:, None] * offset[None, :]
+    return acc
+
+
+def _nibble_partial(x, nibbles, scale, offset):
+    """_block_partial for 4-bit values [bk, bn] (int32, 0..15) without an int -> float convert: the bf16 with
+    bits 0x4300 | v is exactly 128 + v (its exponent puts the unit in the last mantissa bit), so the dot gives
+    x @ q + 128 rowsum(x), and the offset term takes the 128 back. Other dtypes of x convert."""
+    if x.dtype != jnp.bfloat16:
+        return _block_partial(x, nibbles, scale, offset)
+    w = lax.bitcast_convert_type((nibbles | 0x4300).astype(jnp.uint16), jnp.bfloat16)
+    rowsum = jnp.sum(x.astype(jnp.float32), axis=1)[:, None]
+    shift = -128.0 * scale if offset is None else offset - 128.0 * scale
+    return plt.dot(x, w, allow_tf32=False) * scale[None, :] + rowsum * shift[None, :]
+
+
+def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
+                              blocks_per_split: int, half_k: int):
+    """One (column block, K split) program. x_ref [M, K]; q_ref [K or K/2, bn]; scale_ref, offset_ref
+    [K / group, bn]; o_ref [M, bn] this split's partial output."""
+    split = pl.program_id(1)
+    m = x_ref.shape[0]
+
+    def scale_row(ref, k0):
+        return None if ref is None else ref[k0 // group, :].astype(jnp.float32)
+
+    def body(i, acc):
+        k0 = (split * blocks_per_split + i) * block_k  # row of q this block starts at
+        q = q_ref[pl.ds(k0, block_k), :]
+        if bits == 8:
+            x = x_ref[:, pl.ds(k0, block_k)]
+            return acc + _block_partial(x, q, scale_row(scale_ref, k0), scale_row(offset_ref, k0))
+        q = q.astype(jnp.int32)
+        low, high = q & 0xF, q >> 4
+        acc += _nibble_partial(x_ref[:, pl.ds(k0, block_k)], low, scale_row(scale_ref, k0),
+                               scale_row(offset_ref, k0))
+        return acc + _nibble_partial(x_ref[:, pl.ds(half_k + k0, block_k)], high,
+                                     scale_row(scale_ref, half_k + k0), scale_row(offset_ref, half_k + k0))
+
+    acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((m, o_ref.shape[1]), jnp.float32))
+    o_ref[...] = acc
+
+
+def _exact_float(q):
+    """float32(q) for int32 q in [-128, 255] without an int -> float convert (a quarter-rate instruction, the
+    vector kernel's bottleneck): the float32 with bits 0x4B000000 | (q + 128) is exactly 2^23 + q + 128."""
+    return lax.bitcast_convert_type((q + 128) | 0x4B000000, jnp.float32) - 8388736.0
+
+
+def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
+                              blocks_per_split: int, half_k: int):
+    """weight_only_matmul_kernel for one row of x: no dot (a dot pads the row to 16 and sends each weight tile
+    through shared memory into the tensor cores' layout); the weights are dequantised and multiplied by x in
+    registers, into a [block_k, block_n] accumulator summed over K once at the end."""
+    split = pl.program_id(1)
+
+    def dequantized(q, k0):
+        w = _exact_float(q) * scale_ref[k0 // group, :].astype(jnp.float32)[None, :]
+        if offset_ref is not None:
+            w += offset_ref[k0 // group, :].astype(jnp.float32)[None, :]
+        return w
+
+    def times_x(w, k0):
+        return x_ref[0, pl.ds(k0, block_k)].astype(jnp.float32)[:, None] * w
+
+    def body(i, acc):
+        k0 = (split * blocks_per_split + i) * block_k
+        q = q_ref[pl.ds(k0, block_k), :]
+        q = q.astype(jnp.int32)
+        if bits == 8:
+            return acc + times_x(dequantized(q, k0), k0)
+        acc += times_x(dequantized(q & 0xF, k0), k0)
+        return acc + times_x(dequantized(q >> 4, half_k + k0), half_k + k0)
+
+    acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((block_k, o_ref.shape[1]), jnp.float32))
+    o_ref[...] = jnp.sum(acc, axis=0)[None, :]
+
+
+def default_splits(column_blocks: int, k_blocks: int) -> int:
+    """Halve the K range of each program while the launch has fewer than about two programs per SM, keeping at
+    least two K blocks per program."""
+    splits = 1
+    while column_blocks * splits < 2 * NUM_SMS and k_blocks % (2 * splits) == 0 and k_blocks // (2 * splits) >= 2:
+        splits *= 2
+    return splits
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group", "block_k", "block_n", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block_k: int = 64, block_n: int = 128,
+                       num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                       interpret: bool = False):
+    """x [M, K] @ dequantised w [K, N] -> [M, N] in x's dtype (float32 accumulation). See the module docstring
+    for the layouts of q, scale [K / group, N] and offset (same shape, or None)."""
+    m, k = x.shape
+    rows_of_q = k if bits == 8 else k // 2
+    if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
+        raise ValueError(f"q {q.shape} ({q.dtype}) is not a {bits}-bit weight for K = {k}")
+    n = q.shape[1]
+    if scale.shape != (k // group, n) or k % group or (offset is not None and offset.shape != scale.shape):
+        raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
+                         f"[K / group, N] = [{k // group}, {n}]")
+    block_k = min(block_k, group, rows_of_q)
+    check_power_of_2("block_k", block_k, 16)
+    check_power_of_2("block_n", block_n, 16)
+    if group % block_k or rows_of_q % block_k or n % block_n or (bits == 4 and (k // 2) % group):
+        raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into blocks of {block_k} x {block_n}")
+    k_blocks = rows_of_q // block_k
+    splits = num_splits or default_splits(n // block_n, k_blocks)
+    if k_blocks % splits:
+        raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
+    vector = m == 1
+    rows = 1 if vector else max(_MIN_ROWS, next_power_of_2(m))
+    xp = x if vector else jnp.zeros((rows, k), x.dtype).at[:m].set(x)
+
+    body = weight_only_vector_kernel if vector else weight_only_matmul_kernel
+    kernel = functools.partial(body, bits=bits, group=group, block_k=block_k,
+                               blocks_per_split=k_blocks // splits, half_k=k // 2)
+    column = lambda j, s: (0, j)
+    in_specs = [pl.BlockSpec((rows, k), lambda j, s: (0, 0)), pl.BlockSpec((rows_of_q, block_n), column),
+                pl.BlockSpec((k // group, block_n), column)]
+    args = [xp, q, scale]
+    if offset is None:
+        kernel = _without_offset(kernel)
+    else:
+        in_specs.append(pl.BlockSpec((k // group, block_n), column))
+        args.append(offset)
+    partial = pl.pallas_call(
+        kernel,
+        grid=(n // block_n, splits),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, rows, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="weight_only_matmul",
+    )(*args)
+    return partial.sum(axis=0)[:m].astype(x.dtype)
+
+
+def _without_offset(kernel):
+    def call(x_ref, q_ref, scale_ref, o_ref):
+        return kernel(x_ref, q_ref, scale_ref, None, o_ref)
+    return call
+
+
+def dequantize(q, scale, offset=None, *, bits: int, group: int):
+    """The float32 weight [K, N] that q, scale and offset encode (module docstring)."""
+    if bits == 4:
+        q = q.astype(jnp.int32)
+        q = jnp.concatenate([q & 0xF, q >> 4], axis=0)
+    w = q.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), group, axis=0)
+    if offset is not None:
+        w += jnp.repeat(offset.astype(jnp.float32), group, axis=0)
+    return w
+
+
+def weight_only_matmul_reference(x, q, scale, offset=None, *, bits: int, group: int):
+    """x @ dequantize(...) in plain jnp, float32 accumulation, in x's dtype."""
+    w = dequantize(q, scale, offset, bits=bits, group=group)
+    return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)

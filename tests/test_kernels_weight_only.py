@@ -1,0 +1,63 @@
+"""The weight-only quantized matmul kernel (interpret mode) and its jnp twin against float64 numpy, int8 and
+packed int4, with and without offsets, on fresh random inputs every run; a failing test prints its seed, and KERNEL_TEST_SEED=<seed> replays it."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.weight_only_matmul import dequantize, weight_only_matmul, weight_only_matmul_reference
+
+
+def numpy_weight(q, scale, offset, bits, group):
+    """The weight by its definition, float64, one element at a time along K."""
+    q = np.asarray(q).astype(np.int64)
+    if bits == 4:
+        q = np.concatenate([q % 16, q // 16], axis=0)
+    k = q.shape[0]
+    groups = np.arange(k) // group
+    w = q * np.asarray(scale, np.float64)[groups]
+    if offset is not None:
+        w += np.asarray(offset, np.float64)[groups]
+    return w
+
+
+@pytest.mark.parametrize("bits,group,with_offset,m,splits", [
+    (8, 256, False, 3, None),  # per output channel
+    (8, 256, True, 1, 2),  # one row: the kernel without a dot
+    (8, 32, True, 17, 2),
+    (4, 64, True, 1, None),  # one row
+    (4, 32, False, 8, 4),
+])
+def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, splits):
+    k, n = 256, 64
+    rows = k if bits == 8 else k // 2
+    q = (rng.integers(-128, 128, (rows, n)).astype(np.int8) if bits == 8
+         else rng.integers(0, 256, (rows, n)).astype(np.uint8))
+    scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    offset = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if with_offset else None
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    expected = np.asarray(x, np.float64) @ numpy_weight(q, scale, offset, bits, group)
+
+    np.testing.assert_allclose(np.asarray(dequantize(jnp.asarray(q), scale, offset, bits=bits, group=group)),
+                               numpy_weight(q, scale, offset, bits, group), rtol=1e-6, atol=1e-7)
+    xf = x.astype(jnp.float32)
+    reference = weight_only_matmul_reference(xf, jnp.asarray(q), scale, offset, bits=bits, group=group)
+    np.testing.assert_allclose(np.asarray(reference), expected, rtol=1e-5, atol=1e-5)
+    got = weight_only_matmul(xf, jnp.asarray(q), scale, offset, bits=bits, group=group, block_k=32, block_n=32,
+                             num_splits=splits, interpret=True)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4)
+    # bf16 activations (the GPU's int4 path builds its bf16 weights from bits): the output, rounded to bf16.
+    got = weight_only_matmul(x, jnp.asarray(q), scale, offset, bits=bits, group=group, block_k=32, block_n=32,
+                             num_splits=splits, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+
+
+def test_bad_layouts_are_refused():
+    x = jnp.ones((2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="not a 4-bit weight"):
+        weight_only_matmul(x, jnp.zeros((128, 32), jnp.uint8), jnp.ones((2, 32)), bits=4, group=64)
+    with pytest.raises(ValueError, match="scale"):
+        weight_only_matmul(x, jnp.zeros((128, 32), jnp.int8), jnp.ones((3, 32)), bits=8, group=64)
