@@ -27,7 +27,6 @@ forced to γ_max, 1 and 0, which decode real tokens), or are given (`GenerationO
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -155,10 +154,3 @@ class Warmup:
         draft = max(draft, MIN_DRAFT * plain)
         return draft / plain, max(one - draft, MIN_VERIFY * plain) / plain
 
-
-def timed(fn, *args):
-    """(fn(*args) with its result ready, seconds)."""
-    t0 = time.perf_counter()
-    out = fn(*args)
-    jax.block_until_ready(out)
-    return out, time.perf_counter() - t0

@@ -230,6 +230,8 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
     probs [B, γ, V] or None, finite [B]: every counted draft step had finite logits); positions from `steps` on
     hold zeros."""
     gamma, batch = config.gamma, state.committed.shape[0]
+    if (draft_params is None) != (config.draft_weights == "bf16"):
+        raise ValueError(f"draft weights {config.draft_weights} need their copies (draft_params) and bf16 none")
     weights = params if draft_params is None else overlay(params, draft_params)
     # A finished sequence's drafts are discarded: with no selected rows its draft attention reads only the few
     # recent ones, which makes the iterations where the batch waits for its slowest sequences cheaper.
