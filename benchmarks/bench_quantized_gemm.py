@@ -1,6 +1,7 @@
-"""Weight-only quantized GEMMs at a draft step's shapes: bf16 against int8 / int4 weights through XLA (each of
-models.quantized's formulations) and through the Pallas kernel (pallas_kernels/weight_only_gemm.py), under the
-engine's XLA options (cuBLAS for GEMMs) and with Triton GEMMs.
+"""Weight-only quantized GEMMs at a draft step's shapes: bf16 against int8 / int4 weights through XLA, each of
+models.quantized's formulations (what a draft pass runs without kernels), under the engine's XLA options (cuBLAS
+for GEMMs) and with Triton GEMMs. The Pallas kernel that draft passes use on the GPU is benchmarked over its block
+sizes by benchmarks/bench_weight_only.py.
 
     python benchmarks/bench_quantized_gemm.py                 # the engine's XLA options and Triton GEMMs
     python benchmarks/bench_quantized_gemm.py --variants xla-default --shapes o,down --rows 1,8
@@ -35,9 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
-from models.quantized import FORMULATIONS, QuantizedWeight, quantize_int4, quantize_int8, quantized_matmul  # noqa: E402
+from models.quantized import FORMULATIONS, quantize_int4, quantize_int8, quantized_matmul  # noqa: E402
 from models.quantized import nbytes  # noqa: E402
-from pallas_kernels.weight_only_gemm import pack_int4, weight_only_matmul  # noqa: E402
 from vegas_jax.compilation import GPU_COMPILER_OPTIONS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,16 +46,13 @@ ROWS = (1, 8, 16, 64)
 # XLA options per variant: the engine's (its decode loop compiles with these), XLA's defaults, and Triton GEMMs for
 # every GEMM (which may fuse the integer convert into the GEMM's operand loads).
 VARIANTS = {"engine": GPU_COMPILER_OPTIONS, "xla-default": {}, "triton-any": {"xla_gpu_triton_gemm_any": True}}
-# (label, weight kind, int4 group or None, formulation: one of models.quantized's, or "pallas")
+# (label, weight kind, int4 group or None, formulation: one of models.quantized's)
 WEIGHTS = [
     ("bf16", "bf16", None, None),
     ("int8 per channel", "int8", None, None),
-    ("int8 per channel, Pallas", "int8", None, "pallas"),
     ("int4 g128 grouped", "int4", 128, "grouped"),
     ("int4 g128 dequantized", "int4", 128, "dequantized"),
-    ("int4 g128, Pallas", "int4", 128, "pallas"),
     ("int4 g32 grouped (GGUF Q4_1)", "int4", 32, "grouped"),
-    ("int4 g32, Pallas (GGUF Q4_1)", "int4", 32, "pallas"),
 ]
 
 
@@ -98,20 +95,17 @@ def read_bandwidth(settings: Settings) -> float:
     return x.nbytes / ms / 1e6
 
 
-def make_weights(kind: str, group: int | None, formulation: str | None, k: int, n: int, copies: int, key, dtype):
-    """`copies` stacked weights [copies, K, N] of a kind (quantized from random values, one at a time); for the
-    Pallas kernel int4 values packed in its layout (pallas_kernels.weight_only_gemm.pack_int4)."""
+def make_weights(kind: str, group: int | None, k: int, n: int, copies: int, key, dtype):
+    """`copies` stacked weights [copies, K, N] of a kind (quantized from random values, one at a time)."""
     out = []
     for i in range(copies):
         w = jax.random.normal(jax.random.fold_in(key, i), (k, n), dtype) * 0.02
         if kind == "bf16":
             out.append(w)
-            continue
-        q = jax.jit(quantize_int8)(w) if kind == "int8" else jax.jit(quantize_int4, static_argnums=1)(w, group)
-        if formulation == "pallas" and kind == "int4":
-            q = QuantizedWeight(jax.jit(pack_int4, static_argnums=1)(q.values.astype(jnp.int8), group), q.scale,
-                                q.offset)
-        out.append(q)
+        elif kind == "int8":
+            out.append(jax.jit(quantize_int8)(w))
+        else:
+            out.append(jax.jit(quantize_int4, static_argnums=1)(w, group))
     return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
 
 
@@ -119,16 +113,12 @@ def weight_bytes(weights, copies: int) -> int:
     return sum(nbytes(x) for x in jax.tree.leaves(weights)) // copies
 
 
-def product(kind: str, group: int | None, formulation: str | None, copies: int):
+def product(kind: str, formulation: str | None, copies: int):
     """x [rows, K] times each of the copies, summed: one call, `copies` products."""
-    interpret = jax.default_backend() != "gpu"
 
     def one(x, w):
         if kind == "bf16":
             return jnp.dot(x, w, preferred_element_type=jnp.float32)
-        if formulation == "pallas":
-            return weight_only_matmul(x, w.values, w.scale, w.offset, bits=w.bits if kind == "int8" else 4,
-                                      group=group, interpret=interpret)
         return quantized_matmul(x, w, jnp.float32, formulation)
 
     def run(x, weights):
@@ -157,7 +147,7 @@ def main(argv=None) -> int:
         settings = dataclasses.replace(settings, shapes={n: SHAPES[n] for n in args.shapes.split(",")})
     if args.rows:
         settings = dataclasses.replace(settings, rows=tuple(int(r) for r in args.rows.split(",")))
-    assert set(FORMULATIONS) | {"pallas"} >= {f for *_, f in WEIGHTS if f}
+    assert set(FORMULATIONS) >= {f for *_, f in WEIGHTS if f}
     started = time.perf_counter()
     stamp = datetime.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
 
@@ -183,9 +173,9 @@ def main(argv=None) -> int:
                 break
             full_bytes = np.dtype(settings.dtype).itemsize * k * n
             copies = max(2, settings.copies_bytes // full_bytes)  # the same count for every kind of a shape
-            weights = make_weights(kind, group, formulation, k, n, copies, key, settings.dtype)
+            weights = make_weights(kind, group, k, n, copies, key, settings.dtype)
             per_weight = weight_bytes(weights, copies)
-            fn = product(kind, group, formulation, copies)
+            fn = product(kind, formulation, copies)
             for rows in settings.rows:
                 x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), settings.dtype)
                 for variant in settings.variants:

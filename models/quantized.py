@@ -1,43 +1,58 @@
 """Weight-only quantized linear weights (int8, int4) and the product of activations with them.
 
 A weight W of shape [*in, *out] (its leading `in_ndim` axes contracted, as every projection in models.decoder)
-is stored as a `QuantizedWeight`: integer values [K, *out] (K = prod(in), the input axes flattened), and per group
-of `K // G` consecutive input positions a scale and optionally an offset [G, *out], so that
+is stored as a `QuantizedWeight`: integer codes for K = prod(in) input positions (the input axes flattened), and
+per group of g = K / G consecutive input positions a scale and optionally an offset [G, *out], so that
 
-    W[k, o] = scale[k // g, o] * values[k, o] + offset[k // g, o]        (g = K // G; no offset: 0)
+    W[k, o] = scale[k // g, o] * code[k, o] + offset[k // g, o]        (no offset: 0)
 
-int8 here is symmetric per output channel (G = 1); int4 is asymmetric (min / max) in groups along the input axis;
-GGUF's Q8_0, Q4_0 and Q4_1 blocks (groups of 32) map onto the same form (vegas_jax.loading.gguf_blocks). Groups
-run along the input axis only, so quantizing commutes with splitting the output axis over devices
-(column-parallel), and a row-parallel split of the input axis keeps whole groups on each device as long as the
-group size divides the local input size (`group_size_for`).
+- int8: codes int8 [K, *out], symmetric per output channel here (G = 1), or GGUF's Q8_0 groups of 32.
+- int4: codes 0..15 packed two a byte, uint8 [K / 2, *out], split-half within each group: byte row
+  G_i * g / 2 + j holds input position G_i * g + j in its low nibble and G_i * g + g / 2 + j in its high nibble.
+  That is GGUF's own Q4_0 / Q4_1 block layout for g = 32 (so a file's blocks are taken as they are), the layout
+  of the Pallas kernel (pallas_kernels/weight_only_matmul.py), and a split of the input axis over devices keeps
+  whole groups, packed bytes included. Quantized here: asymmetric, 16 levels from the group's min to its max.
 
-Scales and offsets are stored in the model's dtype. `quantized_matmul` is the one place that multiplies by a
-quantized weight, so a kernel can replace its XLA formulation without touching the model.
+Groups run along the input axis only, so quantizing commutes with splitting the output axis over devices
+(column-parallel), and a row-parallel split keeps whole groups on each device as long as the group size divides
+the local input size (`group_size_for`). Scales and offsets are stored in the model's dtype.
+
+`quantized_matmul` is the one place that multiplies by a quantized weight: XLA's formulations, or the weight's
+`kernel` (a product function the engine attaches when kernels run), without touching the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 PRECISIONS = ("bf16", "int8", "int4")  # bf16: the model's own (unquantized) weights
-INT4_GROUP_SIZES = (128, 64, 32)  # preferred first: fewer scales to read
+INT4_GROUP_SIZES = (128, 64, 32)  # preferred first: fewer scales to read; at least 32 (two dot-sized halves)
 INT8_MAX, INT4_LEVELS = 127, 15
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    values: jax.Array  # [K, *out] int8 or int4
+    values: jax.Array  # int8 codes [K, *out], or int4 codes packed as uint8 [K / 2, *out]
     scale: jax.Array  # [G, *out]
     offset: jax.Array | None  # [G, *out], or None (symmetric)
     in_ndim: int = dataclasses.field(default=1, metadata=dict(static=True))  # leading axes of W contracted
+    # kernel(x [M, K], weight, preferred_element_type) -> [M, prod(out)]: the product in place of XLA's.
+    kernel: Callable | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.values.dtype == jnp.uint8 else 8
+
+    @property
+    def input_size(self) -> int:
+        return self.values.shape[0] * (2 if self.bits == 4 else 1)
 
     @property
     def groups(self) -> int:
@@ -45,15 +60,30 @@ class QuantizedWeight:
 
     @property
     def group_size(self) -> int:
-        return self.values.shape[0] // self.groups
-
-    @property
-    def bits(self) -> int:
-        return 4 if self.values.dtype == jnp.int4 else 8
+        return self.input_size // self.groups
 
 
 def _flat(w: jax.Array, in_ndim: int) -> jax.Array:
     return w.reshape((math.prod(w.shape[:in_ndim]),) + w.shape[in_ndim:])
+
+
+def pack_int4(codes: jax.Array, group: int) -> jax.Array:
+    """Codes 0..15 [K, *out] -> uint8 [K / 2, *out], split-half within each group of `group` (module docstring)."""
+    k, out = codes.shape[0], codes.shape[1:]
+    halves = codes.astype(jnp.uint8).reshape((k // group, 2, group // 2) + out)
+    return (halves[:, 0] | (halves[:, 1] << 4)).reshape((k // 2,) + out)
+
+
+def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
+    """uint8 [K / 2, *out] in the split-half layout -> int32 codes 0..15 [K, *out]."""
+    half, out = packed.shape[0], packed.shape[1:]
+    p = packed.astype(jnp.int32).reshape((half * 2 // group, 1, group // 2) + out)
+    return jnp.concatenate([p & 0x0F, p >> 4], axis=1).reshape((half * 2,) + out)
+
+
+def integer_codes(w: QuantizedWeight) -> jax.Array:
+    """The integer codes [K, *out] (int4 unpacked), int32 for int4."""
+    return unpack_int4(w.values, w.group_size) if w.bits == 4 else w.values
 
 
 def quantize_int8(w: jax.Array, in_ndim: int = 1) -> QuantizedWeight:
@@ -66,18 +96,17 @@ def quantize_int8(w: jax.Array, in_ndim: int = 1) -> QuantizedWeight:
 
 
 def quantize_int4(w: jax.Array, group: int, in_ndim: int = 1) -> QuantizedWeight:
-    """Asymmetric in groups of `group` input positions: 16 levels from the group's min to its max, the integer
-    values shifted to [-8, 7] (offset = min + 8 * scale)."""
+    """Asymmetric in groups of `group` input positions: 16 levels from the group's min (the offset) to its max."""
     flat = _flat(w, in_ndim).astype(jnp.float32)
     k = flat.shape[0]
-    if k % group:
-        raise ValueError(f"int4 group size {group} does not divide the input size {k}")
+    if k % group or group % 32:
+        raise ValueError(f"int4 groups of {group} (a multiple of 32) do not tile the input size {k}")
     grouped = flat.reshape((k // group, group) + flat.shape[1:])
     lo, hi = grouped.min(axis=1), grouped.max(axis=1)
     scale = jnp.where(hi > lo, (hi - lo) / INT4_LEVELS, 1.0)
     levels = jnp.clip(jnp.round((grouped - lo[:, None]) / scale[:, None]), 0, INT4_LEVELS)
-    values = (levels - 8).astype(jnp.int4).reshape(flat.shape)
-    return QuantizedWeight(values, scale.astype(w.dtype), (lo + 8 * scale).astype(w.dtype), in_ndim)
+    return QuantizedWeight(pack_int4(levels.reshape(flat.shape), group), scale.astype(w.dtype), lo.astype(w.dtype),
+                           in_ndim)
 
 
 def quantize(w: jax.Array, precision: str, in_ndim: int, group: int | None = None) -> QuantizedWeight:
@@ -90,12 +119,12 @@ def quantize(w: jax.Array, precision: str, in_ndim: int, group: int | None = Non
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The weight the quantized form stands for, [K, *out] (input axes flattened)."""
-    g = w.group_size
-    values = w.values.astype(jnp.float32).reshape((w.groups, g) + w.values.shape[1:])
-    full = values * w.scale.astype(jnp.float32)[:, None]
+    ints = integer_codes(w)
+    grouped = ints.astype(jnp.float32).reshape((w.groups, w.group_size) + ints.shape[1:])
+    full = grouped * w.scale.astype(jnp.float32)[:, None]
     if w.offset is not None:
         full = full + w.offset.astype(jnp.float32)[:, None]
-    return full.reshape(w.values.shape).astype(dtype)
+    return full.reshape(ints.shape).astype(dtype)
 
 
 def group_size_for(local_input: int) -> int | None:
@@ -105,7 +134,7 @@ def group_size_for(local_input: int) -> int | None:
 
 
 # How XLA is asked for a product with grouped (G > 1) weights: "grouped" contracts each group with its integer
-# values (converted inside the product) and sums the scaled partial products; "dequantized" forms the weight in
+# codes (converted inside the product) and sums the scaled partial products; "dequantized" forms the weight in
 # x's dtype first and multiplies once. On the CPU, XLA fuses a convert into a dot's operand by emitting a naive loop
 # instead of calling its GEMM library, and its batched products are slow, so there the dequantized weight is
 # 2-4x faster (SmolLM2's shapes, rows 3); elsewhere the grouped form reads each weight once.
@@ -121,29 +150,32 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, preferred_element_type=No
                      formulation: str | None = None) -> jax.Array:
     """x [..., *in] times the weight [*in, *out] -> [..., *out], in `preferred_element_type` (default x's dtype).
 
-    XLA's formulation: the integer values converted to x's dtype inside the product (a convert XLA can fuse into
-    the GEMM's operand), accumulated in float32; per channel (G = 1) the scale multiplies the product. With groups,
-    FORMULATIONS; an offset adds (sum of x over each group) x offset."""
-    k, out_shape = w.values.shape[0], w.values.shape[1:]
+    The weight's kernel where it has one; else XLA: the integer codes converted to x's dtype inside the product
+    (a convert XLA can fuse into the GEMM's operand), accumulated in float32; per channel (G = 1) the scale
+    multiplies the product. With groups, FORMULATIONS; an offset adds (sum of x over each group) x offset."""
+    k, out_shape = w.input_size, w.values.shape[1:]
     lead = x.shape[: x.ndim - w.in_ndim]
     rows = x.reshape(-1, k)
+    out_dtype = preferred_element_type or x.dtype
+    if w.kernel is not None:
+        return w.kernel(rows, w, out_dtype).reshape(lead + out_shape)
     groups = w.groups
     formulation = formulation or default_formulation()
     if groups > 1 and formulation == "dequantized":
         y = jnp.dot(rows, dequantize(w, x.dtype).reshape(k, -1), preferred_element_type=jnp.float32)
     else:
-        values = w.values.reshape(groups, k // groups, -1).astype(x.dtype)  # [G, g, O]
+        ints = integer_codes(w).reshape(groups, k // groups, -1).astype(x.dtype)  # [G, g, O]
         scale = w.scale.reshape(groups, -1).astype(jnp.float32)
         if groups == 1:
-            y = jnp.dot(rows, values[0], preferred_element_type=jnp.float32) * scale
+            y = jnp.dot(rows, ints[0], preferred_element_type=jnp.float32) * scale
         else:
             per_group = rows.reshape(-1, groups, k // groups)
-            partial = jnp.einsum("MGg,GgO->MGO", per_group, values, preferred_element_type=jnp.float32)
+            partial = jnp.einsum("MGg,GgO->MGO", per_group, ints, preferred_element_type=jnp.float32)
             y = jnp.einsum("MGO,GO->MO", partial, scale)
         if w.offset is not None:
             sums = rows.reshape(-1, groups, k // groups).astype(jnp.float32).sum(-1)
             y = y + sums @ w.offset.reshape(groups, -1).astype(jnp.float32)
-    return y.astype(preferred_element_type or x.dtype).reshape(lead + out_shape)
+    return y.astype(out_dtype).reshape(lead + out_shape)
 
 
 def overlay(params: Any, replacements: Any) -> Any:
@@ -158,8 +190,5 @@ def overlay(params: Any, replacements: Any) -> Any:
 
 
 def nbytes(array) -> int:
-    """Bytes an array (or ShapeDtypeStruct) takes on a device: int4 packs two values a byte."""
-    size = int(np.prod(array.shape))
-    if array.dtype == jnp.int4:
-        return (size + 1) // 2
-    return size * np.dtype(array.dtype).itemsize
+    """Bytes an array (or ShapeDtypeStruct) takes on a device."""
+    return int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize

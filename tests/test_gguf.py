@@ -12,7 +12,6 @@ from pathlib import Path
 import gguf
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
@@ -205,10 +204,10 @@ def test_blocks_read_as_they_are_into_draft_weights(qtype):
     rng = np.random.default_rng(int(qtype))
     raw, expected = BLOCK_BUILDERS[qtype](rng, 3, 96)  # [3 output channels, 96 input positions]
     precision = gguf_blocks.precision_of(qtype)
-    weight = gguf_blocks.as_weight(*gguf_blocks.read_blocks(raw, qtype, rows=3), (3,), precision)
-    assert weight.values.shape == (96, 3) and weight.scale.shape == (3, 3)
-    assert weight.values.dtype == (ml_dtypes.int4 if precision == "int4" else np.int8)
-    assert (weight.offset is not None) == (qtype == Q.Q4_1)
+    weight = gguf_blocks.as_weight(*gguf_blocks.read_blocks(raw, qtype, rows=3), (3,))
+    assert weight.input_size == 96 and weight.scale.shape == (3, 3) and weight.group_size == 32
+    assert weight.values.dtype == (np.uint8 if precision == "int4" else np.int8)  # int4: the file's nibble bytes
+    assert (weight.offset is not None) == (qtype != Q.Q8_0)  # Q4_0's offset: -8 d
     placed = jax.tree.map(jnp.asarray, weight)
     np.testing.assert_allclose(np.asarray(quantized.dequantize(placed)), expected.T, rtol=1e-6, atol=1e-7)
 
@@ -228,7 +227,7 @@ def test_draft_weights_from_the_files_blocks(tmp_path, qtype, precision):
         for i in range(TINY["layers"]) for name in draft_weights.LAYER_WEIGHTS
     ]
     for weight, full in pairs:
-        assert weight.group_size == (32 if native or precision == "int4" else weight.values.shape[0])
+        assert weight.group_size == (32 if native or precision == "int4" else weight.input_size)
         back = np.asarray(quantized.dequantize(weight)).reshape(full.shape)
         if native:
             np.testing.assert_allclose(back, np.asarray(full), rtol=1e-6, atol=1e-6)

@@ -15,11 +15,14 @@ import pytest
 from models.config import ModelConfig
 from models.decoder import forward, init_params
 from models.kv_cache import KVCache
+from models.quantized import QuantizedWeight
 from vegas_jax import adaptive_gamma
 from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.selection import POLICIES
+from vegas_jax.sharding import Placement
 
 
 class IdsTokenizer:
@@ -116,16 +119,21 @@ def test_greedy_speculative_equals_plain(greedy_setup, method, score_mode):
     assert 0 < result.metrics["acceptance_rate"] < 1
 
 
-@pytest.mark.parametrize("method", ["vegas", "streaming", "quest"])
-def test_kernel_path_equals_plain(greedy_setup, method, monkeypatch):
+@pytest.mark.parametrize("method,draft_weights", [("vegas", "bf16"), ("streaming", "int4"), ("quest", "bf16")])
+def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, monkeypatch):
     """The Pallas kernels (interpret mode on CPU) in the loop: sparse draft attention, verification with score
-    collection and radix top-k selection, still token-for-token plain greedy decoding."""
+    collection and radix top-k selection, and (streaming's drafts, int4 weights) the weight-only matmul of the
+    draft pass, still token-for-token plain greedy decoding."""
     engine, batch, plain = greedy_setup
-    options = dataclasses.replace(GREEDY, method=method)
+    options = dataclasses.replace(GREEDY, method=method, draft_weights=draft_weights)
     reference = engine.generate(batch, options)
     monkeypatch.setenv("VEGAS_KERNELS", "interpret")
     result = engine.generate(batch, options)
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
+    if draft_weights != "bf16":  # every quantized weight of this model went through the kernel
+        attached = with_kernel(engine.model.drafts[draft_weights], Placement(backend="interpret"))
+        weights = jax.tree.leaves(attached, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        assert len(weights) == 9 and all(w.kernel is not None for w in weights)  # 2 layers x 4, and the LM head
     # Same selections and drafts up to float rounding: a kernel attending the wrong keys (say, missing the new
     # token) would still be lossless, but would draft worse than the jnp path.
     assert result.metrics["tau"] == pytest.approx(reference.metrics["tau"], rel=0.02)

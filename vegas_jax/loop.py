@@ -26,6 +26,7 @@ from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from models.quantized import overlay
 from vegas_jax import adaptive_gamma, sampling
 from vegas_jax.attention.verify import VerifyAttention
+from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
 
@@ -232,7 +233,7 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
     gamma, batch = config.gamma, state.committed.shape[0]
     if (draft_params is None) != (config.draft_weights == "bf16"):
         raise ValueError(f"draft weights {config.draft_weights} need their copies (draft_params) and bf16 none")
-    weights = params if draft_params is None else overlay(params, draft_params)
+    weights = params if draft_params is None else overlay(params, with_kernel(draft_params, config.placement))
     # A finished sequence's drafts are discarded: with no selected rows its draft attention reads only the few
     # recent ones, which makes the iterations where the batch waits for its slowest sequences cheaper.
     selection = state.selection

@@ -288,7 +288,7 @@ def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, pr
         return parts if heads is None else tuple(None if x is None else _unpermute(x, heads) for x in parts)
 
     def weight(parts, out_shape, in_ndim=1) -> QuantizedWeight:
-        return gguf_blocks.as_weight(*parts, out_shape, precision, in_ndim)
+        return gguf_blocks.as_weight(*parts, out_shape, in_ndim)
 
     def one_form(*parts) -> bool:
         return all(p is not None for p in parts) and len({p[2] is None for p in parts}) == 1
