@@ -97,7 +97,11 @@ def main(argv=None) -> int:
         # Room for every call below without a sequence finishing (random weights accept few drafts).
         options = GenerationOptions(method=method, max_new_tokens=512, max_model_len=args.prompt_tokens + 512)
         started = engine.start(prompts, options)
-        params, state, decode = engine.model.params, started.state, started.decode
+        params, state = engine.model.params, started.state
+
+        def decode(params, state, *limits):
+            return started.decode(params, started.draft_params, state, *limits)
+
         everyone = jnp.int32(args.batch)
         state, _ = timed_calls(decode, params, state, per_call, everyone)  # warm-up
         step = int(state.step)

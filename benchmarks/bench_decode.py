@@ -69,7 +69,7 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
             started = engine.start(prompts, options)
         t0 = time.perf_counter()
         rows = started.state.committed.shape[0]  # the batch, padded to a multiple of a mesh's data axis
-        state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1), jnp.int32(rows))
+        state = started.decode(engine.model.params, started.draft_params, started.state, jnp.int32(2**31 - 1), jnp.int32(rows))
         jax.block_until_ready(state.output)
         decode_s = time.perf_counter() - t0
     n, gamma = len(prompts), options.effective_gamma

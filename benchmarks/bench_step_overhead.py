@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                                         max_model_len=args.prompt_tokens + args.max_new_tokens)
             started = engine.start(prompts, options)
             t0 = time.perf_counter()
-            state = started.decode(engine.model.params, started.state, jnp.int32(2**31 - 1), jnp.int32(batch))
+            state = started.decode(engine.model.params, started.draft_params, started.state, jnp.int32(2**31 - 1), jnp.int32(batch))
             jax.block_until_ready(state.output)
             decode_s = time.perf_counter() - t0
             iterations = int(np.asarray(state.metrics.iterations).max())

@@ -100,13 +100,13 @@ def profile_method(engine: Engine, prompts, options: GenerationOptions, warmup: 
             f.write(started.decode.as_text())
     params = engine.model.params
     everyone = jnp.int32(len(prompts))  # finished_limit: run until the whole batch is done
-    state = started.decode(params, started.state, jnp.int32(warmup), everyone)
+    state = started.decode(params, started.draft_params, started.state, jnp.int32(warmup), everyone)
     jax.block_until_ready(state.output)
     limit = jnp.int32(warmup + iterations)
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             t0 = time.perf_counter()
-            state = started.decode(params, state, limit, everyone)
+            state = started.decode(params, started.draft_params, state, limit, everyone)
             jax.block_until_ready(state.output)
             wall_s = time.perf_counter() - t0
         events = gpu_kernel_events(Path(log_dir))

@@ -1,11 +1,11 @@
-"""An engine over random weights of SmolLM2-135M's shapes: for timing only (acceptance means nothing on random
-weights, so no τ from it is ever reported)."""
+"""Engines over random weights of real models' shapes (SmolLM2-135M, Llama-3.1-8B, Qwen3-8B): for timing only
+(acceptance means nothing on random weights, so no τ from them is ever reported)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 from models.decoder import init_params
 from vegas_jax.engine import Engine
 from vegas_jax.loading.bundle import LoadedModel
@@ -15,6 +15,20 @@ SMOLLM2_135M = ModelConfig(
     num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
+
+LLAMA_3_1_8B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192),
+)
+QWEN3_8B = ModelConfig(
+    architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    tie_word_embeddings=False, qk_norm=True,
+)
+SHAPES = {"smollm2": SMOLLM2_135M, "llama-3.1-8b": LLAMA_3_1_8B, "qwen3-8b": QWEN3_8B}
 
 
 class NoTextTokenizer:
@@ -27,6 +41,10 @@ class NoTextTokenizer:
         return ""
 
 
+def random_engine(config: ModelConfig, dtype=jnp.bfloat16) -> Engine:
+    params = init_params(config, dtype)
+    return Engine(LoadedModel(config, params, NoTextTokenizer(), "random", "random"))
+
+
 def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
-    params = init_params(SMOLLM2_135M, dtype)
-    return Engine(LoadedModel(SMOLLM2_135M, params, NoTextTokenizer(), "random", "random"))
+    return random_engine(SMOLLM2_135M, dtype)

@@ -22,6 +22,7 @@ from models.attention import Attention, NewTokens, rope_tables
 from models.config import ModelConfig, rope_inverse_frequencies
 from models.kv_cache import KVCache
 from models.logical_axes import HEADS, MLP, Axes
+from models.quantized import QuantizedWeight, quantized_matmul
 
 Params = dict[str, Any]
 
@@ -46,13 +47,21 @@ class TensorParallel:
             intermediate_size=config.intermediate_size // self.size,
         )
 
-    def row_parallel(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        """einsum(spec, x, w) summed over the shards' slices of the contracted axis, in x's dtype. Partial sums are
-        added in float32 and rounded once, as one device's GEMM accumulates and rounds."""
+    def row_parallel(self, spec: str, x: jax.Array, w) -> jax.Array:
+        """contract(spec, x, w) summed over the shards' slices of the contracted axis, in x's dtype. Partial sums
+        are added in float32 and rounded once, as one device's GEMM accumulates and rounds."""
         if self.size == 1:
-            return jnp.einsum(spec, x, w)
-        partial = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+            return contract(spec, x, w)
+        partial = contract(spec, x, w, preferred_element_type=jnp.float32)
         return jax.lax.psum(partial, self.axis).astype(x.dtype)
+
+
+def contract(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+    """einsum(spec, x, w) for a weight array; for a QuantizedWeight (a draft pass's copy, models.quantized) its
+    weight-only product, which contracts x's trailing axes with the weight's leading ones as every spec here does."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w, preferred_element_type)
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
 class RMSNorm(nnx.Module):
@@ -91,7 +100,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, layer: int, x, positions, rope, k_cache, v_cache, attention: Attention, tp: TensorParallel):
         h = self.attn_norm(x)
-        qkv = jnp.einsum("BSD,DNH->BSNH", h, self.qkv_proj[...])
+        qkv = contract("BSD,DNH->BSNH", h, self.qkv_proj.get_value())
         if self.attention_bias:
             qkv = qkv + self.qkv_bias[...]
         if self.qk_norm:
@@ -99,10 +108,11 @@ class DecoderLayer(nnx.Module):
             qkv = jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=2)
         new = NewTokens(qkv, *rope, num_kv_heads=self.num_kv_heads)
         out, k_cache, v_cache, aux = attention(layer, new, positions, k_cache, v_cache)
-        x = x + tp.row_parallel("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj[...])
+        x = x + tp.row_parallel("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj.get_value())
         h = self.mlp_norm(x)
-        gate_up = jnp.einsum("BSD,DGF->BSGF", h, self.gate_up_proj[...])
-        x = x + tp.row_parallel("BSF,FD->BSD", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], self.down_proj[...])
+        gate_up = contract("BSD,DGF->BSGF", h, self.gate_up_proj.get_value())
+        x = x + tp.row_parallel("BSF,FD->BSD", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1],
+                                self.down_proj.get_value())
         return x, k_cache, v_cache, aux
 
 
@@ -117,7 +127,8 @@ class Decoder(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (config.hidden_size, config.vocab_size), dtype)
             )
 
-    def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows, tp: TensorParallel):
+    def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows, tp: TensorParallel,
+                 lm_head=None):
         rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32))
         x = jnp.take(self.embed[...], tokens, axis=0)
         k_out, v_out, aux_out = [], [], []
@@ -129,10 +140,12 @@ class Decoder(nnx.Module):
         if logit_rows is not None:  # only these rows need the (vocabulary-sized) LM head
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
         x = self.final_norm(x)
-        if self.config.tie_word_embeddings:
+        if lm_head is not None:  # a tied model's draft pass: its own (quantized) copy of the embedding's transpose
+            logits = contract("BSD,DV->BSV", x, lm_head, preferred_element_type=jnp.float32)
+        elif self.config.tie_word_embeddings:
             logits = jnp.einsum("BSD,VD->BSV", x, self.embed[...], preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("BSD,DV->BSV", x, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = contract("BSD,DV->BSV", x, self.lm_head.get_value(), preferred_element_type=jnp.float32)
         return logits, KVCache(k=tuple(k_out), v=tuple(v_out)), tuple(aux_out)
 
 
@@ -239,9 +252,16 @@ def forward(
     tensor_parallel: TensorParallel = TensorParallel(),
 ) -> tuple[jax.Array, KVCache, tuple]:
     """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux). With tensor parallelism,
-    params, cache and attention are this program's shard of them (`TensorParallel`); the logits are whole."""
+    params, cache and attention are this program's shard of them (`TensorParallel`); the logits are whole.
+
+    A draft pass's params may hold QuantizedWeights in place of the linear weights (`draft_params`), and a tied
+    model's an `lm_head` of its own (the quantized transpose of the embedding, which the lookup keeps reading)."""
+    lm_head = None
+    if config.tie_word_embeddings and "lm_head" in params:
+        params = dict(params)
+        lm_head = params.pop("lm_head")
     graphdef, abstract_state = _split_abstract(tensor_parallel.local(config))
     state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel)
+    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel, lm_head)

@@ -3,10 +3,12 @@ weight, dequantised on the fly, so a step reads the packed bytes and not a bf16 
 
 The weight is w[k, n] = q[k, n] * scale[k // group, n] + offset[k // group, n] (offset absent: symmetric).
 - int8: q [K, N] int8.
-- int4: q [K / 2, N] uint8; byte [j, n] holds row j in its low nibble and row j + K / 2 in its high nibble
-  (values 0..15, so symmetric int4 stores q + 8 with offset -8 * scale; group <= K / 2). Pairing
-  rows K / 2 apart, rather than neighbours, lets a program split the nibbles into two [block_k, block_n] tiles
-  and multiply each by a contiguous slice of x: Triton values cannot be interleaved or reshaped.
+- int4: q [K / 2, N] uint8, split-half within each scale group: byte row g * group / 2 + j holds row
+  g * group + j in its low nibble and row g * group + group / 2 + j in its high nibble (values 0..15, so
+  symmetric int4 stores q + 8 with offset -8 * scale; group >= 32). Pairing rows half a group apart, rather than
+  neighbours, lets a program split the nibbles into two [block_k, block_n] tiles and multiply each by a
+  contiguous slice of x (Triton values cannot be interleaved or reshaped), both under the same scale; it is
+  GGUF's own Q4_0 / Q4_1 layout for groups of 32, and it keeps whole groups on each device when K is split.
 
 XLA keeps the int → bf16 convert out of its GEMMs at these shapes and reads no fewer bytes than a bf16 weight
 (design notes, 2026-12-01), hence a kernel. Each program owns a block of output columns and a share of K
@@ -50,28 +52,35 @@ def _nibble_partial(x, nibbles, scale, offset):
     return plt.dot(x, w, allow_tf32=False) * scale[None, :] + rowsum * shift[None, :]
 
 
+def _rows_of_x(bits: int, group: int, k0):
+    """(the row of x block k0 of q starts at, int4: that of its high nibbles, and its scale group)."""
+    if bits == 8:
+        return k0, None, k0 // group
+    half = group // 2
+    g = k0 // half
+    return k0 + g * half, k0 + (g + 1) * half, g
+
+
 def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
-                              blocks_per_split: int, half_k: int):
+                              blocks_per_split: int):
     """One (column block, K split) program. x_ref [M, K]; q_ref [K or K/2, bn]; scale_ref, offset_ref
     [K / group, bn]; o_ref [M, bn] this split's partial output."""
     split = pl.program_id(1)
     m = x_ref.shape[0]
 
-    def scale_row(ref, k0):
-        return None if ref is None else ref[k0 // group, :].astype(jnp.float32)
+    def scale_row(ref, g):
+        return None if ref is None else ref[g, :].astype(jnp.float32)
 
     def body(i, acc):
         k0 = (split * blocks_per_split + i) * block_k  # row of q this block starts at
         q = q_ref[pl.ds(k0, block_k), :]
+        low_rows, high_rows, g = _rows_of_x(bits, group, k0)
+        scale, offset = scale_row(scale_ref, g), scale_row(offset_ref, g)
         if bits == 8:
-            x = x_ref[:, pl.ds(k0, block_k)]
-            return acc + _block_partial(x, q, scale_row(scale_ref, k0), scale_row(offset_ref, k0))
+            return acc + _block_partial(x_ref[:, pl.ds(low_rows, block_k)], q, scale, offset)
         q = q.astype(jnp.int32)
-        low, high = q & 0xF, q >> 4
-        acc += _nibble_partial(x_ref[:, pl.ds(k0, block_k)], low, scale_row(scale_ref, k0),
-                               scale_row(offset_ref, k0))
-        return acc + _nibble_partial(x_ref[:, pl.ds(half_k + k0, block_k)], high,
-                                     scale_row(scale_ref, half_k + k0), scale_row(offset_ref, half_k + k0))
+        acc += _nibble_partial(x_ref[:, pl.ds(low_rows, block_k)], q & 0xF, scale, offset)
+        return acc + _nibble_partial(x_ref[:, pl.ds(high_rows, block_k)], q >> 4, scale, offset)
 
     acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((m, o_ref.shape[1]), jnp.float32))
     o_ref[...] = acc
@@ -84,29 +93,30 @@ def _exact_float(q):
 
 
 def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
-                              blocks_per_split: int, half_k: int):
+                              blocks_per_split: int):
     """weight_only_matmul_kernel for one row of x: no dot (a dot pads the row to 16 and sends each weight tile
     through shared memory into the tensor cores' layout); the weights are dequantised and multiplied by x in
     registers, into a [block_k, block_n] accumulator summed over K once at the end."""
     split = pl.program_id(1)
 
-    def dequantized(q, k0):
-        w = _exact_float(q) * scale_ref[k0 // group, :].astype(jnp.float32)[None, :]
+    def dequantized(q, g):
+        w = _exact_float(q) * scale_ref[g, :].astype(jnp.float32)[None, :]
         if offset_ref is not None:
-            w += offset_ref[k0 // group, :].astype(jnp.float32)[None, :]
+            w += offset_ref[g, :].astype(jnp.float32)[None, :]
         return w
 
-    def times_x(w, k0):
-        return x_ref[0, pl.ds(k0, block_k)].astype(jnp.float32)[:, None] * w
+    def times_x(w, rows):
+        return x_ref[0, pl.ds(rows, block_k)].astype(jnp.float32)[:, None] * w
 
     def body(i, acc):
         k0 = (split * blocks_per_split + i) * block_k
         q = q_ref[pl.ds(k0, block_k), :]
         q = q.astype(jnp.int32)
+        low_rows, high_rows, g = _rows_of_x(bits, group, k0)
         if bits == 8:
-            return acc + times_x(dequantized(q, k0), k0)
-        acc += times_x(dequantized(q & 0xF, k0), k0)
-        return acc + times_x(dequantized(q >> 4, half_k + k0), half_k + k0)
+            return acc + times_x(dequantized(q, g), low_rows)
+        acc += times_x(dequantized(q & 0xF, g), low_rows)
+        return acc + times_x(dequantized(q >> 4, g), high_rows)
 
     acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((block_k, o_ref.shape[1]), jnp.float32))
     o_ref[...] = jnp.sum(acc, axis=0)[None, :]
@@ -122,12 +132,12 @@ def default_splits(column_blocks: int, k_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group", "block_k", "block_n", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "out_dtype"))
 def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block_k: int = 64, block_n: int = 128,
                        num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                       interpret: bool = False):
-    """x [M, K] @ dequantised w [K, N] -> [M, N] in x's dtype (float32 accumulation). See the module docstring
-    for the layouts of q, scale [K / group, N] and offset (same shape, or None)."""
+                       interpret: bool = False, out_dtype=None):
+    """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
+    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None)."""
     m, k = x.shape
     rows_of_q = k if bits == 8 else k // 2
     if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
@@ -136,10 +146,11 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     if scale.shape != (k // group, n) or k % group or (offset is not None and offset.shape != scale.shape):
         raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
                          f"[K / group, N] = [{k // group}, {n}]")
-    block_k = min(block_k, group, rows_of_q)
+    rows_per_group = group if bits == 8 else group // 2  # rows of q under one scale
+    block_k = min(block_k, rows_per_group, rows_of_q)
     check_power_of_2("block_k", block_k, 16)
     check_power_of_2("block_n", block_n, 16)
-    if group % block_k or rows_of_q % block_k or n % block_n or (bits == 4 and (k // 2) % group):
+    if rows_per_group % block_k or rows_of_q % block_k or n % block_n:
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into blocks of {block_k} x {block_n}")
     k_blocks = rows_of_q // block_k
     splits = num_splits or default_splits(n // block_n, k_blocks)
@@ -150,8 +161,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     xp = x if vector else jnp.zeros((rows, k), x.dtype).at[:m].set(x)
 
     body = weight_only_vector_kernel if vector else weight_only_matmul_kernel
-    kernel = functools.partial(body, bits=bits, group=group, block_k=block_k,
-                               blocks_per_split=k_blocks // splits, half_k=k // 2)
+    kernel = functools.partial(body, bits=bits, group=group, block_k=block_k, blocks_per_split=k_blocks // splits)
     column = lambda j, s: (0, j)
     in_specs = [pl.BlockSpec((rows, k), lambda j, s: (0, 0)), pl.BlockSpec((rows_of_q, block_n), column),
                 pl.BlockSpec((k // group, block_n), column)]
@@ -171,7 +181,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         interpret=interpret,
         name="weight_only_matmul",
     )(*args)
-    return partial.sum(axis=0)[:m].astype(x.dtype)
+    return partial.sum(axis=0)[:m].astype(out_dtype or x.dtype)
 
 
 def _without_offset(kernel):
@@ -183,8 +193,8 @@ def _without_offset(kernel):
 def dequantize(q, scale, offset=None, *, bits: int, group: int):
     """The float32 weight [K, N] that q, scale and offset encode (module docstring)."""
     if bits == 4:
-        q = q.astype(jnp.int32)
-        q = jnp.concatenate([q & 0xF, q >> 4], axis=0)
+        q = q.astype(jnp.int32).reshape(-1, group // 2, q.shape[1])  # [groups, group / 2, N]
+        q = jnp.concatenate([q & 0xF, q >> 4], axis=1).reshape(-1, q.shape[2])
     w = q.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), group, axis=0)
     if offset is not None:
         w += jnp.repeat(offset.astype(jnp.float32), group, axis=0)

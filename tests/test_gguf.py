@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
+from models import draft_weights, quantized
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
 from models.decoder import forward
 from models.kv_cache import KVCache
 from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.loading import gguf_blocks
 from vegas_jax.loading.bundle import CheckpointError
 from vegas_jax.loading.gguf import SUPPORTED_TYPES, dequantize, embedded_smollm2_path, load_gguf
 
@@ -229,6 +231,45 @@ def test_dequantize_matches_block_format(tmp_path, qtype):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("qtype", list(gguf_blocks.BLOCK_TYPES), ids=[t.name for t in gguf_blocks.BLOCK_TYPES])
+def test_blocks_read_as_they_are_into_draft_weights(qtype):
+    """A tensor's blocks as a draft weight (no float detour): its values, scales and offsets mean the builders'
+    values, the input axis first."""
+    rng = np.random.default_rng(int(qtype))
+    raw, expected = BLOCK_BUILDERS[qtype](rng, 3, 96)  # [3 output channels, 96 input positions]
+    precision = gguf_blocks.precision_of(qtype)
+    weight = gguf_blocks.as_weight(*gguf_blocks.read_blocks(raw, qtype, rows=3), (3,))
+    assert weight.input_size == 96 and weight.scale.shape == (3, 3) and weight.group_size == 32
+    assert weight.values.dtype == (np.uint8 if precision == "int4" else np.int8)  # int4: the file's nibble bytes
+    assert (weight.offset is not None) == (qtype != Q.Q8_0)  # Q4_0's offset: -8 d
+    placed = jax.tree.map(jnp.asarray, weight)
+    np.testing.assert_allclose(np.asarray(quantized.dequantize(placed)), expected.T, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype,precision", [(Q.Q4_1, "int4"), (Q.Q4_0, "int4"), (Q.Q8_0, "int8"), (Q.Q4_1, "int8")])
+def test_draft_weights_from_the_files_blocks(tmp_path, qtype, precision):
+    """A llama file stored in blocks, loaded with a draft: where the blocks have the draft's precision every draft
+    weight (q / k rows un-permuted, q / k / v and gate / up fused, o's heads flattened, the LM head) is those blocks,
+    so it means exactly the weights the model loaded; otherwise they are quantized from the loaded weights."""
+    path, _ = _tiny_llama(tmp_path, quantize=qtype)
+    m = load_gguf(path, dtype=jnp.float32, draft=precision)
+    tree = m.drafts[precision]
+    native = gguf_blocks.precision_of(qtype) == precision
+    assert m.draft_sources[precision].startswith("9 of 9 weights" if native else "quantized from")
+    pairs = [(tree["lm_head"], m.params["lm_head"])] + [
+        (tree["layers"][i][name], m.params["layers"][i][name])
+        for i in range(TINY["layers"]) for name in draft_weights.LAYER_WEIGHTS
+    ]
+    for weight, full in pairs:
+        assert weight.group_size == (32 if native or precision == "int4" else weight.input_size)
+        back = np.asarray(quantized.dequantize(weight)).reshape(full.shape)
+        if native:
+            np.testing.assert_allclose(back, np.asarray(full), rtol=1e-6, atol=1e-6)
+        else:  # per channel int8 of the dequantized 4-bit weights: within half a step
+            step = np.asarray(weight.scale).reshape((1,) + full.shape[weight.in_ndim:])
+            assert np.all(np.abs(back - np.asarray(full)) <= step / 2 * (1 + 1e-5))
+
+
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
     raw = np.random.default_rng(0).integers(0, 256, (2, 22), dtype=np.uint8)  # one Q5_0 block per row
     path = _write_gguf(tmp_path / "q5.gguf", arch="llama", tensors={"blk.0.ffn_up.weight": (raw, Q.Q5_0)})
@@ -263,8 +304,9 @@ def _llama_cpp_rope_factors(theta, head_dim, factor, low, high, old_context):
     return np.array(out, np.float32)
 
 
-def _tiny_llama(tmp_path, *, rope_freqs=None, extra=None):
-    """A two-layer untied llama GGUF from Hugging Face-layout float32 weights; returns (path, hf_weights)."""
+def _tiny_llama(tmp_path, *, rope_freqs=None, extra=None, quantize=None):
+    """A two-layer untied llama GGUF from Hugging Face-layout float32 weights, its matrices stored in the block
+    type `quantize` if given (by the gguf library's own quantizer); returns (path, hf_weights)."""
     t = TINY
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokens = ["<s>", "</s>", *sorted(alphabet), "ab"]
@@ -311,7 +353,12 @@ def _tiny_llama(tmp_path, *, rope_freqs=None, extra=None):
         writer.add_bos_token_id(0)
         writer.add_eos_token_id(1)
 
-    path = _write_gguf(tmp_path / "tiny.gguf", arch="llama", tensors={k: (v, None) for k, v in tensors.items()},
+    def stored(array):
+        if quantize is None or array.ndim != 2:
+            return array, None
+        return gguf.quants.quantize(array, quantize), quantize
+
+    path = _write_gguf(tmp_path / "tiny.gguf", arch="llama", tensors={k: stored(v) for k, v in tensors.items()},
                        metadata=metadata)  # fmt: skip
     return path, hf
 

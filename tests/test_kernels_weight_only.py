@@ -13,8 +13,10 @@ from pallas_kernels.weight_only_matmul import dequantize, weight_only_matmul, we
 def numpy_weight(q, scale, offset, bits, group):
     """The weight by its definition, float64, one element at a time along K."""
     q = np.asarray(q).astype(np.int64)
-    if bits == 4:
-        q = np.concatenate([q % 16, q // 16], axis=0)
+    if bits == 4:  # byte row g * group / 2 + j: rows g * group + j (low nibble) and + group / 2 (high)
+        n = q.shape[1]
+        halves = q.reshape(-1, group // 2, n)
+        q = np.concatenate([halves % 16, halves // 16], axis=1).reshape(-1, n)
     k = q.shape[0]
     groups = np.arange(k) // group
     w = q * np.asarray(scale, np.float64)[groups]

@@ -15,10 +15,14 @@ import pytest
 from models.config import ModelConfig
 from models.decoder import forward, init_params
 from models.kv_cache import KVCache
+from models.quantized import QuantizedWeight
+from vegas_jax import adaptive_gamma
 from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.selection import POLICIES
+from vegas_jax.sharding import Placement
 
 
 class IdsTokenizer:
@@ -115,16 +119,21 @@ def test_greedy_speculative_equals_plain(greedy_setup, method, score_mode):
     assert 0 < result.metrics["acceptance_rate"] < 1
 
 
-@pytest.mark.parametrize("method", ["vegas", "streaming", "quest"])
-def test_kernel_path_equals_plain(greedy_setup, method, monkeypatch):
+@pytest.mark.parametrize("method,draft_weights", [("vegas", "bf16"), ("streaming", "int4"), ("quest", "bf16")])
+def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, monkeypatch):
     """The Pallas kernels (interpret mode on CPU) in the loop: sparse draft attention, verification with score
-    collection and radix top-k selection, still token-for-token plain greedy decoding."""
+    collection and radix top-k selection, and (streaming's drafts, int4 weights) the weight-only matmul of the
+    draft pass, still token-for-token plain greedy decoding."""
     engine, batch, plain = greedy_setup
-    options = dataclasses.replace(GREEDY, method=method)
+    options = dataclasses.replace(GREEDY, method=method, draft_weights=draft_weights)
     reference = engine.generate(batch, options)
     monkeypatch.setenv("VEGAS_KERNELS", "interpret")
     result = engine.generate(batch, options)
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
+    if draft_weights != "bf16":  # every quantized weight of this model went through the kernel
+        attached = with_kernel(engine.model.drafts[draft_weights], Placement(backend="interpret"))
+        weights = jax.tree.leaves(attached, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        assert len(weights) == 9 and all(w.kernel is not None for w in weights)  # 2 layers x 4, and the LM head
     # Same selections and drafts up to float rounding: a kernel attending the wrong keys (say, missing the new
     # token) would still be lossless, but would draft worse than the jnp path.
     assert result.metrics["tau"] == pytest.approx(reference.metrics["tau"], rel=0.02)
@@ -277,3 +286,41 @@ def test_prefill_chunk_bounds_activation_memory():
         assert chunk % 16 == 0 and chunk >= 16
         assert chunk == 16 or 2 * 4 * batch * intermediate * chunk <= PREFILL_ACTIVATION_BYTES
     assert prefill_chunk_for_activations(64, 1536) >= 2048 > prefill_chunk_for_activations(64, 14336) >= 1024
+
+
+# ---- quantized drafts and adaptive γ: the drafts change, the output may not ------------------------------------
+
+
+@pytest.mark.parametrize("draft_weights,gamma", [("int8", 5), ("int4", "auto")])
+def test_quantized_drafts_equal_plain(greedy_setup, draft_weights, gamma):
+    """Drafts from int8 weights (per channel) with γ 5, and from int4 weights (groups) with adaptive γ whose costs
+    are timed at the start (the warm-up forces γ_max, 1 and 0, then the loop chooses): token for token plain greedy
+    decoding, ragged prompts and a stop included."""
+    engine, batch, plain = greedy_setup
+    options = dataclasses.replace(GREEDY, method="vegas", draft_weights=draft_weights, gamma=gamma,
+                                  gamma_max=5 if gamma == "auto" else None)
+    result = engine.generate(batch, options)
+    assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
+    assert 0 < result.metrics["acceptance_rate"] < 1 and result.metrics["draft_weights"] == draft_weights
+    assert engine.model.drafts[draft_weights]["layers"][0]["qkv_proj"].bits == int(draft_weights[3:])
+    if gamma == "auto":
+        chosen = result.metrics["gamma_chosen_histogram"]
+        warm = adaptive_gamma.Warmup.WARM_ITERATIONS
+        assert len(chosen) == 6 and chosen[0] >= warm and chosen[1] >= warm and chosen[5] >= warm + 2
+        assert sum(chosen) == max(r.metrics["iterations"] for r in result.requests)  # one g per loop iteration
+        costs = result.metrics["gamma_costs"]
+        assert costs["draft"] > 0 and costs["verify"] >= 1
+
+
+def test_auto_gamma_falls_back_to_plain_steps_when_drafts_are_useless(greedy_setup):
+    """Drafts that attend to one selected position of the prompt plus the newest tokens are rarely right: with a
+    draft step at 0.3 plain steps and a speculative iteration's fixed part at 1.1, adaptive γ runs plain steps
+    (g = 0) almost throughout, probing drafts now and then, and the output is still plain decoding's."""
+    engine, batch, plain = greedy_setup
+    options = dataclasses.replace(GREEDY, method="vegas", gamma="auto", gamma_max=5, sparse_ratio=1e-3,
+                                  min_sparse_tokens=1, draft_cost=0.3, verify_cost=1.1)
+    result = engine.generate(batch, options)
+    assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
+    chosen = result.metrics["gamma_chosen_histogram"]
+    assert chosen[0] >= 0.8 * sum(chosen) and sum(chosen[1:]) > 0, chosen
+    assert result.metrics["gamma_costs"] == {"draft": pytest.approx(0.3), "verify": pytest.approx(1.1)}

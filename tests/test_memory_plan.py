@@ -73,3 +73,30 @@ def test_dry_run_prints_the_plan_and_compiles_nothing():
     plan = doc["plan"]
     assert plan["batch_rows"] == 2 and plan["gamma"] == 6 and plan["mesh"] == {"data": 1, "model": 1}
     assert plan["bytes_per_device"]["kv_cache"] > 0 and len(doc["prompt_tokens"]) == 2
+
+
+def test_dry_run_plan_counts_quantized_draft_weights():
+    """With --draft-weights the plan names the drafts' precision and source and counts their bytes in the total:
+    int4 values of the four projections and the LM head, two a byte, with their scales and offsets."""
+    fixture = Path(__file__).parent / "fixtures" / "tiny-llama"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["--model", str(fixture), "--prompt", "hello world", "--method", "vegas", "--draft-weights", "int4",
+                     "--dtype", "float32", "--dry-run", "--quiet"])
+    assert code == 0
+    plan = json.loads(out.getvalue())["plan"]
+    parts = plan["bytes_per_device"]
+    assert plan["draft_weights"] == "int4" and plan["draft_weights_source"] == "quantized from the float32 weights"
+    linear = parts["params"] // 4 - sum(np.prod(s) for s in _unquantized_shapes(fixture))  # values quantized
+    assert linear / 2 < parts["draft_weights"] < linear  # half a byte a value, plus scales and offsets
+    assert parts["total"] == (parts["params"] + parts["draft_weights"] + parts["decode_state"]
+                              + parts["largest_step_buffers"] + parts["joining_group"])
+
+
+def _unquantized_shapes(fixture: Path):
+    """Shapes of the tiny Llama's parameters that the draft reads as they are: the norm scales, and the embedding
+    of an untied model (its LM head is quantized, the embedding only looked up)."""
+    config = json.loads((fixture / "config.json").read_text())
+    d, layers = config["hidden_size"], config["num_hidden_layers"]
+    embed = (config["vocab_size"], d)
+    return [(d,)] * (2 * layers + 1) + ([embed] if not config.get("tie_word_embeddings") else [])

@@ -62,11 +62,12 @@ def _run_to_end(engine, batch, options) -> dict:
 
     started = engine.start(batch, options)
     rows = started.state.committed.shape[0]
-    state = started.decode(engine.model.params, started.state, np.int32(2**31 - 1), np.int32(rows))
+    state = started.decode(engine.model.params, started.draft_params, started.state, np.int32(2**31 - 1), np.int32(rows))
     host = started.config.placement.fetch({
         "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
         "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,
         **({} if state.logprobs is None else {"logprobs": state.logprobs.chosen, "top_ids": state.logprobs.top_ids}),
+        "chosen": None if state.gamma_control is None else state.gamma_control.chosen,
     })
     n = len(batch)
     selected = [[sorted(host["indices"][layer, b, : host["counts"][layer, b]].tolist()) for b in range(n)]
@@ -78,6 +79,7 @@ def _run_to_end(engine, batch, options) -> dict:
         "accepted": host["accepted"][:n].tolist(),
         "drafted": host["drafted"][:n].tolist(),
         "selected": selected,
+        "chosen": None if host["chosen"] is None else host["chosen"].tolist(),  # adaptive γ: iterations by g
         "state": state,
         "decode": started.decode,
     }
@@ -99,9 +101,10 @@ def scenario_tiny() -> dict:
     engines = {name: Engine(loaded.on_mesh(make_mesh({"data": d, "model": m}))) for name, (d, m) in meshes.items()}
     out = {"runs": []}
     # Greedy Vegas on every mesh; each other case on one mesh with a model axis (compilations dominate the time).
-    # Sampled Vegas with every penalty (their token counts split over data), min-p, logprobs and a stop id.
+    # Sampled Vegas with every penalty (their token counts split over data), min-p, logprobs and a stop id, drafting
+    # from int4 weights with adaptive γ (fixed costs: one g per iteration for the whole batch).
     controls = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05, logprobs=2,
-                    stop_token_ids=(7,))
+                    stop_token_ids=(7,), draft_weights="int4", gamma="auto", draft_cost=0.3, verify_cost=1.1)
     cases = [("vegas", 0.0, list(meshes), {}), ("ar", 0.0, ["data=4,model=2"], {}),
              ("streaming", 0.0, ["data=2,model=4"], {}), ("quest", 0.0, ["data=4,model=2"], {}),
              ("vegas", 0.8, ["data=2,model=4"], controls)]
@@ -113,9 +116,10 @@ def scenario_tiny() -> dict:
             got = _run_to_end(engine, batch, options)
             out["runs"].append({
                 "method": method, "temperature": temperature, "mesh": name, "controls": bool(extra),
-                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected", "top_ids")},
+                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected", "top_ids", "chosen")},
                 "logprobs": all(np.allclose(a, b, atol=1e-5) for a, b in zip(got["logprobs"], reference["logprobs"])),
                 "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
+                "chosen_histogram": reference["chosen"],
             })
             if method == "vegas" and temperature == 0 and name == "data=2,model=4":
                 mesh = engine.model.mesh
@@ -126,6 +130,9 @@ def scenario_tiny() -> dict:
                     r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(", hlo)))
     # The plan counts one shard: on data=2, model=4 the 5 requests take 3 rows of each data shard and a quarter of
     # the KV heads.
+    import jax.numpy as jnp
+    import numpy as np
+
     plan_options = dataclasses.replace(GREEDY, method="vegas")
     one_cache = one.plan(batch, plan_options)["bytes_per_device"]["kv_cache"]
     out["kv_cache_per_device_ratio"] = (engines["data=2,model=4"].plan(batch, plan_options)["bytes_per_device"]
@@ -136,10 +143,17 @@ def scenario_tiny() -> dict:
     mesh_scored = engines["data=2,model=4"].score(batch, continuations, batch_size=4, prefill_chunk=32)
     out["score_identical"] = [bool(np.allclose(a.logprobs, b.logprobs, atol=1e-5)) and a.greedy == b.greedy
                               for a, b in zip(one_scored, mesh_scored)]
+    import jax.numpy as jnp
+
+    # The int4 drafts made on one device and moved to the mesh with the model (LoadedModel.on_mesh) are the ones
+    # made on the mesh, array for array and shard for shard.
+    mesh_made = engines["data=2,model=4"].model.drafts["int4"]
+    moved = one.model.on_mesh(engines["data=2,model=4"].model.mesh).drafts["int4"]
+    out["draft_weights_move_to_a_mesh"] = all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+                          and a.sharding.is_equivalent_to(b.sharding, a.ndim)), moved, mesh_made)))
     # Orbax: a one-device checkpoint restores onto a mesh as the HF loader places the same model there.
     import tempfile
-
-    import jax.numpy as jnp
 
     from vegas_jax.loading.hf import load_hf
     from vegas_jax.loading.orbax_ckpt import load_orbax, save_orbax
@@ -216,14 +230,19 @@ def tiny():
 
 def test_every_mesh_decodes_as_one_device(tiny):
     """Greedy Vegas on (data=8), (data=4, model=2) and (data=2, model=4); plain decoding and Quest on (data=4,
-    model=2); streaming, and sampled Vegas with penalties, min-p, logprobs and a stop id, on (data=2, model=4); 5
-    requests (padded to the data axis): same tokens, same drafts accepted at every position, same final selections
-    per layer and request, same logprobs as one device."""
+    model=2); streaming, and sampled Vegas with penalties, min-p, logprobs and a stop id, drafting from int4 weights
+    with adaptive γ, on (data=2, model=4); 5 requests (padded to the data axis): same tokens, same drafts accepted at
+    every position, same final selections per layer and request, same logprobs and (adaptive γ) the same number of
+    drafts chosen at every iteration as one device."""
     assert len(tiny["runs"]) == 7 and sum(run["controls"] for run in tiny["runs"]) == 1
     for run in tiny["runs"]:
-        assert all(run[k] for k in ("tokens", "accepted", "drafted", "selected", "logprobs", "top_ids")), run
+        assert all(run[k] for k in ("tokens", "accepted", "drafted", "selected", "logprobs", "top_ids", "chosen")), run
     # The comparison has teeth: drafts were accepted (and so selections mattered) in the speculative runs.
     assert all(run["drafts_accepted"] > 0 for run in tiny["runs"] if run["method"] != "ar")
+    (auto,) = [run for run in tiny["runs"] if run["controls"]]
+    chosen = auto["chosen_histogram"]
+    assert chosen[0] and sum(chosen[1:]), chosen  # adaptive γ ran plain steps and speculative ones
+    assert tiny["draft_weights_move_to_a_mesh"]
 
 
 def test_the_loop_keeps_its_layout_without_gathering(tiny):

@@ -16,6 +16,7 @@ a CPU, so the kernel path is tied to the tested jnp path instead: the same seeds
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -244,6 +245,23 @@ def test_sampled_joint_distribution_is_exact(runs, exact, method, setting, seeds
     assert p_value > P_VALUE_OK, f"p = {p_value:.2e}"
 
 
+# int4 drafts (groups, with offsets) and adaptive γ with fixed costs, whose choices here are γ 3 (the prior's good
+# drafts), then 1 twice (positions 2 and 3 hold no drafts and count as rejected), then 0 (a plain step).
+QUANTIZED_AUTO = dict(draft_weights="int4", gamma="auto", gamma_max=GAMMA, draft_cost=0.3, verify_cost=1.0)
+
+
+def test_int4_drafts_and_auto_gamma_keep_the_distribution(model, exact):
+    engine, prompt, _ = model
+    counts, _, result = sample(engine, prompt, dataclasses.replace(options("vegas", "t1.0-k3-p0.9"),
+                                                                   **QUANTIZED_AUTO), 10_000)
+    chosen = result.metrics["gamma_chosen_histogram"]
+    assert chosen[0] and chosen[GAMMA] and sum(chosen[1:GAMMA]), chosen  # plain steps, fewer drafts, all of them
+    by_position = result.metrics["acceptance_by_position"]
+    assert all(0.05 < a < 0.95 for a in by_position), by_position  # drafts accepted and rejected everywhere
+    p_value = chi_square_p_value(counts, exact["t1.0-k3-p0.9"])
+    assert p_value > P_VALUE_OK, f"p = {p_value:.2e}"
+
+
 def test_kernel_path_draws_the_same_tokens(model, runs, monkeypatch):
     """Sampled Vegas through the Pallas kernels (interpret mode: sparse draft attention, verification with score
     collection, radix top-k) emits, seed for seed, what the jnp path's 20,000-seed run above emits for seeds
@@ -340,10 +358,16 @@ def one_key_per_iteration(keys, step, count):
     return jnp.broadcast_to(fresh[:1], fresh.shape)
 
 
+def drafts_past_g_count(state, most_drafts):
+    """Adaptive γ's drafts beyond g (none made) counted as drafts, as if verification had no mask."""
+    return jnp.clip(state.max_new - state.num_generated - 1, 0, GAMMA)
+
+
 WRONG = {
     "residual-without-q": (sampling, "accept_speculative", speculative_rule(subtract_q=False)),
     "row-1-for-positions-2-on": (sampling, "accept_speculative", speculative_rule(q_row_limit=1)),
     "one-key-for-all-draws": (loop, "step_keys", one_key_per_iteration),
+    "auto-gamma-unmasked": (loop, "counted_drafts", drafts_past_g_count),
 }
 
 
@@ -352,7 +376,11 @@ def test_wrong_rule_is_caught(model, exact, wrong, monkeypatch):
     engine, prompt, _ = model
     monkeypatch.setattr(*WRONG[wrong])
     fresh = Engine(engine.model)  # the shared engine holds loops compiled with the right rule
-    counts, outcomes, _ = sample(fresh, prompt, options("vegas", "t1.0-k3-p0.9"), 10_000)
-    assert_speculation_exercised(outcomes)
+    opts = options("vegas", "t1.0-k3-p0.9")
+    if wrong.startswith("auto"):
+        opts = dataclasses.replace(opts, **QUANTIZED_AUTO)
+    counts, outcomes, _ = sample(fresh, prompt, opts, 10_000)
+    if not wrong.startswith("auto"):  # adaptive γ's iterations do not all make γ drafts
+        assert_speculation_exercised(outcomes)
     p_value = chi_square_p_value(counts, exact["t1.0-k3-p0.9"])
     assert p_value < P_VALUE_CAUGHT, f"p = {p_value:.2e}"

@@ -19,12 +19,14 @@ from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputE
 __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "load"]
 
 
-def load(model: str | None = None, dtype: str = "auto", mesh=None) -> Engine:
+def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights: str | None = None) -> Engine:
     """An Engine for a checkpoint (None: the embedded SmolLM2). dtype: auto (bf16 on GPU, float32 on CPU),
     bfloat16 or float32. mesh: a `jax.sharding.Mesh` with axes `data` (splits the batch) and `model` (splits heads
     and MLP units), either optional; the parameters are loaded straight into their shards and every generate /
     stream / serve call runs on it. None: one device. A checkpoint that cannot be read raises CheckpointError
-    naming the file and the cause."""
+    naming the file and the cause. draft_weights: int8 / int4 makes the quantized draft weights at load time
+    (from a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where it has them); otherwise a run asking for them
+    (`GenerationOptions.draft_weights`) quantizes the loaded weights on first use."""
     import jax
     import jax.numpy as jnp
 
@@ -37,5 +39,5 @@ def load(model: str | None = None, dtype: str = "auto", mesh=None) -> Engine:
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     if dtype not in ("bfloat16", "float32"):
         raise InputError("{dtype} must be auto, bfloat16 or float32, got {!r}", dtype)
-    return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh)))
+    return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh), draft_weights))
 

@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import inputs, loop, memory, penalties, sampling, scoring, stops
+from models.quantized import PRECISIONS
+from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, stops
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
@@ -63,7 +65,7 @@ class GenerationOptions:
     top_p: float = 1.0
     seed: int = 0
     method: str = "ar"
-    gamma: int = 6
+    gamma: int | str = 6  # or "auto" (vegas_jax.adaptive_gamma)
     sparse_ratio: float = 0.07
     min_sparse_tokens: int = 256
     score_mode: str = "logit"
@@ -82,6 +84,12 @@ class GenerationOptions:
     min_p: float = 0.0
     # Each generated token's log-probability and this many most likely alternatives (vegas_jax.logprobs).
     logprobs: int | None = None
+    draft_weights: str = "bf16"  # bf16 (the model's own weights), int8 or int4 (models.draft_weights)
+    gamma_max: int | None = None  # with gamma "auto": the most drafts of an iteration (default 8)
+    # With gamma "auto", the cost model in plain steps: one draft step, and the fixed part of a speculative
+    # iteration (its verification, score collection and selection). Both or neither; None: timed at the start.
+    draft_cost: float | None = None
+    verify_cost: float | None = None
 
     @classmethod
     def check(cls, options: Any) -> GenerationOptions:
@@ -89,6 +97,8 @@ class GenerationOptions:
         float count or a numeric string is refused) and then its range (`validate`); InputError names the field.
         Every Engine entry point checks its options so, before anything compiles."""
         options = inputs.options_of(options, cls)
+        if not isinstance(options.gamma, str):
+            options = dataclasses.replace(options, gamma=inputs.integer(options.gamma, "gamma"))
         options.validate()
         return options
 
@@ -108,7 +118,8 @@ class GenerationOptions:
              "{top_p} {} has no effect with {temperature} 0 (greedy); give a temperature to sample", self.top_p),
             (-INT32_MAX - 1 <= self.seed <= INT32_MAX, "{seed} must fit in 32 bits, got {}", self.seed),
             (self.method in METHODS, "{method} must be one of " + ", ".join(METHODS) + ", got {!r}", self.method),
-            (0 <= self.gamma <= MAX_GAMMA, "{gamma} must be in [0, " + str(MAX_GAMMA) + "], got {}", self.gamma),
+            (self.gamma == adaptive_gamma.AUTO or (not isinstance(self.gamma, str) and 0 <= self.gamma <= MAX_GAMMA),
+             "{gamma} must be auto or in [0, " + str(MAX_GAMMA) + "], got {!r}", self.gamma),
             (0 < self.sparse_ratio <= 1, "{sparse_ratio} must be in (0, 1], got {}", self.sparse_ratio),
             (self.min_sparse_tokens >= 1, "{min_sparse_tokens} must be >= 1, got {}", self.min_sparse_tokens),
             (self.score_mode in SCORE_MODES, "{score_mode} must be one of {}, got {!r}", SCORE_MODES, self.score_mode),
@@ -127,6 +138,26 @@ class GenerationOptions:
             (self.logprobs is None or self.logprobs >= 0,
              "{logprobs} must be >= 0 (the number of alternatives shown), got {}", self.logprobs),
             (bool(self.stop) or not self.include_stop, "{include_stop} has no effect without {stop}"),
+            (self.draft_weights in PRECISIONS, "{draft_weights} must be one of {}, got {!r}", ", ".join(PRECISIONS),
+             self.draft_weights),
+            (self.draft_weights == "bf16" or (self.method != "ar" and self.gamma != 0),
+             "{draft_weights} {} has no effect without drafts ({method} {}, {gamma} {})", self.draft_weights,
+             self.method, self.gamma),
+            (not self.auto_gamma or self.method != "ar",
+             "{gamma} auto chooses how many drafts to make, but {method} ar makes none"),
+            # Quest updates its page bounds incrementally at each verification, which adaptive γ's plain steps skip.
+            (not self.auto_gamma or self.method != "quest", "{gamma} auto: not with {method} quest"),
+            (self.gamma_max is None or self.auto_gamma, "{gamma_max} {}: only with {gamma} auto", self.gamma_max),
+            (self.gamma_max is None or 1 <= self.gamma_max <= MAX_GAMMA,
+             "{gamma_max} must be in [1, " + str(MAX_GAMMA) + "], got {}", self.gamma_max),
+            ((self.draft_cost is None) == (self.verify_cost is None),
+             "{draft_cost} and {verify_cost} go together (or neither: timed at the start)"),
+            (self.draft_cost is None or self.auto_gamma, "{draft_cost} / {verify_cost}: only with {gamma} auto"),
+            (self.draft_cost is None or 0 < self.draft_cost < math.inf,
+             "{draft_cost} must be a finite number > 0 (plain steps per draft step), got {}", self.draft_cost),
+            (self.verify_cost is None or 1 <= self.verify_cost < math.inf,
+             "{verify_cost} must be a finite number >= 1 (plain steps per speculative iteration's fixed part), got {}",
+             self.verify_cost),
         ]
         for ok, template, *values in checks:
             if not ok:
@@ -145,8 +176,26 @@ class GenerationOptions:
                 raise InputError("{stop_token_ids}: {} is no token id", token)
 
     @property
+    def auto_gamma(self) -> bool:
+        return self.gamma == adaptive_gamma.AUTO
+
+    @property
     def effective_gamma(self) -> int:
-        return 0 if self.method == "ar" else self.gamma
+        """The compiled γ: 0 for plain decoding; with auto, γ_max."""
+        if self.method == "ar":
+            return 0
+        if self.auto_gamma:
+            return self.gamma_max or adaptive_gamma.DEFAULT_GAMMA_MAX
+        return self.gamma
+
+    def plain(self) -> "GenerationOptions":
+        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them."""
+        return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
+                                   gamma_max=None, draft_cost=None, verify_cost=None)
+
+    @property
+    def given_costs(self) -> tuple[float, float] | None:
+        return None if self.draft_cost is None else (self.draft_cost, self.verify_cost)
 
 
 @dataclasses.dataclass
@@ -185,8 +234,10 @@ class Started:
     # After prefill and the bootstrap step; on a mesh with a data axis the batch is padded to a multiple of its
     # size with rows that never generate (rows len(prompt_ids) on).
     state: loop.DecodeState
-    decode: Callable  # compiled loop.decode(params, state, step_limit, finished_limit) over global arrays
+    # compiled loop.decode(params, draft_params, state, step_limit, finished_limit) over global arrays
+    decode: Callable
     timings: dict
+    draft_params: Any = None  # what the drafts read besides the parameters (None: nothing; int8 / int4 copies)
 
 
 def _largest_chunk(budget_bytes: int, bytes_per_chunk_token: int) -> int:
@@ -265,6 +316,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self._compiled: dict = {}
         self._stop_tables: dict = {}
+        self._gamma_costs: dict = {}  # adaptive γ: measured costs per (loop configuration, batch rows, capacity)
 
     @property
     def placement(self) -> Placement:
@@ -331,7 +383,9 @@ class Engine:
         stop_table = self._stop_table(options)
         batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
         p = self.placement
+        precision = config.draft_weights
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
+                                   draft=self._draft_shapes(precision),
                                    gamma=config.gamma, k_max=config.policy.budget.k_max if config.policy else 0,
                                    policy=options.method, output_width=config.max_new_tokens,
                                    sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
@@ -347,11 +401,40 @@ class Engine:
             "batch_rows": batch,
             "cache_capacity": capacity,
             "output_width": config.max_new_tokens,
-            "gamma": config.gamma,
+            "gamma": options.gamma if options.auto_gamma else config.gamma,
+            "gamma_max": config.gamma if options.auto_gamma else None,
             "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
             "stop_table_states": stop_table.shape[0],
+            "draft_weights": precision,
+            "draft_weights_source": self._draft_source(precision),
             "bytes_per_device": estimate,
         }
+
+    # ---- draft weights -------------------------------------------------------------------------------------
+    def _draft_shapes(self, precision: str):
+        """The draft tree of `precision` as it is or would be made (shapes only until then); None for bf16.
+        InputError naming draft_weights when this model's shapes on its mesh admit no such draft."""
+        if precision == "bf16":
+            return None
+        if precision in self.model.drafts:
+            return self.model.drafts[precision]
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.model.params)
+        try:
+            return jax.eval_shape(functools.partial(draft_weights.quantize_params, config=self.config,
+                                                    precision=precision), shapes)
+        except draft_weights.DraftWeightsError as e:
+            raise InputError("{draft_weights} {}: {}", precision, e) from None
+
+    def _draft_source(self, precision: str) -> str:
+        if precision == "bf16":
+            return "the model's own weights"
+        return self.model.draft_sources.get(precision, "made at the first run that reads them")
+
+    def _draft_params(self, precision: str):
+        try:
+            return self.model.draft_params(precision)
+        except draft_weights.DraftWeightsError as e:
+            raise InputError("{draft_weights} {}: {}", precision, e) from None
 
     def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
         model_max = self.config.max_position_embeddings
@@ -384,7 +467,8 @@ class Engine:
             policy = make_policy(options.method, budget, gamma, placement)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
-                                 options.logprobs)
+                                 options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
+                                 adaptive_gamma=options.auto_gamma)
 
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
@@ -481,19 +565,20 @@ class Engine:
             self._compiled[key] = config.placement.creator(create, *host)
         return self._compiled[key](*host)
 
-    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None):
+    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
+                 skip=False):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s."""
+        prefill_s. skip: no chunks (`start`'s skip_prefill)."""
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
         chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
-        spans = prefill_spans(max(lens) - 1, chunk)
+        spans = [] if skip else prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids):
+        for i, p in enumerate(ids if spans else ()):
             tokens[i, : len(p) - 1] = p[:-1]
         state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
@@ -523,29 +608,37 @@ class Engine:
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         return state
 
-    def _compile_decode(self, config, state, timings) -> Callable:
-        """The compiled decode loop: decode(params, state, step_limit, finished_limit), the limits int32 scalars."""
+    def _compile_decode(self, config, state, draft_params, timings) -> Callable:
+        """The compiled decode loop: decode(params, draft_params, state, step_limit, finished_limit), the limits
+        int32 scalars."""
         t0 = time.perf_counter()
         state_axes = axes_of(state)
-        args = (self.model.params, state, np.int32(0), np.int32(0))
-        decode = self._compile("decode", loop.decode, *args, donate=(1,), layout=config.placement,
-                               in_axes=(param_axes(self.model.params), state_axes, Axes(), Axes()),
+        draft_axes = None if draft_params is None else draft_weights.draft_axes(draft_params)
+        args = (self.model.params, draft_params, state, np.int32(0), np.int32(0))
+        decode = self._compile("decode", loop.decode, *args, donate=(2,), layout=config.placement,
+                               in_axes=(param_axes(self.model.params), draft_axes, state_axes, Axes(), Axes()),
                                out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return decode
 
-    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
+    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None,
+              skip_prefill: bool = False) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
-        not finite already is done there (`DecodeState.nonfinite`)."""
+        not finite already is done there (`DecodeState.nonfinite`). skip_prefill (timing only, never for text):
+        the cache keeps the zeros it was created with, as if prefill had written them, so a long context costs no
+        prefill; what is decoded then means nothing."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
         config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
         timings = {}
+        draft_params = self._draft_params(config.draft_weights)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
-                              progress=progress)
-        decode = self._compile_decode(config, state, timings)
-        return Started(ids, config, state, decode, timings)
+                              progress=progress, skip=skip_prefill)
+        if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
+            state = self._with_control(config, state, -1, options.given_costs)
+        decode = self._compile_decode(config, state, draft_params, timings)
+        return Started(ids, config, state, decode, timings, draft_params)
 
     @staticmethod
     def _fetch(config: loop.DecodeConfig, tree):
@@ -573,7 +666,10 @@ class Engine:
         options = GenerationOptions.check(options)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
+        draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
+        capacity = state.cache.capacity
+        tuner = self._gamma_tuner(config, options, rows, capacity)
         host = self._fetch(config, self._token_rows(state, config))
         seen = host["num_generated"]
         yield [self._tokens(host, i, 0, int(seen[i]), k) for i in range(batch)]
@@ -582,9 +678,12 @@ class Engine:
         num_generated, done, step = seen, *self._fetch(config, (state.done, state.step))
         while not bool(np.all(done)) and not (stop is not None and stop()):
             call_start, before = time.perf_counter(), int(step)
-            state = started.decode(params, state, np.int32(pacer.limit(before)), np.int32(rows))
+            state, limit = self._tuned_call(config, state, tuner, before, pacer.limit(before))
+            state = started.decode(params, draft_params, state, np.int32(limit), np.int32(rows))
             num_generated, done, step = self._fetch(config, (state.num_generated, state.done, state.step))
-            pacer.update(int(step) - before, time.perf_counter() - call_start)
+            elapsed = time.perf_counter() - call_start
+            pacer.update(int(step) - before, elapsed)
+            self._tuned(config, options, rows, capacity, tuner, int(step) - before, elapsed)
             if pacer.steps is not None:
                 host = self._fetch(config, self._token_rows(state, config))
                 yield [self._tokens(host, i, int(seen[i]), int(num_generated[i]), k) for i in range(batch)]
@@ -596,7 +695,8 @@ class Engine:
         host = {key: v[:batch] for key, v in self._host_rows(config, state).items()}
         if pacer.steps is None:
             yield [self._tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
-        yield self._result(options, started.prompt_ids, host, timings, config.placement)
+        yield self._result(options, started.prompt_ids, host, timings, config.placement,
+                           self._gamma_report(config, state, tuner))
 
     def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:
         *_, result = self.stream(prompts, options, **kwargs)
@@ -648,7 +748,9 @@ class Engine:
 
         # An empty batch: every slot finished, so the first admissions fill it.
         state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
-        decode = self._compile_decode(config, state, timings)
+        draft_params = self._draft_params(config.draft_weights)
+        decode = self._compile_decode(config, state, draft_params, timings)
+        tuner = self._gamma_tuner(config, options, slots, capacity)
 
         queue = list(range(len(ids)))[::-1]  # popped from the end: request 0 first
         slot_request: list[int | None] = [None] * slots
@@ -682,11 +784,13 @@ class Engine:
             finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
             before, step = self._fetch(config, (state.num_generated, state.step))
             t0 = time.perf_counter()
-            state = decode(params, state, np.int32(pacer.limit(int(step))), np.int32(finished_limit))
+            state, limit = self._tuned_call(config, state, tuner, int(step), pacer.limit(int(step)))
+            state = decode(params, draft_params, state, np.int32(limit), np.int32(finished_limit))
             jax.block_until_ready(state.done)
             elapsed = time.perf_counter() - t0
             iterations = int(self._fetch(config, state.step)) - int(step)
             pacer.update(iterations, elapsed)
+            self._tuned(config, options, slots, capacity, tuner, iterations, elapsed)
             rows = self._host_rows(config, state)
             calls.append({
                 "busy_slots": len(occupied),
@@ -712,7 +816,7 @@ class Engine:
                 finished[r] = {k: v[slot] for k, v in rows.items()}
         queued = {k: np.zeros_like(v[0]) for k, v in rows.items()}  # never started: no tokens, not done
         rows = {k: np.stack([finished.get(r, queued)[k] for r in range(len(ids))]) for k in rows}
-        result = self._result(options, ids, rows, timings, placement)
+        result = self._result(options, ids, rows, timings, placement, self._gamma_report(config, state, tuner))
         result.metrics.update(
             slots=slots,
             refill=refill,
@@ -774,7 +878,51 @@ class Engine:
             return "interrupted", f"stopped after {generated} generated tokens, before it finished"
         return "ok", None
 
-    def _result(self, options, ids, rows: dict, timings, placement: Placement) -> GenerationResult:
+    # ---- adaptive γ ------------------------------------------------------------------------------------------
+    def _gamma_tuner(self, config: loop.DecodeConfig, options: GenerationOptions, rows: int,
+                     capacity: int) -> adaptive_gamma.Warmup | None:
+        """With adaptive γ, the cost measurement of this run: none when the costs are given, or were measured
+        for this loop (configuration, batch rows, cache capacity) in an earlier run of this engine."""
+        if not config.adaptive_gamma:
+            return None
+        known = options.given_costs or self._gamma_costs.get((config, rows, capacity))
+        return adaptive_gamma.Warmup(config.gamma, known)
+
+    def _tuned_call(self, config, state, tuner, step: int, limit: int):
+        """(state with the control's force and costs for the next decode call, that call's step limit)."""
+        if tuner is None:
+            return state, limit
+        force, most = tuner.next_call()
+        costs = tuner.costs or (adaptive_gamma.MIN_DRAFT, adaptive_gamma.MIN_VERIFY)
+        limit = limit if most is None else min(limit, step + most)
+        return self._with_control(config, state, force, costs), limit
+
+    @staticmethod
+    def _with_control(config, state, force: int, costs: tuple[float, float]):
+        """The state with adaptive γ's force (-1: choose) and cost model (draft step, verify) set."""
+        put = config.placement.put
+        control = dataclasses.replace(state.gamma_control, force=put(np.int32(force), Axes()),
+                                      costs=put(np.asarray(costs, np.float32), Axes(None)))
+        return dataclasses.replace(state, gamma_control=control)
+
+    def _tuned(self, config, options, rows, capacity, tuner, iterations: int, seconds: float) -> None:
+        """After a decode call: its timing to the measurement, the measured costs kept for later runs."""
+        if tuner is None or tuner.done:
+            return
+        tuner.record(iterations, seconds)
+        if tuner.done and options.given_costs is None:
+            self._gamma_costs[(config, rows, capacity)] = tuner.costs
+
+    def _gamma_report(self, config, state, tuner) -> dict:
+        if tuner is None:
+            return {}
+        report = adaptive_gamma.summary(self._fetch(config, state.gamma_control.chosen))
+        costs = tuner.costs
+        report["gamma_costs"] = None if costs is None else {"draft": costs[0], "verify": costs[1]}
+        return report
+
+    def _result(self, options, ids, rows: dict, timings, placement: Placement,
+                gamma_report: dict | None = None) -> GenerationResult:
         num_generated, gamma = rows["num_generated"], options.effective_gamma
         # The loop's counts have at least one column (loop.init_state): keep those of real draft positions.
         iterations, drafted, accepted = rows["iterations"], rows["drafted"][:, :gamma], rows["accepted"][:, :gamma]
@@ -799,6 +947,8 @@ class Engine:
         metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
         metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
         metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
+        metrics["draft_weights"] = options.draft_weights if gamma else None
+        metrics.update(gamma_report or {})
         for status in ("failed", "interrupted"):
             metrics[f"{status}_requests"] = [i for i, r in enumerate(requests) if r.status == status]
         return GenerationResult(options, requests, metrics)

@@ -46,6 +46,16 @@ def token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number (a K or M suffix is allowed): {text!r}") from None
 
 
+def gamma_value(text: str) -> int | str:
+    """--gamma: a whole number of drafts, or `auto` (vegas_jax.adaptive_gamma)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number or auto: {text!r}") from None
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     """argparse prints its usage before an error; bad input here gets exactly one line."""
 
@@ -89,7 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache length (default: prompt + max-new-tokens rounded up to 1024, capped at the model's)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
-    p.add_argument("--gamma", type=int, default=GenerationOptions.gamma, help="draft tokens per iteration")
+    p.add_argument("--gamma", type=gamma_value, default=GenerationOptions.gamma,
+                   help="draft tokens per iteration, or auto: chosen each iteration from the measured costs and the "
+                        "running acceptance (at most --gamma-max; 0 = a plain step)")
+    p.add_argument("--gamma-max", type=int, default=None, help="with --gamma auto: the most drafts of an iteration (8)")
+    p.add_argument("--draft-cost", type=float, default=None,
+                   help="with --gamma auto: a draft step's cost in plain steps (with --verify-cost; default: timed)")
+    p.add_argument("--verify-cost", type=float, default=None,
+                   help="with --gamma auto: a speculative iteration's fixed part (verification, selection) in plain "
+                        "steps (with --draft-cost; default: timed)")
+    p.add_argument("--draft-weights", default=GenerationOptions.draft_weights,
+                   help="what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 (groups); "
+                        "verification always reads the model's weights")
     p.add_argument("--sparse-ratio", type=float, default=GenerationOptions.sparse_ratio,
                    help="draft KV budget as a fraction of the current length")
     p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
@@ -280,13 +301,14 @@ def _options(args) -> GenerationOptions:
     )
 
 
-def _load(model: str | None, dtype, mesh):
-    """The checkpoint, laid out on `mesh`; any failure to read it is an InputError `--model PATH: cause`."""
+def _load(model: str | None, dtype, mesh, draft_weights: str):
+    """The checkpoint, laid out on `mesh`, with the draft weights asked for; any failure to read it is an
+    InputError `--model PATH: cause`."""
     from models.config import UnsupportedModelError
     from vegas_jax.loading import CheckpointError, load_model, where_and_why
 
     try:
-        return load_model(model, dtype, mesh)
+        return load_model(model, dtype, mesh, draft_weights)
     except (CheckpointError, UnsupportedModelError) as e:
         raise InputError("--model {}", where_and_why(model, e)) from None
 
@@ -395,6 +417,12 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
     if m.get("tau") is not None and m["gamma"]:
         by_pos = " ".join(f"{x:.2f}" if x is not None else "-" for x in m["acceptance_by_position"])
         line += f"  tau {m['tau']:.2f}  acceptance {m['acceptance_rate']:.3f}  by position [{by_pos}]"
+    if m.get("gamma_chosen_histogram") is not None:
+        costs = m["gamma_costs"]
+        cost_text = "" if costs is None else f", costs draft {costs['draft']:.3f} verify {costs['verify']:.3f}"
+        mean = m["gamma_chosen_mean"]
+        line += (f"  gamma auto: mean {mean if mean is None else round(mean, 2)} iterations by gamma "
+                 f"{m['gamma_chosen_histogram']}{cost_text}")
     print(line, file=sys.stderr)
     if show_text:
         for i, r in enumerate(result.requests):
@@ -480,7 +508,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         default_backend()  # VEGAS_KERNELS is checked before the model loads
 
         t0 = time.perf_counter()
-        loaded = _load(args.model, dtype, mesh)
+        loaded = _load(args.model, dtype, mesh, options.draft_weights if options.effective_gamma else None)
         load_s = time.perf_counter() - t0
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
@@ -500,6 +528,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         out["config"] = resolved
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)
+        if plan["draft_weights"] != "bf16":
+            extra = plan["bytes_per_device"]["draft_weights"]
+            print(f"draft weights {plan['draft_weights']}: {extra / 2**20:.1f} MiB more per device "
+                  f"({plan['draft_weights_source']})", file=sys.stderr)
         result = _run(engine, prompts, options, args, progress, interrupt, stream=args.stream)
         result.metrics["load_s"] = load_s
         out.update(_as_json(result))
@@ -513,7 +545,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
         _print_result(result, options.method, show_text=not args.stream)
         if args.compare_ar:
-            ar = _run(engine, prompts, dataclasses.replace(options, method="ar"), args, progress, interrupt,
+            ar = _run(engine, prompts, options.plain(), args, progress, interrupt,
                       stream=False)
             out["ar"] = _as_json(ar)
             if interrupt.requested:

@@ -7,6 +7,10 @@ prefix: penalties (vegas_jax.penalties) count the drafts before the row on top o
 steps and in verification alike, so greedy output stays plain greedy output and speculative sampling stays exact.
 Stops (vegas_jax.stops: ids and strings) are found on each emitted token, also inside a run of accepted drafts.
 
+Drafts may read weight-only quantized copies of the linear weights (`draft_params`, models.draft_weights);
+verification always reads the model's own, so the output does not depend on them. With adaptive γ
+(vegas_jax.adaptive_gamma) each iteration drafts g <= γ tokens, g chosen in the loop, and g = 0 is a plain step.
+
 Lengths: `committed[b]` tokens of sequence b have verified K/V at positions [0, committed). `last_token[b]`, the
 newest emitted token, has no K/V yet; the next verification writes it at position `committed`. Draft K/V are
 written at their true positions and overwritten by that verification, so only verified K/V is ever kept.
@@ -24,9 +28,11 @@ from models.config import ModelConfig
 from models.decoder import forward
 from models.kv_cache import KVCache
 from models.logical_axes import BATCH, Axes, axes_field, axes_of
-from vegas_jax import penalties, sampling
+from models.quantized import overlay
+from vegas_jax import adaptive_gamma, penalties, sampling
 from vegas_jax.logprobs import Logprobs
 from vegas_jax.attention.verify import VerifyAttention
+from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
 
@@ -43,10 +49,18 @@ class DecodeConfig:
     max_new_tokens: int  # width of the output buffer (each request's own limit is DecodeState.max_new)
     placement: Placement = Placement()  # attention backend and mesh
     logprobs: int | None = None  # log-probabilities of the emitted tokens and this many alternatives; None: off
+    draft_weights: str = "bf16"  # what the drafts read: bf16 (the model's weights) | int8 | int4 (draft_params)
+    adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
 
     def __post_init__(self):
         if (self.policy is None) != (self.gamma == 0):
             raise ValueError("a selection policy is needed exactly when gamma > 0")
+        if self.gamma == 0 and (self.adaptive_gamma or self.draft_weights != "bf16"):
+            raise ValueError("adaptive gamma and quantized draft weights need gamma > 0")
+
+    def plain(self) -> "DecodeConfig":
+        """This loop's plain decoding step (adaptive γ's g = 0)."""
+        return dataclasses.replace(self, gamma=0, policy=None, draft_weights="bf16", adaptive_gamma=False)
 
     def verify_attention(self, active: jax.Array | None = None) -> VerifyAttention:
         request = self.policy.score_request(self.score_mode) if self.policy else None
@@ -90,6 +104,7 @@ class DecodeState:
     policy_state: Any  # Policy.init_state
     metrics: Metrics
     step: jax.Array = axes_field()  # scalar int32: iterations run
+    gamma_control: adaptive_gamma.GammaControl | None = None  # with adaptive γ
 
 
 def init_state(
@@ -136,6 +151,7 @@ def init_state(
         policy_state=policy_state,
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
         step=jnp.zeros((), jnp.int32),
+        gamma_control=adaptive_gamma.GammaControl.create(config.gamma) if config.adaptive_gamma else None,
     )
 
 
@@ -261,10 +277,16 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
     return dataclasses.replace(state, selection=selection, policy_state=policy_state)
 
 
-def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num_drafts: jax.Array):
-    """γ sequential single-token forwards with sparse attention. Returns (cache, drafts [B, γ], draft probs
-    [B, γ, V] or None, finite [B]: every counted draft step had finite logits)."""
+def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num_drafts: jax.Array,
+          steps: int | jax.Array | None = None):
+    """`steps` (default γ; adaptive γ: a traced g <= γ) sequential single-token forwards with sparse attention,
+    reading `draft_params` (quantized weights) over `params` where given. Returns (cache, drafts [B, γ], draft
+    probs [B, γ, V] or None, finite [B]: every counted draft step had finite logits); positions from `steps` on
+    hold zeros."""
     gamma, batch = config.gamma, state.committed.shape[0]
+    if (draft_params is None) != (config.draft_weights == "bf16"):
+        raise ValueError(f"draft weights {config.draft_weights} need their copies (draft_params) and bf16 none")
+    weights = params if draft_params is None else overlay(params, with_kernel(draft_params, config.placement))
     # A finished sequence's drafts are discarded: with no selected rows its draft attention reads only the few
     # recent ones, which makes the iterations where the batch waits for its slowest sequences cheaper.
     selection = state.selection
@@ -275,7 +297,7 @@ def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num
 
     def step(j, carry):
         cache, token, drafts, probs, finite = carry
-        logits, cache, _ = config.forward(params, token[:, None], (state.committed + j)[:, None], cache, attention)
+        logits, cache, _ = config.forward(weights, token[:, None], (state.committed + j)[:, None], cache, attention)
         finite = finite & (jnp.all(jnp.isfinite(logits[:, 0]), axis=-1) | (j >= num_drafts))
         logits = _processed(logits, state, drafts, j[None], config)[:, 0]  # draft j follows drafts 0..j-1
         if greedy:
@@ -287,7 +309,7 @@ def draft(params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num
         return cache, token, drafts.at[:, j].set(token), probs, finite
 
     init = (state.cache, state.last_token, jnp.zeros((batch, gamma), jnp.int32), probs, jnp.ones((batch,), bool))
-    cache, _, drafts, probs, finite = jax.lax.fori_loop(0, gamma, step, init)
+    cache, _, drafts, probs, finite = jax.lax.fori_loop(0, gamma if steps is None else steps, step, init)
     return cache, drafts, probs, finite
 
 
@@ -323,15 +345,43 @@ def select(state: DecodeState, verified: DecodeState, scores, accepted, config: 
     return dataclasses.replace(verified, selection=selection, policy_state=policy_state)
 
 
-def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
-    """One draft -> verify -> accept -> select round for every unfinished sequence."""
+def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
+    """One draft -> verify -> accept -> select round for every unfinished sequence; with adaptive γ, of the
+    number of drafts the control chooses (0: a plain step)."""
+    if not config.adaptive_gamma:
+        return _iteration(params, draft_params, state, config, config.gamma)
+    control = state.gamma_control
+    owed = jnp.where(state.done, 0, state.max_new - state.num_generated - 1)
+    g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)))
+    # Every device takes the same branch: g comes from statistics that every device holds alike.
+    after = jax.lax.cond(
+        g > 0,
+        lambda s: _iteration(params, draft_params, s, config, g),
+        lambda s: _iteration(params, None, s, config.plain(), 0),
+        state,
+    )
+    pooled = lambda counts: config.placement.sum_over_data(jnp.sum(counts, axis=0)).astype(jnp.float32)  # noqa: E731
+    drafted = pooled(after.metrics.drafted - state.metrics.drafted)
+    accepted = pooled(after.metrics.accepted - state.metrics.accepted)
+    return dataclasses.replace(after, gamma_control=adaptive_gamma.update(control, g, drafted, accepted))
+
+
+def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
+    """[B] the drafts of this iteration that count: never past the tokens still owed (the bonus token always
+    comes on top of the accepted drafts), nor past `most_drafts` (adaptive γ's g: positions from g on hold no
+    drafts, and verification treats them as rejected)."""
+    return jnp.clip(state.max_new - state.num_generated - 1, 0, most_drafts)
+
+
+def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts) -> DecodeState:
+    """`iteration` with at most `most_drafts` drafts (γ, or adaptive γ's traced g)."""
     gamma = config.gamma
     active = ~state.done
-    # Never draft past the tokens still owed: the bonus token always comes on top of the accepted drafts.
-    num_drafts = jnp.clip(state.max_new - state.num_generated - 1, 0, gamma)
+    num_drafts = counted_drafts(state, most_drafts)
     keys = step_keys(state.keys, request_step(state), gamma + 2)
     if gamma:
-        cache, drafts, draft_probs, draft_finite = draft(params, state, keys, config, num_drafts)
+        steps = None if isinstance(most_drafts, int) else most_drafts
+        cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts, steps)
     else:
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)
@@ -369,7 +419,8 @@ def iteration(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
 
 
 def decode(
-    params, state: DecodeState, step_limit: jax.Array, finished_limit: jax.Array, *, config: DecodeConfig
+    params, draft_params, state: DecodeState, step_limit: jax.Array, finished_limit: jax.Array, *,
+    config: DecodeConfig
 ) -> DecodeState:
     """Iterates until `finished_limit` sequences are done (the batch size: all of them) or `step_limit` iterations
     have run in total. Streaming runs the loop in slices of steps; continuous batching returns as soon as enough
@@ -380,7 +431,7 @@ def decode(
         finished = config.placement.sum_over_data(jnp.sum(s.done, dtype=jnp.int32))
         return (finished < finished_limit) & (s.step < step_limit)
 
-    return jax.lax.while_loop(cond, lambda s: iteration(params, s, config=config), state)
+    return jax.lax.while_loop(cond, lambda s: iteration(params, draft_params, s, config=config), state)
 
 
 def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, config: DecodeConfig) -> DecodeState:

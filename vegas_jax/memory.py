@@ -1,10 +1,11 @@
 """Bytes per device before anything is allocated: parameters, the KV cache, and the decode loop's largest buffers,
 each counted for one shard of the mesh, against what one device holds.
 
-The estimate counts what the engine keeps live at its peak: the parameters and the decode state (cache, selection,
-policy state, output, with penalties the token counts, with logprobs their buffers, the stop table) for the whole
-run, and on top of them the largest of the transient arrays of one step (verification logits, their penalised copy
-and log-softmax when asked for, and, when sampling, the draft and target distributions; the layers' selection scores;
+The estimate counts what the engine keeps live at its peak: the parameters, the draft passes' quantized weights
+(models.draft_weights; none for bf16 drafts) and the decode state (cache, selection, policy state, output, with
+penalties the token counts, with logprobs their buffers, the stop table) for the whole run, and on top of them the
+largest of the transient arrays of one step (verification logits, their penalised copy and log-softmax when asked
+for, and, when sampling, the draft and target distributions; the layers' selection scores;
 prefill's MLP activations and, without kernels, its score arrays; under continuous batching a joining group's
 state, which admission gathers onto every data shard). XLA's own temporaries are not counted, so the bound is what
 must fit, not everything that will be used; MARGIN leaves room for them.
@@ -18,9 +19,11 @@ import os
 import jax
 import numpy as np
 
+from models import draft_weights
 from models.config import ModelConfig
 from models.decoder import param_axes
 from models.logical_axes import HEADS, MLP
+from models.quantized import nbytes
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
 
@@ -29,19 +32,30 @@ MARGIN = 0.9
 _GIB = 2**30
 
 
-def _params_per_device(params, placement: Placement) -> int:
+def _per_device(pairs, placement: Placement) -> int:
+    """Bytes per device of (array, its Axes) pairs: the parameters split only over the model axis."""
     total = 0
-    for array, axes in zip(jax.tree.leaves(params), jax.tree.leaves(param_axes(params))):
+    for array, axes in pairs:
         split = placement.model_shards if (HEADS in axes or MLP in axes) else 1
-        total += int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize // split
+        total += nbytes(array) // split
     return total
+
+
+def _params_per_device(params, placement: Placement) -> int:
+    return _per_device(zip(jax.tree.leaves(params), jax.tree.leaves(param_axes(params))), placement)
+
+
+def draft_per_device(draft, placement: Placement) -> int:
+    """Bytes per device of a draft tree (arrays or ShapeDtypeStructs); 0 for None (bf16 drafts)."""
+    return 0 if draft is None else _per_device(draft_weights.leaves_with_axes(draft), placement)
 
 
 def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, capacity: int, gamma: int,
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
              refill: int | None, penalties: bool = False, logprobs: int | None = None,
-             stop_table: tuple[int, int] = (1, 1)) -> dict:
-    """Bytes per device, by part; `total` is what must fit."""
+             stop_table: tuple[int, int] = (1, 1), draft=None) -> dict:
+    """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
+    bf16 drafts."""
     dtype = np.dtype(params["embed"].dtype).itemsize
     rows = batch // placement.data_shards
     kv_heads = config.num_kv_heads // placement.model_shards
@@ -72,12 +86,14 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     joining = refill * (cache_row + request_row) if refill else 0
     parts = {
         "params": _params_per_device(params, placement),
+        "draft_weights": draft_per_device(draft, placement),
         "kv_cache": rows * cache_row,
         "decode_state": state,
         "largest_step_buffers": max(logits + scores, prefill),
         "joining_group": joining,
     }
-    parts["total"] = parts["params"] + parts["decode_state"] + parts["largest_step_buffers"] + joining
+    parts["total"] = (parts["params"] + parts["draft_weights"] + parts["decode_state"] + parts["largest_step_buffers"]
+                      + joining)
     return parts
 
 
@@ -99,9 +115,10 @@ def check_fits(parts: dict, placement: Placement) -> None:
     if parts["total"] > MARGIN * limit:
         gib = lambda key: f"{parts[key] / _GIB:.2f}"
         raise InputError(
-            "{max_model_len} / {slots} / {mesh}: this run needs {} GiB per device (params {}, KV cache {}, decode "
-            "state {}, step buffers {}) but a device has {:.2f} GiB ({}, {} % usable): shorten the context, run "
-            "fewer sequences at once, or spread them over more devices",
-            gib("total"), gib("params"), gib("kv_cache"), gib("decode_state"), gib("largest_step_buffers"),
+            "{max_model_len} / {slots} / {mesh}: this run needs {} GiB per device (params {}, draft weights {}, KV "
+            "cache {}, decode state {}, step buffers {}) but a device has {:.2f} GiB ({}, {} % usable): shorten the "
+            "context, run fewer sequences at once, or spread them over more devices",
+            gib("total"), gib("params"), gib("draft_weights"), gib("kv_cache"), gib("decode_state"),
+            gib("largest_step_buffers"),
             limit / _GIB, source, math.floor(MARGIN * 100),
         )

@@ -39,7 +39,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
 
     Every array a phase reads is an argument of its jitted function, as in the decode loop: closed-over arrays
     (the parameters above all) would be compiled in as constants, which times something else."""
-    config, state, params = started.config, started.state, engine.model.params
+    config, state, params, draft_params = started.config, started.state, engine.model.params, started.draft_params
     if config.placement.mesh is not None:
         raise InputError("{phase_times}: not on a {mesh} (run it on one device)")
     gamma, batch = config.gamma, state.committed.shape[0]
@@ -50,12 +50,12 @@ def time_phases(engine: Engine, started: Started) -> dict:
 
     cache, drafts, draft_probs = state.cache, jnp.zeros((batch, 0), jnp.int32), None
     if gamma:
-        def drafted(cache, params, uncached, keys):
-            cache, drafts, probs, _ = loop.draft(params, dataclasses.replace(uncached, cache=cache), keys, config,
-                                                 num_drafts)
+        def drafted(cache, params, draft_params, uncached, keys):
+            cache, drafts, probs, _ = loop.draft(params, draft_params, dataclasses.replace(uncached, cache=cache),
+                                                 keys, config, num_drafts)
             return cache, drafts, probs
 
-        t, (cache, drafts, draft_probs) = _time(drafted, cache, params, uncached, keys, donate=True)
+        t, (cache, drafts, draft_probs) = _time(drafted, cache, params, draft_params, uncached, keys, donate=True)
         result["draft_ms"] = t * 1e3
 
     def verified(cache, params, uncached, drafts):

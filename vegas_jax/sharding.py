@@ -76,6 +76,9 @@ class Placement:
     def sum_over_data(self, x):
         return jax.lax.psum(x, DATA) if self.data_shards > 1 else x
 
+    def max_over_data(self, x):
+        return jax.lax.pmax(x, DATA) if self.data_shards > 1 else x
+
     def first_row(self, local_batch: int):
         """The global batch row of this program's first row."""
         return jax.lax.axis_index(DATA) * local_batch if self.data_shards > 1 else 0

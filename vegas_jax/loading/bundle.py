@@ -40,6 +40,29 @@ class LoadedModel:
     # The mesh (axes data, model) the parameters are laid out on, their fused q/k/v heads in per-shard blocks
     # (models.decoder.fused_head_order); None: one device.
     mesh: Any = None
+    # Quantized copies of the linear weights for draft passes (models.draft_weights), by precision, laid out like
+    # the parameters: made once, by the loader from a checkpoint's own quantized blocks or on first use.
+    drafts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Per precision, where its draft weights came from (for the CLI's report).
+    draft_sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def draft_params(self, precision: str):
+        """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
+        use and kept: from a GGUF file's own blocks where they have that precision, else quantized from the
+        parameters. DraftWeightsError when the shapes admit no such draft."""
+        if precision == "bf16":
+            return None
+        if precision not in self.drafts:
+            if self.format == "gguf":
+                from vegas_jax.loading.gguf import gguf_draft
+
+                self.drafts[precision], self.draft_sources[precision] = gguf_draft(self, precision)
+            else:
+                from vegas_jax.loading.placing import quantize_draft
+
+                self.drafts[precision] = quantize_draft(self.params, self.config, precision, self.mesh)
+                self.draft_sources[precision] = f"quantized from the {self.params['embed'].dtype} weights"
+        return self.drafts[precision]
 
     @property
     def model_shards(self) -> int:
@@ -50,6 +73,10 @@ class LoadedModel:
         from vegas_jax.loading.placing import relayout
         from vegas_jax.sharding import adopt_mesh
 
+        from vegas_jax.loading.placing import relayout_draft
+
         mesh = None if mesh is None else adopt_mesh(mesh)
         params = relayout(self.params, self.config, self.model_shards, mesh)
-        return dataclasses.replace(self, params=params, mesh=mesh)
+        drafts = {p: relayout_draft(t, self.config, self.model_shards, mesh) for p, t in self.drafts.items()}
+        return dataclasses.replace(self, params=params, mesh=mesh, drafts=drafts,
+                                   draft_sources=dict(self.draft_sources))

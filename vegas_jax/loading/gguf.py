@@ -1,7 +1,9 @@
 """Loading llama-architecture GGUF files (llama.cpp's format) into the decoder's parameter layout.
 
 Weights are dequantized to float32 by the `gguf` library and cast to the requested dtype; nothing is left
-quantized, so the model computes exactly what a float checkpoint of the dequantized weights would.
+quantized, so the model computes exactly what a float checkpoint of the dequantized weights would. Quantized draft
+weights (models.draft_weights) come straight from the file's Q8_0 / Q4_0 / Q4_1 blocks where they have the asked
+precision (vegas_jax.loading.gguf_blocks); the rest are quantized from the loaded weights.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import numpy as np
 from tqdm import tqdm
 
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
-from models.decoder import checkpoint_param_shapes
+from models import draft_weights
+from models.decoder import checkpoint_param_shapes, fused_head_order
+from models.quantized import QuantizedWeight
+from vegas_jax.loading import gguf_blocks
 from vegas_jax.loading.bundle import CheckpointError, LoadedModel
-from vegas_jax.loading.placing import ParamPlacer
+from vegas_jax.loading.placing import ParamPlacer, place_quantized, quantize_draft
 from vegas_jax.tokenizer import Tokenizer
 
 T = gguf.GGMLQuantizationType
@@ -46,8 +51,10 @@ def embedded_smollm2_path() -> Path:
     )
 
 
-def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
-    """mesh: the (data, model) mesh to lay the parameters out on (vegas_jax.sharding), None for one device."""
+def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None, draft: str | None = None) -> LoadedModel:
+    """mesh: the (data, model) mesh to lay the parameters out on (vegas_jax.sharding), None for one device.
+    draft: a draft precision (int8, int4) whose quantized weights to make now, from the file's own blocks where
+    it has them; DraftWeightsError when its blocks would straddle the mesh's devices."""
     path = Path(path)
     reader = _open(path)
     arch = _field(reader, "general.architecture", path)
@@ -56,6 +63,9 @@ def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, tensors, path)
     params = _params(tensors, config, ParamPlacer(config, dtype, mesh), path)
+    drafts, sources = {}, {}
+    if draft not in (None, "bf16"):
+        drafts[draft], sources[draft] = _draft(tensors, config, params, draft, mesh)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
     except (CheckpointError, UnsupportedModelError) as e:
@@ -64,7 +74,8 @@ def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
         raise CheckpointError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only {config.vocab_size} rows"
         )
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path), format="gguf", mesh=mesh)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path), format="gguf", mesh=mesh,
+                       drafts=drafts, draft_sources=sources)
 
 
 def dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
@@ -247,3 +258,86 @@ def _known(name: str, config: ModelConfig) -> bool:
     parts = name.split(".")
     return (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < config.num_layers
             and parts[2] in _LAYER_TENSORS and parts[3] == "weight")
+
+
+def gguf_draft(loaded: LoadedModel, precision: str) -> tuple[dict, str]:
+    """The draft tree of a model loaded from a GGUF file (its `source`), from the file's own blocks where they have
+    `precision`; and where its weights came from. DraftWeightsError when those blocks would straddle devices."""
+    tensors = {t.name: t for t in _open(Path(loaded.source)).tensors}
+    return _draft(tensors, loaded.config, loaded.params, precision, loaded.mesh)
+
+
+def _draft(tensors, config: ModelConfig, params: dict, precision: str, mesh) -> tuple[dict, str]:
+    dtype = params["embed"].dtype
+    native = _native_draft(tensors, config, precision, dtype, mesh)
+    return (quantize_draft(params, config, precision, mesh, given=native),
+            _describe_native(native, tensors, config, precision, dtype))
+
+
+def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, precision: str, dtype, mesh) -> dict:
+    """The draft weights whose every source tensor is stored in blocks of `precision` (a fused q/k/v or gate/up
+    weight only when all its parts are, in one form), read from the blocks and placed; the others are left out."""
+    c = config
+    shards = 1 if mesh is None else mesh.shape["model"]
+
+    def blocks(name: str, heads: int | None = None):
+        t = tensors[name]
+        if gguf_blocks.precision_of(t.tensor_type) != precision:
+            return None
+        parts = gguf_blocks.read_blocks(t.data, t.tensor_type, int(t.shape[1]))
+        return parts if heads is None else tuple(None if x is None else _unpermute(x, heads) for x in parts)
+
+    def weight(parts, out_shape, in_ndim=1) -> QuantizedWeight:
+        return gguf_blocks.as_weight(*parts, out_shape, in_ndim)
+
+    def one_form(*parts) -> bool:
+        return all(p is not None for p in parts) and len({p[2] is None for p in parts}) == 1
+
+    def fused(parts: list[QuantizedWeight], join) -> QuantizedWeight:
+        offset = None if parts[0].offset is None else join([p.offset for p in parts])
+        return QuantizedWeight(join([p.values for p in parts]), join([p.scale for p in parts]), offset,
+                               parts[0].in_ndim)
+
+    order = fused_head_order(c, shards)
+    qkv_join = lambda xs: np.concatenate(xs, axis=1)[:, order]  # noqa: E731
+    stack = lambda xs: np.stack(xs, axis=1)  # noqa: E731
+    host: dict = {"layers": {}}
+    for i in range(c.num_layers):
+        p, layer = f"blk.{i}.", {}
+        q, k, v = blocks(p + "attn_q.weight", c.num_heads), blocks(p + "attn_k.weight", c.num_kv_heads), \
+            blocks(p + "attn_v.weight")
+        if one_form(q, k, v):
+            layer["qkv_proj"] = fused([weight(q, (c.num_heads, c.head_dim)), weight(k, (c.num_kv_heads, c.head_dim)),
+                                       weight(v, (c.num_kv_heads, c.head_dim))], qkv_join)
+        if (o := blocks(p + "attn_output.weight")) is not None:
+            layer["o_proj"] = weight(o, (c.hidden_size,), in_ndim=2)
+        gate, up = blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")
+        if one_form(gate, up):
+            layer["gate_up_proj"] = fused([weight(gate, (c.intermediate_size,)), weight(up, (c.intermediate_size,))],
+                                          stack)
+        if (down := blocks(p + "ffn_down.weight")) is not None:
+            layer["down_proj"] = weight(down, (c.hidden_size,))
+        host["layers"][i] = layer
+    head = blocks("token_embd.weight" if c.tie_word_embeddings else "output.weight")
+    if head is not None:
+        host[draft_weights.LM_HEAD] = weight(head, (c.vocab_size,))
+
+    def placed(name: str, w: QuantizedWeight) -> QuantizedWeight:
+        draft_weights.check_groups(c, name, w.group_size, shards)
+        return place_quantized(name, w, dtype, mesh)
+
+    placed_tree = {"layers": {i: {n: placed(n, w) for n, w in layer.items()} for i, layer in host["layers"].items()}}
+    if draft_weights.LM_HEAD in host:
+        placed_tree[draft_weights.LM_HEAD] = placed(draft_weights.LM_HEAD, host[draft_weights.LM_HEAD])
+    return placed_tree
+
+
+def _describe_native(native: dict, tensors: dict, config: ModelConfig, precision: str, dtype) -> str:
+    """Where a draft's weights came from, for the CLI: how many from which block types of the file."""
+    total = config.num_layers * len(draft_weights.LAYER_WEIGHTS) + 1
+    count = sum(len(layer) for layer in native["layers"].values()) + (draft_weights.LM_HEAD in native)
+    kinds = sorted({t.tensor_type.name for t in tensors.values() if gguf_blocks.precision_of(t.tensor_type) == precision})
+    if not count:
+        return f"quantized from the {dtype} weights (the file has no {precision} blocks)"
+    rest = "" if count == total else f", {total - count} quantized from the {dtype} weights"
+    return f"{count} of {total} weights from the file's {'/'.join(kinds)} blocks{rest}"

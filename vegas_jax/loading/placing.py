@@ -3,12 +3,16 @@ slice (`Placement.put`), so no loader holds the whole model on the host or on on
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import draft_weights
 from models.config import ModelConfig
 from models.decoder import axes_of_param, fuse_layer, fused_head_order
+from models.quantized import QuantizedWeight
 from vegas_jax.sharding import Placement, check_model_fits
 
 _FUSED_HEAD_AXIS = {"qkv_proj": 1, "qkv_bias": 0}
@@ -51,3 +55,78 @@ def relayout(params: dict, config: ModelConfig, from_shards: int, mesh=None) -> 
         return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
 
     return jax.tree_util.tree_map_with_path(move, params)
+
+
+def quantize_draft(params: dict, config: ModelConfig, precision: str, mesh=None, given: dict | None = None) -> dict:
+    """The draft tree (models.draft_weights) of placed parameters: each weight quantized on the devices that hold
+    it, one weight at a time (a jitted quantizer per distinct shape), laid out by its logical axes. `given`: part
+    of the tree already made (a checkpoint's own quantized blocks), kept as it is.
+    DraftWeightsError when the model's shapes admit no draft of that precision."""
+    placement = Placement(mesh=mesh)
+    given = given or {"layers": {}}
+
+    def made(name: str, w: jax.Array):
+        fn = functools.partial(draft_weights.quantize_weight, config, name, precision=precision)
+        layout = placement.shardings(draft_weights.weight_axes(name, jax.eval_shape(fn, w)))
+        return _jitted(fn, layout, w.shape, str(w.dtype))(w)
+
+    layers = {}
+    for i, layer in params["layers"].items():
+        have = given["layers"].get(i, {})
+        layers[i] = {name: have.get(name) or made(name, layer[name]) for name in draft_weights.LAYER_WEIGHTS}
+    head = given.get(draft_weights.LM_HEAD) or made(draft_weights.LM_HEAD, draft_weights.lm_head_source(params, config))
+    return {"layers": layers, draft_weights.LM_HEAD: head}
+
+
+_quantizers: dict = {}
+
+
+def _jitted(fn: functools.partial, layout, shape, dtype):
+    """One compiled quantizer per (weight, precision, layout, shape): layers of the same shapes compile once."""
+    key = (fn.args, tuple(sorted(fn.keywords.items())), str(layout), shape, dtype)
+    if key not in _quantizers:
+        _quantizers[key] = jax.jit(fn, out_shardings=layout)
+    return _quantizers[key]
+
+
+def place_quantized(name: str, host: QuantizedWeight, dtype, mesh=None) -> QuantizedWeight:
+    """A host QuantizedWeight (numpy values, scales, offsets) placed by its logical axes, scales and offsets in the
+    model's dtype: each device receives only its slice."""
+    placement = Placement(mesh=mesh)
+    axes = draft_weights.weight_axes(name, host)
+    return QuantizedWeight(
+        placement.put(host.values, axes.values),
+        placement.put(host.scale, axes.scale, dtype),
+        None if host.offset is None else placement.put(host.offset, axes.offset, dtype),
+        host.in_ndim,
+    )
+
+
+def relayout_draft(tree: dict, config: ModelConfig, from_shards: int, mesh=None) -> dict:
+    """A draft tree made for `from_shards` model shards laid out for `mesh`: the fused q/k/v heads reordered as
+    `relayout` reorders the parameters', every array moved to its shards. DraftWeightsError when its groups would
+    straddle the new mesh's devices."""
+    placement = Placement(mesh=mesh)
+    to_shards = placement.model_shards
+    order = np.argsort(fused_head_order(config, from_shards))[fused_head_order(config, to_shards)]
+
+    def move(name: str, w: QuantizedWeight) -> QuantizedWeight:
+        if w.groups > 1:
+            draft_weights.check_groups(config, name, w.group_size, to_shards)
+        axes = draft_weights.weight_axes(name, w)
+
+        def one(x, x_axes):
+            if x is None:
+                return None
+            if name == "qkv_proj" and from_shards != to_shards:
+                return jax.jit(lambda x: jnp.take(x, order, axis=1), out_shardings=placement.sharding(x_axes))(x)
+            sharding = placement.sharding(x_axes)
+            return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
+
+        return QuantizedWeight(one(w.values, axes.values), one(w.scale, axes.scale), one(w.offset, axes.offset),
+                               w.in_ndim)
+
+    return {
+        "layers": {i: {n: move(n, w) for n, w in layer.items()} for i, layer in tree["layers"].items()},
+        draft_weights.LM_HEAD: move(draft_weights.LM_HEAD, tree[draft_weights.LM_HEAD]),
+    }

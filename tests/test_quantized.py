@@ -1,0 +1,194 @@
+"""Quantized draft weights: int8 / int4 quantization and dequantization against a float64 numpy reference of their
+definition, the weight-only product against float64 numpy, the decoder's draft pass on quantized weights, and the
+memory plan's count of them. GGUF's own blocks are tested in test_gguf.py, decoding with quantized drafts in
+test_lossless_tiny.py, test_sampling_distribution.py and test_lossless_smollm2.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import draft_weights
+from models.decoder import forward
+from models.kv_cache import KVCache
+from models.quantized import (
+    FORMULATIONS,
+    QuantizedWeight,
+    dequantize,
+    integer_codes,
+    overlay,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantized_matmul,
+)
+from tests.test_lossless_tiny import tiny_engine
+from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.draft_kernel import with_kernel
+from vegas_jax.engine import GenerationOptions
+from vegas_jax.memory import draft_per_device
+from vegas_jax.sharding import Placement
+
+
+def reference_int8(w: np.ndarray):
+    """Per output channel of w [K, O]: scale = max |w| / 127, q = round(w / scale); float64."""
+    scale = np.abs(w).max(axis=0, keepdims=True) / 127
+    return np.round(w / scale), scale, w / scale
+
+
+def reference_int4(w: np.ndarray, group: int):
+    """Per group of `group` rows of w [K, O]: 16 levels from the group's min (the offset) to its max; float64."""
+    g = w.reshape(w.shape[0] // group, group, -1)
+    lo, hi = g.min(axis=1, keepdims=True), g.max(axis=1, keepdims=True)
+    scale = (hi - lo) / 15
+    exact = (g - lo) / scale
+    return np.round(exact).reshape(w.shape), scale[:, 0], lo[:, 0], exact.reshape(w.shape)
+
+
+def assert_codes_match(got: np.ndarray, want: np.ndarray, exact: np.ndarray):
+    """Integer codes equal the reference's except where the exact quotient is within float32 rounding of a tie."""
+    near_tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-4
+    assert np.mean(near_tie) < 0.01
+    np.testing.assert_array_equal(got[~near_tie], want[~near_tie])
+
+
+def test_int8_per_channel_against_numpy(rng):
+    w = rng.standard_normal((96, 5, 8)) * rng.uniform(0.1, 3, (1, 5, 8))
+    q = quantize_int8(jnp.asarray(w, jnp.float32), in_ndim=1)
+    assert q.values.dtype == jnp.int8 and q.values.shape == (96, 5, 8) and q.scale.shape == (1, 5, 8)
+    assert q.offset is None and q.groups == 1
+    codes, scale, exact = reference_int8(w.reshape(96, 40))
+    assert_codes_match(np.asarray(q.values).reshape(96, 40), codes, exact)
+    np.testing.assert_allclose(np.asarray(q.scale).reshape(1, 40), scale, rtol=1e-6)
+    back = np.asarray(dequantize(q)).reshape(96, 40)
+    assert np.all(np.abs(back - w.reshape(96, 40)) <= scale / 2 * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("in_ndim,shape,group", [(1, (64, 3, 8), 32), (2, (4, 32, 24), 64)])
+def test_int4_groups_against_numpy(rng, in_ndim, shape, group):
+    """Groups along the (flattened) input axis, codes packed two a byte (split-half within each group): in_ndim 2
+    is o_proj's [heads, head_dim, hidden]."""
+    w = rng.standard_normal(shape) + rng.uniform(-1, 1, (1,) * (len(shape) - 1) + shape[-1:])
+    k = int(np.prod(shape[:in_ndim]))
+    flat = w.reshape(k, -1)
+    q = quantize_int4(jnp.asarray(w, jnp.float32), group, in_ndim=in_ndim)
+    assert q.values.dtype == jnp.uint8 and q.values.shape == (k // 2,) + shape[in_ndim:]
+    assert q.bits == 4 and q.input_size == k and q.groups == k // group and q.group_size == group
+    codes, scale, offset, exact = reference_int4(flat, group)
+    assert_codes_match(np.asarray(integer_codes(q)).reshape(k, -1), codes, exact)
+    # the packing, by its definition: byte row G * group / 2 + j holds rows G * group + j and + group / 2
+    packed = np.asarray(q.values).reshape(k // group, group // 2, -1)
+    low, high = codes.reshape(k // group, 2, group // 2, -1).transpose(1, 0, 2, 3)
+    near_tie = np.abs(exact - np.floor(exact) - 0.5).reshape(low.shape[:1] + (2,) + low.shape[1:]) < 1e-4
+    assert np.array_equal((packed & 15)[~near_tie[:, 0]], low[~near_tie[:, 0]])
+    assert np.array_equal((packed >> 4)[~near_tie[:, 1]], high[~near_tie[:, 1]])
+    np.testing.assert_allclose(np.asarray(q.scale).reshape(scale.shape), scale, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(q.offset).reshape(offset.shape), offset, rtol=1e-6)
+    back = np.asarray(dequantize(q)).reshape(k, -1)
+    step = np.repeat(scale, group, axis=0)
+    assert np.all(np.abs(back - flat) <= step / 2 * (1 + 1e-4) + 1e-6)
+
+
+def _random_weight(rng, kind: str, k: int, out: tuple, groups: int, in_ndim: int):
+    """(a QuantizedWeight of random codes, scales and (int4) offsets, its codes [K, *out] as numpy)."""
+    if kind == "int8":
+        ints = rng.integers(-127, 128, (k,) + out)
+        values = jnp.asarray(ints, jnp.int8)
+    else:
+        ints = rng.integers(0, 16, (k,) + out)
+        values = pack_int4(jnp.asarray(ints), k // groups)
+    scale = rng.uniform(0.01, 0.1, (groups,) + out).astype(np.float32)
+    offset = rng.uniform(-0.5, 0.5, (groups,) + out).astype(np.float32) if kind == "int4" else None
+    weight = QuantizedWeight(values, jnp.asarray(scale), None if offset is None else jnp.asarray(offset), in_ndim)
+    return weight, ints
+
+
+def float64_product(x: np.ndarray, ints: np.ndarray, w: QuantizedWeight) -> np.ndarray:
+    """x [M, K] times the weight by its definition, in float64."""
+    groups, k = w.groups, ints.shape[0]
+    full = ints.astype(np.float64).reshape(groups, k // groups, -1) * np.asarray(w.scale, np.float64).reshape(
+        groups, 1, -1)
+    if w.offset is not None:
+        full += np.asarray(w.offset, np.float64).reshape(groups, 1, -1)
+    return x.astype(np.float64) @ full.reshape(k, -1)
+
+
+PRODUCT_CASES = [
+    ("int8", 1, (64,), (48,)),  # per channel: (x @ q) * scale
+    ("int8", 4, (64,), (3, 16)),  # GGUF Q8_0's groups
+    ("int4", 2, (64,), (48,)),  # groups with offsets
+    ("int4", 4, (4, 32), (32,)),  # o_proj's two contracted axes
+]
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+@pytest.mark.parametrize("kind,groups,in_shape,out", PRODUCT_CASES)
+def test_quantized_matmul_against_float64(rng, kind, groups, in_shape, out, formulation):
+    k = int(np.prod(in_shape))
+    w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))
+    x = rng.standard_normal((2, 3) + in_shape).astype(np.float32)
+    got = np.asarray(jax.jit(quantized_matmul, static_argnums=(2, 3))(jnp.asarray(x), w, None, formulation))
+    want = float64_product(x.reshape(6, k), ints, w).reshape((2, 3) + out)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind,groups,in_shape,out", PRODUCT_CASES)
+def test_the_kernel_product_against_float64(rng, kind, groups, in_shape, out):
+    """With kernels the product is the Pallas weight-only matmul (interpret mode here), in the same layouts."""
+    k = int(np.prod(in_shape))
+    w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))
+    (w,) = jax.tree.leaves(with_kernel([w], Placement(backend="interpret")),
+                           is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    assert w.kernel is not None
+    x = rng.standard_normal((5,) + in_shape).astype(np.float32)
+    got = np.asarray(quantized_matmul(jnp.asarray(x), w, jnp.float32))
+    want = float64_product(x.reshape(5, k), ints, w).reshape((5,) + out)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_engine(vocab=96, layers=1, weight_scale=1.0, tied=True)
+
+
+def test_draft_pass_reads_the_quantized_weights(tiny):
+    """The decoder on a draft tree (every linear weight and the tied LM head quantized, over the model's own norms
+    and embedding) gives logits near the full-precision ones, and not the same: it read the copies."""
+    params, config = tiny.model.params, tiny.config
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    quantize = jax.jit(draft_weights.quantize_params, static_argnums=(1, 2))
+    trees = {p: quantize(params, config, p) for p in ("int8", "int4")}
+    assert all(set(t["layers"][0]) == set(draft_weights.LAYER_WEIGHTS) and "lm_head" in t for t in trees.values())
+
+    @jax.jit
+    def logits(params, trees):  # one compilation for the three passes
+        cache = KVCache.create(config, 2, 16, jnp.float32)
+        run = lambda p: forward(p, tokens, positions, cache, DenseAttention(), config=config)[0]  # noqa: E731
+        return run(params), {k: run(overlay(params, t)) for k, t in trees.items()}
+
+    full, drafted = jax.tree.map(np.asarray, logits(params, trees))
+    for precision, tolerance in (("int8", 0.03), ("int4", 0.3)):
+        error = np.abs(drafted[precision] - full).max() / np.abs(full).max()
+        assert 0 < error < tolerance, (precision, error)
+
+
+def test_memory_plan_counts_the_draft_weights(tiny):
+    """The plan's draft bytes (from the quantizer's shapes, before the copies exist) equal the bytes of the copies
+    made by the run, counted here from their shapes (int4 codes two a byte), scales and offsets float32."""
+    batch = [[1, 2, 3, 4, 5]]
+    for precision in ("int8", "int4"):
+        options = GenerationOptions(method="vegas", gamma=2, max_new_tokens=4, draft_weights=precision,
+                                    min_sparse_tokens=2)
+        planned = tiny.plan(batch, options)["bytes_per_device"]
+        tree = tiny.model.draft_params(precision)
+        counted = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        assert tree["layers"][0]["down_proj"].bits == int(precision[3:])
+        assert planned["draft_weights"] == counted == draft_per_device(tree, Placement())
+        bf16 = tiny.plan(batch, dataclasses.replace(options, draft_weights="bf16"))["bytes_per_device"]
+        assert planned["total"] == bf16["total"] + counted and bf16["draft_weights"] == 0

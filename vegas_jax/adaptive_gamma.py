@@ -1,0 +1,156 @@
+"""Adaptive γ (`--gamma auto`): the number of drafts of each iteration, chosen to maximise expected tokens per
+second from the cost of a draft step against a verification pass and the running acceptance by draft position.
+
+Compiled shapes stay those of γ_max: the loop drafts g <= γ_max tokens (its draft loop stops after g steps), the
+verification pass keeps its γ_max + 1 rows and counts only the first g drafts (the others are treated as rejected,
+so acceptance and the bonus token are those of an iteration of g drafts), and g = 0 is a plain decoding step (a
+one-row verification, no score collection, no selection; the selection of the last speculative iteration stays,
+its recent range covering everything since). Choosing g from earlier iterations' outcomes keeps the output exact:
+speculative sampling emits the target's distribution for any number of drafts fixed before the iteration's draws.
+
+The model, in units of a plain step:
+
+    E[tokens | g] = 1 + sum_{k=1..g} β_k        (β_k: P(the first k drafts are all accepted))
+    cost(0) = 1,  cost(g) = verify + g * draft  (verify: the iteration's fixed part, a (γ_max+1)-row verification
+                                                  with score collection and selection; draft: one draft step)
+
+and g maximises E / cost. β_k is estimated from decayed counts pooled over the batch (on a mesh over every data
+shard: one g for the whole batch, the same on all devices), with a prior of a good draft's acceptance (PRIOR_RATE
+per position) and made non-increasing in k. Positions not drafted for a while drift back towards the prior as
+their counts decay, so a run that fell back to plain decoding probes speculation again now and then (after about
+log(batch) / (1 - DECAY) iterations), and one whose acceptance improves finds its way back to longer drafts.
+
+The costs come from timing the compiled loop itself at the start of a run (`Warmup`: a few iterations each with g
+forced to γ_max, 1 and 0, which decode real tokens), or are given (`GenerationOptions.draft_cost`, `verify_cost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.logical_axes import axes_field
+
+# Per iteration: the estimates follow about the last 200 iterations. With useless drafts a probe (a few drafts)
+# comes every ~log(batch) / -log(DECAY) iterations or more: about 1 % of plain decoding's time at batch 1.
+DECAY = 0.995
+# The prior: PRIOR_WEIGHT pseudo-observations at each position k of drafts 1..k accepted with probability
+# PRIOR_RATE ** k, a good draft's: what positions without recent evidence drift back to.
+PRIOR_WEIGHT, PRIOR_RATE = 1.0, 0.9
+DEFAULT_GAMMA_MAX = 8
+AUTO = "auto"
+# Costs are clamped to what an iteration can cost: its fixed part at least a plain step, a draft step above 0.
+MIN_VERIFY, MIN_DRAFT = 1.0, 1e-3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GammaControl:
+    """Part of the decode state; every array is whole (the same) on every device."""
+
+    drafted: jax.Array = axes_field(None)  # [γ_max] float32 decayed count of drafts made at each position
+    accepted: jax.Array = axes_field(None)  # [γ_max] float32 decayed count of those accepted
+    costs: jax.Array = axes_field(None)  # [2] float32 (draft step, verify): the cost model, in plain steps
+    force: jax.Array = axes_field()  # int32: -1 chooses g; g >= 0 forces it (warm-up timing)
+    chosen: jax.Array = axes_field(None)  # [γ_max + 1] int32 iterations run with each g
+
+    @classmethod
+    def create(cls, gamma_max: int) -> "GammaControl":
+        zeros = jnp.zeros((gamma_max,), jnp.float32)
+        return cls(zeros, zeros, jnp.asarray([MIN_DRAFT, MIN_VERIFY], jnp.float32), jnp.asarray(-1, jnp.int32),
+                   jnp.zeros((gamma_max + 1,), jnp.int32))
+
+
+def acceptance(control: GammaControl) -> jax.Array:
+    """[γ_max] β_k: estimated P(drafts 1..k all accepted), non-increasing."""
+    prior = PRIOR_RATE ** jnp.arange(1, control.drafted.shape[0] + 1, dtype=jnp.float32)
+    estimate = (control.accepted + PRIOR_WEIGHT * prior) / (control.drafted + PRIOR_WEIGHT)
+    return jax.lax.cummin(estimate, axis=0)
+
+
+def best_gamma(beta: jax.Array, draft_cost: jax.Array, verify_cost: jax.Array) -> jax.Array:
+    """The g in [0, γ_max] maximising (1 + sum_{k<=g} β_k) / cost(g) (the smallest on ties)."""
+    gamma_max = beta.shape[0]
+    g = jnp.arange(gamma_max + 1)
+    tokens = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(beta)])
+    cost = jnp.where(g == 0, 1.0, verify_cost + g * draft_cost)
+    return jnp.argmax(tokens / cost).astype(jnp.int32)
+
+
+def choose(control: GammaControl, most_useful: jax.Array) -> jax.Array:
+    """This iteration's g: forced, or the model's best; never more than `most_useful` (the most drafts any
+    unfinished request may still take)."""
+    draft_cost = jnp.maximum(control.costs[0], MIN_DRAFT)
+    verify_cost = jnp.maximum(control.costs[1], MIN_VERIFY)
+    best = best_gamma(acceptance(control), draft_cost, verify_cost)
+    g = jnp.where(control.force >= 0, control.force, best)
+    return jnp.clip(g, 0, most_useful).astype(jnp.int32)
+
+
+def update(control: GammaControl, g: jax.Array, drafted: jax.Array, accepted: jax.Array) -> GammaControl:
+    """After an iteration with g drafts, whose rows (the whole batch's) made `drafted` [γ_max] and accepted
+    `accepted` [γ_max] drafts at each position."""
+    return dataclasses.replace(
+        control,
+        drafted=DECAY * control.drafted + drafted,
+        accepted=DECAY * control.accepted + accepted,
+        chosen=control.chosen.at[g].add(1),
+    )
+
+
+def summary(chosen: np.ndarray) -> dict:
+    """The metrics' report of a run's choices: iterations by g, and the mean g."""
+    chosen = np.asarray(chosen)
+    total = int(chosen.sum())
+    mean = float((np.arange(len(chosen)) * chosen).sum() / total) if total else None
+    return {"gamma_chosen_mean": mean, "gamma_chosen_histogram": chosen.tolist()}
+
+
+class Warmup:
+    """Host side of the cost measurement: which g the next decode calls force, for how many iterations, and the
+    costs from their timings. Each forced g runs WARM_ITERATIONS iterations (after one untimed call, which pays
+    for first-execution work): a draft step costs (t(γ_max) - t(1)) / (γ_max - 1), the fixed part t(1) minus
+    one draft step, both divided by t(0). Host overhead per call is the same in every call, so it cancels in the
+    draft cost and biases the others by (overhead / iterations) / t(0)."""
+
+    WARM_ITERATIONS = 6
+
+    def __init__(self, gamma_max: int, costs: tuple[float, float] | None):
+        self.gamma_max = gamma_max
+        self.costs = costs
+        plan = [(gamma_max, 2, False), (gamma_max, self.WARM_ITERATIONS, True), (1, self.WARM_ITERATIONS, True),
+                (0, self.WARM_ITERATIONS, True)]
+        self.pending = [] if costs is not None else plan
+        self.seconds: dict[int, float] = {}  # per forced g: seconds per iteration
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def next_call(self) -> tuple[int, int | None]:
+        """(force: g or -1, most iterations this call may run or None)."""
+        if not self.pending:
+            return -1, None
+        g, iterations, _ = self.pending[0]
+        return g, iterations
+
+    def record(self, iterations: int, seconds: float) -> None:
+        """A decode call that ran under `next_call`'s force: once its phase has run, the next one's turn."""
+        if not self.pending or iterations <= 0:
+            return
+        g, _, timed = self.pending.pop(0)
+        if timed:
+            self.seconds[g] = seconds / iterations
+        if not self.pending:
+            self.costs = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        t = self.seconds
+        plain, one, full = t[0], t[1], t[self.gamma_max]
+        draft = (full - one) / (self.gamma_max - 1) if self.gamma_max > 1 else (one - plain)
+        draft = max(draft, MIN_DRAFT * plain)
+        return draft / plain, max(one - draft, MIN_VERIFY * plain) / plain
+
