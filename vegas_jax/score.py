@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         dtype_name, dtype = _resolve_dtype(args.dtype)
         from vegas_jax.engine import Engine
 
-        engine = Engine(_load(args.model, dtype, _mesh(args)))
+        engine = Engine(_load(args.model, dtype, _mesh(args), "bf16"))  # scoring reads no drafts
         t0 = time.perf_counter()
         scored = engine.score(prompts, continuations, batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
         seconds = time.perf_counter() - t0
