@@ -52,6 +52,10 @@ INT32_MAX = 2**31 - 1
 # Drafts per iteration: beyond a few dozen every verification pass mostly checks tokens that are rejected anyway,
 # and the draft probabilities ([batch, γ, vocabulary] float32 when sampling) grow with γ.
 MAX_GAMMA = 64
+# GenerationOptions' policy knobs: the method each belongs to, and its name as a field of that selection policy.
+METHOD_KNOBS = {"stream_sinks": "streaming", "quest_page": "quest", "retrieval_chunk": "retrieval",
+                "retrieval_every": "retrieval"}
+POLICY_FIELDS = {"stream_sinks": "sinks", "quest_page": "page", "retrieval_chunk": "chunk", "retrieval_every": "every"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,13 @@ class GenerationOptions:
     sparse_ratio: float = 0.07
     min_sparse_tokens: int = 256
     score_mode: str = "logit"
+    # The baselines' own knobs, each for its method only (so that they can be tuned as Vegas's γ and ratio are):
+    # MagicDec-Stream's sink tokens (the rest of the budget is the recent window), Quest's page and retrieval's
+    # chunk (tokens), and how many iterations retrieval keeps its chunks before ranking them afresh.
+    stream_sinks: int = 16
+    quest_page: int = 16
+    retrieval_chunk: int = 32
+    retrieval_every: int = 4
     max_model_len: int | None = None
     prefill_chunk: int = 2048
 
@@ -101,6 +112,18 @@ class GenerationOptions:
             (self.max_model_len is None or self.max_model_len >= 2, "{max_model_len} must be >= 2, got {}",
              self.max_model_len),
             (self.prefill_chunk >= 1, "{prefill_chunk} must be >= 1, got {}", self.prefill_chunk),
+            (self.stream_sinks >= 1, "{stream_sinks} must be >= 1, got {}", self.stream_sinks),
+            # Pages and chunks tile the cache, whose capacity is a multiple of CAPACITY_ALIGN.
+            (self.quest_page >= 1 and CAPACITY_ALIGN % self.quest_page == 0,
+             "{quest_page} must divide " + str(CAPACITY_ALIGN) + ", got {}", self.quest_page),
+            (self.retrieval_chunk >= 1 and CAPACITY_ALIGN % self.retrieval_chunk == 0,
+             "{retrieval_chunk} must divide " + str(CAPACITY_ALIGN) + ", got {}", self.retrieval_chunk),
+            (self.retrieval_every >= 1, "{retrieval_every} must be >= 1, got {}", self.retrieval_every),
+        ] + [
+            # A knob of another method would be ignored: refused, as top_k is when greedy.
+            (self.method == method or getattr(self, knob) == getattr(GenerationOptions, knob),
+             "{" + knob + "} {} applies to {method} " + method + " only, not " + repr(self.method), getattr(self, knob))
+            for knob, method in METHOD_KNOBS.items()
         ]
         for ok, template, *values in checks:
             if not ok:
@@ -109,6 +132,12 @@ class GenerationOptions:
     @property
     def effective_gamma(self) -> int:
         return 0 if self.method == "ar" else self.gamma
+
+    @property
+    def policy_knobs(self) -> dict[str, int]:
+        """The method's own knobs, by the selection policy's field names (`selection.make_policy`)."""
+        return {POLICY_FIELDS[knob]: getattr(self, knob) for knob, method in METHOD_KNOBS.items()
+                if method == self.method}
 
 
 @dataclasses.dataclass
@@ -267,7 +296,8 @@ class Engine:
         p = self.placement
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
                                    gamma=config.gamma, k_max=config.policy.budget.k_max if config.policy else 0,
-                                   policy=options.method, output_width=config.max_new_tokens,
+                                   policy=options.method, quest_page=options.quest_page,
+                                   output_width=config.max_new_tokens,
                                    sampling=not config.sampling.greedy,
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
                                                                      options, p),
@@ -313,7 +343,7 @@ class Engine:
         policy = None
         if gamma:
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
-            policy = make_policy(options.method, budget, gamma, placement)
+            policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement)
 

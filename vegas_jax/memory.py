@@ -38,7 +38,7 @@ def _params_per_device(params, placement: Placement) -> int:
 
 def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, capacity: int, gamma: int,
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
-             refill: int | None) -> dict:
+             refill: int | None, quest_page: int = 16) -> dict:
     """Bytes per device, by part; `total` is what must fit."""
     dtype = np.dtype(params["embed"].dtype).itemsize
     rows = batch // placement.data_shards
@@ -51,7 +51,7 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     if gamma:
         state += layers * rows * k_max * 4  # selected positions
     if policy == "quest":
-        state += 2 * layers * rows * (capacity // 16) * kv_heads * config.head_dim * dtype  # page min / max
+        state += 2 * layers * rows * (capacity // quest_page) * kv_heads * config.head_dim * dtype  # page min / max
 
     verify_rows = gamma + 1
     logits = rows * verify_rows * vocab * 4
