@@ -1,11 +1,11 @@
-"""An engine over random weights of SmolLM2-135M's shapes: for timing only (acceptance means nothing on random
-weights, so no τ from it is ever reported)."""
+"""Engines over random weights of real models' shapes: for timing only (acceptance means nothing on random
+weights, so no τ from them is ever reported)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 from models.decoder import init_params
 from vegas_jax.engine import Engine
 from vegas_jax.loading.bundle import LoadedModel
@@ -15,6 +15,20 @@ SMOLLM2_135M = ModelConfig(
     num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
+# meta-llama/Llama-3.1-8B-Instruct's config.json
+LLAMA31_8B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    tie_word_embeddings=False, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+)
+# Qwen/Qwen3-8B's config.json, but for its context: 40,960 natively, 131,072 with YaRN scaling (which the engine does
+# not implement; rotary frequencies do not change what a step costs, so timing takes the longer context as is).
+QWEN3_8B = ModelConfig(
+    architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    tie_word_embeddings=False, qk_norm=True,
+)
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B}
 
 
 class NoTextTokenizer:
@@ -27,6 +41,9 @@ class NoTextTokenizer:
         return ""
 
 
+def random_engine(config: ModelConfig, dtype=jnp.bfloat16) -> Engine:
+    return Engine(LoadedModel(config, init_params(config, dtype), NoTextTokenizer(), "random", "random"))
+
+
 def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
-    params = init_params(SMOLLM2_135M, dtype)
-    return Engine(LoadedModel(SMOLLM2_135M, params, NoTextTokenizer(), "random", "random"))
+    return random_engine(SMOLLM2_135M, dtype)

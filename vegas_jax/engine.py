@@ -419,19 +419,20 @@ class Engine:
             self._compiled[key] = config.placement.creator(create, *host)
         return self._compiled[key](*host)
 
-    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None):
+    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
+                 fill_cache=None):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s."""
+        prefill_s. With `fill_cache` (`start`'s), that function makes the cache instead of prefill."""
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
         chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
-        spans = prefill_spans(max(lens) - 1, chunk)
+        spans = [] if fill_cache else prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids):
+        for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache)
             tokens[i, : len(p) - 1] = p[:-1]
         state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
@@ -449,7 +450,7 @@ class Engine:
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        cache = state.cache
+        cache = fill_cache(state.cache) if fill_cache else state.cache
         for step, (start, size) in enumerate(spans):
             positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
             chunk_tokens = placement.put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES)
@@ -472,16 +473,21 @@ class Engine:
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return decode
 
-    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None) -> Started:
+    def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None,
+              fill_cache: Callable[[KVCache], KVCache] | None = None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
-        not finite already is done there (`DecodeState.nonfinite`)."""
+        not finite already is done there (`DecodeState.nonfinite`).
+
+        `fill_cache`, for timing at shapes too large to prefill often (an 8B model at 128K): a function from the
+        allocated, zeroed cache to the cache to decode from, run instead of prefill. Its rows stand for the
+        prompts' keys and values, so the tokens that follow mean nothing; only their cost does."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
         config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
         timings = {}
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
-                              progress=progress)
+                              progress=progress, fill_cache=fill_cache)
         decode = self._compile_decode(config, state, timings)
         return Started(ids, config, state, decode, timings)
 
