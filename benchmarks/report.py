@@ -82,6 +82,8 @@ def heldout_tables(records: list[dict], *, temperature: float, tuned: bool, titl
         lines = []
         for batch in sorted(table, reverse=True):
             cells = table[batch]
+            if not set(cells) & set(METHODS):
+                continue  # plain decoding alone: nothing to compare
             best = max((cells[m] for m in t.BASELINES if m in cells), key=lambda r: r["decode_tokens_per_s"],
                        default=None)
             ratio = (f"{cells['vegas']['decode_tokens_per_s'] / best['decode_tokens_per_s']:.2f}x {best['method']}"
