@@ -33,6 +33,7 @@ METHODS = ("vegas", "streaming", "quest", "retrieval")
 LEGACY_THROUGHPUT = ("e2e-2026-11-30-s14-large.json", "e2e-2026-11-30-s14-small.json")
 LEGACY_POLICIES = ("e2e-2026-11-30-policies-greedy-logit.json", "e2e-2026-11-30-policies-t07-logit.json")
 LEGACY_SERVE = ("e2e-2026-11-30-s14-serve.json",)
+LEGACY_PEER = ("hf-generate-2026-11-30.json",)
 
 
 def load_legacy(folder: Path, names) -> list[dict]:
@@ -200,6 +201,12 @@ def legacy_tables(legacy: list[dict]) -> str:
         parts.append(f"Continuous batching, {served[0]['requests']} requests of 7.9K through {served[0]['batch']} "
                      f"slots, one run, `{LEGACY_SERVE[0]}`:\n\n"
                      + t.md_table(["method", "tok/s whole run", "steady", "speedup"], lines))
+    peer = [r for r in legacy if r["file"] in LEGACY_PEER]
+    if peer:
+        lines = [[f"{r['prompt_tokens'] / 1000:.1f}K x {r['batch']}", t.fmt_rate(r["decode_tokens_per_s"])]
+                 for r in sorted(peer, key=lambda r: r["batch"])]
+        parts.append(f"transformers `generate` ({peer[0]['method']}, left-padded prompts of about one length), one "
+                     f"run, `{LEGACY_PEER[0]}`:\n\n" + t.md_table(["prompt x batch", "tok/s"], lines))
     return "\n\n".join(parts)
 
 
@@ -236,7 +243,7 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
                           scale_table(records, records if t.heldout_rows(records) else legacy)),
                          ("Peer: transformers `generate`, static cache, SDPA, same GGUF and prompts", peer_table(records))):
         out += [f"{title}:", "", table or "not yet measured", ""]
-    if plots is None:
+    if plots is None and records:
         out += ["Plots: matplotlib is not installed here (`pip install -e '.[bench]'`), so none were written.", ""]
     elif plots:
         out += [f"![{name}]({path.relative_to(REPO).as_posix()})" for name, path in plots.items()] + [""]
@@ -270,7 +277,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     paths = args.results if args.results is not None else sorted(RESULTS.glob("suite-*.jsonl"))
     records = read_records(paths)
-    legacy = load_legacy(RESULTS, LEGACY_THROUGHPUT + LEGACY_POLICIES + LEGACY_SERVE)
+    legacy = load_legacy(RESULTS, LEGACY_THROUGHPUT + LEGACY_POLICIES + LEGACY_SERVE + LEGACY_PEER)
     plots = write_plots(records, RESULTS)
     generated = section(records, legacy, plots)
     if args.print:

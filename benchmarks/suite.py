@@ -23,6 +23,7 @@ stages are complete. `python -m benchmarks.report` turns the log into tables, pl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -49,6 +50,10 @@ STOPPED = 3  # exit status of a call that stopped for its budget
 
 class OutOfTime(Exception):
     """The next measurement would pass the call's budget."""
+
+
+class BadFlag(ValueError):
+    """A flag's value the suite cannot run: one `error:` line, exit status 2."""
 
 
 def source_digest() -> str:
@@ -95,7 +100,8 @@ def summarize_runs(runs: list[dict], rate: str = "decode_tokens_per_s") -> dict:
 
 class Session:
     """One call of the suite: the preset, the log, the clock, and what it loaded (lazily: a peer-only call never
-    starts JAX on the GPU)."""
+    starts JAX on the GPU, whose allocator would take most of its memory). `dtype` "auto" is resolved when the
+    model loads (bfloat16 on GPU, float32 on CPU)."""
 
     def __init__(self, preset: Preset, log: RecordLog, budget_s: float, model_path: str, dtype: str):
         self.preset, self.log, self.budget_s = preset, log, budget_s
@@ -105,20 +111,22 @@ class Session:
         self._tokenizer = None
         self._prompts: dict[tuple[str, int], PromptSet] = {}
         self.compiled: set = set()  # (method, cell, batch, length, sampled, served) compiled in this process
-        self.ar_tokens: dict = {}  # (batch, length) -> plain greedy tokens of the held-out prompts
+        self.ar_tokens: dict = {}  # (split, batch, length) -> plain greedy tokens, to compare with
         self.incomplete: list[str] = []  # what could not run yet (untuned cells)
-        self._provenance = {"code": git_commit(), "source_digest": source_digest(), "model": model_path,
-                            "dtype": dtype}
+        self._provenance = {"code": git_commit(), "source_digest": source_digest(), "model": model_path}
 
     # ---- what it loads -------------------------------------------------------------------------------------
     @property
     def engine(self):
         if self._engine is None:
+            import jax
             import jax.numpy as jnp
 
             from vegas_jax.engine import Engine
             from vegas_jax.loading import load_model
 
+            if self.dtype == "auto":
+                self.dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
             self._engine = Engine(load_model(self.model_path, {"bfloat16": jnp.bfloat16,
                                                                  "float32": jnp.float32}[self.dtype]))
         return self._engine
@@ -159,7 +167,7 @@ class Session:
         return record_key(fields) not in self.log
 
     def provenance(self, result: dict) -> dict:
-        out = dict(self._provenance)
+        out = {**self._provenance, "dtype": self.dtype}
         out["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         if "device" not in result:  # the peer names its own (torch's) device; asking JAX would start it
             import jax
@@ -177,7 +185,8 @@ class Session:
         self.check_time(estimate_s, what)
         t0 = time.perf_counter()
         result = run()
-        record = {**fields, **result, **self.provenance(result), "seconds": time.perf_counter() - t0}
+        # What the measurement says of itself (the peer's device, the scale runs' dtype) wins over the session's.
+        record = {**self.provenance(result), **fields, **result, "seconds": time.perf_counter() - t0}
         self.log.append(record)
         shown = {k: record.get(k) for k in ("decode_tokens_per_s", "tau", "ms_per_iteration", "roofline_fraction")
                  if record.get(k) is not None}
@@ -361,8 +370,28 @@ def parse_stages(text: str) -> list[str]:
     stages = list(STAGES) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     if unknown or not stages:
-        raise SystemExit(f"error: --stage {text}: choose from {', '.join(STAGES)} or all (comma-separated)")
+        raise BadFlag(f"--stage {text}: choose from {', '.join(STAGES)} or all (comma-separated)")
     return stages
+
+
+def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
+    """The preset with its lengths or batches (`flag`) cut to those listed, which must be the preset's own."""
+    if not text:
+        return preset
+    field = flag.lstrip("-")
+    allowed = getattr(preset, field)
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise BadFlag(f"{flag} {text}: a comma-separated list of integers") from None
+    if not values or set(values) - set(allowed):
+        raise BadFlag(f"{flag} {text}: preset {preset.name} has {', '.join(map(str, allowed))}")
+    if field == "batches":  # a batch that borrows tuning keeps what it borrows from only if listed
+        lent = {b for b in values if preset.tuning_batch(b) not in values}
+        if lent:
+            raise BadFlag(f"{flag} {text}: batch {min(lent)} takes its tuning from batch "
+                          f"{preset.tuning_batch(min(lent))}: list both")
+    return dataclasses.replace(preset, **{field: tuple(v for v in allowed if v in values)})
 
 
 def main(argv=None) -> int:
@@ -377,28 +406,29 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=None, help="the log (default benchmarks/results/suite-PRESET.jsonl)")
     p.add_argument("--compilation-cache", default=str(REPO / ".jax-cache"),
                    help="XLA's persistent compilation cache folder ('' for none)")
+    p.add_argument("--lengths", default=None, help="only these of the preset's prompt lengths (comma-separated)")
+    p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
     p.add_argument("--estimate", action="store_true", help="print the preset's estimated device time and exit")
     args = p.parse_args(argv)
 
-    preset = PRESETS[args.preset]
-    stages = parse_stages(args.stage)
+    try:
+        preset = narrowed(narrowed(PRESETS[args.preset], "--lengths", args.lengths), "--batches", args.batches)
+        stages = parse_stages(args.stage)
+        if args.budget_s <= 0:
+            raise BadFlag(f"--budget-s {args.budget_s:g}: must be > 0")
+    except BadFlag as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(describe_costs(preset, stages), flush=True)
     if args.estimate:
         return 0
-    if args.budget_s <= 0:
-        raise SystemExit(f"error: --budget-s {args.budget_s}: must be > 0")
     from vegas_jax.loading.gguf import embedded_smollm2_path
 
     model_path = args.model or str(embedded_smollm2_path())
-    dtype = args.dtype
-    if dtype == "auto":
-        import jax
-
-        dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
     log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None)
-    session = Session(preset, log, args.budget_s, model_path, dtype)
+    session = Session(preset, log, args.budget_s, model_path, args.dtype)
     try:
         run_stages(session, stages)
     except OutOfTime as stop:

@@ -65,6 +65,7 @@ def peer_run(model_path: str, prompts: list[list[int]], new_tokens: int, repeats
         "decode_tokens_per_s_runs": rates,
         "prefill_s": float(np.median(prefills)),
         "new_tokens": new_tokens,
+        "dtype": "bfloat16",
         "attention": "sdpa",
         "cache": "static",
         **_versions(),

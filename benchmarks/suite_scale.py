@@ -184,7 +184,7 @@ def run_scale(session, preset: Preset) -> None:
 
 def _fields(model: str, context: int, batch: int, method: str) -> dict:
     return {"stage": "scale", "model": model, "context": context, "batch": batch, "method": method,
-            "weights": "random"}
+            "weights": "random", "dtype": "bfloat16"}
 
 
 def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, method, iterations) -> dict:

@@ -331,7 +331,8 @@ def test_report_section_from_records_and_its_splice_into_the_readme():
     with pytest.raises(ValueError, match="no results section"):
         report.splice("no markers", text)
     empty = report.section([], [], plots=None)
-    assert empty.count("**not yet measured**") == 6 and "matplotlib is not installed" in empty
+    assert empty.count("**not yet measured**") == 6 and "matplotlib" not in empty  # nothing to plot anyway
+    assert "matplotlib is not installed" in report.section(FIXTURE, [], plots=None)
 
 
 def test_presets_hold_what_the_issue_asks():
@@ -340,3 +341,21 @@ def test_presets_hold_what_the_issue_asks():
     assert set(paper.batches) == {1, 8, 32, 64} and set(paper.lengths) == {2048, 4096, 7936}
     assert paper.repeats >= 3 and paper.serve[0].requests == 128 and paper.serve[0].slots == 64
     assert all(p.max_model_len[n] <= 8192 for p in PRESETS.values() for n in p.lengths)  # SmolLM2's context
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batches", "8"], "--batches 8: batch 8 takes its tuning from batch 64"),
+    (["--lengths", "4096"], "--lengths 4096: preset quick has 7936"),
+    (["--stage", "tune,tunes"], "--stage tune,tunes"),
+    (["--budget-s", "0"], "--budget-s 0"),
+])
+def test_bad_flags_give_one_error_line_and_status_2(argv, needle, capsys):
+    assert suite.main(["--preset", "quick", "--estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {needle}")
+
+
+def test_estimate_prints_every_stage_and_runs_nothing(capsys, tmp_path):
+    assert suite.main(["--preset", "quick", "--estimate", "--results", str(tmp_path / "log.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert all(stage in out for stage in suite.STAGES) and not (tmp_path / "log.jsonl").exists()
