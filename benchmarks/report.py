@@ -246,10 +246,15 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
     if plots is None and records:
         out += ["Plots: matplotlib is not installed here (`pip install -e '.[bench]'`), so none were written.", ""]
     elif plots:
-        out += [f"![{name}]({path.relative_to(REPO).as_posix()})" for name, path in plots.items()] + [""]
+        out += [f"![{name}]({_link(path)})" for name, path in plots.items()] + [""]
     out += ["History of the runs and variants before the suite: [benchmarks/RESULTS.md](benchmarks/RESULTS.md), "
             "[benchmarks/EXPERIMENTS.md](benchmarks/EXPERIMENTS.md).", "", END]
     return "\n".join(out)
+
+
+def _link(path: Path) -> str:
+    path = path.resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.as_posix()
 
 
 def splice(readme: str, generated: str) -> str:
@@ -273,12 +278,13 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, nargs="*", default=None,
                    help="suite logs, later ones winning (default: benchmarks/results/suite-*.jsonl)")
     p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--plots-dir", type=Path, default=RESULTS, help="where the PNGs go (default benchmarks/results)")
     p.add_argument("--print", action="store_true", help="print the section instead of writing the README")
     args = p.parse_args(argv)
     paths = args.results if args.results is not None else sorted(RESULTS.glob("suite-*.jsonl"))
     records = read_records(paths)
     legacy = load_legacy(RESULTS, LEGACY_THROUGHPUT + LEGACY_POLICIES + LEGACY_SERVE + LEGACY_PEER)
-    plots = write_plots(records, RESULTS)
+    plots = write_plots(records, args.plots_dir)
     generated = section(records, legacy, plots)
     if args.print:
         print(generated)

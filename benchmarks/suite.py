@@ -16,8 +16,9 @@ Stages (`--stage`, comma-separated, or `all`):
 
 Every record is appended to the log (--results, JSON Lines, also copied to $OUT) as soon as it is measured; a
 record already in the log is skipped, so the same command resumes where a call stopped. A call stops before a
-measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 0 when its
-stages are complete. `python -m benchmarks.report` turns the log into tables, plots and the README's results.
+measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 4 when it
+skipped measurements that need another stage first (held-out cells not tuned yet: listed as "not run"); 0 when
+its stages are complete. `python -m benchmarks.report` turns the log into tables, plots and the README's results.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # no
 STAGES = ("tune", "heldout", "serve", "scale", "peer")
 RESULTS = REPO / "benchmarks" / "results"
 STOPPED = 3  # exit status of a call that stopped for its budget
+INCOMPLETE = 4  # ... that skipped measurements needing another stage first (listed as "not run")
 
 
 class OutOfTime(Exception):
@@ -436,9 +438,9 @@ def main(argv=None) -> int:
         return STOPPED
     for line in session.incomplete:
         print(f"not run: {line}")
-    print(f"\ndone: {', '.join(stages)} of preset {preset.name} in {session.elapsed():.0f} s "
-          f"({len(log.records)} records in {log.path})")
-    return 0
+    print(f"\n{'incomplete' if session.incomplete else 'done'}: {', '.join(stages)} of preset {preset.name} in "
+          f"{session.elapsed():.0f} s ({len(log.records)} records in {log.path})")
+    return INCOMPLETE if session.incomplete else 0
 
 
 if __name__ == "__main__":

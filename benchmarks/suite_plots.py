@@ -32,11 +32,12 @@ def throughput(records: list[dict], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
     for ax, length in zip(axes[0], lengths):
-        for method in METHOD_ORDER:
-            points = sorted((r["batch"], r) for r in rows if r["prompt_tokens"] == length and r["method"] == method)
+        for i, method in enumerate(METHOD_ORDER):
+            points = sorted(((r["batch"], r) for r in rows if r["prompt_tokens"] == length and r["method"] == method),
+                            key=lambda p: p[0])
             if not points:
                 continue
-            batches = [b for b, _ in points]
+            batches = [b * 2 ** (0.05 * (i - 3)) for b, _ in points]  # side by side, so the bars do not overlap
             median = [r["decode_tokens_per_s"] for _, r in points]
             low = [m - r["decode_tokens_per_s_min"] for m, (_, r) in zip(median, points)]
             high = [r["decode_tokens_per_s_max"] - m for m, (_, r) in zip(median, points)]

@@ -55,6 +55,16 @@ class Preset:
     # (batch, batch whose tuned cells it takes): batches left out of tuning to save its compilations
     borrowed_tuning: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self):
+        # Everything measured at a batch takes that batch's tuned cells (serving: its slots').
+        for name, batches in [("sampled_batches", self.sampled_batches), ("ablation_batches", self.ablation_batches),
+                              ("serve slots", [c.slots for c in self.serve]),
+                              ("borrowed_tuning", [b for pair in self.borrowed_tuning for b in pair])]:
+            if set(batches) - set(self.batches):
+                raise ValueError(f"preset {self.name}: {name} {sorted(batches)} must be among batches {self.batches}")
+        if any(c.prompt_tokens not in self.lengths for c in self.serve):
+            raise ValueError(f"preset {self.name}: serving lengths must be among lengths {self.lengths}")
+
     def tuning_batch(self, batch: int) -> int:
         """The batch whose tuning chooses this batch's cells (itself unless borrowed)."""
         return dict(self.borrowed_tuning).get(batch, batch)
@@ -85,7 +95,7 @@ PRESETS = {
         grid=Grid(gammas=(4, 6), ratios=(0.07, 0.10),
                   knobs={"stream_sinks": (16,), "quest_page": (16,), "retrieval_chunk": (32,), "retrieval_every": (4, 2)}),
         tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(2,), sampled_defaults=False,
-        ablation_batches=(2,), serve=(ServeCase(6, 4, 512, all_baselines=False),),
+        ablation_batches=(2,), serve=(ServeCase(6, 2, 512, all_baselines=False),),
         scale=(ScaleCase("smollm2-135m", 4096, (1, 2)),), scale_iterations=4, peer=((2, 512),),
     ),
     # The issue's main cells (8K prompts, batches 64 and 8, serving) in about 15 minutes of H200 time (SmolLM2

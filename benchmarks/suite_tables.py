@@ -34,7 +34,7 @@ def scale_rows(records) -> list[dict]:
 def plain_rate(records, r: dict) -> float | None:
     """Plain decoding's rate measured with record r: same stage, split, batch, length, temperature, requests."""
     for other in records:
-        if other["method"] == "ar" and all(other.get(k) == r.get(k) for k in
+        if other.get("method") == "ar" and all(other.get(k) == r.get(k) for k in
                                            ("stage", "split", "batch", "prompt_tokens", "temperature", "requests")):
             return other["decode_tokens_per_s"]
     return None
