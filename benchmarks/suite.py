@@ -18,7 +18,8 @@ Every record is appended to the log (--results, JSON Lines, also copied to $OUT)
 record already in the log is skipped, so the same command resumes where a call stopped. A call stops before a
 measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 4 when it
 skipped measurements that need another stage first (held-out cells not tuned yet: listed as "not run"); 0 when
-its stages are complete. `python -m benchmarks.report` turns the log into tables, plots and the README's results.
+its stages are complete. Each call ends by plotting the log (next to it and in $OUT); `python -m benchmarks.report`
+turns the log into the README's results and the same plots.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def summarize_runs(runs: list[dict], rate: str = "decode_tokens_per_s") -> dict:
         "prefill_s": statistics.median(r["prefill_s"] for r in runs),
         "acceptance_by_position": middle["acceptance_by_position"],
     }
-    for extra in ("steady_decode_tokens_per_s", "decode_calls", "refill"):
+    for extra in ("decode_calls", "refill"):
         if extra in middle:
             out[extra] = middle[extra]
     return out
@@ -330,9 +331,11 @@ def serve(session: Session) -> None:
                         for _ in range(p.warmup + p.repeats)]
                 session.compiled.add((method, cell, case.slots, case.prompt_tokens, False, True))
                 measured = runs[p.warmup:]
+                steady = [r["steady_decode_tokens_per_s"] for r in measured if r["steady_decode_tokens_per_s"]]
                 return {**summarize_runs(measured), "compile_s": runs[0]["compile_s"], "tuned": True,
                         "default": cell == Cell.default(method), "new_tokens": p.new_tokens,
-                        "steady_decode_tokens_per_s_runs": [r["steady_decode_tokens_per_s"] for r in measured],
+                        "steady_decode_tokens_per_s": statistics.median(steady) if steady else None,
+                        "steady_decode_tokens_per_s_runs": steady,
                         "prompts_sha256": prompts.provenance["prompts_sha256"]}
 
             estimate = session.estimate(method, cell, case.slots, case.prompt_tokens, p.new_tokens,
@@ -374,6 +377,23 @@ def parse_stages(text: str) -> list[str]:
     if unknown or not stages:
         raise BadFlag(f"--stage {text}: choose from {', '.join(STAGES)} or all (comma-separated)")
     return stages
+
+
+def write_plots(records: list[dict], folders: list[Path]) -> None:
+    """The report's plots of the log so far, into each folder (the results folder, $OUT), if matplotlib is here."""
+    try:
+        from benchmarks import suite_plots
+    except ImportError:
+        print("matplotlib is not installed: no plots (python -m benchmarks.report makes them from the log)")
+        return
+    for folder in folders:
+        try:
+            written = suite_plots.write_all(records, folder, "suite")
+        except Exception as e:  # noqa: BLE001  (a plot must not cost the call its exit status or its records)
+            print(f"plots into {folder} failed: {type(e).__name__}: {e}")
+            return
+        for path in written.values():
+            print(f"wrote {path}")
 
 
 def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
@@ -436,6 +456,8 @@ def main(argv=None) -> int:
     except OutOfTime as stop:
         print(f"\nstopped: {stop}. Run the same command again to resume ({len(log.records)} records in {log.path}).")
         return STOPPED
+    finally:
+        write_plots(log.records, [log.path.parent] + ([Path(out)] if out else []))
     for line in session.incomplete:
         print(f"not run: {line}")
     print(f"\n{'incomplete' if session.incomplete else 'done'}: {', '.join(stages)} of preset {preset.name} in "

@@ -92,7 +92,7 @@ PRESETS = {
     # The whole pipeline in a few minutes (also on a CPU), numbers meaningless: a check before a long run.
     "smoke": Preset(
         name="smoke", lengths=(512,), batches=(2,),
-        grid=Grid(gammas=(4, 6), ratios=(0.07, 0.10),
+        grid=Grid(gammas=(4, 6), ratios=(0.07,),
                   knobs={"stream_sinks": (16,), "quest_page": (16,), "retrieval_chunk": (32,), "retrieval_every": (4, 2)}),
         tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(2,), sampled_defaults=False,
         ablation_batches=(2,), serve=(ServeCase(6, 2, 512, all_baselines=False),),

@@ -251,7 +251,7 @@ def test_profile_phases_follow_the_enclosing_command_buffer():
 
 
 def test_a_start_with_fill_cache_decodes_from_the_filled_cache_without_prefill():
-    engine = tiny_engine()
+    engine = tiny_engine(layers=1)
     seen = []
 
     def fill(cache):
@@ -264,9 +264,11 @@ def test_a_start_with_fill_cache_decodes_from_the_filled_cache_without_prefill()
     assert seen == [0.0] and not any(key[0] == "prefill" for key in engine._compiled)
     filled = random_rows(jax.tree.map(jnp.zeros_like, started.state.cache))  # what fill made (same key)
     for b, length in enumerate(lengths):  # the bootstrap step wrote the last prompt token's row, nothing before
-        np.testing.assert_array_equal(np.asarray(started.state.cache.k[1][b, : length - 1]),
-                                      np.asarray(filled.k[1][b, : length - 1]))
-    assert float(jnp.abs(filled.k[1]).min()) > 0  # random rows, not the zeros prefill would have replaced
+        np.testing.assert_array_equal(np.asarray(started.state.cache.k[0][b, : length - 1]),
+                                      np.asarray(filled.k[0][b, : length - 1]))
+        assert not np.array_equal(np.asarray(started.state.cache.k[0][b, length - 1]),
+                                  np.asarray(filled.k[0][b, length - 1]))  # the bootstrap step's own row
+    assert float(jnp.abs(filled.k[0]).min()) > 0  # random rows, not the zeros prefill would have replaced
 
 
 # ---- the report --------------------------------------------------------------------------------------------
