@@ -89,14 +89,15 @@ _PAPER_GRID = Grid(gammas=(2, 3, 4, 6, 8), ratios=(0.03, 0.05, 0.07, 0.10, 0.15)
                    refine=True)
 
 PRESETS = {
-    # The whole pipeline in a few minutes (also on a CPU), numbers meaningless: a check before a long run.
+    # Every stage once, small (about 6 minutes of H200 time, mostly compilation; 30 on a CPU), numbers
+    # meaningless: a check of the pipeline before a long run.
     "smoke": Preset(
         name="smoke", lengths=(512,), batches=(2,),
         grid=Grid(gammas=(4, 6), ratios=(0.07,),
                   knobs={"stream_sinks": (16,), "quest_page": (16,), "retrieval_chunk": (32,), "retrieval_every": (4, 2)}),
-        tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(2,), sampled_defaults=False,
+        tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(), sampled_defaults=False,
         ablation_batches=(2,), serve=(ServeCase(6, 2, 512, all_baselines=False),),
-        scale=(ScaleCase("smollm2-135m", 4096, (1, 2)),), scale_iterations=4, peer=((2, 512),),
+        scale=(ScaleCase("smollm2-135m", 4096, (1,)),), scale_iterations=4, peer=((2, 512),),
     ),
     # The main cells (8K prompts, batches 64 and 8, serving) in about 15 minutes of H200 time (SmolLM2
     # stages); batch 8 takes the cells tuned at batch 64, which halves the compilations.

@@ -122,7 +122,7 @@ class GenerationOptions:
         ] + [
             # A knob of another method would be ignored: refused, as top_k is when greedy.
             (self.method == method or getattr(self, knob) == getattr(GenerationOptions, knob),
-             "{" + knob + "} {} applies to {method} " + method + " only, not " + repr(self.method), getattr(self, knob))
+             "{" + knob + "} {} applies to {method} " + method + " only, not {!r}", getattr(self, knob), self.method)
             for knob, method in METHOD_KNOBS.items()
         ]
         for ok, template, *values in checks:
