@@ -55,6 +55,10 @@ INT32_MAX = 2**31 - 1
 # Drafts per iteration: beyond a few dozen every verification pass mostly checks tokens that are rejected anyway,
 # and the draft probabilities ([batch, γ, vocabulary] float32 when sampling) grow with γ.
 MAX_GAMMA = 64
+# GenerationOptions' policy knobs: the method each belongs to, and its name as a field of that selection policy.
+METHOD_KNOBS = {"stream_sinks": "streaming", "quest_page": "quest", "retrieval_chunk": "retrieval",
+                "retrieval_every": "retrieval"}
+POLICY_FIELDS = {"stream_sinks": "sinks", "quest_page": "page", "retrieval_chunk": "chunk", "retrieval_every": "every"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,13 @@ class GenerationOptions:
     sparse_ratio: float = 0.07
     min_sparse_tokens: int = 256
     score_mode: str = "logit"
+    # The baselines' own knobs, each for its method only (so that they can be tuned as Vegas's γ and ratio are):
+    # MagicDec-Stream's sink tokens (the rest of the budget is the recent window), Quest's page and retrieval's
+    # chunk (tokens), and how many iterations retrieval keeps its chunks before ranking them afresh.
+    stream_sinks: int = 16
+    quest_page: int = 16
+    retrieval_chunk: int = 32
+    retrieval_every: int = 4
     max_model_len: int | None = None
     prefill_chunk: int = 2048
     # Where generation ends (vegas_jax.stops): stop strings (the text ends before the first, or after it with
@@ -158,6 +169,18 @@ class GenerationOptions:
             (self.verify_cost is None or 1 <= self.verify_cost < math.inf,
              "{verify_cost} must be a finite number >= 1 (plain steps per speculative iteration's fixed part), got {}",
              self.verify_cost),
+            (self.stream_sinks >= 1, "{stream_sinks} must be >= 1, got {}", self.stream_sinks),
+            # Pages and chunks tile the cache, whose capacity is a multiple of CAPACITY_ALIGN.
+            (self.quest_page >= 1 and CAPACITY_ALIGN % self.quest_page == 0,
+             "{quest_page} must divide " + str(CAPACITY_ALIGN) + ", got {}", self.quest_page),
+            (self.retrieval_chunk >= 1 and CAPACITY_ALIGN % self.retrieval_chunk == 0,
+             "{retrieval_chunk} must divide " + str(CAPACITY_ALIGN) + ", got {}", self.retrieval_chunk),
+            (self.retrieval_every >= 1, "{retrieval_every} must be >= 1, got {}", self.retrieval_every),
+        ] + [
+            # A knob of another method would be ignored: refused, as top_k is when greedy.
+            (self.method == method or getattr(self, knob) == getattr(GenerationOptions, knob),
+             "{" + knob + "} {} applies to {method} " + method + " only, not {!r}", getattr(self, knob), self.method)
+            for knob, method in METHOD_KNOBS.items()
         ]
         for ok, template, *values in checks:
             if not ok:
@@ -196,6 +219,12 @@ class GenerationOptions:
     @property
     def given_costs(self) -> tuple[float, float] | None:
         return None if self.draft_cost is None else (self.draft_cost, self.verify_cost)
+
+    @property
+    def policy_knobs(self) -> dict[str, int]:
+        """The method's own knobs, by the selection policy's field names (`selection.make_policy`)."""
+        return {POLICY_FIELDS[knob]: getattr(self, knob) for knob, method in METHOD_KNOBS.items()
+                if method == self.method}
 
 
 @dataclasses.dataclass
@@ -387,7 +416,8 @@ class Engine:
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
                                    draft=self._draft_shapes(precision),
                                    gamma=config.gamma, k_max=config.policy.budget.k_max if config.policy else 0,
-                                   policy=options.method, output_width=config.max_new_tokens,
+                                   policy=options.method, quest_page=options.quest_page,
+                                   output_width=config.max_new_tokens,
                                    sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
                                    logprobs=config.logprobs, stop_table=stop_table.shape,
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
@@ -464,7 +494,7 @@ class Engine:
         policy = None
         if gamma:
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
-            policy = make_policy(options.method, budget, gamma, placement)
+            policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
                                  options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
@@ -566,19 +596,19 @@ class Engine:
         return self._compiled[key](*host)
 
     def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
-                 skip=False):
+                 fill_cache=None):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s. skip: no chunks (`start`'s skip_prefill)."""
+        prefill_s. With `fill_cache` (`start`'s), that function makes the cache instead of prefill."""
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
         chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
-        spans = [] if skip else prefill_spans(max(lens) - 1, chunk)
+        spans = [] if fill_cache else prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids if spans else ()):
+        for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache)
             tokens[i, : len(p) - 1] = p[:-1]
         state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
@@ -596,7 +626,7 @@ class Engine:
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        cache = state.cache
+        cache = fill_cache(state.cache) if fill_cache else state.cache
         for step, (start, size) in enumerate(spans):
             positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
             chunk_tokens = placement.put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES)
@@ -622,19 +652,21 @@ class Engine:
         return decode
 
     def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None,
-              skip_prefill: bool = False) -> Started:
+              fill_cache: Callable[[KVCache], KVCache] | None = None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
-        not finite already is done there (`DecodeState.nonfinite`). skip_prefill (timing only, never for text):
-        the cache keeps the zeros it was created with, as if prefill had written them, so a long context costs no
-        prefill; what is decoded then means nothing."""
+        not finite already is done there (`DecodeState.nonfinite`).
+
+        `fill_cache`, for timing at shapes too large to prefill often (an 8B model at 128K): a function from the
+        allocated, zeroed cache to the cache to decode from, run instead of prefill. Its rows stand for the
+        prompts' keys and values, so the tokens that follow mean nothing; only their cost does."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
         config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
         timings = {}
         draft_params = self._draft_params(config.draft_weights)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
-                              progress=progress, skip=skip_prefill)
+                              progress=progress, fill_cache=fill_cache)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = self._with_control(config, state, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)

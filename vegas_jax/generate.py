@@ -115,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft KV budget as a fraction of the current length")
     p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
     p.add_argument("--score-mode", default=GenerationOptions.score_mode, help="logit | weight")
+    p.add_argument("--stream-sinks", type=int, default=GenerationOptions.stream_sinks,
+                   help="--method streaming: sink tokens of the budget (the rest is the recent window)")
+    p.add_argument("--quest-page", type=int, default=GenerationOptions.quest_page,
+                   help="--method quest: tokens per page (divides 128)")
+    p.add_argument("--retrieval-chunk", type=int, default=GenerationOptions.retrieval_chunk,
+                   help="--method retrieval: tokens per chunk (divides 128)")
+    p.add_argument("--retrieval-every", type=int, default=GenerationOptions.retrieval_every,
+                   help="--method retrieval: iterations between rankings of the chunks")
     p.add_argument("--prefill-chunk", type=token_count, default=GenerationOptions.prefill_chunk)
     p.add_argument("--slots", type=int, default=None,
                    help="continuous batching: at most this many requests decode together, the others queue and are "

@@ -53,7 +53,7 @@ def draft_per_device(draft, placement: Placement) -> int:
 def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, capacity: int, gamma: int,
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
              refill: int | None, penalties: bool = False, logprobs: int | None = None,
-             stop_table: tuple[int, int] = (1, 1), draft=None) -> dict:
+             stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
     bf16 drafts."""
     dtype = np.dtype(params["embed"].dtype).itemsize
@@ -71,7 +71,7 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     if gamma:
         state += layers * rows * k_max * 4  # selected positions
     if policy == "quest":
-        state += 2 * layers * rows * (capacity // 16) * kv_heads * config.head_dim * dtype  # page min / max
+        state += 2 * layers * rows * (capacity // quest_page) * kv_heads * config.head_dim * dtype  # page min / max
 
     verify_rows = gamma + 1
     slab = rows * verify_rows * vocab * 4
