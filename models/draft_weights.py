@@ -7,9 +7,10 @@ from the model's own parameters (`models.quantized.overlay`). The LM head is qua
 verification decides every token a coarser head costs acceptance, never correctness. A tied model's draft head is
 the quantized transpose of its embedding.
 
-Quantized values keep the original weight's output axes, and with them its logical axes; the contracted axes are
+Quantized codes keep the original weight's output axes, and with them its logical axes; the contracted axes are
 flattened into one (o's [heads, head_dim] into heads x head_dim, split over devices in contiguous blocks of whole
-heads as before), and groups of the scales split with it where it is split (row-parallel o and down).
+heads as before; int4 codes packed two a byte within each group, so a device's block of bytes holds whole
+groups), and groups of the scales split with it where it is split (row-parallel o and down).
 """
 
 from __future__ import annotations
