@@ -1,7 +1,8 @@
 """End-to-end decode throughput: plain decoding vs Vegas (and the other selection policies) on real prompts.
 
     python benchmarks/bench_decode.py --model PATH.gguf --methods ar,vegas --batches 1,8,32,64 \
-        --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7] [--requests 128]
+        --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7] [--requests 128] \
+        [--repetition-penalty 1.1 --frequency-penalty 0.3 --presence-penalty 0.3 --logprobs 5 --stop TEXT]
 
 Decode tokens/s exclude compilation and prefill (reported separately). Each configuration runs twice and the
 second run is reported (the first warms up allocations). With --requests N, N prompts queue for each batch size's
@@ -9,7 +10,9 @@ slots and are admitted as others finish (continuous batching, `Engine.serve`, on
 steady throughput of the decode calls that started with every slot busy. With --breakdown, one iteration's phases
 (draft, verify, accept, select) are also timed separately, each jitted on its own with the cache donated, on the
 state right after prefill. Greedy records of methods other than ar also say, per sequence, where its output first
-leaves plain decoding's. Prints a table; writes JSON to --out (and $OUT if set).
+leaves plain decoding's. The generation controls (penalties, logprobs, stop strings) are passed through, so that
+their cost per iteration can be measured against a run without them (a stop string that never occurs keeps the
+token counts equal). Prints a table; writes JSON to --out (and $OUT if set).
 """
 
 from __future__ import annotations
@@ -46,7 +49,12 @@ def configuration(options: GenerationOptions, prompts) -> dict:
         "sparse_ratio": options.sparse_ratio if options.effective_gamma else None,
         "score_mode": options.score_mode if options.effective_gamma else None,
         "temperature": options.temperature,
+        "controls": {k: getattr(options, k) for k in CONTROLS},
     }
+
+
+# GenerationOptions fields passed through from flags of the same name.
+CONTROLS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "stop")
 
 
 def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool,
@@ -139,6 +147,11 @@ def main(argv=None) -> int:
     p.add_argument("--min-sparse-tokens", type=int, default=256)
     p.add_argument("--score-mode", default="logit")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=GenerationOptions.repetition_penalty)
+    p.add_argument("--presence-penalty", type=float, default=GenerationOptions.presence_penalty)
+    p.add_argument("--frequency-penalty", type=float, default=GenerationOptions.frequency_penalty)
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the last is reported")
     p.add_argument("--requests", type=int, default=0,
@@ -168,6 +181,7 @@ def main(argv=None) -> int:
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
                     gamma=args.gamma, sparse_ratio=args.sparse_ratio, min_sparse_tokens=args.min_sparse_tokens,
                     score_mode=args.score_mode, max_model_len=prompt_tokens + args.max_new_tokens,
+                    **{k: tuple(getattr(args, k)) if k == "stop" else getattr(args, k) for k in CONTROLS},
                 )
                 if args.requests:
                     rec, tokens = run_served(engine, prompts, options, batch, args.refill)

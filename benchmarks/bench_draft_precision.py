@@ -11,7 +11,7 @@ position per draft precision, with plain decoding's ms per step, a draft step's 
 vegas_jax.phases, divided by γ) and ms per iteration. With --auto also `--gamma auto` (its chosen γ per iteration).
 
 Part `random`: random bf16 weights of Llama-3.1-8B / Qwen3-8B shapes (benchmarks/random_model.py), timing only: the
-cache is left as allocated (`Engine.start(skip_prefill=True)`: no prefill of 32K-128K tokens) at the given context,
+cache is left as allocated (`Engine.start(fill_cache=...)`: no prefill of 32K-128K tokens) at the given context,
 every sequence at its full length. Per precision: a plain step, a draft step, a Vegas iteration (γ 6). Each
 configuration is checked against the memory plan first and skipped if it does not fit. With a τ per precision
 (from this run's real part or --tau-from), a projected throughput: batch x τ / iteration time, labelled
@@ -74,6 +74,11 @@ class Recorder:
         doc = run_metadata(attention_backend=default_backend(), records=self.records,
                            complete=not self.over_budget())
         save_results(doc, self.name, self.args.out or RESULTS)
+
+
+def _as_allocated(cache):
+    """Engine.start's fill_cache for timing: the zeroed cache as it is allocated stands for a prefilled one."""
+    return cache
 
 
 def loop_iterations(result) -> int:
@@ -154,17 +159,17 @@ def random_part(args, recorder: Recorder, taus: dict[str, float]) -> None:
                 except InputError as e:
                     recorder.add({**shape, "skipped": str(e)})
                     continue
-                plain_ms, _ = timed_iterations(engine, engine.start(prompts, base, skip_prefill=True))
+                plain_ms, _ = timed_iterations(engine, engine.start(prompts, base, fill_cache=_as_allocated))
                 for precision in PRECISIONS:
                     # One precision's copies at a time: the plan above counted one.
                     for other in set(engine.model.drafts) - {precision}:
                         del engine.model.drafts[other]
                     options = vegas(precision)
-                    ms, _ = timed_iterations(engine, engine.start(prompts, options, skip_prefill=True))
+                    ms, _ = timed_iterations(engine, engine.start(prompts, options, fill_cache=_as_allocated))
                     record = {**shape, "draft_weights": precision, "gamma": GAMMA, "ms_per_iteration": ms,
                               "plain_ms_per_step": plain_ms, "iteration_over_plain_step": ms / plain_ms}
                     if not args.no_phases:
-                        phases = time_phases(engine, engine.start(prompts, options, skip_prefill=True))
+                        phases = time_phases(engine, engine.start(prompts, options, fill_cache=_as_allocated))
                         record.update(draft_ms_per_step=phases["draft_ms"] / GAMMA, verify_ms=phases["verify_ms"],
                                       select_ms=phases["select_ms"])
                     tau = taus.get(precision)
@@ -189,7 +194,7 @@ def auto_record(engine: Engine, prompts, options: GenerationOptions, fixed: dict
     plain, draft = fixed["plain_ms_per_step"], fixed["draft_ms_per_step"]
     costs = (draft / plain, max(1.0, (fixed["ms_per_iteration"] - GAMMA * draft) / plain))
     auto = dataclasses.replace(options, gamma="auto", gamma_max=GAMMA, draft_cost=costs[0], verify_cost=costs[1])
-    ms, state = timed_iterations(engine, engine.start(prompts, auto, skip_prefill=True))
+    ms, state = timed_iterations(engine, engine.start(prompts, auto, fill_cache=_as_allocated))
     chosen = np.asarray(state.gamma_control.chosen).tolist()
     return {**shape, "draft_weights": options.draft_weights, "gamma": "auto", "ms_per_iteration": ms,
             "plain_ms_per_step": plain, "auto_over_plain_step": ms / plain, "gamma_costs": costs,

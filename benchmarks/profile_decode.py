@@ -3,8 +3,8 @@ and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas ker
 
     python benchmarks/profile_decode.py --batch 64 --prompt-tokens 7936 --methods ar,vegas [--model PATH.gguf]
 
-Without --model the weights are random with SmolLM2-135M's shapes (kernel times do not depend on the weights;
-how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
+Without --model the weights are random with SmolLM2-135M's shapes, or another model's (--shapes llama-3.1-8b;
+kernel times do not depend on the weights; how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
 iteration (the sum of kernel durations) against wall time per iteration (the gap is launch and host overhead),
 the same split by enclosing command buffer (the draft steps' inner loop is one CUDA graph, the rest of the
 iteration another), and the kernels taking the most time. Prints a table; writes JSON to --out (and $OUT if set).
@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
-from benchmarks.random_model import random_smollm2_engine  # noqa: E402
+from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
@@ -116,7 +116,8 @@ def profile_method(engine: Engine, prompts, options: GenerationOptions, warmup: 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF/HF/Orbax path; default: random SmolLM2-shaped weights")
+    p.add_argument("--model", default=None, help="GGUF/HF/Orbax path; default: random weights of --shapes")
+    p.add_argument("--shapes", default="smollm2-135m", choices=sorted(SHAPES), help="without --model")
     p.add_argument("--methods", default="ar,vegas")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=7936)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         engine = Engine(load_model(args.model, jnp.bfloat16))
         prompts = long_prompts(engine.tokenizer, args.batch, args.prompt_tokens, stdlib_corpus())
     else:
-        engine = random_smollm2_engine()
+        engine = random_engine(SHAPES[args.shapes])
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, engine.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     max_new = (args.warmup + args.iterations + 1) * (args.gamma + 1) + 1
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
             hlo_dir.mkdir(parents=True, exist_ok=True)
         results[method] = profile_method(engine, prompts, options, args.warmup, args.iterations, args.top, hlo_path)
 
-    doc = run_metadata(weights=args.model or "random (SmolLM2-135M shapes)", attention_backend=default_backend(),
+    doc = run_metadata(weights=args.model or f"random ({args.shapes} shapes)", attention_backend=default_backend(),
                        xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
                        prompt_tokens=args.prompt_tokens, gamma=args.gamma, methods=results)
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",

@@ -9,10 +9,14 @@ from pathlib import Path
 QUESTION = "\n\nQuestion: explain what the code above does, function by function."
 
 
-def stdlib_corpus() -> str:
+def stdlib_files() -> list[Path]:
+    """The standard library's top-level modules of more than 4000 bytes, by name."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)
-    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    return sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)
+
+
+def stdlib_corpus() -> str:
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files())
 
 
 def long_prompts(tokenizer, batch: int, prompt_tokens: int, corpus: str | None = None) -> list[list[int]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from vegas_jax import convert, generate
+from vegas_jax import convert, generate, score, scoring
 from vegas_jax.engine import Engine, GenerationOptions, InputError
 from vegas_jax.loading import load_model
 
@@ -60,7 +60,7 @@ def vegas_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("vegas") / "out.json"
     rc, out, err = run_main([*BASE, *VEGAS, "--prompt", PROMPT, "--compare-ar", "--output-json", str(path)])
     assert rc == 0, err
-    return json.loads(path.read_text()), out
+    return json.loads(path.read_text()), out, err
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------
@@ -112,6 +112,11 @@ BAD_INPUT = {
     "min-sparse-tokens-0": (["--prompt", PROMPT, "--min-sparse-tokens", "0"], ["--min-sparse-tokens"]),
     "method-bogus": (["--prompt", PROMPT, "--method", "bogus"], ["--method", "bogus"]),
     "score-mode-bogus": (["--prompt", PROMPT, "--score-mode", "bogus"], ["--score-mode", "bogus"]),
+    "quest-page-not-dividing-128": (["--prompt", PROMPT, "--method", "quest", "--quest-page", "24"],
+                                    ["--quest-page", "24", "divide 128"]),
+    "stream-sinks-0": (["--prompt", PROMPT, "--method", "streaming", "--stream-sinks", "0"], ["--stream-sinks"]),
+    "retrieval-every-with-vegas": (["--prompt", PROMPT, *VEGAS, "--retrieval-every", "2"],
+                                   ["--retrieval-every 2", "--method retrieval only", "'vegas'"]),
     "prompt-plus-new-tokens-over-max-model-len": (["--prompt", PROMPT, "--max-new-tokens", "120"],
                                                   ["--max-new-tokens", "--max-model-len"]),
     "max-new-tokens-not-a-number": (["--prompt", PROMPT, "--max-new-tokens", "12x"], ["--max-new-tokens", "12x"]),
@@ -140,6 +145,30 @@ BAD_INPUT = {
                              "0.5"], ["--verify-cost"]),
     "output-json-under-a-file": (lambda tmp: ["--prompt", PROMPT, "--output-json", str(_a_file(tmp) / "out.json")],
                                  ["--output-json", "out.json"]),
+    "repetition-penalty-0": (["--prompt", PROMPT, "--repetition-penalty", "0"], ["--repetition-penalty", "> 0"]),
+    "repetition-penalty-negative": (["--prompt", PROMPT, "--repetition-penalty", "-1.2"], ["--repetition-penalty"]),
+    "presence-penalty-3": (["--prompt", PROMPT, "--presence-penalty", "3"], ["--presence-penalty", "[-2, 2]"]),
+    "frequency-penalty-below-2": (["--prompt", PROMPT, "--frequency-penalty", "-2.5"], ["--frequency-penalty"]),
+    "min-p-1.5": (["--prompt", PROMPT, "--temperature", "1", "--min-p", "1.5"], ["--min-p", "[0, 1]"]),
+    "min-p-with-greedy": (["--prompt", PROMPT, "--min-p", "0.1"], ["--min-p", "--temperature 0"]),
+    "logprobs-beyond-the-vocabulary": (["--prompt", PROMPT, "--logprobs", "289"], ["--logprobs 289", "288 tokens"]),
+    "logprobs-negative": (["--prompt", PROMPT, "--logprobs", "-1"], ["--logprobs"]),
+    "stop-token-id-beyond-the-vocabulary": (["--prompt", PROMPT, "--stop-token-id", "288"],
+                                            ["--stop-token-id", "288", "vocabulary"]),
+    "stop-empty": (["--prompt", PROMPT, "--stop", ""], ["--stop", "empty"]),
+    "include-stop-without-stop": (["--prompt", PROMPT, "--include-stop"], ["--include-stop", "--stop"]),
+    "messages-not-json": (lambda tmp: ["--messages", str(_a_file(tmp, "[{'role': 'user'}]"))],
+                          ["--messages", "plain-file", "not JSON", "line 1"]),
+    "messages-not-a-list": (lambda tmp: ["--messages", str(_a_file(tmp, '{"role": "user", "content": "hi"}'))],
+                            ["--messages", "plain-file", "list of"]),
+    "messages-without-content": (lambda tmp: ["--messages", str(_a_file(tmp, '[{"role": "user"}]'))],
+                                 ["--messages", "plain-file", "message 0", "'content'"]),
+    "messages-missing-file": (lambda tmp: ["--messages", str(tmp / "absent.json")], ["--messages", "absent.json"]),
+    "system-without-the-chat-template": (["--prompt", PROMPT, "--system", "Be brief.", "--no-chat-template"],
+                                         ["--no-chat-template", "--system"]),
+    "system-and-a-system-message": (lambda tmp: ["--system", "Be brief.", "--messages", str(_a_file(
+        tmp, '[{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]'))],
+        ["--system", "plain-file", "system message of its own"]),
 }
 
 
@@ -185,7 +214,7 @@ def test_stream_refuses_a_step_count_below_one():
 
 
 def test_output_json_has_config_requests_and_metrics(vegas_run, reference):
-    out, _ = vegas_run
+    out, *_ = vegas_run
     engine, ref = reference
     config = out["config"]
     assert (config["model"], config["dtype"], config["method"]) == (str(FIXTURE), "float32", "vegas")
@@ -207,8 +236,18 @@ def test_output_json_has_config_requests_and_metrics(vegas_run, reference):
     assert len(m["acceptance_by_position"]) == 3
 
 
+def test_a_slowdown_is_explained_in_one_line(vegas_run):
+    """A speedup below 1 (on this CPU it is: a tiny model, 40 tokens of context) comes with one line saying why."""
+    out, _, err = vegas_run
+    why = [line for line in err.splitlines() if line.startswith("why slower:")]
+    assert len(why) == (out["speedup_vs_ar"] < 1)
+    if why:
+        assert f"{out['metrics']['tau']:.2f} plain steps" in why[0] and "3 draft passes" in why[0]
+    assert generate.slowdown_reason("gpu", 1.5, 6, 1, 4096).startswith("why slower: at 1 sequence(s) of up to 4096")
+
+
 def test_compare_ar_reports_identity_and_speedup(vegas_run, reference):
-    out, _ = vegas_run
+    out, *_ = vegas_run
     _, ref = reference
     assert [r["tokens"] for r in out["ar"]["requests"]] == [ref.tokens]
     assert out["identical_to_ar"] == [True]
@@ -261,13 +300,89 @@ def test_no_chat_template_changes_prompt_tokens(capsys, tmp_path, vegas_run, ref
 
 
 def test_stream_prints_the_same_text(capsys, vegas_run):
-    out, stdout = vegas_run
+    out, stdout, _ = vegas_run
     text = out["requests"][0]["text"]
     header = f"--- request 0 ({out['requests'][0]['prompt_tokens']} prompt tokens, {MAX_NEW} generated) ---"
     assert stdout == f"{header}\n{text}\n"
     assert generate.main([*BASE, *VEGAS, "--prompt", PROMPT, "--stream"]) == 0
     streamed, _ = capsys.readouterr()
     assert streamed == f"{text}\n"
+
+
+def _stop_across_a_boundary(engine, tokens: list[int]) -> tuple[str, list[int]]:
+    """A 3-character stop string across a token boundary of this output, where it first occurs; and the tokens
+    through the one that completes it."""
+    text = engine.tokenizer.decode(tokens)
+    for k in range(4, len(tokens) - 2):
+        head = engine.tokenizer.decode(tokens[: k + 1])
+        stop = text[len(head) - 1 : len(head) + 2]
+        if text.startswith(head) and len(stop) == 3 and "\ufffd" not in stop and text.find(stop) == len(head) - 1:
+            end = next(j for j in range(k + 1, len(tokens)) if stop in engine.tokenizer.decode(tokens[: j + 1]))
+            return stop, tokens[: end + 1]
+    raise AssertionError("no stop string across a token boundary")
+
+
+def test_stream_with_a_stop_string_and_a_conversation(capsys, tmp_path, reference):
+    """--system and --messages render a conversation as the library renders its message list; --stream shows the
+    text as generated but never past the stop string, which spans two tokens, and ends where the result's text
+    (cut before the stop string) ends."""
+    engine, _ = reference
+    conversation = [{"role": "user", "content": "Say something."}]
+    (tmp_path / "chat.json").write_text(json.dumps(conversation))
+    messages = [{"role": "system", "content": "Be brief."}, *conversation]
+    unstopped = engine.generate([messages], GenerationOptions(max_new_tokens=MAX_NEW, max_model_len=128))
+    stop, tokens = _stop_across_a_boundary(engine, unstopped.requests[0].tokens)
+    out, stdout, _ = run_json(capsys, tmp_path, [*BASE, "--system", "Be brief.", "--messages",
+                                                 str(tmp_path / "chat.json"), "--stop", stop, "--stream"])
+    (request,) = out["requests"]
+    text = engine.tokenizer.decode(tokens)
+    assert request["tokens"] == tokens and request["text"] == text[: text.find(stop)]
+    assert stdout == request["text"] + "\n"
+    assert out["config"]["system"] == "Be brief." and out["config"]["stop"] == [stop]
+
+
+def test_stream_with_logprobs_prints_json_lines(capsys, tmp_path, reference):
+    engine, ref = reference
+    out, stdout, _ = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--logprobs", "2", "--stream"])
+    (request,) = out["requests"]
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert request["tokens"] == ref.tokens
+    assert [(d["token"], d["logprob"], d["top_logprobs"]) for d in lines[:-1]] == [
+        (e["token"], e["logprob"], e["top"]) for e in request["logprobs"]]
+    assert lines[-1] == {"request": 0, "text": ref.text, "status": "ok"}
+    assert all(len(e["top"]) == 2 and e["top"][0][1] >= e["logprob"] for e in request["logprobs"])
+
+
+def test_score_cli_writes_what_the_library_scores(capsys, tmp_path, reference):
+    engine, ref = reference
+    pairs = [("The quick brown", " fox jumps"), (engine.encode_prompts([PROMPT])[0], ref.tokens)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": p, "continuation": c}) + "\n"
+                                                   for p, c in pairs))
+    rc = score.main(["--model", str(FIXTURE), "--dtype", "float32", "--pairs", str(tmp_path / "pairs.jsonl"),
+                     "--output-json", str(tmp_path / "scores.json")])
+    stdout, _ = capsys.readouterr()
+    assert rc == 0
+    written = json.loads((tmp_path / "scores.json").read_text())
+    scored = engine.score([p for p, _ in pairs], [c for _, c in pairs])
+    assert [p["tokens"] for p in written["pairs"]] == [s.tokens for s in scored]
+    assert [p["sum_logprob"] for p in written["pairs"]] == pytest.approx([s.sum_logprob for s in scored], abs=1e-4)
+    assert written["pairs"][1]["greedy"]  # plain greedy decoding's own tokens are each the argmax
+    assert written["perplexity"] == pytest.approx(scoring.perplexity(scored), rel=1e-5)
+    assert stdout.splitlines()[-1].startswith(f"perplexity {written['perplexity']:.4f} over ")
+
+
+@pytest.mark.parametrize("lines,needles", [
+    (['{"prompt": "a", "continuation": "b"}', "{oops"], ["--pairs", "line 2", "not JSON"]),
+    (['{"prompt": "a"}'], ["--pairs", "line 1", '"continuation"']),
+    (['{"prompt": "a", "continuation": "   "}'], ["--pairs", "continuation 0", "empty"]),
+    ([], ["--pairs", "no pairs"]),
+])
+def test_score_cli_bad_pairs_are_one_line(capsys, tmp_path, lines, needles):
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines))
+    rc = score.main(["--model", str(FIXTURE), "--dtype", "float32", "--pairs", str(tmp_path / "pairs.jsonl")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert all(needle in err for needle in needles), err
 
 
 # ---- vegas_jax.convert, then generate from the Orbax copy ----------------------------------------------------

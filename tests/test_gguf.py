@@ -58,6 +58,40 @@ def test_logits_match_transformers(smollm2, case):
     assert list(np.argsort(-logits[-1])[:5]) == case["top_ids"][:5]
 
 
+def test_score_matches_transformers(smollm2):
+    """Engine.score on SmolLM2 against the fixture's logits, which hold the top 20 of the last position and the first
+    64 ids at every position, not a whole row: the differences of scored log-probabilities equal the differences of
+    those logits (the log-softmax's normaliser cancels), only the top token is greedy, and their probabilities sum to
+    at most 1. One batch of 12 pairs."""
+    from vegas_jax.engine import Engine
+
+    pairs = [(case["ids"], [t]) for case in LOGIT_CASES for t in case["top_ids"][:3]]
+    head = LOGIT_CASES[0]["ids"][:3]
+    pairs += [(head, [t]) for t in (10, 20, 30)]
+    scored = Engine(smollm2).score([p for p, _ in pairs], [c for _, c in pairs], batch_size=len(pairs))
+    for n, case in enumerate(LOGIT_CASES):
+        got = np.array([s.logprobs[0] for s in scored[3 * n : 3 * n + 3]])
+        np.testing.assert_allclose(got - got[0], np.array(case["top_values"][:3]) - case["top_values"][0], atol=2e-3)
+        assert [s.greedy for s in scored[3 * n : 3 * n + 3]] == [True, False, False]
+        assert np.exp(got).sum() <= 1 and got[0] < 0
+    slice_ = np.array(LOGIT_CASES[0]["slice"][2])
+    got = np.array([s.logprobs[0] for s in scored[9:]])
+    np.testing.assert_allclose(got - got[0], slice_[[10, 20, 30]] - slice_[10], atol=2e-3)
+
+
+def test_stop_strings_read_smollm2_text_as_its_tokens_bytes(smollm2):
+    """Stop strings are matched on the bytes of the emitted tokens: for SmolLM2's vocabulary (checked token by token
+    inside token_bytes) the decoded text of any sequence is the UTF-8 decoding of its tokens' bytes joined."""
+    from vegas_jax import stops
+
+    pieces = stops.token_bytes(smollm2.tokenizer)
+    assert len(pieces) == smollm2.config.vocab_size and pieces[smollm2.tokenizer.eos_ids[0]] == b""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        ids = rng.integers(0, len(pieces), rng.integers(1, 30)).tolist()
+        assert smollm2.tokenizer.decode(ids) == b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+
 # One compiled step per input shape, shared by every test (the model is the same).
 _forward = jax.jit(forward, static_argnames="config")
 CACHE_ROWS = 128  # fixed, so the one-token step compiles once for all prompts

@@ -15,7 +15,8 @@ import pytest
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax.engine import InputError
 from vegas_jax.generate import main
-from vegas_jax.memory import device_bytes
+from vegas_jax.memory import device_bytes, estimate
+from vegas_jax.sharding import Placement
 
 
 def test_plan_counts_parameters_and_cache():
@@ -30,6 +31,26 @@ def test_plan_counts_parameters_and_cache():
     assert parts["kv_cache"] == 2 * c.num_layers * 3 * 384 * c.num_kv_heads * c.head_dim * 4
     assert parts["total"] >= parts["params"] + parts["kv_cache"]
     assert plan["mesh"] == {"data": 1, "model": 1} and not engine._compiled  # planning compiles nothing
+
+
+def test_plan_counts_the_generation_controls():
+    """Penalties keep each request's token counts (int32) and prompt tokens (bool) per vocabulary entry, logprobs a
+    value and K alternatives (id and value) per output slot; their step buffers are a penalised and a log-softmax
+    copy of the verification logits."""
+    engine = tiny_engine()
+    c = engine.config
+    batch = prompts([45, 12, 80], c.vocab_size)
+    plain = engine.plan(batch, dataclasses.replace(GREEDY, method="vegas"))["bytes_per_device"]
+    controls = dataclasses.replace(GREEDY, method="vegas", repetition_penalty=1.2, logprobs=5)
+    more = engine.plan(batch, controls)["bytes_per_device"]
+    width = 256  # max_new_tokens 128 rounded up to the output bucket
+    assert more["decode_state"] - plain["decode_state"] == 3 * (c.vocab_size * (4 + 1) + width * 4 * (1 + 2 * 5))
+    # With kernels (no prefill score arrays) and one-token prefill chunks the verification step is the largest.
+    step = {flag: estimate(c, engine.model.params, Placement("interpret"), batch=3, capacity=384, gamma=5, k_max=8,
+                           policy="vegas", output_width=width, sampling=False, prefill_chunk=1, refill=None,
+                           penalties=flag, logprobs=5 if flag else None)["largest_step_buffers"]
+            for flag in (False, True)}
+    assert step[True] - step[False] == 2 * 3 * 6 * c.vocab_size * 4
 
 
 def test_a_run_that_cannot_fit_is_refused_before_allocating():
@@ -79,3 +100,21 @@ def _unquantized_shapes(fixture: Path):
     d, layers = config["hidden_size"], config["num_hidden_layers"]
     embed = (config["vocab_size"], d)
     return [(d,)] * (2 * layers + 1) + ([embed] if not config.get("tie_word_embeddings") else [])
+
+
+def test_the_policy_knobs_reach_the_policy_and_its_memory():
+    """Quest's page bounds take 2 x layers x rows x capacity / page x KV heads x head dim values: halving the page
+    doubles them. The policy the loop compiles carries the knobs (`Engine._plan`)."""
+    engine = tiny_engine()
+    c = engine.config
+    batch = prompts([45, 12, 80], c.vocab_size)
+    state = {}
+    for page in (16, 8):
+        options = dataclasses.replace(GREEDY, method="quest", quest_page=page)
+        state[page] = engine.plan(batch, options)["bytes_per_device"]["decode_state"]
+        assert engine._plan(batch, options)[0].policy.page == page
+    assert state[8] - state[16] == 2 * c.num_layers * 3 * (384 // 16) * c.num_kv_heads * c.head_dim * 4
+    options = dataclasses.replace(GREEDY, method="retrieval", retrieval_chunk=16, retrieval_every=2)
+    policy = engine._plan(batch, options)[0].policy
+    assert (policy.chunk, policy.every) == (16, 2)
+    assert engine._plan(batch, dataclasses.replace(GREEDY, method="streaming", stream_sinks=4))[0].policy.sinks == 4

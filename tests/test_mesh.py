@@ -66,6 +66,7 @@ def _run_to_end(engine, batch, options) -> dict:
     host = started.config.placement.fetch({
         "output": state.output, "n": state.num_generated, "accepted": state.metrics.accepted,
         "drafted": state.metrics.drafted, "indices": state.selection.indices, "counts": state.selection.counts,
+        **({} if state.logprobs is None else {"logprobs": state.logprobs.chosen, "top_ids": state.logprobs.top_ids}),
         "chosen": None if state.gamma_control is None else state.gamma_control.chosen,
     })
     n = len(batch)
@@ -73,6 +74,8 @@ def _run_to_end(engine, batch, options) -> dict:
                 for layer in range(host["indices"].shape[0])]
     return {
         "tokens": [host["output"][b, : host["n"][b]].tolist() for b in range(n)],
+        "logprobs": [host["logprobs"][b, : host["n"][b]] if "logprobs" in host else [] for b in range(n)],
+        "top_ids": [host["top_ids"][b, : host["n"][b]].tolist() if "top_ids" in host else [] for b in range(n)],
         "accepted": host["accepted"][:n].tolist(),
         "drafted": host["drafted"][:n].tolist(),
         "selected": selected,
@@ -84,6 +87,7 @@ def _run_to_end(engine, batch, options) -> dict:
 
 def scenario_tiny() -> dict:
     import jax
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     from tests.test_lossless_tiny import GREEDY, prompts
@@ -97,11 +101,13 @@ def scenario_tiny() -> dict:
     engines = {name: Engine(loaded.on_mesh(make_mesh({"data": d, "model": m}))) for name, (d, m) in meshes.items()}
     out = {"runs": []}
     # Greedy Vegas on every mesh; each other case on one mesh with a model axis (compilations dominate the time).
-    # Sampled Vegas with int4 drafts and adaptive γ (fixed costs: one g per iteration for the whole batch).
-    quantized_auto = dict(draft_weights="int4", gamma="auto", draft_cost=0.3, verify_cost=1.1)
+    # Sampled Vegas with every penalty (their token counts split over data), min-p, logprobs and a stop id, drafting
+    # from int4 weights with adaptive γ (fixed costs: one g per iteration for the whole batch).
+    controls = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05, logprobs=2,
+                    stop_token_ids=(7,), draft_weights="int4", gamma="auto", draft_cost=0.3, verify_cost=1.1)
     cases = [("vegas", 0.0, list(meshes), {}), ("ar", 0.0, ["data=4,model=2"], {}),
              ("streaming", 0.0, ["data=2,model=4"], {}), ("quest", 0.0, ["data=4,model=2"], {}),
-             ("vegas", 0.8, ["data=2,model=4"], quantized_auto)]
+             ("vegas", 0.8, ["data=2,model=4"], controls)]
     for method, temperature, names, extra in cases:
         options = dataclasses.replace(GREEDY, method=method, temperature=temperature, max_new_tokens=40, **extra)
         reference = _run_to_end(one, batch, options)
@@ -109,8 +115,9 @@ def scenario_tiny() -> dict:
             engine = engines[name]
             got = _run_to_end(engine, batch, options)
             out["runs"].append({
-                "method": method, "temperature": temperature, "mesh": name, "extra": extra,
-                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected", "chosen")},
+                "method": method, "temperature": temperature, "mesh": name, "controls": bool(extra),
+                **{k: got[k] == reference[k] for k in ("tokens", "accepted", "drafted", "selected", "top_ids", "chosen")},
+                "logprobs": all(np.allclose(a, b, atol=1e-5) for a, b in zip(got["logprobs"], reference["logprobs"])),
                 "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
                 "chosen_histogram": reference["chosen"],
             })
@@ -130,6 +137,14 @@ def scenario_tiny() -> dict:
     one_cache = one.plan(batch, plan_options)["bytes_per_device"]["kv_cache"]
     out["kv_cache_per_device_ratio"] = (engines["data=2,model=4"].plan(batch, plan_options)["bytes_per_device"]
                                         ["kv_cache"] / one_cache)
+    # Scoring: batches split over data, heads over model; the same log-probabilities as one device.
+    continuations = prompts([9, 17, 4, 12, 20], loaded.config.vocab_size, seed=6)
+    one_scored = one.score(batch, continuations, batch_size=4, prefill_chunk=32)
+    mesh_scored = engines["data=2,model=4"].score(batch, continuations, batch_size=4, prefill_chunk=32)
+    out["score_identical"] = [bool(np.allclose(a.logprobs, b.logprobs, atol=1e-5)) and a.greedy == b.greedy
+                              for a, b in zip(one_scored, mesh_scored)]
+    import jax.numpy as jnp
+
     # The int4 drafts made on one device and moved to the mesh with the model (LoadedModel.on_mesh) are the ones
     # made on the mesh, array for array and shard for shard.
     mesh_made = engines["data=2,model=4"].model.drafts["int4"]
@@ -215,15 +230,16 @@ def tiny():
 
 def test_every_mesh_decodes_as_one_device(tiny):
     """Greedy Vegas on (data=8), (data=4, model=2) and (data=2, model=4); plain decoding and Quest on (data=4,
-    model=2); streaming, and sampled Vegas with int4 drafts and adaptive γ, on (data=2, model=4); 5 requests (padded
-    to the data axis): same tokens, same drafts accepted at every position, same final selections per layer and
-    request, and (adaptive γ) the same number of drafts chosen at every iteration as one device."""
-    assert len(tiny["runs"]) == 7
+    model=2); streaming, and sampled Vegas with penalties, min-p, logprobs and a stop id, drafting from int4 weights
+    with adaptive γ, on (data=2, model=4); 5 requests (padded to the data axis): same tokens, same drafts accepted at
+    every position, same final selections per layer and request, same logprobs and (adaptive γ) the same number of
+    drafts chosen at every iteration as one device."""
+    assert len(tiny["runs"]) == 7 and sum(run["controls"] for run in tiny["runs"]) == 1
     for run in tiny["runs"]:
-        assert run["tokens"] and run["accepted"] and run["drafted"] and run["selected"] and run["chosen"], run
+        assert all(run[k] for k in ("tokens", "accepted", "drafted", "selected", "logprobs", "top_ids", "chosen")), run
     # The comparison has teeth: drafts were accepted (and so selections mattered) in the speculative runs.
     assert all(run["drafts_accepted"] > 0 for run in tiny["runs"] if run["method"] != "ar")
-    (auto,) = [run for run in tiny["runs"] if run["extra"]]
+    (auto,) = [run for run in tiny["runs"] if run["controls"]]
     chosen = auto["chosen_histogram"]
     assert chosen[0] and sum(chosen[1:]), chosen  # adaptive γ ran plain steps and speculative ones
     assert tiny["draft_weights_move_to_a_mesh"]
@@ -241,6 +257,10 @@ def test_checkpoints_restore_onto_a_mesh(tiny):
     shard for shard, what the HF loader places there from the same model's safetensors; written from that mesh,
     the checkpoint loads on one device as the model loaded there directly."""
     assert tiny["orbax_on_mesh_equals_hf_on_mesh"] and tiny["orbax_from_mesh_equals_one_device"]
+
+
+def test_scoring_on_a_mesh_equals_one_device(tiny):
+    assert tiny["score_identical"] == [True] * 5
 
 
 def test_the_memory_plan_counts_one_shard(tiny):

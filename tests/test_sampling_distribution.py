@@ -6,6 +6,10 @@ compiled loop, and compares the counts of the five-token outputs with the exact 
 full-attention logits of every continuation (`models.decoder.forward` with dense attention: no cache reuse, no
 chunked prefill, no verification attention), by Pearson's chi-square test.
 
+With penalties (repetition, presence, frequency) and min-p, each position's distribution depends on the tokens
+before it, drafts included: the exact joint penalises every continuation's rows by its own history, and a loop that
+penalises verification rows without the drafts before them fails the test.
+
 Deliberately wrong acceptance rules and key use must fail the same test at the same sample size, which shows what
 it can see. The Pallas kernels in interpret mode take about 0.2 s per request and iteration at these batch sizes on
 a CPU, so the kernel path is tied to the tested jnp path instead: the same seeds draw the same tokens."""
@@ -25,7 +29,7 @@ from models.config import ModelConfig
 from models.decoder import forward, init_params
 from models.kv_cache import KVCache
 from tests.test_lossless_tiny import IdsTokenizer, prompts
-from vegas_jax import loop, sampling
+from vegas_jax import loop, penalties, sampling
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
@@ -40,6 +44,10 @@ SETTINGS = {
     "t0.7-k4-p0.8": dict(temperature=0.7, top_k=VOCAB, top_p=0.8),
     "t1.4-k2-p0.995": dict(temperature=1.4, top_k=2, top_p=0.995),
 }
+# History-dependent: strong penalties (on a vocabulary of 4, every token is in the prompt) and a min-p that cuts.
+PENALISED = {"t1.0-k3-p0.9-penalties-minp0.2": dict(temperature=1.0, top_k=3, top_p=0.9, min_p=0.2,
+                                                    repetition_penalty=1.3, presence_penalty=0.7,
+                                                    frequency_penalty=0.9)}
 # Per method, a budget that selects something real from the 70-token prompt: Vegas 2 tokens; streaming 16 sinks
 # and an 8-token window; Quest one of four complete 16-token pages; retrieval one of two 32-token chunks.
 BUDGET_FLOOR = {"ar": 1, "vegas": 2, "streaming": 24, "quest": 16, "retrieval": 32}
@@ -49,14 +57,29 @@ P_VALUE_OK, P_VALUE_CAUGHT = 1e-3, 1e-6
 def options(method: str, setting: str) -> GenerationOptions:
     return GenerationOptions(
         method=method, max_new_tokens=NEW, gamma=GAMMA, sparse_ratio=0.02, min_sparse_tokens=BUDGET_FLOOR[method],
-        prefill_chunk=80, max_model_len=PROMPT_LENGTH + NEW, **SETTINGS[setting],
+        prefill_chunk=80, max_model_len=PROMPT_LENGTH + NEW, **(SETTINGS | PENALISED)[setting],
     )
 
 
-def processed_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
+def penalised_rows(logits: np.ndarray, prompt: list[int], repetition_penalty: float, presence_penalty: float,
+                   frequency_penalty: float) -> np.ndarray:
+    """Row i of continuation c ([V^4, 5, V]) penalised by its own history, in float64: transformers' repetition
+    penalty over the prompt and c[:i], then presence and frequency over c[:i] (vLLM's order)."""
+    continuations = np.array(list(itertools.product(range(VOCAB), repeat=NEW - 1)))
+    one_hot = np.eye(VOCAB)[continuations]  # [V^4, 4, V]
+    counts = np.concatenate([np.zeros_like(one_hot[:, :1]), np.cumsum(one_hot, axis=1)], axis=1)  # before row i
+    seen = np.isin(np.arange(VOCAB), prompt)[None, None, :] | (counts > 0)
+    z = logits.astype(np.float64)
+    z = np.where(seen, np.where(z < 0, z * repetition_penalty, z / repetition_penalty), z)
+    return z - frequency_penalty * counts - presence_penalty * (counts > 0)
+
+
+def processed_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                    min_p: float = 0.0) -> tuple[np.ndarray, float]:
     """Temperature, then top-k, then top-p (the smallest prefix of the sorted distribution whose mass reaches
-    top_p), in float64, rows [..., V]. Also the smallest distance of any row from a filter's threshold: a
-    reference whose kept set a float32 rounding could change would prove nothing."""
+    top_p), then min-p (at least min_p times the most likely token's probability), in float64, rows [..., V]. Also
+    the smallest distance of any row from a filter's threshold: a reference whose kept set a float32 rounding could
+    change would prove nothing."""
     z = logits.astype(np.float64) / temperature
     ordered = -np.sort(-z, axis=-1)
     kth = ordered[..., top_k - 1 : top_k]
@@ -72,6 +95,12 @@ def processed_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     keep = np.zeros(p.shape, bool)
     np.put_along_axis(keep, order, mass_before < top_p, -1)
     p = np.where(keep, p, 0.0)
+    p /= p.sum(-1, keepdims=True)
+    if min_p > 0:
+        with np.errstate(divide="ignore"):
+            distance = np.abs(np.log(p) - np.log(min_p * p.max(-1, keepdims=True)))
+        margin = min(margin, float(np.min(distance[p > 0])))
+        p = np.where(p < min_p * p.max(-1, keepdims=True), 0.0, p)
     return p / p.sum(-1, keepdims=True), margin
 
 
@@ -105,14 +134,20 @@ def model():
 
 @pytest.fixture(scope="module")
 def exact(model):
-    return exact_joints(model[2])
+    return exact_joints(model[2], model[1])
 
 
-def exact_joints(logits: np.ndarray) -> dict[str, np.ndarray]:
+PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def exact_joints(logits: np.ndarray, prompt: list[int]) -> dict[str, np.ndarray]:
     """Per setting, P(t1, ..., t5) as an array [V] * 5."""
     joints = {}
-    for name, setting in SETTINGS.items():
-        probs, margin = processed_probs(logits, **setting)
+    for name, setting in (SETTINGS | PENALISED).items():
+        rows = logits
+        if name in PENALISED:
+            rows = penalised_rows(logits, prompt, **{k: setting[k] for k in PENALTY_KEYS})
+        probs, margin = processed_probs(rows, **{k: v for k, v in setting.items() if k not in PENALTY_KEYS})
         assert margin > 1e-4, f"{name}: a row lies {margin:.2e} from a top-k / top-p threshold"
         if setting["top_p"] > 0.99:
             assert np.all((probs > 0).sum(-1) == setting["top_k"]), "top-p was meant to cut nothing here"
@@ -240,6 +275,31 @@ def test_kernel_path_draws_the_same_tokens(model, runs, monkeypatch):
     assert [r.metrics for r in kernel.requests] == [r.metrics for r in reference.requests[:200]]
     by_position = kernel.metrics["acceptance_by_position"]
     assert all(0.05 < a < 0.95 for a in by_position), by_position  # drafts accepted and rejected everywhere
+
+
+def test_sampling_with_penalties_and_min_p_is_exact(runs, exact):
+    """Vegas with every history-dependent penalty and min-p: each verification row and draft step penalised with
+    the tokens before it, drafts included, and min-p cutting tokens, against the exact joint."""
+    (setting,) = PENALISED
+    counts, outcomes, _ = runs("vegas", setting, 10_000)
+    assert_speculation_exercised(outcomes)
+    assert (exact[setting] == 0).sum() > (exact["t1.0-k3-p0.9"] == 0).sum()  # min-p removed continuations
+    p_value = chi_square_p_value(counts, exact[setting])
+    assert p_value > P_VALUE_OK, f"p = {p_value:.2e}"
+
+
+def test_penalties_that_ignore_the_drafts_are_caught(model, exact, monkeypatch):
+    """Rows penalised with the emitted tokens' counts only (the drafts before each row left out, in the draft steps
+    and in verification): the distribution after an accepted draft is wrong, and the test sees it."""
+    engine, prompt, _ = model
+    right = penalties.apply
+    monkeypatch.setattr(penalties, "apply", lambda logits, history, params, drafts, preceding: right(
+        logits, history, params, drafts[:, :0], preceding))
+    (setting,) = PENALISED
+    counts, outcomes, _ = sample(Engine(engine.model), prompt, options("vegas", setting), 5_000)
+    assert_speculation_exercised(outcomes)
+    p_value = chi_square_p_value(counts, exact[setting])
+    assert p_value < P_VALUE_CAUGHT, f"p = {p_value:.2e}"
 
 
 # ---- wrong rules must be caught -----------------------------------------------------------------------------------

@@ -211,24 +211,26 @@ def test_scored_tokens_select_the_top_scores_of_each_layer(name):
 # ---- streaming ---------------------------------------------------------------------------------------------------
 
 
-def test_streaming_keeps_16_sinks_and_the_most_recent_window():
-    """Of a budget of k tokens, the first min(16, k) positions and the k - sinks newest ones; everything when the
-    budget covers the sequence. Sinks are the index list, the window is the recent range."""
+@pytest.mark.parametrize("sinks", [16, 4, 1000])
+def test_streaming_keeps_its_sinks_and_the_most_recent_window(sinks):
+    """Of a budget of k tokens, the first min(sinks, k) positions (16 by default) and the k - sinks newest ones;
+    everything when the budget covers the sequence. Sinks are the index list, the window is the recent range."""
     committed = np.array([3, 16, 30, 41, 100, 230])
     budget = Budget.for_length(0.2, 24, CAPACITY - GAMMA - 1)
-    policy = make_policy("streaming", budget, GAMMA)
+    policy = make_policy("streaming", budget, GAMMA, **({} if sinks == 16 else {"sinks": sinks}))
     k, v = random_cache(np.random.default_rng(0), len(committed))
     ctx = context((None,) * LAYERS, committed, committed, np.zeros_like(committed), as_cache(k, v))
     selection, _ = policy.select(ctx, policy.empty_selection(LAYERS, len(committed)), ())
     for b, length in enumerate(committed):
         k_b = budget_tokens(budget, length, length)
-        sinks = min(16, k_b)
-        want = set(range(sinks)) | set(range(length - (k_b - sinks), length))
+        kept = min(sinks, k_b)
+        want = set(range(kept)) | set(range(length - (k_b - kept), length))
         recent = set(range(int(selection.recent_start[b]), length))
         for layer in range(LAYERS):
             assert selected(selection, layer, b) | recent == want, (length, k_b)
             assert max(selected(selection, layer, b), default=-1) < selection.recent_start[b]
-    assert [len(set(range(min(16, budget_tokens(budget, c, c))))) for c in committed] == [3, 16, 16, 16, 16, 16]
+    # The cases include budgets below the sinks and, but for sinks past any budget (all sinks), above them.
+    assert budget_tokens(budget, 3, 3) < sinks and (sinks > budget.k_max or sinks < budget_tokens(budget, 230, 230))
 
 
 # ---- Quest -------------------------------------------------------------------------------------------------------
@@ -236,31 +238,34 @@ def test_streaming_keeps_16_sinks_and_the_most_recent_window():
 QUEST_GAMMA, PAGE = 20, 16
 
 
-def assert_quest_state(selection, state, keys: list[np.ndarray], committed: np.ndarray):
-    """The state holds, for every complete page (16 rows entirely inside the verified KV), the element-wise min and
-    max of its keys; the trailing partial page and everything newer are the recent range."""
-    complete = committed // PAGE
+def assert_quest_state(selection, state, keys: list[np.ndarray], committed: np.ndarray, page: int = PAGE):
+    """The state holds, for every complete page (`page` rows entirely inside the verified KV), the element-wise min
+    and max of its keys; the trailing partial page and everything newer are the recent range."""
+    complete = committed // page
     np.testing.assert_array_equal(state.complete_pages, complete)
-    np.testing.assert_array_equal(selection.recent_start, complete * PAGE)
+    np.testing.assert_array_equal(selection.recent_start, complete * page)
     for layer in range(LAYERS):
         for b, pages in enumerate(complete):
-            rows = keys[layer][b, : pages * PAGE].reshape(pages, PAGE, KV_HEADS, HEAD_DIM).astype(np.float32)
+            rows = keys[layer][b, : pages * page].reshape(pages, page, KV_HEADS, HEAD_DIM).astype(np.float32)
             np.testing.assert_array_equal(np.asarray(state.page_min[layer, b, :pages]), rows.min(1))
             np.testing.assert_array_equal(np.asarray(state.page_max[layer, b, :pages]), rows.max(1))
 
 
-def test_quest_page_bounds_after_prefill_and_each_iteration():
+@pytest.mark.parametrize("page", [PAGE, 8])
+def test_quest_page_bounds_after_prefill_and_each_iteration(page):
     """After the bootstrap selection and after iterations that commit 1 to γ + 1 tokens (completing up to two pages
-    at once, and near the end of the cache), with the verified rows rewritten as the loop rewrites them: rows past
-    the committed length hold draft K/V when a page is first seen, so a page must be rebuilt once complete."""
+    of 16 at once, three of 8, and near the end of the cache), with the verified rows rewritten as the loop rewrites
+    them: rows past the committed length hold draft K/V when a page is first seen, so a page must be rebuilt once
+    complete."""
     rng = np.random.default_rng(3)
     committed = np.array([15, 40, 200])
-    policy = make_policy("quest", Budget.for_length(0.3, 32, CAPACITY - QUEST_GAMMA - 1), QUEST_GAMMA)
+    knobs = {} if page == PAGE else {"page": page}
+    policy = make_policy("quest", Budget.for_length(0.3, 32, CAPACITY - QUEST_GAMMA - 1), QUEST_GAMMA, **knobs)
     keys, values = random_cache(rng, len(committed))
     state = policy.init_state(CONFIG, len(committed), CAPACITY, jnp.float32)
     ctx = context((None,) * LAYERS, committed, committed, np.zeros_like(committed), as_cache(keys, values), first=True)
     selection, state = policy.select(ctx, policy.empty_selection(LAYERS, len(committed)), state)
-    assert_quest_state(selection, state, keys, committed)
+    assert_quest_state(selection, state, keys, committed, page)
     for growth in ([21, 1, 2], [17, 21, 5], [1, 16, 21], [2, 2, 19]):
         for b, g in enumerate(growth):
             for layer in range(LAYERS):  # verification writes the accepted tokens' K/V over the drafts'
@@ -269,8 +274,8 @@ def test_quest_page_bounds_after_prefill_and_each_iteration():
         accepted = np.asarray(growth) - 1
         ctx = context((None,) * LAYERS, committed, committed - accepted, accepted, as_cache(keys, values))
         selection, state = policy.select(ctx, selection, state)
-        assert_quest_state(selection, state, keys, committed)
-    assert committed[2] // PAGE == CAPACITY // PAGE - 1  # the last update reached the cache's last pages
+        assert_quest_state(selection, state, keys, committed, page)
+    assert committed[2] // page >= CAPACITY // page - 2  # the last update reached the cache's last pages
 
 
 def test_quest_draft_attends_the_top_pages_by_their_bound():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -305,3 +306,34 @@ def test_llama_bpe_splits_and_merges_as_llama3(tmp_path, llama3_vocab):
     gpt2 = _gguf_tokenizer(tmp_path, llama3_vocab, "default")
     differ = [text for text in LLAMA3_PIECES if gpt2.encode(text) != tok.encode(text)]
     assert differ == ["I'M here", "(hello)", "x=1000000;"]
+
+
+# ---- the GGUF `smollm` pre-tokenizer: digits isolated before GPT-2's split -------------------------------------
+# llama.cpp's `smollm` pre-type, like SmolLM2's own tokenizer.json, splits every digit off before GPT-2's regex.
+# transformers' GGUF conversion applies GPT-2's regex alone, and the two differ where spaces run into a digit:
+# GPT-2's `\s+(?!\S)` leaves the last space to join the digit (" 1"), digit isolation keeps the whole run. The
+# expected ids come from the rule written out here (its regex restricted to ASCII, which these strings are) and
+# the vocabulary's BPE applied to each piece alone (`backend.model`, no pre-tokenizer).
+
+_GPT2_SPLIT = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
+SPACES_BEFORE_DIGITS = ["x  1", "x   1", "   7", "total:   42 items", "  12", "a\n  3", "version  3.12   and 2"]
+
+
+def _pieces(text: str, isolate_digits: bool) -> list[str]:
+    chunks = [c for c in re.split(r"([0-9])", text) if c] if isolate_digits else [text]
+    return [piece for chunk in chunks for piece in _GPT2_SPLIT.findall(chunk)]
+
+
+def _ids_by_rule(tok: Tokenizer, text: str, isolate_digits: bool) -> list[int]:
+    return [t.id for piece in _pieces(text, isolate_digits) for t in tok.backend.model.tokenize(_byte_level(piece.encode()))]
+
+
+def test_digits_are_isolated_before_gpt2_split_as_smollm_does(tok):
+    assert _pieces("x   1", isolate_digits=True) == ["x", "   ", "1"]
+    assert _pieces("x   1", isolate_digits=False) == ["x", "  ", " 1"]
+    for text in SPACES_BEFORE_DIGITS:
+        assert text.isascii()
+        assert tok.encode(text) == _ids_by_rule(tok, text, isolate_digits=True), text
+        # GPT-2's split alone (transformers' GGUF conversion) gives other ids: the check sees the rule.
+        assert tok.encode(text) != _ids_by_rule(tok, text, isolate_digits=False), text
+        assert tok.decode(tok.encode(text)) == text

@@ -5,8 +5,9 @@
     result = engine.generate(["Why is the sky blue?"], vegas_jax.GenerationOptions(method="vegas"))
     print(result.requests[0].text, result.metrics["tau"])
 
-GenerationOptions' fields are the CLI's flags. (`vegas_jax.generate` is the CLI module, so the library entry
-points are `load` and the Engine's `generate` / `stream`.)
+GenerationOptions' fields are the CLI's flags (stops, penalties, min-p and logprobs among them). (`vegas_jax.generate`
+and `vegas_jax.score` are the CLI modules, so the library entry points are `load` and the Engine's `generate` /
+`stream` / `serve` / `score`.)
 """
 
 from __future__ import annotations

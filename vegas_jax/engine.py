@@ -24,12 +24,13 @@ from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
 from models.quantized import PRECISIONS
-from vegas_jax import adaptive_gamma, inputs, loop, memory, sampling
+from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, stops
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.logprobs import TokenLogprob, host_list
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
 from vegas_jax.sharding import Placement, check_model_fits, on_all_shards, round_up_to_shards
@@ -54,6 +55,10 @@ INT32_MAX = 2**31 - 1
 # Drafts per iteration: beyond a few dozen every verification pass mostly checks tokens that are rejected anyway,
 # and the draft probabilities ([batch, γ, vocabulary] float32 when sampling) grow with γ.
 MAX_GAMMA = 64
+# GenerationOptions' policy knobs: the method each belongs to, and its name as a field of that selection policy.
+METHOD_KNOBS = {"stream_sinks": "streaming", "quest_page": "quest", "retrieval_chunk": "retrieval",
+                "retrieval_every": "retrieval"}
+POLICY_FIELDS = {"stream_sinks": "sinks", "quest_page": "page", "retrieval_chunk": "chunk", "retrieval_every": "every"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +73,28 @@ class GenerationOptions:
     sparse_ratio: float = 0.07
     min_sparse_tokens: int = 256
     score_mode: str = "logit"
+    # The baselines' own knobs, each for its method only (so that they can be tuned as Vegas's γ and ratio are):
+    # MagicDec-Stream's sink tokens (the rest of the budget is the recent window), Quest's page and retrieval's
+    # chunk (tokens), and how many iterations retrieval keeps its chunks before ranking them afresh.
+    stream_sinks: int = 16
+    quest_page: int = 16
+    retrieval_chunk: int = 32
+    retrieval_every: int = 4
     max_model_len: int | None = None
     prefill_chunk: int = 2048
+    # Where generation ends (vegas_jax.stops): stop strings (the text ends before the first, or after it with
+    # include_stop) and token ids that end a request as EOS does.
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop: bool = False
+    # History-dependent penalties (vegas_jax.penalties: repetition as transformers', presence and frequency as
+    # OpenAI's and vLLM's) and min-p (vegas_jax.sampling).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    # Each generated token's log-probability and this many most likely alternatives (vegas_jax.logprobs).
+    logprobs: int | None = None
     draft_weights: str = "bf16"  # bf16 (the model's own weights), int8 or int4 (models.draft_weights)
     gamma_max: int | None = None  # with gamma "auto": the most drafts of an iteration (default 8)
     # With gamma "auto", the cost model in plain steps: one draft step, and the fixed part of a speculative
@@ -112,6 +137,18 @@ class GenerationOptions:
             (self.max_model_len is None or self.max_model_len >= 2, "{max_model_len} must be >= 2, got {}",
              self.max_model_len),
             (self.prefill_chunk >= 1, "{prefill_chunk} must be >= 1, got {}", self.prefill_chunk),
+            (0 < self.repetition_penalty < math.inf,
+             "{repetition_penalty} must be a finite number > 0 (1 is off; < 1 favours repetition), got {}",
+             self.repetition_penalty),
+            (-2 <= self.presence_penalty <= 2, "{presence_penalty} must be in [-2, 2], got {}", self.presence_penalty),
+            (-2 <= self.frequency_penalty <= 2, "{frequency_penalty} must be in [-2, 2], got {}",
+             self.frequency_penalty),
+            (0 <= self.min_p <= 1, "{min_p} must be in [0, 1], got {}", self.min_p),
+            (self.temperature > 0 or self.min_p == 0,
+             "{min_p} {} has no effect with {temperature} 0 (greedy); give a temperature to sample", self.min_p),
+            (self.logprobs is None or self.logprobs >= 0,
+             "{logprobs} must be >= 0 (the number of alternatives shown), got {}", self.logprobs),
+            (bool(self.stop) or not self.include_stop, "{include_stop} has no effect without {stop}"),
             (self.draft_weights in PRECISIONS, "{draft_weights} must be one of {}, got {!r}", ", ".join(PRECISIONS),
              self.draft_weights),
             (self.draft_weights == "bf16" or (self.method != "ar" and self.gamma != 0),
@@ -132,10 +169,34 @@ class GenerationOptions:
             (self.verify_cost is None or 1 <= self.verify_cost < math.inf,
              "{verify_cost} must be a finite number >= 1 (plain steps per speculative iteration's fixed part), got {}",
              self.verify_cost),
+            (self.stream_sinks >= 1, "{stream_sinks} must be >= 1, got {}", self.stream_sinks),
+            # Pages and chunks tile the cache, whose capacity is a multiple of CAPACITY_ALIGN.
+            (self.quest_page >= 1 and CAPACITY_ALIGN % self.quest_page == 0,
+             "{quest_page} must divide " + str(CAPACITY_ALIGN) + ", got {}", self.quest_page),
+            (self.retrieval_chunk >= 1 and CAPACITY_ALIGN % self.retrieval_chunk == 0,
+             "{retrieval_chunk} must divide " + str(CAPACITY_ALIGN) + ", got {}", self.retrieval_chunk),
+            (self.retrieval_every >= 1, "{retrieval_every} must be >= 1, got {}", self.retrieval_every),
+        ] + [
+            # A knob of another method would be ignored: refused, as top_k is when greedy.
+            (self.method == method or getattr(self, knob) == getattr(GenerationOptions, knob),
+             "{" + knob + "} {} applies to {method} " + method + " only, not {!r}", getattr(self, knob), self.method)
+            for knob, method in METHOD_KNOBS.items()
         ]
         for ok, template, *values in checks:
             if not ok:
                 raise InputError(template, *values)
+        for i, text in enumerate(self.stop):
+            if not text:
+                raise InputError("{stop}: stop string {} is empty", i)
+            if "\ufffd" in text:
+                raise InputError("{stop}: stop string {} contains U+FFFD, which decoding writes for invalid bytes", i)
+        stop_bytes = sum(len(s.encode("utf-8")) for s in self.stop)
+        if stop_bytes > stops.MAX_STOP_BYTES:
+            raise InputError("{stop}: {} bytes of stop strings in all, more than " + str(stops.MAX_STOP_BYTES),
+                             stop_bytes)
+        for token in self.stop_token_ids:
+            if token < 0:
+                raise InputError("{stop_token_ids}: {} is no token id", token)
 
     @property
     def auto_gamma(self) -> bool:
@@ -159,17 +220,33 @@ class GenerationOptions:
     def given_costs(self) -> tuple[float, float] | None:
         return None if self.draft_cost is None else (self.draft_cost, self.verify_cost)
 
+    @property
+    def policy_knobs(self) -> dict[str, int]:
+        """The method's own knobs, by the selection policy's field names (`selection.make_policy`)."""
+        return {POLICY_FIELDS[knob]: getattr(self, knob) for knob, method in METHOD_KNOBS.items()
+                if method == self.method}
+
 
 @dataclasses.dataclass
 class RequestResult:
     prompt_tokens: int
-    tokens: list[int]
-    text: str
+    tokens: list[int]  # up to and including the token that completed a stop (string or id)
+    text: str  # the tokens' text, cut at a stop string (GenerationOptions.stop, include_stop)
     metrics: dict
     # "ok"; "failed": its logits became non-finite, it stopped there alone (tokens: those emitted before);
     # "interrupted": decoding was stopped (`stop`) before it finished (tokens so far; none if still queued).
     status: str
     reason: str | None  # why it failed or stopped; None when ok
+    logprobs: list[TokenLogprob] | None = None  # one per token, with GenerationOptions.logprobs
+
+
+class StreamedTokens(list):
+    """One request's new token ids in a chunk of `Engine.stream`; with GenerationOptions.logprobs, `logprobs` has
+    their TokenLogprobs (else None)."""
+
+    def __init__(self, tokens, logprobs: list[TokenLogprob] | None = None):
+        super().__init__(tokens)
+        self.logprobs = logprobs
 
 
 @dataclasses.dataclass
@@ -267,6 +344,7 @@ class Engine:
         self.config = model.config
         self.tokenizer = model.tokenizer
         self._compiled: dict = {}
+        self._stop_tables: dict = {}
         self._gamma_costs: dict = {}  # adaptive γ: measured costs per (loop configuration, batch rows, capacity)
 
     @property
@@ -275,27 +353,43 @@ class Engine:
         return Placement(default_backend(), self.model.mesh)
 
     # ---- prompts -------------------------------------------------------------------------------------------
-    def encode_prompts(self, prompts: Sequence[str | Sequence[int]], chat_template: bool | None = None) -> list[list[int]]:
+    def encode_prompts(self, prompts, chat_template: bool | None = None) -> list[list[int]]:
         """The token ids of a batch of prompts (`inputs.prompt_batch`: a bare string is one prompt). Strings are
-        tokenized (through the chat template when the model has one, unless told otherwise); token ids are checked
-        and taken as they are."""
+        tokenized (through the chat template as one user message when the model has one, unless told otherwise);
+        conversations (lists of {"role", "content"} messages) are rendered through the chat template; token ids
+        are checked and taken as they are."""
         batch = inputs.prompt_batch(prompts, self.config.vocab_size)
         if chat_template is not None:
             chat_template = inputs.boolean(chat_template, "chat_template")
-        use_template = self.tokenizer.chat_template is not None if chat_template is None else chat_template
-        if use_template and self.tokenizer.chat_template is None:
+        has_template = self.tokenizer.chat_template is not None
+        use_template = has_template if chat_template is None else chat_template
+        if use_template and not has_template:
             raise InputError("{chat_template}: the model has no chat template")
         encoded = []
         for i, prompt in enumerate(batch):
-            if isinstance(prompt, str):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                if not use_template:
+                    why = "the model has no chat template" if not has_template else "not with chat_template False"
+                    raise InputError("{prompts}: prompt {} is a conversation, which the chat template renders: {}",
+                                     i, why)
+                prompt = self._encode_chat(prompt, i)
+            elif isinstance(prompt, str):
                 if use_template:
-                    prompt = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                    prompt = self._encode_chat([{"role": "user", "content": prompt}], i)
                 else:
                     prompt = self.tokenizer.encode(prompt)
-                if not prompt:
-                    raise InputError("{prompts}: prompt {} has no tokens", i)
+            if not prompt:
+                raise InputError("{prompts}: prompt {} has no tokens", i)
             encoded.append(prompt)
         return encoded
+
+    def _encode_chat(self, messages: list[dict], index: int) -> list[int]:
+        import jinja2
+
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except jinja2.TemplateError as e:  # templates refuse what they cannot render (roles out of turn, say)
+            raise InputError("{prompts}: prompt {}: the chat template refused it: {}", index, e) from None
 
     # ---- planning ------------------------------------------------------------------------------------------
     def check_input(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None,
@@ -315,14 +409,17 @@ class Engine:
     def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None) -> tuple[loop.DecodeConfig, int, dict]:
         """(loop configuration, cache capacity, `plan`'s summary) once the run is known to fit its devices."""
         config, capacity = self._plan(prompt_ids, options)
+        stop_table = self._stop_table(options)
         batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
         p = self.placement
         precision = config.draft_weights
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
                                    draft=self._draft_shapes(precision),
                                    gamma=config.gamma, k_max=config.policy.budget.k_max if config.policy else 0,
-                                   policy=options.method, output_width=config.max_new_tokens,
-                                   sampling=not config.sampling.greedy,
+                                   policy=options.method, quest_page=options.quest_page,
+                                   output_width=config.max_new_tokens,
+                                   sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
+                                   logprobs=config.logprobs, stop_table=stop_table.shape,
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
                                                                      options, p),
                                    refill=None if slots is None else self._batch_rows(check_serving(slots, refill)))
@@ -337,6 +434,7 @@ class Engine:
             "gamma": options.gamma if options.auto_gamma else config.gamma,
             "gamma_max": config.gamma if options.auto_gamma else None,
             "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
+            "stop_table_states": stop_table.shape[0],
             "draft_weights": precision,
             "draft_weights_source": self._draft_source(precision),
             "bytes_per_device": estimate,
@@ -396,10 +494,10 @@ class Engine:
         policy = None
         if gamma:
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
-            policy = make_policy(options.method, budget, gamma, placement)
+            policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
-                                 draft_weights=options.draft_weights if gamma else "bf16",
+                                 options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
                                  adaptive_gamma=options.auto_gamma)
 
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
@@ -408,8 +506,15 @@ class Engine:
         if options.seed + len(ids) - 1 > INT32_MAX:
             raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                              options.seed, len(ids))
+        vocab = self.config.vocab_size
+        for token in options.stop_token_ids:
+            if token >= vocab:
+                raise InputError("{stop_token_ids}: {} is outside the vocabulary [0, {})", token, vocab)
+        if options.logprobs is not None and options.logprobs > vocab:
+            raise InputError("{logprobs} {}: more alternatives than the vocabulary's {} tokens", options.logprobs,
+                             vocab)
         max_model_len = self._max_model_len([len(p) for p in ids], options)
-        mode = sampling.SamplingParams.create(1, options.temperature, options.top_k, options.top_p).mode()
+        mode = self._sampling_params(1, options).mode()
         config = self._decode_config(options, mode, max_model_len)
         check_model_fits(self.config, config.placement)
         # The kernels run on each shard's heads: the verification kernel's limit is per KV head's query heads,
@@ -420,6 +525,21 @@ class Engine:
             raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
                              "model's heads (γ + 1 <= {})", gamma, most, most)
         return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
+
+    @staticmethod
+    def _sampling_params(batch: int, options: GenerationOptions) -> sampling.SamplingParams:
+        return sampling.SamplingParams.create(batch, *_sampling_values(options))
+
+    def _stop_table(self, options: GenerationOptions) -> np.ndarray:
+        """vegas_jax.stops.table for these options and the tokenizer's EOS ids (kept: building one for stop strings
+        walks every token's bytes)."""
+        key = (tuple(self.tokenizer.eos_ids), options.stop_token_ids, options.stop)
+        if key not in self._stop_tables:
+            strings = options.stop
+            pieces = stops.token_bytes(self.tokenizer) if strings else None
+            self._stop_tables[key] = stops.table(self.config.vocab_size, (*self.tokenizer.eos_ids,
+                                                                          *options.stop_token_ids), strings, pieces)
+        return self._stop_tables[key]
 
     def _batch_rows(self, requests: int) -> int:
         """Rows a batch of this many requests takes: a multiple of the mesh's data axis (padding never generates)."""
@@ -459,13 +579,14 @@ class Engine:
         `rows`) are padding that never generates."""
         batch = len(ids) if rows is None else rows
         padded = list(ids) + [ids[-1]] * (batch - len(ids))
+        in_prompt = penalties.prompt_mask(padded, self.config.vocab_size) if config.sampling.penalties else None
         host = (
             np.asarray([len(p) for p in padded], np.int32),
             np.asarray([p[-1] for p in padded], np.int32),
             np.where(np.arange(batch) < len(ids), options.max_new_tokens, 0).astype(np.int32),
             (np.arange(batch) + first_request + options.seed).astype(np.int32),
-            np.asarray(list(self.tokenizer.eos_ids) or [-1], np.int32),
-            np.float32(options.temperature), np.int32(options.top_k), np.float32(options.top_p), np.bool_(finished),
+            self._stop_table(options), in_prompt,
+            tuple(np.float32(v) for v in _sampling_values(options)), np.bool_(finished),
         )
         create = functools.partial(_new_state, config=config, capacity=capacity,
                                    dtype=self.model.params["embed"].dtype)
@@ -475,19 +596,19 @@ class Engine:
         return self._compiled[key](*host)
 
     def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
-                 skip=False):
+                 fill_cache=None):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s. skip: no chunks (`start`'s skip_prefill)."""
+        prefill_s. With `fill_cache` (`start`'s), that function makes the cache instead of prefill."""
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
         chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
-        spans = [] if skip else prefill_spans(max(lens) - 1, chunk)
+        spans = [] if fill_cache else prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids if spans else ()):
+        for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache)
             tokens[i, : len(p) - 1] = p[:-1]
         state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
@@ -505,7 +626,7 @@ class Engine:
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        cache = state.cache
+        cache = fill_cache(state.cache) if fill_cache else state.cache
         for step, (start, size) in enumerate(spans):
             positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
             chunk_tokens = placement.put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES)
@@ -531,19 +652,21 @@ class Engine:
         return decode
 
     def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None,
-              skip_prefill: bool = False) -> Started:
+              fill_cache: Callable[[KVCache], KVCache] | None = None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
-        not finite already is done there (`DecodeState.nonfinite`). skip_prefill (timing only, never for text):
-        the cache keeps the zeros it was created with, as if prefill had written them, so a long context costs no
-        prefill; what is decoded then means nothing."""
+        not finite already is done there (`DecodeState.nonfinite`).
+
+        `fill_cache`, for timing at shapes too large to prefill often (an 8B model at 128K): a function from the
+        allocated, zeroed cache to the cache to decode from, run instead of prefill. Its rows stand for the
+        prompts' keys and values, so the tokens that follow mean nothing; only their cost does."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
         config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
         timings = {}
         draft_params = self._draft_params(config.draft_weights)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
-                              progress=progress, skip=skip_prefill)
+                              progress=progress, fill_cache=fill_cache)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = self._with_control(config, state, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
@@ -563,9 +686,10 @@ class Engine:
         progress: Callable[[str, int, int], None] | None = None,
         seconds_per_call: float | None = None,
         stop: Callable[[], bool] | None = None,
-    ) -> Iterator[list[list[int]] | GenerationResult]:
+    ) -> Iterator[list[StreamedTokens] | GenerationResult]:
         """Yields the bootstrap step's token of each request, then, after every `steps_per_call` loop iterations,
-        the new tokens of each request; last, the GenerationResult. `steps_per_call=None` runs the whole decode in
+        the new tokens of each request (a StreamedTokens each: a list of ids, with their logprobs when the options
+        ask for them); last, the GenerationResult. `steps_per_call=None` runs the whole decode in
         one device call. With `seconds_per_call`, the iterations per call adapt so that each call lasts about that
         long (`_Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
         True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
@@ -575,11 +699,12 @@ class Engine:
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
         draft_params = started.draft_params
-        batch, rows = len(started.prompt_ids), state.committed.shape[0]
+        batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
         capacity = state.cache.capacity
         tuner = self._gamma_tuner(config, options, rows, capacity)
-        first, seen = self._fetch(config, (state.output[:, :1], state.num_generated))
-        yield [list(first[i]) if int(seen[i]) else [] for i in range(batch)]
+        host = self._fetch(config, self._token_rows(state, config))
+        seen = host["num_generated"]
+        yield [self._tokens(host, i, 0, int(seen[i]), k) for i in range(batch)]
 
         t0 = time.perf_counter()
         num_generated, done, step = seen, *self._fetch(config, (state.done, state.step))
@@ -592,16 +717,16 @@ class Engine:
             pacer.update(int(step) - before, elapsed)
             self._tuned(config, options, rows, capacity, tuner, int(step) - before, elapsed)
             if pacer.steps is not None:
-                output = self._fetch(config, state.output)
-                yield [list(output[i, seen[i] : num_generated[i]]) for i in range(batch)]
+                host = self._fetch(config, self._token_rows(state, config))
+                yield [self._tokens(host, i, int(seen[i]), int(num_generated[i]), k) for i in range(batch)]
                 if progress:
                     progress("decode", int(num_generated[:batch].sum()), batch * options.max_new_tokens)
             seen = num_generated
         jax.block_until_ready(state.output)
         timings["decode_s"] = time.perf_counter() - t0
-        host = {k: v[:batch] for k, v in self._host_rows(config, state).items()}
+        host = {key: v[:batch] for key, v in self._host_rows(config, state).items()}
         if pacer.steps is None:
-            yield [list(host["output"][i, 1 : num_generated[i]]) for i in range(batch)]
+            yield [self._tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
         yield self._result(options, started.prompt_ids, host, timings, config.placement,
                            self._gamma_report(config, state, tuner))
 
@@ -735,17 +860,44 @@ class Engine:
         )
         return result
 
+    def score(self, prompts, continuations, *, batch_size: int = 8, prefill_chunk: int = 2048,
+              progress: Callable[[str, int, int], None] | None = None) -> list[scoring.Scored]:
+        """Each continuation's tokens' log-probabilities after its prompt, their sum and whether each was the most
+        likely token (vegas_jax.scoring): pairs of strings or token-id sequences, `batch_size` pairs per pass, in
+        chunks of at most `prefill_chunk` tokens. `scoring.perplexity(result)` is the perplexity over all of them."""
+        scored, _ = scoring.score(self, prompts, continuations, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                                  progress=progress)
+        return scored
+
     def _host_rows(self, config: loop.DecodeConfig, state) -> dict[str, np.ndarray]:
         """Host copies of a state's per-request results (one gather for all of them)."""
         return self._fetch(config, {
-            "output": state.output,
-            "num_generated": state.num_generated,
+            **self._token_rows(state, config),
             "done": state.done,
             "nonfinite": state.nonfinite,
             "iterations": state.metrics.iterations,
             "drafted": state.metrics.drafted,
             "accepted": state.metrics.accepted,
         })
+
+    @staticmethod
+    def _token_rows(state, config: loop.DecodeConfig) -> dict:
+        """The state's arrays that a request's tokens are read from (device arrays; fetch them)."""
+        rows = {"output": state.output, "num_generated": state.num_generated}
+        if config.logprobs is not None:
+            lp = state.logprobs
+            rows.update(logprob=lp.chosen, top_ids=lp.top_ids, top_values=lp.top_values)
+        return rows
+
+    @staticmethod
+    def _tokens(rows: dict, i: int, start: int, end: int, k: int | None) -> StreamedTokens:
+        """Request i's tokens [start, end) from host rows (`_token_rows`), with their logprobs when asked for."""
+        tokens = rows["output"][i, start:end].tolist()
+        if k is None:
+            return StreamedTokens(tokens)
+        window = slice(start, end)
+        return StreamedTokens(tokens, host_list(rows["logprob"][i, window], rows["top_ids"][i, window],
+                                                rows["top_values"][i, window], tokens, k))
 
     @staticmethod
     def _status(rows: dict, i: int) -> tuple[str, str | None]:
@@ -803,21 +955,22 @@ class Engine:
 
     def _result(self, options, ids, rows: dict, timings, placement: Placement,
                 gamma_report: dict | None = None) -> GenerationResult:
-        output, num_generated, gamma = rows["output"], rows["num_generated"], options.effective_gamma
+        num_generated, gamma = rows["num_generated"], options.effective_gamma
         # The loop's counts have at least one column (loop.init_state): keep those of real draft positions.
         iterations, drafted, accepted = rows["iterations"], rows["drafted"][:, :gamma], rows["accepted"][:, :gamma]
         requests = []
         for i, prompt in enumerate(ids):
-            tokens = output[i, : num_generated[i]].tolist()
+            tokens = self._tokens(rows, i, 0, int(num_generated[i]), options.logprobs)
             status, reason = self._status(rows, i)
             requests.append(
                 RequestResult(
                     prompt_tokens=len(prompt),
-                    tokens=tokens,
-                    text=self.tokenizer.decode(tokens),
+                    tokens=list(tokens),
+                    text=stops.cut_text(self.tokenizer.decode(tokens), options.stop, options.include_stop),
                     metrics=request_metrics(len(tokens), iterations[i], drafted[i], accepted[i]),
                     status=status,
                     reason=reason,
+                    logprobs=tokens.logprobs,
                 )
             )
         decode_tokens = int(np.maximum(num_generated - 1, 0).sum())  # the first token comes from prefill
@@ -833,7 +986,13 @@ class Engine:
         return GenerationResult(options, requests, metrics)
 
 
-def _new_state(lengths, last, max_new, seeds, stop_ids, temperature, top_k, top_p, finished, *, config, capacity,
+def _sampling_values(options: GenerationOptions) -> tuple:
+    """sampling.SamplingParams.create's values after the batch size, from the options."""
+    return (options.temperature, options.top_k, options.top_p, options.min_p, options.repetition_penalty,
+            options.presence_penalty, options.frequency_penalty)
+
+
+def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, sampling_values, finished, *, config, capacity,
                dtype) -> loop.DecodeState:
     """The decode state of a batch before prefill (Engine._initial_state), from host arrays."""
     batch = lengths.shape[0]
@@ -841,7 +1000,8 @@ def _new_state(lengths, last, max_new, seeds, stop_ids, temperature, top_k, top_
         config,
         KVCache.create(config.model, batch, capacity, dtype),
         lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
-        sampling.SamplingParams.create(batch, temperature, top_k, top_p),
-        stop_ids,
+        sampling.SamplingParams.create(batch, *sampling_values),
+        stop_table,
+        None if in_prompt is None else penalties.History.of_prompts(in_prompt),
     )
     return dataclasses.replace(state, done=jnp.full_like(state.done, finished))

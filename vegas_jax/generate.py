@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from vegas_jax import inputs, stops
 from vegas_jax.engine import (
     METHODS,
     Engine,
@@ -67,12 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="file whose text is one prompt; repeatable")
+    p.add_argument("--messages", action="append", default=[], type=Path,
+                   help='JSON file of a conversation, a list of {"role", "content"} objects rendered through the '
+                        "chat template: one request each; repeatable")
+    p.add_argument("--system", default=None,
+                   help="system message for every request (each --prompt becomes the user message after it)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (default: when the model has one)")
     p.add_argument("--max-new-tokens", type=token_count, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 means off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 means off")
+    p.add_argument("--min-p", type=float, default=GenerationOptions.min_p,
+                   help="keep tokens at least this times as likely as the most likely one (0 means off)")
+    p.add_argument("--repetition-penalty", type=float, default=GenerationOptions.repetition_penalty,
+                   help="transformers': logits of prompt and output tokens divided (if > 0) or multiplied by it; 1 off")
+    p.add_argument("--presence-penalty", type=float, default=GenerationOptions.presence_penalty,
+                   help="OpenAI's / vLLM's: subtracted from the logits of tokens in the output so far; in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=GenerationOptions.frequency_penalty,
+                   help="OpenAI's / vLLM's: times a token's count in the output so far, subtracted; in [-2, 2]")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string: the output ends before it (found across tokens); repeatable")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=[],
+                   help="token id that ends a request as EOS does; repeatable")
+    p.add_argument("--include-stop", action="store_true", help="keep the stop string at the end of the text")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="report each generated token's log-probability and its K most likely alternatives")
     p.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     p.add_argument("--max-model-len", type=token_count, default=None,
                    help="KV cache length (default: prompt + max-new-tokens rounded up to 1024, capped at the model's)")
@@ -94,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft KV budget as a fraction of the current length")
     p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
     p.add_argument("--score-mode", default=GenerationOptions.score_mode, help="logit | weight")
+    p.add_argument("--stream-sinks", type=int, default=GenerationOptions.stream_sinks,
+                   help="--method streaming: sink tokens of the budget (the rest is the recent window)")
+    p.add_argument("--quest-page", type=int, default=GenerationOptions.quest_page,
+                   help="--method quest: tokens per page (divides 128)")
+    p.add_argument("--retrieval-chunk", type=int, default=GenerationOptions.retrieval_chunk,
+                   help="--method retrieval: tokens per chunk (divides 128)")
+    p.add_argument("--retrieval-every", type=int, default=GenerationOptions.retrieval_every,
+                   help="--method retrieval: iterations between rankings of the chunks")
     p.add_argument("--prefill-chunk", type=token_count, default=GenerationOptions.prefill_chunk)
     p.add_argument("--slots", type=int, default=None,
                    help="continuous batching: at most this many requests decode together, the others queue and are "
@@ -148,9 +177,12 @@ def _mesh(args):
     return make_mesh(parse_mesh(args.mesh))
 
 
+_FLAGS = {"prompts": "--prompt", "stop_token_ids": "--stop-token-id"}
+
+
 def _flag(name: str) -> str:
     """The flag for a library argument that an InputError names (every option is a flag of the same name)."""
-    return "--prompt" if name == "prompts" else "--" + name.replace("_", "-")
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 class _Interrupt:
@@ -195,8 +227,22 @@ class _Progress:
         self.bars.clear()
 
 
-def _read_prompts(args) -> list[str]:
-    """The --prompts, then the --prompt-files' texts; an empty one is named by its flag (and file)."""
+def _read_messages(path: Path) -> list[dict]:
+    """A --messages file: a JSON list of {"role", "content"} objects; what is wrong with it, named with the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError("--messages {}: {}", path, e.strerror) from None
+    except UnicodeDecodeError:
+        raise InputError("--messages {}: not UTF-8 text", path) from None
+    except json.JSONDecodeError as e:
+        raise InputError("--messages {}: not JSON ({} at line {}, column {})", path, e.msg, e.lineno, e.colno) from None
+    return inputs.messages(value, "--messages {}", path)
+
+
+def _read_prompts(args) -> list[str | list[dict]]:
+    """The --prompts, then the --prompt-files' texts, then the --messages conversations (with --system, every
+    request is a conversation that starts with it); an empty one is named by its flag (and file)."""
     prompts = list(args.prompt)
     for i, prompt in enumerate(prompts):
         if not prompt.strip():
@@ -208,9 +254,20 @@ def _read_prompts(args) -> list[str]:
             raise InputError("--prompt-file {}: {}", path, e.strerror if isinstance(e, OSError) else "not UTF-8 text")
         if not prompts[-1].strip():
             raise InputError("--prompt-file {}: the file is empty (whitespace only)", path)
-    if not prompts:
-        raise InputError("--prompt: give at least one --prompt or --prompt-file")
-    return prompts
+    conversations = [_read_messages(path) for path in args.messages]
+    if not prompts and not conversations:
+        raise InputError("--prompt: give at least one --prompt, --prompt-file or --messages")
+    if (args.system is not None or conversations) and args.chat_template is False:
+        raise InputError("--no-chat-template: --system and --messages are rendered through the chat template")
+    if args.system is None:
+        return prompts + conversations
+    if not args.system.strip():
+        raise InputError("--system: the system message is empty (whitespace only)")
+    for path, conversation in zip(args.messages, conversations):
+        if conversation[0]["role"] == "system":
+            raise InputError("--system: --messages {} has a system message of its own", path)
+    system = {"role": "system", "content": args.system}
+    return [[system, {"role": "user", "content": p}] for p in prompts] + [[system, *c] for c in conversations]
 
 
 def _check_output_path(path: Path) -> None:
@@ -283,8 +340,8 @@ def _run(engine: Engine, prompts, options, args, progress, interrupt, *, stream:
 
 def _stream(engine: Engine, prompts, options, args, progress, interrupt, *, stream: bool) -> GenerationResult:
     result = None
-    batch = len(prompts)
-    decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)] if stream else None
+    if stream:
+        printer = _LogprobLines() if options.logprobs is not None else _StreamedText(engine, len(prompts), options)
     items = engine.stream(prompts, options, chat_template=args.chat_template, progress=progress, **_pacing(interrupt))
     for item in items:
         # The bootstrap step's tokens come first: prefill is done, and the stream asks `stop` before each call.
@@ -292,16 +349,73 @@ def _stream(engine: Engine, prompts, options, args, progress, interrupt, *, stre
         if isinstance(item, GenerationResult):
             result = item
         elif stream:
-            for i, new in enumerate(item):
-                text = "".join(decoders[i].push(t) for t in new)
-                if text:
-                    sys.stdout.write(text if batch == 1 else f"[{i}] {text!r}\n")
+            printer.chunk(item)
             sys.stdout.flush()
     if stream:
-        tails = [d.flush() for d in decoders]
-        sys.stdout.write("".join(tails) if batch == 1 else "".join(f"[{i}] {t!r}\n" for i, t in enumerate(tails) if t))
-        sys.stdout.write("\n")
+        printer.finish(result)
     return result
+
+
+class _StreamedText:
+    """--stream's text: as generated, but never past where the final text ends. A stop string can begin in one
+    chunk and complete in a later one, so the last (longest stop string - 1) characters wait until they cannot be
+    its beginning; the chunk that completes one shows the text up to it (vegas_jax.stops.cut_text)."""
+
+    def __init__(self, engine: Engine, batch: int, options: GenerationOptions):
+        self.decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)]
+        self.text, self.shown = [""] * batch, [0] * batch
+        self.stops, self.include = options.stop, options.include_stop
+        self.hold = max(map(len, options.stop), default=1) - 1
+
+    def chunk(self, item) -> None:
+        for i, new in enumerate(item):
+            self.text[i] += "".join(self.decoders[i].push(t) for t in new)
+            found = stops.first_stop(self.text[i], self.stops)
+            self._show(i, len(self.text[i]) - self.hold if found is None else found[self.include])
+
+    def finish(self, result: GenerationResult) -> None:
+        for i, request in enumerate(result.requests):
+            self.text[i] = request.text  # what was shown is its beginning: the same decoding, cut at the same stop
+            self._show(i, len(request.text))
+        sys.stdout.write("\n")
+
+    def _show(self, i: int, end: int) -> None:
+        piece = self.text[i][self.shown[i] : end]
+        if piece:
+            self.shown[i] = end
+            sys.stdout.write(piece if len(self.text) == 1 else f"[{i}] {piece!r}\n")
+
+
+class _LogprobLines:
+    """--stream with --logprobs: one JSON line per generated token ({"request", "token", "logprob", "top_logprobs":
+    [[id, logprob], ...]}), then one per request with its final text ({"request", "text", "status"})."""
+
+    def chunk(self, item) -> None:
+        for i, new in enumerate(item):
+            for entry in new.logprobs:
+                print(json.dumps({"request": i, "token": entry.token, "logprob": entry.logprob,
+                                  "top_logprobs": entry.top}))
+
+    def finish(self, result: GenerationResult) -> None:
+        for i, request in enumerate(result.requests):
+            print(json.dumps({"request": i, "text": request.text, "status": request.status}))
+
+
+# A figure from the GPU for the one-line explanation of a slowdown (README, "Where it pays").
+GPU_FIGURE = "1.64-1.82x plain decoding at 7.9K-token prompts x 64 on an H200"
+
+
+def slowdown_reason(platform: str, tau: float | None, gamma: int, batch: int, context: int) -> str:
+    """One line on why speculation measured slower than plain decoding here."""
+    tau_text = "no" if tau is None else f"{tau:.2f}"
+    if platform == "cpu":
+        return (f"why slower: on a CPU a forward pass costs its arithmetic whatever little it reads, so each "
+                f"iteration's {gamma} draft passes and {gamma + 1}-token verification cost more than the {tau_text} plain steps "
+                f"they replace; speculation pays where a step is bound by reading the KV cache (a GPU, long contexts, "
+                f"many sequences: {GPU_FIGURE})")
+    return (f"why slower: at {batch} sequence(s) of up to {context} tokens a step is bound by kernel launches rather "
+            f"than by reading the KV cache, so {gamma} draft passes per iteration cost more than the {tau_text} tokens "
+            f"an iteration yields; Vegas pays at long contexts and many sequences ({GPU_FIGURE})")
 
 
 def _print_result(result: GenerationResult, label: str, show_text: bool) -> None:
@@ -406,6 +520,9 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         load_s = time.perf_counter() - t0
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
+        if (args.system is not None or args.messages) and engine.tokenizer.chat_template is None:
+            raise InputError("{}: the model has no chat template to render them with",
+                             "--system" if args.system is not None else "--messages")
         prompts = engine.encode_prompts(prompts, args.chat_template)
         plan = engine.plan(prompts, options, slots=args.slots, refill=args.refill)
         if args.dry_run:
@@ -413,6 +530,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
             return 0
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
+                    "system": args.system, "messages": [str(p) for p in args.messages],
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
                     "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"]}
         out["config"] = resolved
@@ -446,6 +564,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
             speedup = result.metrics["decode_tokens_per_s"] / ar.metrics["decode_tokens_per_s"]
             out.update({"identical_to_ar": identical, "speedup_vs_ar": speedup})
             print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
+            if speedup < 1:
+                longest = max(len(p) for p in prompts) + options.max_new_tokens
+                print(slowdown_reason(jax.default_backend(), result.metrics["tau"], options.gamma, len(prompts),
+                                      longest), file=sys.stderr)
         if args.output_json:
             _write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:

@@ -1,5 +1,6 @@
-"""What the library receives, normalised and checked in one place before anything compiles: prompts (a string, or
-a 1-D sequence of integer token ids), batches of them, and the typed fields of option dataclasses.
+"""What the library receives, normalised and checked in one place before anything compiles: prompts (a string, a
+1-D sequence of integer token ids, or a conversation: a list of {"role", "content"} messages), batches of them, and
+the typed fields of option dataclasses.
 
 Errors name the argument at fault as the caller wrote it. `InputError` keeps its message as a template whose
 named fields are argument names: `str(error)` names the Python arguments (`max_new_tokens`), and the CLI renders
@@ -79,16 +80,33 @@ def boolean(value: Any, name: str) -> bool:
 _CHECKS = {int: integer, float: real, str: text, bool: boolean}
 
 
+def items(value: Any, name: str, check: Callable[[Any, str], T]) -> tuple[T, ...]:
+    """A tuple of checked values from a list or tuple of them, or from one value alone (`stop="END"`)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(check(v, name) for v in value)
+    return (check(value, name),)
+
+
+def _field_check(hint: Any) -> Callable[[Any, str], Any] | None:
+    """The check for a field annotated int, float, str, bool or a tuple of one of them (`tuple[str, ...]`)."""
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis and args[0] in _CHECKS:
+            return lambda value, name: items(value, name, _CHECKS[args[0]])
+        return None
+    return _CHECKS.get(hint)
+
+
 def plain_fields(obj: Any) -> dict[str, Any]:
-    """Every field of the dataclass `obj` annotated int, float, str or bool (optionally `| None`) checked against
-    its annotation and converted to a plain Python value; InputError names the field. Fields of other types are
-    left to their own checks."""
+    """Every field of the dataclass `obj` annotated int, float, str, bool or a tuple of one of them (optionally
+    `| None`) checked against its annotation and converted to a plain Python value; InputError names the field.
+    Fields of other types are left to their own checks."""
     hints = typing.get_type_hints(type(obj))
     values = {}
     for field in dataclasses.fields(obj):
         value, hint = getattr(obj, field.name), hints[field.name]
         kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        check = _CHECKS.get(kinds[0]) if len(kinds) == 1 or kinds[1:] == (type(None),) else None
+        check = _field_check(kinds[0]) if len(kinds) == 1 or kinds[1:] == (type(None),) else None
         if check is not None and not (value is None and type(None) in kinds):
             values[field.name] = check(value, field.name)
     return values
@@ -109,62 +127,100 @@ def _as_array(value: Any) -> np.ndarray | None:
     return np.asarray(value) if hasattr(value, "__array__") else None
 
 
-def _token_ids(prompt: Any, index: int, vocab_size: int) -> list[int]:
+def _item(name: str) -> str:
+    """The start of a template naming item `{}` of the argument `name` ("{prompts}: prompt {}")."""
+    return _named(name) + ": " + name.removesuffix("s") + " {}"
+
+
+def _token_ids(prompt: Any, index: int, vocab_size: int, name: str) -> list[int]:
     array = _as_array(prompt)
     if array is not None:
         if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise InputError("{prompts}: prompt {} is an array of shape {} and dtype {}; a prompt of token ids is "
+            raise InputError(_item(name) + " is an array of shape {} and dtype {}; a prompt of token ids is "
                              "1-D and of integers", index, array.shape, array.dtype)
         ids = array.tolist()
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
         ids = list(prompt)
         for position, token in enumerate(ids):
             if not _is_integer(token):
-                raise InputError("{prompts}: prompt {} has a token id that is not an integer at position {}: {!r} "
+                raise InputError(_item(name) + " has a token id that is not an integer at position {}: {!r} "
                                  "({})", index, position, token, type(token).__name__)
         ids = [int(t) for t in ids]
     elif isinstance(prompt, bytes):
-        raise InputError("{prompts}: prompt {} is bytes; decode it to a str", index)
+        raise InputError(_item(name) + " is bytes; decode it to a str", index)
     else:
-        raise InputError("{prompts}: prompt {} is a {}; a prompt is a string or a sequence of token ids", index,
+        raise InputError(_item(name) + " is a {}; a prompt is a string, a sequence of token ids or a list of "
+                         "{{\"role\", \"content\"}} messages", index,
                          type(prompt).__name__)
     if not ids:
-        raise InputError("{prompts}: prompt {} has no tokens", index)
+        raise InputError(_item(name) + " has no tokens", index)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InputError("{prompts}: prompt {} has token ids outside the vocabulary [0, {}): {}", index, vocab_size,
+        raise InputError(_item(name) + " has token ids outside the vocabulary [0, {}): {}", index, vocab_size,
                          bad[:5])
     return ids
 
 
-def prompt_batch(prompts: Any, vocab_size: int) -> list[str | list[int]]:
-    """A batch of prompts as a list of strings and lists of Python ints. A batch is a list or tuple of prompts, or
-    a 2-D integer array (one prompt a row); a bare string is one prompt, never a sequence of characters. A prompt is
-    a string with more than whitespace, or a 1-D sequence (list, tuple, numpy or JAX array) of integer token ids
-    within the vocabulary: bools, floats and numeric strings are refused, not truncated. A flat list of integers is
-    refused as ambiguous (one prompt, or many one-token ones): one prompt of ids is `[ids]`."""
+def _is_messages(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+
+
+def messages(value: Any, where: str, *where_values: Any) -> list[dict[str, Any]]:
+    """A conversation: a non-empty list of mappings, each with a non-empty string "role" and a string "content"
+    (other keys, such as a tool call's, are passed to the chat template as they are). InputError starting with
+    `where` (a template, with `where_values`) naming the message at fault."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InputError(where + ": a conversation is a non-empty list of {{\"role\", \"content\"}} messages, got "
+                         "{}", *where_values, type(value).__name__ if value else "nothing")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise InputError(where + ": message {} is a {}, not a {{\"role\", \"content\"}} object", *where_values,
+                             i, type(message).__name__)
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                got = "missing" if key not in message else type(message[key]).__name__
+                raise InputError(where + ": message {} needs a string {!r} ({})", *where_values, i, key, got)
+        if not message["role"]:
+            raise InputError(where + ": message {} has an empty role", *where_values, i)
+        out.append(dict(message))
+    return out
+
+
+def prompt_batch(prompts: Any, vocab_size: int, name: str = "prompts") -> list[str | list[int] | list[dict]]:
+    """A batch of prompts (the argument `name`, which errors name) as a list of strings, lists of Python ints and
+    conversations (lists of message dicts, `messages`). A batch is a list or tuple of prompts, or a 2-D integer array (one prompt a row); a bare string is
+    one prompt, never a sequence of characters. A prompt is a string with more than whitespace, a 1-D sequence
+    (list, tuple, numpy or JAX array) of integer token ids within the vocabulary (bools, floats and numeric strings
+    are refused, not truncated), or a conversation. A flat list of integers is refused as ambiguous (one prompt, or
+    many one-token ones): one prompt of ids is `[ids]`; likewise one conversation is `[messages]`."""
     if isinstance(prompts, str):
         prompts = [prompts]
     array = _as_array(prompts)
     if array is not None:
         if array.ndim != 2 or array.dtype.kind not in "iu":
-            raise InputError("{prompts}: an array of prompts must be 2-D and of integer token ids (one prompt a row), "
-                             "got shape {} and dtype {}", array.shape, array.dtype)
+            raise InputError(_named(name) + ": an array of prompts must be 2-D and of integer token ids (one prompt "
+                             "a row), got shape {} and dtype {}", array.shape, array.dtype)
         prompts = array.tolist()
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
-        raise InputError("{prompts} must be a list of prompts (strings or sequences of token ids), got {}",
+        raise InputError(_named(name) + " must be a list of prompts (strings or sequences of token ids), got {}",
                          type(prompts).__name__)
     if not prompts:
-        raise InputError("{prompts}: no prompt given")
+        raise InputError(_named(name) + ": no prompt given")
     if all(_is_integer(p) for p in prompts):
-        raise InputError("{prompts} is a flat sequence of integers; a batch is a list of prompts, so one prompt of "
-                         "token ids is [ids]")
+        raise InputError(_named(name) + " is a flat sequence of integers; a batch is a list of prompts, so one "
+                         "prompt of token ids is [ids]")
+    if all(isinstance(p, Mapping) for p in prompts):
+        raise InputError(_named(name) + " is a flat list of messages; a batch is a list of prompts, so one "
+                         "conversation is [messages]")
     batch = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise InputError("{prompts}: prompt {} is empty (whitespace only)", i)
+                raise InputError(_item(name) + " is empty (whitespace only)", i)
             batch.append(prompt)
+        elif _is_messages(prompt):
+            batch.append(messages(prompt, _item(name), i))
         else:
-            batch.append(_token_ids(prompt, i, vocab_size))
+            batch.append(_token_ids(prompt, i, vocab_size, name))
     return batch

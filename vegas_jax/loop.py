@@ -2,6 +2,11 @@
 tokens with sparse attention, verifies them in one full-attention pass, accepts a prefix, and selects the next
 draft's KV. With γ = 0 the iteration is exactly plain autoregressive decoding (no drafts, no selection).
 
+Every verified position's logits are processed as plain decoding would process them after that position's own
+prefix: penalties (vegas_jax.penalties) count the drafts before the row on top of the emitted tokens, in the draft
+steps and in verification alike, so greedy output stays plain greedy output and speculative sampling stays exact.
+Stops (vegas_jax.stops: ids and strings) are found on each emitted token, also inside a run of accepted drafts.
+
 Drafts may read weight-only quantized copies of the linear weights (`draft_params`, models.draft_weights);
 verification always reads the model's own, so the output does not depend on them. With adaptive γ
 (vegas_jax.adaptive_gamma) each iteration drafts g <= γ tokens, g chosen in the loop, and g = 0 is a plain step.
@@ -24,7 +29,8 @@ from models.decoder import forward
 from models.kv_cache import KVCache
 from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from models.quantized import overlay
-from vegas_jax import adaptive_gamma, sampling
+from vegas_jax import adaptive_gamma, penalties, sampling
+from vegas_jax.logprobs import Logprobs
 from vegas_jax.attention.verify import VerifyAttention
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.selection import Policy, SelectContext, Selection
@@ -42,6 +48,7 @@ class DecodeConfig:
     sampling: sampling.SamplingMode
     max_new_tokens: int  # width of the output buffer (each request's own limit is DecodeState.max_new)
     placement: Placement = Placement()  # attention backend and mesh
+    logprobs: int | None = None  # log-probabilities of the emitted tokens and this many alternatives; None: off
     draft_weights: str = "bf16"  # what the drafts read: bf16 (the model's weights) | int8 | int4 (draft_params)
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
 
@@ -89,7 +96,10 @@ class DecodeState:
     nonfinite: jax.Array = axes_field(BATCH)  # [B] bool: stopped because logits were not finite
     keys: jax.Array = axes_field(BATCH)  # [B] per-request PRNG keys
     sampling: sampling.SamplingParams
-    stop_ids: jax.Array = axes_field(None)  # [E] int32, -1 padded
+    history: penalties.History | None  # emitted-token counts and prompt tokens; None without penalties
+    stop_table: jax.Array = axes_field(None, None)  # [S, V] int32 (vegas_jax.stops.table)
+    stop_state: jax.Array = axes_field(BATCH)  # [B] int32: the stop automaton's state after the emitted text
+    logprobs: Logprobs | None  # None without logprobs
     selection: Selection
     policy_state: Any  # Policy.init_state
     metrics: Metrics
@@ -105,7 +115,8 @@ def init_state(
     max_new: jax.Array,
     keys: jax.Array,
     sampling_params: sampling.SamplingParams,
-    stop_ids: jax.Array,
+    stop_table: jax.Array,
+    history: penalties.History | None,
 ) -> DecodeState:
     """State after prefill of all but each prompt's last token (which the bootstrap step verifies)."""
     batch = prompt_lengths.shape[0]
@@ -132,7 +143,10 @@ def init_state(
         nonfinite=jnp.zeros((batch,), bool),
         keys=keys,
         sampling=sampling_params,
-        stop_ids=stop_ids.astype(jnp.int32),
+        history=history,
+        stop_table=stop_table.astype(jnp.int32),
+        stop_state=jnp.zeros((batch,), jnp.int32),
+        logprobs=None if config.logprobs is None else Logprobs.create(batch, config.max_new_tokens, config.logprobs),
         selection=selection,
         policy_state=policy_state,
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
@@ -155,18 +169,57 @@ def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConf
 PREFILL_TOKENS_AXES = Axes(BATCH, None)  # prefill_chunk's tokens and positions [B, C]
 
 
-def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: jax.Array):
-    """Appends candidates[b, :count[b]] to the output, cut after the first stop token; returns
-    (output, num_generated, hit_stop)."""
+def _walk_stops(table: jax.Array, start: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stop automaton over tokens [B, W] from states [B]: (a stop ends at token j [B, W], the state after
+    token j [B, W])."""
+    if table.shape[0] == 1:  # stop ids only: one state
+        return (table[0][tokens] & 1).astype(bool), jnp.zeros_like(tokens)
+
+    def step(current, token):
+        entry = table[current, token]
+        return entry >> 1, (entry >> 1, entry & 1)
+
+    _, (states, ends) = jax.lax.scan(step, start, tokens.T)
+    return ends.T.astype(bool), states.T
+
+
+def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: jax.Array, logits: jax.Array,
+          config: DecodeConfig) -> tuple[DecodeState, jax.Array]:
+    """Appends candidates[b, :count[b]] to the output, cut after the first token that ends a stop, with what follows
+    from them: the stop automaton's state, the emitted-token counts (with penalties) and the log-probabilities
+    (with logprobs; candidate j's from the raw logits' row j, [B, W, V]). Returns (the state, hit_stop)."""
     width = candidates.shape[1]
     idx = jnp.arange(width)[None, :]
-    is_stop = jnp.any(candidates[..., None] == state.stop_ids[None, None, :], axis=-1) & (idx < count[:, None])
+    ends, stop_states = _walk_stops(state.stop_table, state.stop_state, candidates)
+    is_stop = ends & (idx < count[:, None])
     first_stop = jnp.argmax(is_stop, axis=1)
     hit_stop = jnp.any(is_stop, axis=1)
     count = jnp.where(hit_stop, first_stop + 1, count) * active
-    slots = jnp.where(idx < count[:, None], state.num_generated[:, None] + idx, state.output.shape[1])
-    output = state.output.at[jnp.arange(candidates.shape[0])[:, None], slots].set(candidates, mode="drop")
-    return output, state.num_generated + count, hit_stop & active
+    emitted = idx < count[:, None]
+    slots = jnp.where(emitted, state.num_generated[:, None] + idx, state.output.shape[1])
+    rows = jnp.arange(candidates.shape[0])[:, None]
+    last = jnp.take_along_axis(stop_states, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    state = dataclasses.replace(
+        state,
+        output=state.output.at[rows, slots].set(candidates, mode="drop"),
+        num_generated=state.num_generated + count,
+        stop_state=jnp.where(count > 0, last, state.stop_state),
+    )
+    if config.sampling.penalties:
+        state = dataclasses.replace(state, history=state.history.add(candidates, emitted))
+    if config.logprobs is not None:
+        state = dataclasses.replace(state, logprobs=state.logprobs.write(logits[:, :width], candidates, slots,
+                                                                          config.logprobs))
+    return state, hit_stop & active
+
+
+def _processed(logits: jax.Array, state: DecodeState, drafts: jax.Array, preceding: jax.Array,
+               config: DecodeConfig) -> jax.Array:
+    """The logits [B, R, V] sampling reads: penalised (when some request has a penalty) with each row's own
+    history, the emitted tokens and drafts[:, :preceding[r]] (vegas_jax.penalties.apply)."""
+    if not config.sampling.penalties:
+        return logits
+    return penalties.apply(logits, state.history, state.sampling, drafts, preceding)
 
 
 def _check_finite(logits: jax.Array, rows_used: jax.Array) -> jax.Array:
@@ -199,21 +252,21 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
                                            config.verify_attention())
     finite = _check_finite(logits, jnp.ones_like(state.committed))
     (key,) = step_keys(state.keys, 0, 1)
+    processed = _processed(logits, state, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((1,), jnp.int32),
+                           config)[:, 0]
     if config.sampling.greedy:
-        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        token = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     else:
-        token = sampling.sample_rows(key, sampling.probabilities(logits[:, 0], state.sampling, config.sampling))
+        token = sampling.sample_rows(key, sampling.probabilities(processed, state.sampling, config.sampling))
     active = finite & (state.max_new > 0)
-    output, num_generated, hit_stop = _emit(state, token[:, None], jnp.ones_like(token), active)
+    state, hit_stop = _emit(state, token[:, None], jnp.ones_like(token), active, logits, config)
     committed = state.committed + 1
     state = dataclasses.replace(
         state,
         cache=cache,
         committed=committed,
         last_token=token,
-        output=output,
-        num_generated=num_generated,
-        done=hit_stop | (num_generated >= state.max_new) | ~finite,
+        done=hit_stop | (state.num_generated >= state.max_new) | ~finite,
         nonfinite=~finite,
     )
     if config.policy is None:
@@ -245,8 +298,8 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
     def step(j, carry):
         cache, token, drafts, probs, finite = carry
         logits, cache, _ = config.forward(weights, token[:, None], (state.committed + j)[:, None], cache, attention)
-        logits = logits[:, 0]
-        finite = finite & (jnp.all(jnp.isfinite(logits), axis=-1) | (j >= num_drafts))
+        finite = finite & (jnp.all(jnp.isfinite(logits[:, 0]), axis=-1) | (j >= num_drafts))
+        logits = _processed(logits, state, drafts, j[None], config)[:, 0]  # draft j follows drafts 0..j-1
         if greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
@@ -272,8 +325,10 @@ def verify(params, state: DecodeState, cache: KVCache, drafts: jax.Array, config
 
 
 def accept(state: DecodeState, logits, drafts, draft_probs, num_drafts, keys, config: DecodeConfig):
-    """(accepted drafts [B], the token after them [B]): greedy verification, speculative sampling, or with γ = 0 a
-    plain draw from the target."""
+    """(accepted drafts [B], the token after them [B]) from the verification logits [B, γ+1, V] (raw; row i processed
+    after the drafts before it): greedy verification, speculative sampling, or with γ = 0 a plain draw from the
+    target."""
+    logits = _processed(logits, state, drafts, jnp.arange(drafts.shape[1] + 1), config)
     if config.sampling.greedy:
         return sampling.accept_greedy(drafts, logits, num_drafts)
     target_probs = sampling.probabilities(logits, state.sampling, config.sampling)
@@ -338,7 +393,7 @@ def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, m
     emit_ok = active & finite
     candidates = jnp.concatenate([drafts, next_token[:, None]], axis=1)
     candidates = jnp.where(jnp.arange(gamma + 1)[None, :] == accepted[:, None], next_token[:, None], candidates)
-    output, num_generated, hit_stop = _emit(state, candidates, accepted + 1, emit_ok)
+    emitted, hit_stop = _emit(state, candidates, accepted + 1, emit_ok, logits, config)
     committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
 
     positions_idx = jnp.arange(state.metrics.drafted.shape[1])[None, :]
@@ -349,13 +404,11 @@ def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, m
         accepted=state.metrics.accepted + (counted & (positions_idx < accepted[:, None])),
     )
     verified = dataclasses.replace(
-        state,
+        emitted,
         cache=cache,
         committed=committed,
         last_token=jnp.where(emit_ok, next_token, state.last_token),
-        output=output,
-        num_generated=num_generated,
-        done=state.done | hit_stop | (num_generated >= state.max_new) | (active & ~finite),
+        done=state.done | hit_stop | (emitted.num_generated >= state.max_new) | (active & ~finite),
         nonfinite=state.nonfinite | (active & ~finite),
         metrics=metrics,
         step=state.step + 1,
@@ -385,7 +438,7 @@ def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, confi
     """Continuous batching: the requests of `joining` (prefilled and bootstrapped with the same configuration and
     cache capacity) replace the finished ones in rows `slots` of a running batch; a slot past the batch drops its
     row (padding). Every array with a batch axis takes the joining rows; the others (the loop's step count, the
-    stop ids) stay the running batch's.
+    stop table) stay the running batch's.
 
     On a mesh this program holds its data shard's rows of `running` and all of `joining`'s: each shard writes the
     joining rows whose slots fall in its range, so admitted requests land on their shard."""

@@ -2,9 +2,10 @@
 each counted for one shard of the mesh, against what one device holds.
 
 The estimate counts what the engine keeps live at its peak: the parameters, the draft passes' quantized weights
-(models.draft_weights; none for bf16 drafts) and the decode state (cache, selection,
-policy state, output) for the whole run, and on top of them the largest of the transient arrays of one step
-(verification logits and, when sampling, the draft and target distributions; the layers' selection scores;
+(models.draft_weights; none for bf16 drafts) and the decode state (cache, selection, policy state, output, with
+penalties the token counts, with logprobs their buffers, the stop table) for the whole run, and on top of them the
+largest of the transient arrays of one step (verification logits, their penalised copy and log-softmax when asked
+for, and, when sampling, the draft and target distributions; the layers' selection scores;
 prefill's MLP activations and, without kernels, its score arrays; under continuous batching a joining group's
 state, which admission gathers onto every data shard). XLA's own temporaries are not counted, so the bound is what
 must fit, not everything that will be used; MARGIN leaves room for them.
@@ -51,7 +52,8 @@ def draft_per_device(draft, placement: Placement) -> int:
 
 def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, capacity: int, gamma: int,
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
-             refill: int | None, draft=None) -> dict:
+             refill: int | None, penalties: bool = False, logprobs: int | None = None,
+             stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
     bf16 drafts."""
     dtype = np.dtype(params["embed"].dtype).itemsize
@@ -61,14 +63,19 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     layers, vocab = config.num_layers, config.vocab_size
     cache_row = 2 * layers * capacity * kv_heads * config.head_dim * dtype  # one sequence's K and V
 
-    state = rows * cache_row + rows * output_width * 4
+    # Per request beyond its cache: the output, and with logprobs each token's value and alternatives (id, value).
+    request_row = output_width * 4 * (1 if logprobs is None else 2 + 2 * max(logprobs, 1))
+    if penalties:
+        request_row += vocab * (4 + 1)  # emitted-token counts and the prompt's tokens
+    state = rows * (cache_row + request_row) + int(np.prod(stop_table)) * 4
     if gamma:
         state += layers * rows * k_max * 4  # selected positions
     if policy == "quest":
-        state += 2 * layers * rows * (capacity // 16) * kv_heads * config.head_dim * dtype  # page min / max
+        state += 2 * layers * rows * (capacity // quest_page) * kv_heads * config.head_dim * dtype  # page min / max
 
     verify_rows = gamma + 1
-    logits = rows * verify_rows * vocab * 4
+    slab = rows * verify_rows * vocab * 4
+    logits = slab * (1 + penalties + (logprobs is not None))  # raw, penalised, log-softmax
     if sampling:
         # target and draft distributions, and the sorted copy top-k / top-p filtering makes
         logits += rows * (2 * verify_rows + gamma) * vocab * 4
@@ -76,7 +83,7 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     prefill = 2 * 4 * rows * prefill_chunk * config.intermediate_size // placement.model_shards
     if not placement.uses_kernels:
         prefill += 3 * 4 * rows * heads * prefill_chunk * capacity
-    joining = refill * (cache_row + output_width * 4) if refill else 0
+    joining = refill * (cache_row + request_row) if refill else 0
     parts = {
         "params": _params_per_device(params, placement),
         "draft_weights": draft_per_device(draft, placement),

@@ -1,9 +1,15 @@
-"""Logits processing (temperature, top-k, top-p), sampling, and speculative acceptance, all on device.
+"""Logits processing (temperature, top-k, top-p, min-p), sampling, and speculative acceptance, all on device.
 
 Sampling parameters are per-request arrays, so a batch may mix greedy and sampled requests without recompiling.
 A greedy row's distribution is the one-hot of its argmax; speculative sampling over one-hot distributions is
 exactly greedy verification, so one acceptance rule serves both. When every request is greedy (`SamplingMode.
 greedy`), the loop skips probabilities altogether and compares argmaxes.
+
+The order is Hugging Face transformers' (and, but for min-p, vLLM's): the history-dependent penalties
+(vegas_jax.penalties) on the raw logits first, then temperature, top-k, top-p and min-p. Min-p keeps the tokens
+whose probability after temperature is at least min_p times the most likely token's; top-k and top-p always keep
+that token and renormalising keeps ratios, so filtering min-p on the tempered logits before or after top-k / top-p
+keeps the same set (transformers applies it after them; vLLM before top-p, which differs when both are given).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ class SamplingMode:
     greedy: bool  # every request has temperature 0
     top_k: bool = False
     top_p: bool = False
+    min_p: bool = False
+    penalties: bool = False  # some request has a repetition, presence or frequency penalty (greedy ones too)
 
 
 @jax.tree_util.register_dataclass
@@ -31,11 +39,17 @@ class SamplingParams:
     temperature: jax.Array = axes_field(BATCH)  # [B] float32; 0 means greedy
     top_k: jax.Array = axes_field(BATCH)  # [B] int32; 0 means off
     top_p: jax.Array = axes_field(BATCH)  # [B] float32; 1 means off
+    min_p: jax.Array = axes_field(BATCH)  # [B] float32; 0 means off
+    repetition_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 1 means off (vegas_jax.penalties)
+    presence_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 0 means off
+    frequency_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 0 means off
 
     @classmethod
-    def create(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0) -> "SamplingParams":
-        full = lambda value, dtype: jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
-        return cls(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32))
+    def create(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+               presence_penalty=0.0, frequency_penalty=0.0) -> "SamplingParams":
+        full = lambda value, dtype=jnp.float32: jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
+        return cls(full(temperature), full(top_k, jnp.int32), full(top_p), full(min_p), full(repetition_penalty),
+                   full(presence_penalty), full(frequency_penalty))
 
     def mode(self) -> SamplingMode:
         """Host-side: the static mode these (concrete) parameters need."""
@@ -44,6 +58,9 @@ class SamplingParams:
             greedy=greedy,
             top_k=not greedy and bool(jnp.any(self.top_k > 0)),
             top_p=not greedy and bool(jnp.any(self.top_p < 1)),
+            min_p=not greedy and bool(jnp.any(self.min_p > 0)),
+            penalties=bool(jnp.any(self.repetition_penalty != 1) | jnp.any(self.presence_penalty != 0)
+                           | jnp.any(self.frequency_penalty != 0)),
         )
 
 
@@ -52,7 +69,7 @@ def _per_row(x: jax.Array, ndim: int) -> jax.Array:
 
 
 def probabilities(logits: jax.Array, params: SamplingParams, mode: SamplingMode) -> jax.Array:
-    """The distribution each row samples from, float32 [B, ..., V] (logits [B, ..., V])."""
+    """The distribution each row samples from, float32 [B, ..., V] (logits [B, ..., V], already penalised)."""
     logits = logits.astype(jnp.float32)
     nd = logits.ndim
     temperature = _per_row(params.temperature, nd - 1)
@@ -73,6 +90,10 @@ def probabilities(logits: jax.Array, params: SamplingParams, mode: SamplingMode)
             keep = mass_before < p[..., None]
             cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
             scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    if mode.min_p:
+        # p >= min_p * p_max, in logits: scaled >= max + log(min_p) (min_p 0: log 0 = -inf keeps everything).
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(_per_row(params.min_p, nd - 1))[..., None]
+        scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy_row[..., None], one_hot, probs)

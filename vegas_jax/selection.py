@@ -170,7 +170,9 @@ class Streaming(Policy):
         k = self.budget.tokens(ctx.committed, ctx.committed)
         sinks = jnp.minimum(self.sinks, k)
         window_start = jnp.maximum(ctx.committed - (k - sinks), sinks)
-        indices = jnp.broadcast_to(_pad_k(jnp.arange(self.sinks, dtype=jnp.int32), self.budget.k_max), selection.indices.shape)
+        # Sinks beyond the largest budget could never be kept (k <= k_max).
+        first = jnp.arange(min(self.sinks, self.budget.k_max), dtype=jnp.int32)
+        indices = jnp.broadcast_to(_pad_k(first, self.budget.k_max), selection.indices.shape)
         counts = jnp.broadcast_to(jnp.minimum(sinks, window_start), (num_layers, batch))
         return Selection(indices, counts.astype(jnp.int32), window_start.astype(jnp.int32)), state
 
@@ -330,17 +332,20 @@ class QuestDraftAttention:
         return out, k_cache, v_cache, None
 
 
-def make_policy(name: str, budget: Budget, gamma: int, placement: Placement = Placement()) -> Policy:
+def make_policy(name: str, budget: Budget, gamma: int, placement: Placement = Placement(), **knobs) -> Policy:
+    """The policy `name`; `knobs` set its own fields (streaming: sinks; quest: page; retrieval: chunk, every)."""
     if name == "vegas":
-        return ScoredTokens(name, budget, placement, "boundary")
-    if name == "vegas-all":
-        return ScoredTokens(name, budget, placement, "all")
-    if name == "last":
-        return ScoredTokens(name, budget, placement, "last")
-    if name == "streaming":
-        return Streaming(name, budget, placement)
-    if name == "quest":
-        return Quest(name, budget, placement, gamma)
-    if name == "retrieval":
-        return Retrieval(name, budget, placement)
-    raise ValueError(f"unknown selection policy {name!r}; choose from {', '.join(POLICIES)}")
+        policy = ScoredTokens(name, budget, placement, "boundary")
+    elif name == "vegas-all":
+        policy = ScoredTokens(name, budget, placement, "all")
+    elif name == "last":
+        policy = ScoredTokens(name, budget, placement, "last")
+    elif name == "streaming":
+        policy = Streaming(name, budget, placement)
+    elif name == "quest":
+        policy = Quest(name, budget, placement, gamma)
+    elif name == "retrieval":
+        policy = Retrieval(name, budget, placement)
+    else:
+        raise ValueError(f"unknown selection policy {name!r}; choose from {', '.join(POLICIES)}")
+    return dataclasses.replace(policy, **knobs)

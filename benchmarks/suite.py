@@ -1,0 +1,469 @@
+"""The benchmark suite: symmetric tuning on a tuning split, evaluation on a held-out split with repeats, serving,
+the paper's model scale and a transformers peer, in device calls that each end inside a time budget.
+
+    python -m benchmarks.suite --preset quick --stage tune --model smollm2.gguf     # then heldout, serve, scale, peer
+    python -m benchmarks.suite --preset quick --estimate                           # the plan's cost, runs nothing
+
+Stages (`--stage`, comma-separated, or `all`):
+- tune: per (length, batch) of the preset, plain decoding once and every speculative method's coordinate search
+  (benchmarks/suite_tuning.py) on the tuning split, greedy, with the preset's shorter runs;
+- heldout: per (length, batch), on the held-out split, plain decoding and each method at its tuned cell and at the
+  common default (γ 6, 7 %, default knobs), greedy and (preset's batches) at temperature 0.7, each measured
+  `repeats` times after a warm-up (median, min, max); the ablations vegas-all and last at Vegas's tuned cell;
+- serve: continuous batching (128 requests through 64 slots) of plain decoding, Vegas and the baselines, tuned;
+- scale: Llama-3.1-8B and Qwen3-8B shapes, random weights (benchmarks/suite_scale.py);
+- peer: transformers' generate on the same GGUF and prompts (benchmarks/suite_peer.py; run it in its own call).
+
+Every record is appended to the log (--results, JSON Lines, also copied to $OUT) as soon as it is measured; a
+record already in the log is skipped, so the same command resumes where a call stopped. A call stops before a
+measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 4 when it
+skipped measurements that need another stage first (held-out cells not tuned yet: listed as "not run"); 0 when
+its stages are complete. Each call ends by plotting the log (next to it and in $OUT); `python -m benchmarks.report`
+turns the log into the README's results and the same plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.prompt_splits import PromptSet, split_prompts  # noqa: E402
+from benchmarks.suite_presets import (  # noqa: E402
+    ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, Preset, describe_costs, run_s,
+)
+from benchmarks.suite_records import RecordLog, record_key  # noqa: E402
+from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
+
+STAGES = ("tune", "heldout", "serve", "scale", "peer")
+RESULTS = REPO / "benchmarks" / "results"
+STOPPED = 3  # exit status of a call that stopped for its budget
+INCOMPLETE = 4  # ... that skipped measurements needing another stage first (listed as "not run")
+
+
+class OutOfTime(Exception):
+    """The next measurement would pass the call's budget."""
+
+
+class BadFlag(ValueError):
+    """A flag's value the suite cannot run: one `error:` line, exit status 2."""
+
+
+def source_digest() -> str:
+    """A hash of the code that ran (every .py file of the packages and benchmarks), for when git is not there."""
+    h = hashlib.sha256()
+    for folder in ("vegas_jax", "models", "pallas_kernels", "benchmarks"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def git_commit() -> str | None:
+    """$VEGAS_CODE if set (a device machine's copy of the tree has no .git), else `git describe`."""
+    if os.environ.get("VEGAS_CODE"):
+        return os.environ["VEGAS_CODE"]
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def summarize_runs(runs: list[dict], rate: str = "decode_tokens_per_s") -> dict:
+    """Median, min and max of the runs' rates, and their other figures from the median run."""
+    rates = [r[rate] for r in runs]
+    middle = sorted(runs, key=lambda r: r[rate])[(len(runs) - 1) // 2]
+    out = {
+        "repeats": len(runs),
+        rate: statistics.median(rates),
+        rate + "_min": min(rates),
+        rate + "_max": max(rates),
+        rate + "_runs": rates,
+        "tau": statistics.median(r["tau"] for r in runs),
+        "ms_per_iteration": statistics.median(r["ms_per_iteration"] for r in runs),
+        "prefill_s": statistics.median(r["prefill_s"] for r in runs),
+        "acceptance_by_position": middle["acceptance_by_position"],
+    }
+    for extra in ("decode_calls", "refill"):
+        if extra in middle:
+            out[extra] = middle[extra]
+    return out
+
+
+class Session:
+    """One call of the suite: the preset, the log, the clock, and what it loaded (lazily: a peer-only call never
+    starts JAX on the GPU, whose allocator would take most of its memory). `dtype` "auto" is resolved when the
+    model loads (bfloat16 on GPU, float32 on CPU)."""
+
+    def __init__(self, preset: Preset, log: RecordLog, budget_s: float, model_path: str, dtype: str):
+        self.preset, self.log, self.budget_s = preset, log, budget_s
+        self.model_path, self.dtype = model_path, dtype
+        self.started = time.perf_counter()
+        self._engine = None
+        self._tokenizer = None
+        self._prompts: dict[tuple[str, int], PromptSet] = {}
+        self.compiled: set = set()  # (method, cell, batch, length, sampled, served) compiled in this process
+        self.ar_tokens: dict = {}  # (split, batch, length) -> plain greedy tokens, to compare with
+        self.incomplete: list[str] = []  # what could not run yet (untuned cells)
+        self._provenance = {"code": git_commit(), "source_digest": source_digest(), "model": model_path}
+
+    # ---- what it loads -------------------------------------------------------------------------------------
+    @property
+    def engine(self):
+        if self._engine is None:
+            import jax
+            import jax.numpy as jnp
+
+            from vegas_jax.engine import Engine
+            from vegas_jax.loading import load_model
+
+            if self.dtype == "auto":
+                self.dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+            self._engine = Engine(load_model(self.model_path, {"bfloat16": jnp.bfloat16,
+                                                                 "float32": jnp.float32}[self.dtype]))
+        return self._engine
+
+    @property
+    def tokenizer(self):
+        if self._engine is not None:
+            return self._engine.tokenizer
+        if self._tokenizer is None:
+            import gguf
+
+            from vegas_jax.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(self.model_path))
+        return self._tokenizer
+
+    def prompts(self, split: str, count: int, length: int) -> PromptSet:
+        """`count` prompts of the split; a smaller count takes the first prompts of a larger one (same slices)."""
+        cached = self._prompts.get((split, length))
+        if cached is None or len(cached.prompts) < count:
+            cached = split_prompts(self.tokenizer, split, count, length)
+            self._prompts[(split, length)] = cached
+            fields = {"stage": "prompts", "split": split, "prompt_tokens": length, "requests": count}
+            if record_key(fields) not in self.log:
+                self.log.append({**fields, **cached.provenance})
+        return cached.head(count)
+
+    # ---- time and records -------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def check_time(self, estimate_s: float, what: str) -> None:
+        if self.elapsed() + estimate_s > self.budget_s:
+            raise OutOfTime(f"{what}: about {estimate_s:.0f} s more would pass --budget-s {self.budget_s:.0f} "
+                            f"({self.elapsed():.0f} s used)")
+
+    def missing(self, fields: dict) -> bool:
+        return record_key(fields) not in self.log
+
+    def provenance(self, result: dict) -> dict:
+        out = {**self._provenance, "dtype": self.dtype}
+        out["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        if "device" not in result:  # the peer names its own (torch's) device; asking JAX would start it
+            import jax
+
+            out.update(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__)
+        return out
+
+    def measure(self, fields: dict, estimate_s: float, run) -> dict:
+        """The log's record of `fields`, or run() measured now and appended (after checking the budget)."""
+        existing = self.log.get(record_key(fields))
+        if existing is not None:
+            return existing
+        what = " ".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "method", "batch", "prompt_tokens",
+                                                                          "model", "context", "split"))
+        self.check_time(estimate_s, what)
+        t0 = time.perf_counter()
+        result = run()
+        # What the measurement says of itself (the peer's device, the scale runs' dtype) wins over the session's.
+        record = {**self.provenance(result), **fields, **result, "seconds": time.perf_counter() - t0}
+        self.log.append(record)
+        shown = {k: record.get(k) for k in ("decode_tokens_per_s", "tau", "ms_per_iteration", "roofline_fraction")
+                 if record.get(k) is not None}
+        print(f"[{self.elapsed():6.0f} s] {what} {fields.get('knobs') or ''} γ={fields.get('gamma')} "
+              f"r={fields.get('sparse_ratio')} T={fields.get('temperature')}: "
+              + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
+        return record
+
+    def estimate(self, method: str, cell: Cell, batch: int, length: int, new_tokens: int, runs: int, *,
+                 sampled: bool, served: bool = False) -> float:
+        key = (method, cell, batch, length, sampled, served)
+        compile_s = 0.0 if key in self.compiled else COMPILE_S["ar" if method == "ar" else "speculative"]
+        return compile_s + runs * run_s(batch, length, new_tokens) * (3 if served else 1)
+
+
+# ---- measurements of SmolLM2 ----------------------------------------------------------------------------------
+
+
+def options_for(preset: Preset, method: str, cell: Cell, length: int, new_tokens: int, temperature: float):
+    from vegas_jax.engine import GenerationOptions
+
+    return GenerationOptions(method=method, max_new_tokens=new_tokens, temperature=temperature,
+                             max_model_len=preset.max_model_len[length], **cell.option_fields())
+
+
+def _cell_fields(method: str, cell: Cell) -> dict:
+    return {"method": method, "gamma": cell.gamma, "sparse_ratio": cell.sparse_ratio, "knobs": dict(cell.knobs)}
+
+
+def measure_static(session: Session, stage: str, split: str, method: str, cell: Cell, batch: int, length: int,
+                   temperature: float, *, new_tokens: int, repeats: int, extra: dict | None = None) -> dict:
+    """One static batch of the split's prompts: warm-up runs, then `repeats` measured runs of the same config."""
+    from benchmarks.bench_decode import first_differences, run_one
+
+    prompts = session.prompts(split, batch, length)
+    fields = {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length, "temperature": temperature,
+              **_cell_fields(method, cell)}
+    sampled = temperature > 0
+    runs_needed = session.preset.warmup + repeats
+
+    def run() -> dict:
+        engine = session.engine
+        options = options_for(session.preset, method, cell, length, new_tokens, temperature)
+        runs, tokens = [], None
+        for _ in range(runs_needed):
+            record, tokens = run_one(engine, prompts.prompts, options, False, 1)
+            runs.append(record)
+        session.compiled.add((method, cell, batch, length, sampled, False))
+        out = {**summarize_runs(runs[session.preset.warmup:]), "compile_s": runs[0]["compile_s"],
+               "new_tokens": new_tokens, "prompts_sha256": prompts.provenance["prompts_sha256"], **(extra or {})}
+        if method == "ar" and not sampled:
+            session.ar_tokens[(split, batch, length)] = tokens
+        elif not sampled and (split, batch, length) in session.ar_tokens:
+            # Greedy speculative decoding reproduces plain greedy decoding, up to bf16's near-ties.
+            differences = first_differences(tokens, session.ar_tokens[(split, batch, length)])
+            out["sequences_identical_to_ar"] = differences.count(None)
+        return out
+
+    estimate = session.estimate(method, cell, batch, length, new_tokens, runs_needed, sampled=sampled)
+    return session.measure(fields, estimate, run)
+
+
+def tune(session: Session, length: int, batch: int) -> None:
+    p = session.preset
+    for method in ("ar",) + SPECULATIVE:
+        while True:
+            records = session.log.find(stage="tune", split="tuning", method=method, batch=batch,
+                                       prompt_tokens=length, temperature=0.0)
+            cells = next_cells(method, p.grid, rates_of(records))
+            if not cells:
+                break
+            for cell in cells:
+                measure_static(session, "tune", "tuning", method, cell, batch, length, 0.0,
+                               new_tokens=p.tune_new_tokens, repeats=p.tune_repeats, extra={"tuned": False})
+
+
+def tuned_cells(session: Session, length: int, batch: int) -> dict[str, Cell | None]:
+    """Each speculative method's tuned cell for this length and batch (from the batch it borrows tuning from)."""
+    p, source = session.preset, session.preset.tuning_batch(batch)
+    cells = {}
+    for method in SPECULATIVE:
+        records = session.log.find(stage="tune", split="tuning", method=method, batch=source, prompt_tokens=length,
+                                   temperature=0.0)
+        cells[method] = tuned_cell(method, p.grid, rates_of(records))
+    return cells
+
+
+def heldout(session: Session, length: int, batch: int) -> None:
+    p = session.preset
+    tuned = tuned_cells(session, length, batch)
+    temperatures = [0.0] + ([SAMPLED_TEMPERATURE] if batch in p.sampled_batches else [])
+    for temperature in temperatures:
+        measure = lambda method, cell, **extra: measure_static(  # noqa: E731
+            session, "heldout", "heldout", method, cell, batch, length, temperature, new_tokens=p.new_tokens,
+            repeats=p.repeats, extra={"tuned_at_batch": p.tuning_batch(batch), **extra})
+        measure("ar", Cell.default("ar"), tuned=True, default=True)
+        for method in SPECULATIVE:
+            chosen, default = tuned[method], Cell.default(method)
+            if chosen is None:
+                session.incomplete.append(f"{method} at {length} x {batch}: not tuned yet (--stage tune)")
+                continue
+            measure(method, chosen, tuned=True, default=chosen == default)
+            if chosen != default and (temperature == 0 or p.sampled_defaults):
+                measure(method, default, tuned=False, default=True)
+        if batch in p.ablation_batches and tuned["vegas"] is not None:
+            for method in ABLATIONS:
+                measure(method, tuned["vegas"], tuned=False, default=tuned["vegas"] == Cell.default("vegas"),
+                        at_cell_of="vegas")
+
+
+def fastest_baseline(session: Session, length: int, batch: int) -> str | None:
+    records = [r for r in session.log.find(stage="heldout", split="heldout", batch=batch, prompt_tokens=length,
+                                           temperature=0.0) if r.get("tuned") and r["method"] in BASELINES]
+    return max(records, key=lambda r: r["decode_tokens_per_s"])["method"] if records else None
+
+
+def serve(session: Session) -> None:
+    from benchmarks.bench_decode import run_served
+
+    p = session.preset
+    for case in p.serve:
+        tuned = tuned_cells(session, case.prompt_tokens, case.slots)
+        fastest = fastest_baseline(session, case.prompt_tokens, case.slots)
+        baselines = BASELINES if case.all_baselines else ((fastest,) if fastest else ())
+        if not case.all_baselines and fastest is None:
+            session.incomplete.append(f"serve {case.prompt_tokens}: no held-out baseline at batch {case.slots} yet")
+        for method in ("ar", "vegas", *baselines):
+            cell = Cell.default("ar") if method == "ar" else tuned[method]
+            if cell is None:
+                session.incomplete.append(f"serve {method} at {case.prompt_tokens} x {case.slots}: not tuned yet")
+                continue
+            prompts = session.prompts("heldout", case.requests, case.prompt_tokens)
+            fields = {"stage": "serve", "split": "heldout", "batch": case.slots, "requests": case.requests,
+                      "prompt_tokens": case.prompt_tokens, "temperature": 0.0, **_cell_fields(method, cell)}
+
+            def run(method=method, cell=cell, prompts=prompts) -> dict:
+                options = options_for(p, method, cell, case.prompt_tokens, p.new_tokens, 0.0)
+                runs = [run_served(session.engine, prompts.prompts, options, case.slots, None)[0]
+                        for _ in range(p.warmup + p.repeats)]
+                session.compiled.add((method, cell, case.slots, case.prompt_tokens, False, True))
+                measured = runs[p.warmup:]
+                steady = [r["steady_decode_tokens_per_s"] for r in measured if r["steady_decode_tokens_per_s"]]
+                return {**summarize_runs(measured), "compile_s": runs[0]["compile_s"], "tuned": True,
+                        "default": cell == Cell.default(method), "new_tokens": p.new_tokens,
+                        "steady_decode_tokens_per_s": statistics.median(steady) if steady else None,
+                        "steady_decode_tokens_per_s_runs": steady,
+                        "prompts_sha256": prompts.provenance["prompts_sha256"]}
+
+            estimate = session.estimate(method, cell, case.slots, case.prompt_tokens, p.new_tokens,
+                                        p.warmup + p.repeats, sampled=False, served=True)
+            session.measure(fields, estimate, run)
+
+
+def run_stages(session: Session, stages: list[str]) -> None:
+    p = session.preset
+    for length in p.lengths:
+        for batch in p.batches:
+            if "tune" in stages and batch in p.tuned_batches:
+                tune(session, length, batch)
+            if "heldout" in stages:
+                heldout(session, length, batch)
+    if "serve" in stages:
+        serve(session)
+    if "scale" in stages:
+        from benchmarks.suite_scale import run_scale
+
+        run_scale(session, p)
+    if "peer" in stages:
+        from benchmarks.suite_peer import run_peer
+
+        run_peer(session, p)
+
+
+def configure_compilation_cache(folder: str) -> None:
+    """XLA's persistent cache: a later call on the same (warm) machine compiles each configuration from disk."""
+    if folder:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(Path(folder).resolve()))
+
+
+def parse_stages(text: str) -> list[str]:
+    stages = list(STAGES) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        raise BadFlag(f"--stage {text}: choose from {', '.join(STAGES)} or all (comma-separated)")
+    return stages
+
+
+def write_plots(records: list[dict], folders: list[Path]) -> None:
+    """The report's plots of the log so far, into each folder (the results folder, $OUT), if matplotlib is here."""
+    try:
+        from benchmarks import suite_plots
+    except ImportError:
+        print("matplotlib is not installed: no plots (python -m benchmarks.report makes them from the log)")
+        return
+    for folder in folders:
+        try:
+            written = suite_plots.write_all(records, folder, "suite")
+        except Exception as e:  # noqa: BLE001  (a plot must not cost the call its exit status or its records)
+            print(f"plots into {folder} failed: {type(e).__name__}: {e}")
+            return
+        for path in written.values():
+            print(f"wrote {path}")
+
+
+def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
+    """The preset with its lengths or batches (`flag`) cut to those listed, which must be the preset's own."""
+    if not text:
+        return preset
+    field = flag.lstrip("-")
+    allowed = getattr(preset, field)
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise BadFlag(f"{flag} {text}: a comma-separated list of integers") from None
+    if not values or set(values) - set(allowed):
+        raise BadFlag(f"{flag} {text}: preset {preset.name} has {', '.join(map(str, allowed))}")
+    if field == "batches":  # a batch that borrows tuning keeps what it borrows from only if listed
+        lent = {b for b in values if preset.tuning_batch(b) not in values}
+        if lent:
+            raise BadFlag(f"{flag} {text}: batch {min(lent)} takes its tuning from batch "
+                          f"{preset.tuning_batch(min(lent))}: list both")
+    return dataclasses.replace(preset, **{field: tuple(v for v in allowed if v in values)})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    p.add_argument("--stage", default="all", help=f"comma-separated: {', '.join(STAGES)}; or all")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="start no measurement that its estimate says would end after this many seconds")
+    p.add_argument("--model", default=None, help="the GGUF (default: the embedded SmolLM2)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--results", type=Path, default=None, help="the log (default benchmarks/results/suite-PRESET.jsonl)")
+    p.add_argument("--compilation-cache", default=str(REPO / ".jax-cache"),
+                   help="XLA's persistent compilation cache folder ('' for none)")
+    p.add_argument("--lengths", default=None, help="only these of the preset's prompt lengths (comma-separated)")
+    p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
+    p.add_argument("--estimate", action="store_true", help="print the preset's estimated device time and exit")
+    args = p.parse_args(argv)
+
+    try:
+        preset = narrowed(narrowed(PRESETS[args.preset], "--lengths", args.lengths), "--batches", args.batches)
+        stages = parse_stages(args.stage)
+        if args.budget_s <= 0:
+            raise BadFlag(f"--budget-s {args.budget_s:g}: must be > 0")
+    except BadFlag as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(describe_costs(preset, stages), flush=True)
+    if args.estimate:
+        return 0
+    from vegas_jax.loading.gguf import embedded_smollm2_path
+
+    model_path = args.model or str(embedded_smollm2_path())
+    configure_compilation_cache(args.compilation_cache)
+    out = os.environ.get("OUT")
+    log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None)
+    session = Session(preset, log, args.budget_s, model_path, args.dtype)
+    try:
+        run_stages(session, stages)
+    except OutOfTime as stop:
+        print(f"\nstopped: {stop}. Run the same command again to resume ({len(log.records)} records in {log.path}).")
+        return STOPPED
+    finally:
+        write_plots(log.records, [log.path.parent] + ([Path(out)] if out else []))
+    for line in session.incomplete:
+        print(f"not run: {line}")
+    print(f"\n{'incomplete' if session.incomplete else 'done'}: {', '.join(stages)} of preset {preset.name} in "
+          f"{session.elapsed():.0f} s ({len(log.records)} records in {log.path})")
+    return INCOMPLETE if session.incomplete else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

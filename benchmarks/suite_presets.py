@@ -1,0 +1,215 @@
+"""What each preset of the benchmark suite measures, and what that should cost on an H200.
+
+The cost model counts what dominates: compiling a decode loop (once per method configuration, batch and length in
+a process; 9 s for plain decoding and 13 s for a speculative method at SmolLM2's size on the H200, from the
+compile_s of the committed e2e records) and each run's prefill and decode, from the H200's measured plain step of
+SmolLM2 (1.15 ms + 5.2 ns per cached token of the batch; 3.75 ms at 64 x 7.9K) and prefill (about 480K tokens/s).
+Speculative runs are costed as plain ones, which they beat, so estimates err long. `estimate` prints per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from benchmarks.suite_tuning import Grid
+
+SPECULATIVE = ("vegas", "streaming", "quest", "retrieval")
+ABLATIONS = ("vegas-all", "last")
+BASELINES = ("streaming", "quest", "retrieval")
+SAMPLED_TEMPERATURE = 0.7
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeCase:
+    requests: int
+    slots: int
+    prompt_tokens: int
+    all_baselines: bool  # False: only the baseline fastest at this length and batch (held-out, tuned)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleCase:
+    model: str  # a name of suite_scale.SHAPES
+    context: int  # the cache's length (max_model_len); the prompt fills it but for the new tokens
+    batches: tuple[int, ...]  # those whose run does not fit (vegas_jax.memory) are recorded as not fitting
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    lengths: tuple[int, ...]  # prompt tokens, chat template included
+    batches: tuple[int, ...]
+    grid: Grid
+    tune_new_tokens: int
+    tune_repeats: int
+    new_tokens: int
+    repeats: int
+    sampled_batches: tuple[int, ...]  # batches also measured at SAMPLED_TEMPERATURE (tuned cells)
+    sampled_defaults: bool  # and the default cells there
+    ablation_batches: tuple[int, ...]
+    serve: tuple[ServeCase, ...]
+    scale: tuple[ScaleCase, ...]
+    scale_iterations: int
+    peer: tuple[tuple[int, int], ...]  # (batch, prompt tokens) of the transformers peer
+    warmup: int = 1  # runs before the measured ones (compilation, allocation, CUDA graph instantiation)
+    # (batch, batch whose tuned cells it takes): batches left out of tuning to save its compilations
+    borrowed_tuning: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        # Everything measured at a batch takes that batch's tuned cells (serving: its slots').
+        for name, batches in [("sampled_batches", self.sampled_batches), ("ablation_batches", self.ablation_batches),
+                              ("serve slots", [c.slots for c in self.serve]),
+                              ("borrowed_tuning", [b for pair in self.borrowed_tuning for b in pair])]:
+            if set(batches) - set(self.batches):
+                raise ValueError(f"preset {self.name}: {name} {sorted(batches)} must be among batches {self.batches}")
+        if any(c.prompt_tokens not in self.lengths for c in self.serve):
+            raise ValueError(f"preset {self.name}: serving lengths must be among lengths {self.lengths}")
+
+    def tuning_batch(self, batch: int) -> int:
+        """The batch whose tuning chooses this batch's cells (itself unless borrowed)."""
+        return dict(self.borrowed_tuning).get(batch, batch)
+
+    @property
+    def tuned_batches(self) -> tuple[int, ...]:
+        return tuple(b for b in self.batches if self.tuning_batch(b) == b)
+
+    @property
+    def max_model_len(self) -> dict[int, int]:
+        """Per prompt length: the cache every run at that length shares (tuning's shorter runs too, so the two
+        stages reuse each other's compiled loops)."""
+        return {length: length + self.new_tokens for length in self.lengths}
+
+
+_QUICK_GRID = Grid(gammas=(4, 6, 8), ratios=(0.05, 0.07, 0.10),
+                   knobs={"stream_sinks": (16, 64), "quest_page": (16, 32), "retrieval_chunk": (32, 64),
+                          "retrieval_every": (4, 8)})
+_PAPER_GRID = Grid(gammas=(2, 3, 4, 6, 8), ratios=(0.03, 0.05, 0.07, 0.10, 0.15),
+                   knobs={"stream_sinks": (4, 16, 64, 128), "quest_page": (8, 16, 32, 64),
+                          "retrieval_chunk": (16, 32, 64), "retrieval_every": (1, 2, 4, 8)},
+                   refine=True)
+
+PRESETS = {
+    # Every stage once, small (about 6 minutes of H200 time, mostly compilation; 30 on a CPU), numbers
+    # meaningless: a check of the pipeline before a long run.
+    "smoke": Preset(
+        name="smoke", lengths=(512,), batches=(2,),
+        grid=Grid(gammas=(4, 6), ratios=(0.07,),
+                  knobs={"stream_sinks": (16,), "quest_page": (16,), "retrieval_chunk": (32,), "retrieval_every": (4, 2)}),
+        tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(), sampled_defaults=False,
+        ablation_batches=(2,), serve=(ServeCase(6, 2, 512, all_baselines=False),),
+        scale=(ScaleCase("smollm2-135m", 4096, (1,)),), scale_iterations=4, peer=((2, 512),),
+    ),
+    # The issue's main cells (8K prompts, batches 64 and 8, serving) in about 15 minutes of H200 time (SmolLM2
+    # stages); batch 8 takes the cells tuned at batch 64, which halves the compilations.
+    "quick": Preset(
+        name="quick", lengths=(7936,), batches=(64, 8), grid=_QUICK_GRID,
+        tune_new_tokens=128, tune_repeats=1, new_tokens=256, repeats=3, sampled_batches=(64,), sampled_defaults=False,
+        ablation_batches=(64,), serve=(ServeCase(128, 64, 7936, all_baselines=False),),
+        scale=(ScaleCase("llama-3.1-8b", 32768, (1, 8)), ScaleCase("qwen3-8b", 32768, (1, 8))),
+        scale_iterations=8, peer=((8, 7936), (64, 7936)), borrowed_tuning=((8, 64),),
+    ),
+    # Everything the issue asks for; several sessions of device time.
+    "paper": Preset(
+        name="paper", lengths=(7936, 4096, 2048), batches=(64, 32, 8, 1), grid=_PAPER_GRID,
+        tune_new_tokens=128, tune_repeats=2, new_tokens=256, repeats=3, sampled_batches=(64, 32, 8, 1),
+        sampled_defaults=True, ablation_batches=(64, 32, 8, 1),
+        serve=(ServeCase(128, 64, 7936, all_baselines=True), ServeCase(128, 64, 4096, all_baselines=True)),
+        scale=tuple(ScaleCase(model, context, batches) for model in ("llama-3.1-8b", "qwen3-8b")
+                    for context, batches in ((32768, (1, 2, 4, 8, 16)), (131072, (1, 2, 4, 8, 16)))),
+        scale_iterations=8,
+        peer=tuple((batch, length) for length in (7936, 4096, 2048) for batch in (1, 8, 32, 64)),
+    ),
+}
+
+
+# ---- cost model (seconds on one H200, SmolLM2-135M bf16) ------------------------------------------------------
+
+COMPILE_S = {"ar": 9.0, "speculative": 13.0}
+RUN_OVERHEAD_S = 0.3  # state creation, host reads, the decode call's launch
+SCALE_CASE_S = 35.0  # an 8B-shaped method at one batch: compile, cache fill, timed and profiled iterations
+SCALE_MODEL_S = 30.0  # random 8B weights, and the bandwidth measurement
+PEER_MODEL_S = 20.0
+
+
+def step_s(batch: int, tokens: int) -> float:
+    return (1.15 + 5.2e-6 * batch * tokens) / 1e3
+
+
+def run_s(batch: int, tokens: int, new_tokens: int) -> float:
+    return 0.02 + batch * tokens / 480e3 + new_tokens * step_s(batch, tokens) + RUN_OVERHEAD_S
+
+
+def hf_step_s(batch: int, tokens: int) -> float:
+    # transformers' eager decode step: about 10 ms of launches plus its reads (3,325 tok/s at 32 x 4.1K measured)
+    return (10.0 + 2e-5 * batch * tokens) / 1e3
+
+
+@dataclasses.dataclass
+class Cost:
+    compiles: int = 0
+    runs: int = 0
+    seconds: float = 0.0
+
+    def add(self, compiles: int, runs: int, seconds: float) -> None:
+        self.compiles += compiles
+        self.runs += runs
+        self.seconds += seconds
+
+
+def _compile_s(method: str) -> float:
+    return COMPILE_S["ar" if method == "ar" else "speculative"]
+
+
+def stage_costs(preset: Preset) -> dict[str, Cost]:
+    """The most each stage can cost from scratch (every search sweep measured, every cell distinct)."""
+    p, costs = preset, {stage: Cost() for stage in ("tune", "heldout", "serve", "scale", "peer")}
+    for length in p.lengths:
+        for batch in p.batches:
+            tuned_here = batch in p.tuned_batches
+            if tuned_here:
+                tune_run = run_s(batch, length, p.tune_new_tokens)
+                for method in ("ar",) + SPECULATIVE:
+                    cells = p.grid.size(method)
+                    runs = cells * (p.warmup + p.tune_repeats)
+                    costs["tune"].add(cells, runs, cells * _compile_s(method) + runs * tune_run)
+            run = run_s(batch, length, p.new_tokens)
+            per_record = p.warmup + p.repeats
+            greedy = 1 + 2 * len(SPECULATIVE)  # ar; each method's tuned and default cells
+            ablations = len(ABLATIONS) if batch in p.ablation_batches else 0
+            # Tuning compiled the greedy cells at its own batch; a borrowing batch compiles them here.
+            compiles = ablations + (0 if tuned_here else greedy)
+            costs["heldout"].add(compiles, (greedy + ablations) * per_record,
+                                 compiles * COMPILE_S["speculative"] + (greedy + ablations) * per_record * run)
+            if batch in p.sampled_batches:  # another sampling mode: every configuration compiles again
+                sampled = 1 + len(SPECULATIVE) * (2 if p.sampled_defaults else 1) + ablations
+                costs["heldout"].add(sampled, sampled * per_record,
+                                     COMPILE_S["ar"] + (sampled - 1) * COMPILE_S["speculative"]
+                                     + sampled * per_record * run)
+    for case in p.serve:
+        methods = 2 + (len(BASELINES) if case.all_baselines else 1)
+        # 128 requests through 64 slots: the prefill of every request, about twice a static batch's decode
+        run = (0.02 + case.requests * case.prompt_tokens / 480e3
+               + 2 * p.new_tokens * step_s(case.slots, case.prompt_tokens) + 2 * RUN_OVERHEAD_S)
+        runs = methods * (p.warmup + p.repeats)
+        costs["serve"].add(methods, runs, methods * COMPILE_S["speculative"] + runs * run)
+    models = {case.model for case in p.scale}
+    cases = sum(len(case.batches) * 3 for case in p.scale)  # ar, vegas, streaming
+    costs["scale"].add(cases, cases, len(models) * SCALE_MODEL_S + cases * SCALE_CASE_S)
+    for batch, length in p.peer:
+        generate = p.new_tokens * hf_step_s(batch, length) + batch * length / 100e3
+        costs["peer"].add(0, p.repeats, generate * (p.repeats + 1) + batch * length / 100e3 * p.repeats)
+    if p.peer:
+        costs["peer"].seconds += PEER_MODEL_S
+    return costs
+
+
+def describe_costs(preset: Preset, stages) -> str:
+    costs = stage_costs(preset)
+    lines = [f"preset {preset.name}: estimated H200 time from scratch (at most; the log's records are skipped)"]
+    total = 0.0
+    for stage in stages:
+        c = costs[stage]
+        total += c.seconds
+        lines.append(f"  {stage:8} {c.compiles:4d} compilations, {c.runs:4d} runs: {c.seconds / 60:6.1f} min")
+    lines.append(f"  total    {total / 60:6.1f} min")
+    return "\n".join(lines)

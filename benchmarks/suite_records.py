@@ -1,0 +1,90 @@
+"""The benchmark suite's results: one JSON record per line, appended and flushed as each measurement ends, so that
+a run stopped by a time limit keeps everything it measured and the next run skips it.
+
+A record's key is what was measured (KEY_FIELDS); two records with the same key are the same measurement, and the
+later one wins when they are read back (a re-measurement replaces, never averages). A line cut short by a kill
+is ignored when the log is read (and reported), never half-parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+KEY_FIELDS = ("stage", "model", "method", "batch", "prompt_tokens", "context", "split", "gamma", "sparse_ratio",
+              "knobs", "temperature", "requests")
+
+
+def _canonical(value):
+    # Ratios arrive as 0.07 from a preset and 0.07000000000000001 from arithmetic: keys compare them rounded.
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in sorted(value.items())}
+    return value
+
+
+def record_key(record: dict) -> str:
+    """What a record measured, as one string: equal for records of the same measurement."""
+    return json.dumps([_canonical(record.get(field)) for field in KEY_FIELDS])
+
+
+class RecordLog:
+    """Records in a JSON Lines file, read at creation; `append` writes one and copies the log to `mirror` (the
+    device tool's $OUT, so that what a call measured comes back even if a later one is cut short)."""
+
+    def __init__(self, path: Path, mirror: Path | None = None):
+        self.path, self.mirror = Path(path), Path(mirror) if mirror else None
+        self._by_key: dict[str, dict] = {}
+        self.skipped_lines = 0
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    self.skipped_lines += 1  # a line cut short when a run was killed mid-write
+                    continue
+                self._by_key[record_key(record)] = record
+        if self.skipped_lines:
+            print(f"{self.path}: ignored {self.skipped_lines} unreadable line(s)", file=sys.stderr)
+
+    @property
+    def records(self) -> list[dict]:
+        return list(self._by_key.values())
+
+    def get(self, key: str) -> dict | None:
+        return self._by_key.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    def find(self, **fields) -> list[dict]:
+        """Records whose fields equal these (compared as keys compare them)."""
+        want = {k: _canonical(v) for k, v in fields.items()}
+        return [r for r in self._by_key.values() if all(_canonical(r.get(k)) == v for k, v in want.items())]
+
+    def append(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._by_key[record_key(record)] = record
+        if self.mirror:
+            self.mirror.mkdir(parents=True, exist_ok=True)
+            temporary = self.mirror / (self.path.name + ".partial")
+            shutil.copyfile(self.path, temporary)
+            temporary.replace(self.mirror / self.path.name)
+
+
+def read_records(paths: list[Path]) -> list[dict]:
+    """The records of several logs, a later file's record replacing an earlier one's of the same key."""
+    merged: dict[str, dict] = {}
+    for path in paths:
+        merged.update((record_key(r), r) for r in RecordLog(path).records)
+    return list(merged.values())

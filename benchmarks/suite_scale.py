@@ -1,0 +1,211 @@
+"""The paper's model scale, timing only: random weights of Llama-3.1-8B's and Qwen3-8B's shapes at 32K and 128K of
+context, the cache filled with random rows instead of prefill (`Engine.start(fill_cache=...)`).
+
+Per (model, context, batch): a plain step, a Vegas iteration and a Stream iteration (γ 6, ratio 7 %), each timed
+over a few iterations of the compiled loop, then profiled over a few more (GPU time by kernel kind, and by phase:
+the draft loop's command buffer against the rest of the iteration); the memory roofline fraction: the bytes a step
+or iteration must read (weights, and the KV rows each pass attends to) over the read bandwidth measured in the same
+process, divided by the time it took. Acceptance on random weights means nothing: throughput at SmolLM2's measured
+τ is a projection, made by the report, never measured here.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.profile_decode import gpu_kernel_events, summarize
+from benchmarks.random_model import SHAPES, random_engine
+from benchmarks.suite_presets import SCALE_CASE_S, SCALE_MODEL_S, Preset
+from models.config import ModelConfig
+from vegas_jax.engine import GenerationOptions
+from vegas_jax.inputs import InputError
+
+SCALE_METHODS = ("ar", "vegas", "streaming")
+WARMUP_ITERATIONS = 2
+PROFILED_ITERATIONS = 3
+BANDWIDTH_BYTES = 2**32
+
+
+def _median_seconds(fn, x, reps: int = 10) -> float:
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> dict:
+    """GB/s of a read-only pass (a sum of a bf16 array) and of a copy (bytes read plus written)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    read = _median_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x)
+    copy = _median_seconds(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
+    del x
+    return {"read_bandwidth_gbps": nbytes / read / 1e9, "copy_bandwidth_gbps": 2 * nbytes / copy / 1e9}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def random_rows(cache):
+    """The cache with every row random (standard normal): what prefill would leave, for the cost of reading it."""
+    keys = jax.random.split(jax.random.key(0), 2 * len(cache.k))
+    fill = lambda arrays, first: tuple(jax.random.normal(keys[first + i], a.shape, a.dtype)
+                                       for i, a in enumerate(arrays))
+    return type(cache)(k=fill(cache.k, 0), v=fill(cache.v, len(cache.k)))
+
+
+def weight_bytes_read(config: ModelConfig, params) -> int:
+    """Bytes of parameters a decode step reads: all of them, but for an untied embedding table, of which a step
+    reads only its tokens' rows."""
+    total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+    if not config.tie_word_embeddings:
+        total -= int(np.prod(params["embed"].shape)) * params["embed"].dtype.itemsize
+    return total
+
+
+def kv_bytes_per_token(config: ModelConfig, itemsize: int = 2) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+def bytes_per_iteration(weights: int, kv_token: int, batch: int, length: int, gamma: int, budget: int) -> int:
+    """What an iteration must read: γ draft steps of the weights and `budget` cached rows per sequence, then one
+    verification (a plain step when γ = 0) of the weights and every cached row."""
+    return gamma * (weights + batch * budget * kv_token) + weights + batch * length * kv_token
+
+
+def phase_split(events: list[dict], iterations: int) -> dict[str, float]:
+    """GPU milliseconds per iteration by phase: the kernels of each enclosing command buffer go to the draft if it
+    runs the sparse draft attention kernel, to verification (with acceptance and selection) if it runs the
+    verification kernel, else to "other"."""
+    by_op = collections.defaultdict(list)
+    for e in events:
+        by_op[(e.get("args") or {}).get("hlo_op", e["name"])].append(e)
+    phases = collections.Counter()
+    for group in by_op.values():
+        names = " ".join(e["name"] for e in group)
+        phase = ("draft" if "sparse_decode_attention" in names else
+                 "verify, accept, select" if "verify_attention" in names else "other")
+        phases[phase] += sum(e["dur"] for e in group) / 1e3 / iterations
+    return dict(phases)
+
+
+def _profile(decode, params, state, limit: int, everyone) -> tuple[object, dict]:
+    before = int(np.asarray(state.step))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            t0 = time.perf_counter()
+            state = decode(params, state, jnp.int32(limit), everyone)
+            jax.block_until_ready(state.output)
+            wall = time.perf_counter() - t0
+        events = gpu_kernel_events(Path(log_dir))
+    ran = max(1, int(np.asarray(state.step)) - before)
+    summary = summarize(events, ran, wall, top=12)
+    return state, {
+        "wall_ms_per_iteration": summary["wall_ms_per_iteration"],
+        "gpu_busy_ms_per_iteration": summary["gpu_busy_ms_per_iteration"],
+        "kernels_per_iteration": summary["kernels_per_iteration"],
+        "by_kind": {k: v["ms_per_iteration"] for k, v in summary["by_kind"].items()},
+        "phases": phase_split(events, ran),
+        "top_kernels": summary["top_kernels"],
+    }
+
+
+def time_iterations(engine, batch: int, context: int, method: str, iterations: int) -> dict:
+    """ms per iteration of `method` (a plain step for ar) on a random cache of `context` rows, and its profile."""
+    gamma = 0 if method == "ar" else GenerationOptions.gamma
+    max_new = (1 + WARMUP_ITERATIONS + iterations + PROFILED_ITERATIONS) * (gamma + 1) + 1
+    options = GenerationOptions(method=method, max_new_tokens=max_new, max_model_len=context)
+    prompts = [[1] * (context - max_new)] * batch
+    started = engine.start(prompts, options, fill_cache=random_rows)
+    params, everyone = engine.model.params, jnp.int32(batch)
+    state = started.decode(params, started.state, jnp.int32(WARMUP_ITERATIONS), everyone)
+    jax.block_until_ready(state.output)
+    first = int(np.asarray(state.step))
+    t0 = time.perf_counter()
+    state = started.decode(params, state, jnp.int32(first + iterations), everyone)
+    jax.block_until_ready(state.output)
+    wall = time.perf_counter() - t0
+    ran = int(np.asarray(state.step)) - first
+    state, profile = _profile(started.decode, params, state, first + iterations + PROFILED_ITERATIONS, everyone)
+    budget = started.config.policy.budget.k_max if started.config.policy else 0
+    return {
+        "ms_per_iteration": 1e3 * wall / max(ran, 1),
+        "iterations": ran,
+        "length": context - max_new,
+        "gamma": gamma,
+        "sparse_ratio": options.sparse_ratio if gamma else None,
+        "draft_budget_tokens": budget,
+        "compile_s": started.timings["compile_s"],
+        "profile": profile,
+    }
+
+
+def fits(engine, batch: int, context: int, method: str) -> str | None:
+    """None if the run fits the device (vegas_jax.memory's plan), else the refusal."""
+    options = GenerationOptions(method=method, max_new_tokens=64, max_model_len=context)
+    try:
+        engine.plan([[1] * (context - 64)] * batch, options)
+    except InputError as e:
+        return str(e)
+    return None
+
+
+def run_scale(session, preset: Preset) -> None:
+    """Every ScaleCase of the preset, through session.measure (which skips what the log has)."""
+    bandwidth = None
+    for model in dict.fromkeys(case.model for case in preset.scale):
+        cases = [c for c in preset.scale if c.model == model]
+        wanted = [(c, b, m) for c in cases for b in c.batches for m in SCALE_METHODS
+                  if session.missing(_fields(model, c.context, b, m))]
+        if not wanted:
+            continue
+        session.check_time(SCALE_MODEL_S + SCALE_CASE_S, f"scale {model}")
+        if bandwidth is None:
+            bandwidth = measure_bandwidth()
+            print(f"read {bandwidth['read_bandwidth_gbps']:.0f} GB/s, copy {bandwidth['copy_bandwidth_gbps']:.0f} GB/s",
+                  flush=True)
+        config = SHAPES[model]
+        engine = random_engine(config)
+        weights, kv_token = weight_bytes_read(config, engine.model.params), kv_bytes_per_token(config)
+        for case, batch, method in wanted:
+            session.measure(_fields(model, case.context, batch, method), SCALE_CASE_S,
+                            functools.partial(_case, session, engine, model, bandwidth, weights, kv_token,
+                                              case.context, batch, method, preset.scale_iterations))
+        del engine
+
+
+def _fields(model: str, context: int, batch: int, method: str) -> dict:
+    return {"stage": "scale", "model": model, "context": context, "batch": batch, "method": method,
+            "weights": "random", "dtype": "bfloat16"}
+
+
+def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, method, iterations) -> dict:
+    refusal = fits(engine, batch, context, method)
+    if refusal:
+        return {"fits": False, "reason": refusal}
+    timing = time_iterations(engine, batch, context, method, iterations)
+    plain_records = [r for r in session.log.find(**_fields(model, context, batch, "ar")) if r.get("fits")]
+    plain = timing["ms_per_iteration"] if method == "ar" else (
+        plain_records[0]["ms_per_iteration"] if plain_records else None)
+    needed = bytes_per_iteration(weights, kv_token, batch, timing["length"], timing["gamma"],
+                                 timing["draft_budget_tokens"])
+    at_roofline_ms = 1e3 * needed / (bandwidth["read_bandwidth_gbps"] * 1e9)
+    return {
+        "fits": True,
+        **timing,
+        **bandwidth,
+        "plain_ms_per_step": plain,
+        "plain_steps_per_iteration": timing["ms_per_iteration"] / plain if plain else None,
+        "bytes_per_iteration": needed,
+        "weight_bytes": weights,
+        "roofline_ms": at_roofline_ms,
+        "roofline_fraction": at_roofline_ms / timing["ms_per_iteration"],
+    }

@@ -1,0 +1,135 @@
+"""Symmetric tuning: every speculative method searches the same grid of γ and sparse ratio, plus its own knobs,
+by the same coordinate search, on the tuning split; the cell it ends on is its tuned cell.
+
+The search, from the common default cell (γ 6, ratio 7 %, the method's default knobs): sweep γ over the grid with
+everything else fixed and keep the fastest; then the ratio at that γ; then each of the method's knobs in turn; with
+`refine`, γ once more at the final ratio and knobs. Every sweep includes the cell it starts from, so a step never
+makes the result slower on the tuning set. A grid of g γ values, r ratios and k_i values per knob costs at most
+g + r + sum(k_i) - (number of sweeps - 1) distinct cells (each compiled once) instead of g * r * prod(k_i).
+
+The search is a pure function of what has been measured (`next_cells`, `tuned_cell`): a run stopped halfway
+resumes by replaying it over the records, and a finished one can be audited from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from vegas_jax.engine import METHOD_KNOBS, GenerationOptions
+
+DEFAULT_GAMMA = GenerationOptions.gamma
+DEFAULT_RATIO = GenerationOptions.sparse_ratio
+
+
+def default_knobs(method: str) -> dict[str, int]:
+    """The method's own knobs (GenerationOptions field names) at their defaults; none for Vegas and plain decoding."""
+    return {knob: getattr(GenerationOptions, knob) for knob, owner in METHOD_KNOBS.items() if owner == method}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One configuration of a method: γ (0 for plain decoding), sparse ratio (None for plain decoding) and the
+    method's knobs as sorted (name, value) pairs."""
+
+    gamma: int
+    sparse_ratio: float | None
+    knobs: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def default(cls, method: str) -> "Cell":
+        if method == "ar":
+            return cls(0, None)
+        return cls(DEFAULT_GAMMA, DEFAULT_RATIO, tuple(sorted(default_knobs(method).items())))
+
+    @classmethod
+    def of(cls, record: Mapping) -> "Cell":
+        return cls(record["gamma"], record["sparse_ratio"], tuple(sorted((record.get("knobs") or {}).items())))
+
+    def with_value(self, axis: str, value) -> "Cell":
+        if axis in ("gamma", "sparse_ratio"):
+            return dataclasses.replace(self, **{axis: value})
+        return dataclasses.replace(self, knobs=tuple(sorted({**dict(self.knobs), axis: value}.items())))
+
+    def value(self, axis: str):
+        return getattr(self, axis) if axis in ("gamma", "sparse_ratio") else dict(self.knobs)[axis]
+
+    def option_fields(self) -> dict:
+        """The GenerationOptions fields this cell sets."""
+        fields = dict(self.knobs)
+        if self.gamma:
+            fields.update(gamma=self.gamma, sparse_ratio=self.sparse_ratio)
+        return fields
+
+    def label(self) -> str:
+        if not self.gamma:
+            return "-"
+        knobs = "".join(f", {k.split('_', 1)[1]} {v}" for k, v in self.knobs)
+        return f"γ {self.gamma}, {100 * self.sparse_ratio:g} %{knobs}"
+
+
+def _rounded(cell: Cell) -> Cell:
+    # Measured ratios come back from JSON and arithmetic: cells compare with ratios rounded.
+    return cell if cell.sparse_ratio is None else dataclasses.replace(cell, sparse_ratio=round(cell.sparse_ratio, 6))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    gammas: tuple[int, ...]
+    ratios: tuple[float, ...]
+    knobs: Mapping[str, tuple[int, ...]]  # values of every method's knobs (each method sweeps its own)
+    refine: bool = False  # a second γ sweep after the ratio and the knobs
+
+    def __post_init__(self):
+        # The default cell is on the grid, so the search starts from a measured cell and can always keep it.
+        for name, values, default in [("gammas", self.gammas, DEFAULT_GAMMA), ("ratios", self.ratios, DEFAULT_RATIO),
+                                      *[(k, self.knobs.get(k, ()), getattr(GenerationOptions, k)) for k in METHOD_KNOBS]]:
+            if default not in values:
+                raise ValueError(f"grid {name} {values} must include the default {default}")
+
+    def sweeps(self, method: str) -> list[tuple[str, tuple]]:
+        """(axis, values) in search order for this method."""
+        own = [(knob, tuple(self.knobs[knob])) for knob in default_knobs(method)]
+        steps = [("gamma", self.gammas), ("sparse_ratio", self.ratios), *own]
+        return steps + [("gamma", self.gammas)] if self.refine else steps
+
+    def size(self, method: str) -> int:
+        """Distinct cells the search measures at most."""
+        sweeps = self.sweeps(method)
+        if method == "ar":
+            return 1
+        first, *rest = sweeps
+        # Each later sweep re-visits the cell it starts from; the refining γ sweep may repeat up to all of γ's.
+        return len(first[1]) + sum(len(values) - 1 for _, values in rest)
+
+
+def _replay(method: str, grid: Grid, rates: Mapping[Cell, float]) -> tuple[Cell, list[Cell]]:
+    """(the cell the search has reached, the cells of its current sweep still unmeasured: empty when done)."""
+    rates = {_rounded(c): r for c, r in rates.items()}
+    current = Cell.default(method)
+    if method == "ar":
+        return current, [] if current in rates else [current]
+    for axis, values in grid.sweeps(method):
+        sweep = [_rounded(current.with_value(axis, v)) for v in values]
+        missing = [c for c in sweep if c not in rates]
+        if missing:
+            return current, missing
+        # The fastest; a tie keeps the cell the sweep started from, then the earlier value.
+        current = max(sweep, key=lambda c: (rates[c], c == current, -sweep.index(c)))
+    return current, []
+
+
+def next_cells(method: str, grid: Grid, rates: Mapping[Cell, float]) -> list[Cell]:
+    """The cells to measure next (the rest of the current sweep); empty once the search is complete."""
+    return _replay(method, grid, rates)[1]
+
+
+def tuned_cell(method: str, grid: Grid, rates: Mapping[Cell, float]) -> Cell | None:
+    """The cell the search ends on, or None while it is incomplete."""
+    cell, missing = _replay(method, grid, rates)
+    return None if missing else cell
+
+
+def rates_of(records) -> dict[Cell, float]:
+    """{cell: median decode tokens/s} of tuning records (one method, batch and length)."""
+    return {Cell.of(r): r["decode_tokens_per_s"] for r in records}

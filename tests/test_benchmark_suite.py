@@ -1,0 +1,363 @@
+"""The benchmark suite's CPU-side logic: the resumable log, the prompt splits, the symmetric coordinate search, the
+stages' choice of what to measure, the scale stage's byte counts and profile split, and the report generated from
+records. Nothing here times anything; the model never runs but for one tiny engine's start."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import report, suite
+from benchmarks import suite_tables as tables
+from benchmarks.prompt_splits import chat_frame, heldout_files, split_files, split_prompts, stdlib_root
+from benchmarks.prompts import QUESTION, stdlib_files
+from benchmarks.suite_presets import PRESETS, Preset, ServeCase
+from benchmarks.suite_records import RecordLog, read_records, record_key
+from benchmarks.suite_scale import bytes_per_iteration, phase_split, random_rows
+from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
+from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
+from vegas_jax.loading.gguf import embedded_smollm2_path
+from vegas_jax.tokenizer import Tokenizer
+
+# ---- the log -----------------------------------------------------------------------------------------------
+
+
+def test_log_appends_rereads_and_skips_by_key(tmp_path):
+    path, mirror = tmp_path / "suite.jsonl", tmp_path / "out"
+    log = RecordLog(path, mirror)
+    a = {"stage": "heldout", "method": "vegas", "batch": 64, "prompt_tokens": 7936, "split": "heldout", "gamma": 6,
+         "sparse_ratio": 0.07, "knobs": {}, "temperature": 0.0, "decode_tokens_per_s": 100.0}
+    log.append(a)
+    log.append({**a, "method": "streaming", "knobs": {"stream_sinks": 16}, "decode_tokens_per_s": 90.0})
+    # The same measurement (a ratio from arithmetic) again: it replaces, never duplicates.
+    log.append({**a, "sparse_ratio": 0.1 - 0.03, "decode_tokens_per_s": 110.0})
+    with path.open("a") as f:
+        f.write('{"stage": "heldout", "method": "qu')  # a line cut short by a kill
+    again = RecordLog(path)
+    assert again.skipped_lines == 1 and len(again.records) == 2
+    assert again.get(record_key(a))["decode_tokens_per_s"] == 110.0
+    assert record_key({**a, "temperature": 0.7}) not in again
+    assert record_key({**a, "knobs": {"stream_sinks": 16}, "method": "streaming"}) in again
+    assert [r["method"] for r in again.find(stage="heldout", sparse_ratio=0.07000000001)] == ["vegas", "streaming"]
+    assert (mirror / "suite.jsonl").read_text() == path.read_text().rsplit("\n", 1)[0] + "\n"
+    # Several logs: a later file's record of the same key wins.
+    other = tmp_path / "later.jsonl"
+    RecordLog(other).append({**a, "decode_tokens_per_s": 5.0})
+    rates = {r["method"]: r["decode_tokens_per_s"] for r in read_records([path, other])}
+    assert rates == {"vegas": 5.0, "streaming": 90.0}
+
+
+# ---- prompt splits -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(gguf.GGUFReader(embedded_smollm2_path()))
+
+
+def test_splits_are_disjoint_and_the_heldout_one_is_new():
+    tuning, held = set(split_files("tuning")), set(heldout_files())
+    assert tuning == set(stdlib_files())  # what every benchmark before the suite read
+    assert held and tuning and not tuning & held
+    assert all(p.is_relative_to(stdlib_root()) and "test" not in p.relative_to(stdlib_root()).parts for p in held)
+    with pytest.raises(ValueError, match="unknown split"):
+        split_files("train")
+
+
+def test_prompts_are_exact_length_slices_in_the_chat_template_with_recorded_hashes(tok):
+    before, after = chat_frame(tok)
+    assert tok.decode(after).endswith(QUESTION.strip() + "\nassistant\n") or QUESTION.strip() in tok.decode(after)
+    made = {}
+    for split in ("tuning", "heldout"):
+        ps, two = split_prompts(tok, split, 3, 600), split_prompts(tok, split, 2, 600)
+        made[split] = two.prompts
+        body = 600 - len(before) - len(after)
+        assert [len(p) for p in ps.prompts] == [600] * 3
+        assert all(p[: len(before)] == before and p[-len(after):] == after for p in ps.prompts)
+        bodies = [tuple(p[len(before) : -len(after)]) for p in ps.prompts]
+        assert len(set(bodies)) == 3 and all(len(b) == body for b in bodies)
+        for f in ps.provenance["files"]:
+            data = (stdlib_root() / f["name"]).read_bytes()
+            assert f["sha256"] == hashlib.sha256(data).hexdigest() and f["bytes"] == len(data)
+        assert [f["name"] for f in ps.provenance["files"]] == [
+            str(p.relative_to(stdlib_root())) for p in split_files(split)[: len(ps.provenance["files"])]]
+        # The text of the first prompt is the split's first file's.
+        first = (stdlib_root() / ps.provenance["files"][0]["name"]).read_text()
+        assert tok.decode(bodies[0][:50]) in first
+        # Fewer prompts are the first ones of more, hashed as split_prompts hashes them.
+        head = ps.head(2)
+        assert head.prompts == two.prompts == ps.prompts[:2]
+        assert head.provenance["prompts_sha256"] == two.provenance["prompts_sha256"] != ps.provenance["prompts_sha256"]
+    assert not {tuple(p) for p in made["tuning"]} & {tuple(p) for p in made["heldout"]}
+
+
+# ---- the coordinate search ----------------------------------------------------------------------------------
+
+GRID = Grid(gammas=(2, 4, 6, 8), ratios=(0.03, 0.07, 0.15),
+            knobs={"stream_sinks": (4, 16, 64), "quest_page": (16,), "retrieval_chunk": (16, 32),
+                   "retrieval_every": (2, 4)})
+
+
+def rate(cell: Cell) -> float:
+    """A made-up tokens/s: best at γ 4, ratio 0.03, sinks 64, chunk 16, every 2; not separable in γ and ratio."""
+    if not cell.gamma:
+        return 50.0
+    knobs = dict(cell.knobs)
+    score = -abs(cell.gamma - 4) - 30 * abs(cell.sparse_ratio - 0.03) - 0.5 * (cell.gamma == 8) * cell.sparse_ratio
+    score -= abs(knobs.get("stream_sinks", 64) - 64) / 64 + (knobs.get("retrieval_chunk", 16) != 16)
+    return 100 + score - (knobs.get("retrieval_every", 2) != 2)
+
+
+def search(method: str, grid: Grid = GRID, stop_after: int | None = None) -> dict[Cell, float]:
+    measured: dict[Cell, float] = {}
+    while cells := next_cells(method, grid, measured):
+        for cell in cells:
+            if stop_after is not None and len(measured) == stop_after:
+                return measured
+            measured[cell] = rate(cell)
+    return measured
+
+
+@pytest.mark.parametrize("method", ["vegas", "streaming", "retrieval", "ar"])
+def test_search_ends_on_a_cell_no_single_axis_move_improves(method):
+    measured = search(method)
+    best = tuned_cell(method, GRID, measured)
+    assert len(measured) <= GRID.size(method)
+    if method == "ar":
+        assert best == Cell(0, None) and len(measured) == 1
+        return
+    assert Cell.default(method) in measured  # the search starts from the common default
+    assert best == max(measured, key=measured.get)  # never worse than anything it measured
+    for axis, values in GRID.sweeps(method):  # coordinate-optimal, checked on the made-up rates themselves
+        assert all(rate(best.with_value(axis, v)) <= rate(best) for v in values), axis
+    want = {"vegas": {}, "streaming": {"stream_sinks": 64}, "retrieval": {"retrieval_chunk": 16, "retrieval_every": 2}}
+    assert (best.gamma, best.sparse_ratio, dict(best.knobs)) == (4, 0.03, want[method])
+
+
+def test_a_stopped_search_resumes_with_the_cells_it_had_left():
+    whole = search("retrieval")
+    for stop in range(1, len(whole)):
+        part = search("retrieval", stop_after=stop)
+        assert tuned_cell("retrieval", GRID, part) is None
+        # Replayed over what was measured (in any order, ratios through JSON), the search goes on the same way.
+        replayed = {Cell(c.gamma, float(json.loads(json.dumps(c.sparse_ratio + 1e-12))), c.knobs): r
+                    for c, r in reversed(list(part.items()))}
+        missing = next_cells("retrieval", GRID, replayed)
+        assert missing and not set(missing) & set(part) and set(missing) <= set(whole)
+
+
+def test_grid_must_hold_the_defaults():
+    with pytest.raises(ValueError, match="gammas"):
+        Grid(gammas=(2, 4), ratios=(0.07,), knobs=GRID.knobs)
+    with pytest.raises(ValueError, match="quest_page"):
+        Grid(gammas=(6,), ratios=(0.07,), knobs={**GRID.knobs, "quest_page": (8,)})
+
+
+# ---- the stages' choice of what to measure --------------------------------------------------------------------
+
+TINY = Preset(name="tiny", lengths=(7936,), batches=(64, 32), grid=GRID, tune_new_tokens=8, tune_repeats=1,
+              new_tokens=16, repeats=3, sampled_batches=(64,), sampled_defaults=False, ablation_batches=(64,),
+              serve=(ServeCase(128, 64, 7936, all_baselines=False),), scale=(), scale_iterations=1, peer=(),
+              borrowed_tuning=((32, 64),))
+
+
+@pytest.fixture
+def stage_session(tmp_path, monkeypatch):
+    """A session whose measurements are made-up rates: records as measure_static would write them."""
+    session = suite.Session(TINY, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
+                            dtype="float32")
+    monkeypatch.setattr(session, "provenance", lambda result: {})
+
+    def fake(session, stage, split, method, cell, batch, length, temperature, *, new_tokens, repeats, extra=None):
+        fields = {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length,
+                  "temperature": temperature, **suite._cell_fields(method, cell)}
+        value = 50.0 if method == "ar" else rate(cell)
+        return session.measure(fields, 1.0, lambda: {"decode_tokens_per_s": value, "tau": 5.0, "repeats": repeats,
+                                                     **(extra or {})})
+
+    monkeypatch.setattr(suite, "measure_static", fake)
+    return session
+
+
+def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_session):
+    session = stage_session
+    suite.heldout(session, 7936, 64)  # before tuning: plain decoding only, the rest is reported as not tuned
+    assert {r["method"] for r in session.log.records} == {"ar"}
+    assert len(session.incomplete) == 2 * 4  # four methods, greedy and sampled
+    suite.tune(session, 7936, 64)
+    tuned = [r for r in session.log.records if r["stage"] == "tune"]
+    assert {r["split"] for r in tuned} == {"tuning"}
+    assert len(tuned) == 1 + sum(len(search(m)) for m in ("vegas", "streaming", "quest", "retrieval"))
+    for batch in (64, 32):
+        suite.heldout(session, 7936, batch)
+    held = [r for r in session.log.records if r["stage"] == "heldout"]
+    chosen = {m: tuned_cell(m, GRID, search(m)) for m in ("vegas", "streaming", "quest", "retrieval")}
+    for r in held:
+        assert r["split"] == "heldout" and r["repeats"] == 3
+        if r["method"] in chosen:
+            assert r["tuned"] == (Cell.of(r) == chosen[r["method"]])
+            assert r["default"] == (Cell.of(r) == Cell.default(r["method"]))
+    greedy64 = {(r["method"], r["tuned"]) for r in held if r["batch"] == 64 and r["temperature"] == 0}
+    assert greedy64 == {("ar", True), ("vegas-all", False), ("last", False)} | {
+        (m, flag) for m in chosen for flag in (True, False)}
+    ablations = [r for r in held if r.get("at_cell_of") == "vegas"]
+    assert {r["method"] for r in ablations} == {"vegas-all", "last"}
+    assert all(Cell.of(r) == chosen["vegas"] for r in ablations)
+    sampled = {r["method"] for r in held if r["temperature"] == 0.7}
+    assert sampled == {"ar", "vegas", "streaming", "quest", "retrieval", "vegas-all", "last"}  # tuned cells only
+    # Batch 32 borrows batch 64's tuning: no tuning records of its own, the same cells, no sampled runs.
+    assert not [r for r in tuned if r["batch"] == 32]
+    at32 = {r["method"]: Cell.of(r) for r in held if r["batch"] == 32 and r.get("tuned")}
+    assert {m: at32[m] for m in chosen} == chosen and all(r["temperature"] == 0 for r in held if r["batch"] == 32)
+    # Run again: everything is in the log, nothing is measured twice.
+    count = len(session.log.records)
+    suite.tune(session, 7936, 64)
+    suite.heldout(session, 7936, 64)
+    assert len(session.log.records) == count
+
+
+def test_a_measurement_past_the_budget_stops_before_running(tmp_path):
+    session = suite.Session(TINY, RecordLog(tmp_path / "log.jsonl"), budget_s=10.0, model_path="none",
+                            dtype="float32")
+    ran = []
+    with pytest.raises(suite.OutOfTime, match="budget"):
+        session.measure({"stage": "tune", "method": "ar"}, 60.0, lambda: ran.append(1) or {})
+    assert not ran and not session.log.records
+
+
+# ---- the scale stage's arithmetic ------------------------------------------------------------------------------
+
+
+def test_bytes_an_iteration_must_read():
+    # 3 drafts of the weights and 5 rows of 2 sequences, then the weights and all 50 rows of both.
+    assert bytes_per_iteration(100, 10, 2, 50, 3, 5) == 3 * (100 + 2 * 5 * 10) + (100 + 2 * 50 * 10)
+    assert bytes_per_iteration(100, 10, 2, 50, 0, 0) == 100 + 1000  # a plain step
+
+
+def test_profile_phases_follow_the_enclosing_command_buffer():
+    kernel = lambda name, dur, op: {"name": name, "dur": dur, "args": {"hlo_op": op}}  # noqa: E731
+    events = [kernel("sparse_decode_attention_kernel", 30.0, "cb_draft"), kernel("nvjet_gemm", 70.0, "cb_draft"),
+              kernel("verify_attention_logit", 50.0, "cb_rest"), kernel("nvjet_gemm", 40.0, "cb_rest"),
+              kernel("count_at_least", 10.0, "cb_rest"), kernel("memcpy", 4.0, "while")]
+    assert phase_split(events, iterations=2) == pytest.approx(
+        {"draft": 0.05, "verify, accept, select": 0.05, "other": 0.002})
+
+
+def test_a_start_with_fill_cache_decodes_from_the_filled_cache_without_prefill():
+    engine = tiny_engine(layers=1)
+    seen = []
+
+    def fill(cache):
+        seen.append(float(jnp.abs(cache.k[0]).max()))
+        return random_rows(cache)
+
+    lengths = (40, 25)
+    started = engine.start(prompts(lengths, engine.config.vocab_size),
+                           dataclasses.replace(GREEDY, max_new_tokens=4), fill_cache=fill)
+    assert seen == [0.0] and not any(key[0] == "prefill" for key in engine._compiled)
+    filled = random_rows(jax.tree.map(jnp.zeros_like, started.state.cache))  # what fill made (same key)
+    for b, length in enumerate(lengths):  # the bootstrap step wrote the last prompt token's row, nothing before
+        np.testing.assert_array_equal(np.asarray(started.state.cache.k[0][b, : length - 1]),
+                                      np.asarray(filled.k[0][b, : length - 1]))
+        assert not np.array_equal(np.asarray(started.state.cache.k[0][b, length - 1]),
+                                  np.asarray(filled.k[0][b, length - 1]))  # the bootstrap step's own row
+    assert float(jnp.abs(filled.k[0]).min()) > 0  # random rows, not the zeros prefill would have replaced
+
+
+# ---- the report --------------------------------------------------------------------------------------------
+
+
+def _held(method, batch, rate_, tau=6.0, *, tuned=True, default=False, temperature=0.0, cell=None, **extra):
+    cell = cell or (Cell.default(method) if default or method == "ar" else Cell(4, 0.05))
+    return {"stage": "heldout", "split": "heldout", "method": method, "batch": batch, "prompt_tokens": 7936,
+            "temperature": temperature, "tuned": tuned, "default": default, "repeats": 3, "tau": tau,
+            "decode_tokens_per_s": rate_, "decode_tokens_per_s_min": 0.9 * rate_,
+            "decode_tokens_per_s_max": 1.1 * rate_, "gamma": cell.gamma, "sparse_ratio": cell.sparse_ratio,
+            "knobs": dict(cell.knobs), "tuned_at_batch": batch, "date": "2026-12-02T00:00:00+00:00",
+            "device": "NVIDIA H200", "jax_version": "0.11.2", "code": "abc1234", **extra}
+
+
+def _scale(model, batch, method, ms, fraction=None, steps=None):
+    return {"stage": "scale", "model": model, "context": 32768, "batch": batch, "method": method, "fits": True,
+            "ms_per_iteration": ms, "roofline_fraction": fraction, "plain_steps_per_iteration": steps,
+            "read_bandwidth_gbps": 4000.0}
+
+
+FIXTURE = [
+    _held("ar", 64, 1000), _held("vegas", 64, 1800, 6.4), _held("streaming", 64, 1500, 5.9),
+    _held("quest", 64, 900, 6.2), _held("retrieval", 64, 1400, 6.0),
+    _held("ar", 32, 800), _held("vegas", 32, 1100, 6.3), _held("streaming", 32, 1000, 6.1),  # 1.10x: missed
+    _held("vegas", 64, 1700, 6.3, tuned=False, default=True), _held("streaming", 64, 1450, 6.4, tuned=False,
+                                                                    default=True),  # τ above Vegas's: missed
+    _scale("llama-3.1-8b", 8, "ar", 12.0, fraction=0.86), _scale("llama-3.1-8b", 1, "ar", 7.0, fraction=0.6),
+    _scale("llama-3.1-8b", 8, "vegas", 48.0, steps=4.0), _scale("llama-3.1-8b", 8, "streaming", 46.0, steps=3.8),
+]
+
+
+def test_targets_from_records_met_missed_and_not_yet_measured():
+    status = {x.name: (x.status, x.result) for x in tables.targets(FIXTURE)}
+    (vegas, tau, b8, b1, iteration) = status.values()
+    assert vegas == ("missed", "B64: 1.20x streaming; B32: 1.10x streaming")
+    assert tau[0] == "missed" and "6.30 vs streaming 6.40" in tau[1]
+    assert b8 == ("met", "llama-3.1-8b 86 %") and b1 == ("missed", "llama-3.1-8b 60 %")
+    assert iteration == ("missed", "llama-3.1-8b 4.00 plain steps")
+    assert all(x.status == "not yet measured" for x in tables.targets([]))
+    # Only batch 64 measured, and Vegas 1.2x there: met.
+    assert tables.targets([r for r in FIXTURE if r.get("batch") == 64])[0].status == "met"
+
+
+def test_projection_uses_smollm2_tau_at_the_default_cell():
+    (p,) = [p for p in tables.projections(FIXTURE) if p["batch"] == 8]
+    # Vegas's default-cell τ 6.3 at batch 64 (the closest measured) over its 48 ms iteration, 8 sequences.
+    assert p["vegas_tokens_per_s"] == pytest.approx(8 * 6.3 / 0.048)
+    assert p["streaming_tokens_per_s"] == pytest.approx(8 * 6.4 / 0.046)
+    assert p["plain_tokens_per_s"] == pytest.approx(8 / 0.012)
+
+
+def test_report_section_from_records_and_its_splice_into_the_readme():
+    text = report.section(FIXTURE, [], plots={})
+    assert text.startswith(report.BEGIN) and text.endswith(report.END)
+    assert "| Vegas >= 1.15x the best baseline, each tuned, held-out, batch 32-64, 8K | **missed** |" in text
+    assert "| 64 | 1,000 (900-1,100) | 1,800 (1,620-1,980), 1.80x | 1,500 (1,350-1,650), 1.50x |" in text
+    assert "| 32 | 800 (720-880) | 1,100 (990-1,210), 1.38x | 1,000 (900-1,100), 1.25x | - | - | 1.10x streaming |" in text
+    assert "PROJECTION" in text and "not yet measured" in text  # serving and the peer have no records
+    readme = f"intro\n{report.BEGIN}\nold numbers\n{report.END}\nlimits\n"
+    assert report.splice(readme, text) == f"intro\n{text}\nlimits\n"
+    with pytest.raises(ValueError, match="no results section"):
+        report.splice("no markers", text)
+    empty = report.section([], [], plots=None)
+    assert empty.count("**not yet measured**") == 6 and "matplotlib" not in empty  # nothing to plot anyway
+    assert "matplotlib is not installed" in report.section(FIXTURE, [], plots=None)
+
+
+def test_presets_hold_what_the_issue_asks():
+    paper = PRESETS["paper"]
+    assert paper.grid.gammas == (2, 3, 4, 6, 8) and paper.grid.ratios == (0.03, 0.05, 0.07, 0.10, 0.15)
+    assert set(paper.batches) == {1, 8, 32, 64} and set(paper.lengths) == {2048, 4096, 7936}
+    assert paper.repeats >= 3 and paper.serve[0].requests == 128 and paper.serve[0].slots == 64
+    assert all(p.max_model_len[n] <= 8192 for p in PRESETS.values() for n in p.lengths)  # SmolLM2's context
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batches", "8"], "--batches 8: batch 8 takes its tuning from batch 64"),
+    (["--lengths", "4096"], "--lengths 4096: preset quick has 7936"),
+    (["--stage", "tune,tunes"], "--stage tune,tunes"),
+    (["--budget-s", "0"], "--budget-s 0"),
+])
+def test_bad_flags_give_one_error_line_and_status_2(argv, needle, capsys):
+    assert suite.main(["--preset", "quick", "--estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {needle}")
+
+
+def test_estimate_prints_every_stage_and_runs_nothing(capsys, tmp_path):
+    assert suite.main(["--preset", "quick", "--estimate", "--results", str(tmp_path / "log.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert all(stage in out for stage in suite.STAGES) and not (tmp_path / "log.jsonl").exists()
