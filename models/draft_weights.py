@@ -4,12 +4,16 @@ The draft tree holds a QuantizedWeight (models.quantized) for each layer's fused
 projections, and for the LM head; everything else (norms, the embedding lookup, Qwen2's q/k/v bias) the draft reads
 from the model's own parameters (`models.quantized.overlay`). The LM head is quantized too: at a vocabulary of
 128K it is a large read of every draft step (6 % of Llama-3.1-8B's weights, a fifth of SmolLM2's), and since
-verification decides every token a coarser head costs acceptance, never correctness. A tied model's draft head is
-the quantized transpose of its embedding.
+verification decides every token a coarser head costs acceptance, never correctness; but never below int8
+(`precision_of`): SmolLM2's int4 drafts, whose layers were the very weights the model runs (the GGUF's own Q4_1
+blocks), reached only 0.84x the τ of bf16 drafts with an int4 head (H200, 2026-12-01,
+benchmarks/results/draft-precision-2026-12-01-real-s16-real.json): the head, which makes the logits, is where a
+draft's error shows. A tied model's draft head is the quantized transpose of its embedding.
 
-Quantized values keep the original weight's output axes, and with them its logical axes; the contracted axes are
+Quantized codes keep the original weight's output axes, and with them its logical axes; the contracted axes are
 flattened into one (o's [heads, head_dim] into heads x head_dim, split over devices in contiguous blocks of whole
-heads as before), and groups of the scales split with it where it is split (row-parallel o and down).
+heads as before; int4 codes packed two a byte within each group, so a device's block of bytes holds whole
+groups), and groups of the scales split with it where it is split (row-parallel o and down).
 """
 
 from __future__ import annotations
@@ -85,11 +89,18 @@ def check_groups(config: ModelConfig, name: str, group: int, model_shards: int) 
                                 f"{model_shards} model shards)")
 
 
+def precision_of(name: str, precision: str) -> str:
+    """The precision of weight `name` in a draft of `precision`: the LM head's is never below int8."""
+    return "int8" if name == LM_HEAD else precision
+
+
 def quantize_weight(config: ModelConfig, name: str, w: jax.Array, precision: str):
-    """One weight in its draft form; the LM head from `lm_head_source` (a tied model's embedding, transposed here
-    so that no transposed copy is ever made outside the quantizer)."""
+    """One weight in its draft form (of the draft precision `precision`: `precision_of`); the LM head from
+    `lm_head_source` (a tied model's embedding, transposed here so that no transposed copy is ever made outside the
+    quantizer)."""
     if name == LM_HEAD and config.tie_word_embeddings:
         w = w.T
+    precision = precision_of(name, precision)
     group = int4_group(config, name) if precision == "int4" else None
     return quantize(w, precision, _in_ndim(name), group)
 

@@ -248,26 +248,31 @@ def test_blocks_read_as_they_are_into_draft_weights(qtype):
 
 @pytest.mark.parametrize("qtype,precision", [(Q.Q4_1, "int4"), (Q.Q4_0, "int4"), (Q.Q8_0, "int8"), (Q.Q4_1, "int8")])
 def test_draft_weights_from_the_files_blocks(tmp_path, qtype, precision):
-    """A llama file stored in blocks, loaded with a draft: where the blocks have the draft's precision every draft
-    weight (q / k rows un-permuted, q / k / v and gate / up fused, o's heads flattened, the LM head) is those blocks,
-    so it means exactly the weights the model loaded; otherwise they are quantized from the loaded weights."""
+    """A llama file stored in blocks, loaded with a draft: where the blocks have a draft weight's precision (the
+    LM head's is int8 whatever the draft's) that weight (q / k rows un-permuted, q / k / v and gate / up fused, o's
+    heads flattened) is those blocks, so it means exactly the weights the model loaded; otherwise it is quantized
+    from the loaded weights, within half a step of them."""
     path, _ = _tiny_llama(tmp_path, quantize=qtype)
     m = load_gguf(path, dtype=jnp.float32, draft=precision)
     tree = m.drafts[precision]
-    native = gguf_blocks.precision_of(qtype) == precision
-    assert m.draft_sources[precision].startswith("9 of 9 weights" if native else "quantized from")
-    pairs = [(tree["lm_head"], m.params["lm_head"])] + [
-        (tree["layers"][i][name], m.params["layers"][i][name])
+    layers_native = gguf_blocks.precision_of(qtype) == precision
+    head_native = gguf_blocks.precision_of(qtype) == "int8"
+    count = 8 * layers_native + head_native
+    assert m.draft_sources[precision].startswith(f"{count} of 9 weights" if count else "quantized from")
+    pairs = [(tree["lm_head"], m.params["lm_head"], head_native)] + [
+        (tree["layers"][i][name], m.params["layers"][i][name], layers_native)
         for i in range(TINY["layers"]) for name in draft_weights.LAYER_WEIGHTS
     ]
-    for weight, full in pairs:
-        assert weight.group_size == (32 if native or precision == "int4" else weight.input_size)
+    assert tree["lm_head"].bits == 8
+    for weight, full, native in pairs:
         back = np.asarray(quantized.dequantize(weight)).reshape(full.shape)
         if native:
+            assert weight.group_size == 32
             np.testing.assert_allclose(back, np.asarray(full), rtol=1e-6, atol=1e-6)
-        else:  # per channel int8 of the dequantized 4-bit weights: within half a step
-            step = np.asarray(weight.scale).reshape((1,) + full.shape[weight.in_ndim:])
-            assert np.all(np.abs(back - np.asarray(full)) <= step / 2 * (1 + 1e-5))
+        else:  # int8 per channel, or int4 in groups, of the dequantized weights: within half a step
+            assert weight.group_size == (32 if weight.bits == 4 else weight.input_size)
+            step = np.repeat(np.asarray(weight.scale), weight.group_size, axis=0).reshape(full.shape)
+            assert np.all(np.abs(back - np.asarray(full)) <= step / 2 * (1 + 1e-5) + 1e-6)
 
 
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):

@@ -75,16 +75,15 @@ def test_generate_equals_transformers_greedy(setup, method):
 
 
 def test_int4_drafts_from_the_files_blocks_equal_plain_smollm2(setup):
-    """Drafts from the GGUF's own Q4_1 blocks (every layer; the LM head, Q8_0 in the file, quantized to int4 groups):
-    the first request's first 24 tokens (alone: the CPU reads quantized weights several times slower than float32
-    ones, so this run is kept short) are plain decoding's. The blocks are exactly the weights the model
-    dequantized, so the drafts differ from full-precision ones only in their LM head and in rounding: τ stays
-    high."""
+    """Drafts from the GGUF's own blocks (every layer's Q4_1; the LM head, int8 in any draft, its Q8_0): the first
+    request's first 24 tokens (alone: the CPU reads quantized weights several times slower than float32 ones, so
+    this run is kept short) are plain decoding's. The blocks are exactly the weights the model dequantized, so the
+    drafts differ from full-precision ones only in rounding: τ stays high."""
     engine, batch, plain = setup
     options = dataclasses.replace(OPTIONS, method="vegas", draft_weights="int4", gamma=4, max_new_tokens=24)
     result = engine.generate(batch[:1], options, steps_per_call=None)
     assert result.requests[0].tokens == plain.requests[0].tokens[:24]
-    assert engine.model.draft_sources["int4"].startswith("120 of 121 weights from the file's Q4_1 blocks")
+    assert engine.model.draft_sources["int4"] == "121 of 121 weights from the file's Q4_1/Q8_0 blocks"
     layer = engine.model.drafts["int4"]["layers"][7]
     full = np.asarray(engine.model.params["layers"][7]["down_proj"])
     assert np.array_equal(np.asarray(dequantize(layer["down_proj"])), full)

@@ -312,13 +312,14 @@ def test_quantized_drafts_equal_plain(greedy_setup, draft_weights, gamma):
         assert costs["draft"] > 0 and costs["verify"] >= 1
 
 
-def test_auto_gamma_falls_back_to_plain_steps_when_drafts_are_useless(greedy_setup):
-    """Drafts that attend to one selected position of the prompt plus the newest tokens are rarely right: with a
-    draft step at 0.3 plain steps and a speculative iteration's fixed part at 1.1, adaptive γ runs plain steps
-    (g = 0) almost throughout, probing drafts now and then, and the output is still plain decoding's."""
+def test_auto_gamma_falls_back_to_plain_steps_when_drafts_do_not_pay(greedy_setup):
+    """This model's int4 drafts are mostly rejected (acceptance about 0.15 at the first position): with a draft
+    step costing 0.3 plain steps and a speculative iteration's fixed part 1.1 (given, so the test does not depend on
+    the CPU's timing; the loop is the one compiled above), speculation loses, and adaptive γ runs plain steps
+    (g = 0) almost throughout, probing drafts now and then, the output still plain decoding's."""
     engine, batch, plain = greedy_setup
-    options = dataclasses.replace(GREEDY, method="vegas", gamma="auto", gamma_max=5, sparse_ratio=1e-3,
-                                  min_sparse_tokens=1, draft_cost=0.3, verify_cost=1.1)
+    options = dataclasses.replace(GREEDY, method="vegas", draft_weights="int4", gamma="auto", gamma_max=5,
+                                  draft_cost=0.3, verify_cost=1.1)
     result = engine.generate(batch, options)
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
     chosen = result.metrics["gamma_chosen_histogram"]

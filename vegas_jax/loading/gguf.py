@@ -269,21 +269,25 @@ def gguf_draft(loaded: LoadedModel, precision: str) -> tuple[dict, str]:
 
 def _draft(tensors, config: ModelConfig, params: dict, precision: str, mesh) -> tuple[dict, str]:
     dtype = params["embed"].dtype
-    native = _native_draft(tensors, config, precision, dtype, mesh)
+    native, kinds = _native_draft(tensors, config, precision, dtype, mesh)
     return (quantize_draft(params, config, precision, mesh, given=native),
-            _describe_native(native, tensors, config, precision, dtype))
+            _describe_native(native, kinds, config, precision, dtype))
 
 
-def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, precision: str, dtype, mesh) -> dict:
-    """The draft weights whose every source tensor is stored in blocks of `precision` (a fused q/k/v or gate/up
-    weight only when all its parts are, in one form), read from the blocks and placed; the others are left out."""
+def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, precision: str, dtype,
+                  mesh) -> tuple[dict, set[str]]:
+    """The draft weights whose every source tensor is stored in blocks of their precision (a fused q/k/v or
+    gate/up weight only when all its parts are, in one form), read from the blocks and placed; the others are left
+    out. And the block types they came from."""
     c = config
     shards = 1 if mesh is None else mesh.shape["model"]
+    kinds = set()
 
-    def blocks(name: str, heads: int | None = None):
+    def blocks(name: str, heads: int | None = None, want: str = precision):
         t = tensors[name]
-        if gguf_blocks.precision_of(t.tensor_type) != precision:
+        if gguf_blocks.precision_of(t.tensor_type) != want:
             return None
+        kinds.add(t.tensor_type.name)
         parts = gguf_blocks.read_blocks(t.data, t.tensor_type, int(t.shape[1]))
         return parts if heads is None else tuple(None if x is None else _unpermute(x, heads) for x in parts)
 
@@ -318,7 +322,8 @@ def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, pr
         if (down := blocks(p + "ffn_down.weight")) is not None:
             layer["down_proj"] = weight(down, (c.hidden_size,))
         host["layers"][i] = layer
-    head = blocks("token_embd.weight" if c.tie_word_embeddings else "output.weight")
+    head = blocks("token_embd.weight" if c.tie_word_embeddings else "output.weight",
+                  want=draft_weights.precision_of(draft_weights.LM_HEAD, precision))
     if head is not None:
         host[draft_weights.LM_HEAD] = weight(head, (c.vocab_size,))
 
@@ -329,15 +334,14 @@ def _native_draft(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, pr
     placed_tree = {"layers": {i: {n: placed(n, w) for n, w in layer.items()} for i, layer in host["layers"].items()}}
     if draft_weights.LM_HEAD in host:
         placed_tree[draft_weights.LM_HEAD] = placed(draft_weights.LM_HEAD, host[draft_weights.LM_HEAD])
-    return placed_tree
+    return placed_tree, kinds
 
 
-def _describe_native(native: dict, tensors: dict, config: ModelConfig, precision: str, dtype) -> str:
+def _describe_native(native: dict, kinds: set[str], config: ModelConfig, precision: str, dtype) -> str:
     """Where a draft's weights came from, for the CLI: how many from which block types of the file."""
     total = config.num_layers * len(draft_weights.LAYER_WEIGHTS) + 1
     count = sum(len(layer) for layer in native["layers"].values()) + (draft_weights.LM_HEAD in native)
-    kinds = sorted({t.tensor_type.name for t in tensors.values() if gguf_blocks.precision_of(t.tensor_type) == precision})
     if not count:
         return f"quantized from the {dtype} weights (the file has no {precision} blocks)"
     rest = "" if count == total else f", {total - count} quantized from the {dtype} weights"
-    return f"{count} of {total} weights from the file's {'/'.join(kinds)} blocks{rest}"
+    return f"{count} of {total} weights from the file's {'/'.join(sorted(kinds))} blocks{rest}"
