@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
 from pallas_kernels.weight_only_matmul import weight_only_matmul, weight_only_matmul_reference  # noqa: E402
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
@@ -64,18 +65,6 @@ def time_chain_ms(fn, x, weights: list, repeats: int) -> float:
             jax.block_until_ready(chain(x, weights))
             samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples) / len(weights)
-
-
-def copy_gb_per_s(repeats: int) -> float:
-    x = jnp.ones((256 * 2**20,), jnp.float32)
-    copy = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(copy(x))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(copy(x))
-        samples.append(time.perf_counter() - start)
-    return 2 * x.nbytes / statistics.median(samples) / 1e9
 
 
 def quantized(key, k, n, bits, group):
@@ -120,7 +109,7 @@ def main(argv=None) -> int:
     if args.matrices:
         shapes = {name: shapes[name] for name in args.matrices.split(",")}
     blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
-    bandwidth = copy_gb_per_s(args.repeats)
+    bandwidth = measure_bandwidth(2**20 if args.smoke else 2**30)["copy_bandwidth_gbps"]
     print(f"device copy {bandwidth:.0f} GB/s (read + write)", flush=True)
     records = []
     key = jax.random.key(0)

@@ -34,7 +34,8 @@ PROFILED_ITERATIONS = 3
 BANDWIDTH_BYTES = 2**32
 
 
-def _median_seconds(fn, x, reps: int = 10) -> float:
+def median_seconds(fn, x, reps: int = 10) -> float:
+    """Median wall seconds of fn(x), after one untimed call."""
     jax.block_until_ready(fn(x))
     times = []
     for _ in range(reps):
@@ -47,8 +48,8 @@ def _median_seconds(fn, x, reps: int = 10) -> float:
 def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> dict:
     """GB/s of a read-only pass (a sum of a bf16 array) and of a copy (bytes read plus written)."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    read = _median_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x)
-    copy = _median_seconds(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
+    read = median_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x)
+    copy = median_seconds(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
     del x
     return {"read_bandwidth_gbps": nbytes / read / 1e9, "copy_bandwidth_gbps": 2 * nbytes / copy / 1e9}
 
