@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,13 +202,14 @@ def scenario_smollm2() -> dict:
     question = one.tokenizer.encode_chat([{"role": "user", "content": "What does textwrap.dedent do?"}])
     batch = [code, question]
     out = {}
-    for label, temperature in (("greedy", 0.0), ("sampled", 0.8)):
-        options = GenerationOptions(method="vegas", max_new_tokens=32, temperature=temperature, seed=11,
-                                    min_sparse_tokens=32, max_model_len=768, prefill_chunk=1024)
-        a = one.generate(batch, options, steps_per_call=None)
-        b = mesh.generate(batch, options, steps_per_call=None)
-        out[label] = {"identical": [x.tokens == y.tokens for x, y in zip(a.requests, b.requests)],
-                      "lengths": [len(x.tokens) for x in a.requests], "tau": a.metrics["tau"]}
+    # Greedy only: the tiny scenario runs sampled Vegas (with every generation control) on meshes, and a second
+    # real-model loop would double this test's time.
+    options = GenerationOptions(method="vegas", max_new_tokens=32, min_sparse_tokens=32, max_model_len=768,
+                                prefill_chunk=1024)
+    a = one.generate(batch, options, steps_per_call=None)
+    b = mesh.generate(batch, options, steps_per_call=None)
+    out["greedy"] = {"identical": [x.tokens == y.tokens for x, y in zip(a.requests, b.requests)],
+                     "lengths": [len(x.tokens) for x in a.requests], "tau": a.metrics["tau"]}
     bad = {}
     for flag in ("data=2,model=2", "data=3,model=2", "data=2,modle=3", "data=2,model=3,data=1"):
         err = io.StringIO()
@@ -275,9 +277,8 @@ def test_serve_on_a_data_parallel_mesh_equals_one_device(tiny):
 @pytest.mark.slow
 def test_smollm2_on_data2_model3_equals_one_device():
     out = run_scenario("smollm2", devices=6, timeout=600)
-    for label in ("greedy", "sampled"):
-        assert out[label]["identical"] == [True, True], out[label]
-        assert min(out[label]["lengths"]) >= 16 and max(out[label]["lengths"]) == 32
+    assert out["greedy"]["identical"] == [True, True], out["greedy"]
+    assert min(out["greedy"]["lengths"]) >= 16 and max(out["greedy"]["lengths"]) == 32
     assert out["greedy"]["tau"] > 2.0  # real drafts, mostly accepted
     for flag, result in out["bad_meshes"].items():
         lines = result["stderr"].strip().splitlines()
@@ -318,20 +319,29 @@ def test_two_processes_on_one_global_mesh_equal_one_process(tmp_path):
         common += ["--prompt", text]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     port = _free_port()
+    logs = [(tmp_path / f"p{i}.err").open("w") for i in range(2)]
     procs = [
         subprocess.Popen([sys.executable, *common, "--mesh", "data=4,model=2", "--coordinator", f"127.0.0.1:{port}",
                           "--num-processes", "2", "--process-id", str(i), "--output-json", str(tmp_path / f"p{i}.json")],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
+                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        for i, log in enumerate(logs)
     ]
+    deadline = time.monotonic() + 600
     try:
-        outputs = [p.communicate(timeout=300) for p in procs]
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported below with both processes' output
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+        for log in logs:
+            log.close()
+    assert [p.returncode for p in procs] == [0, 0], "".join(
+        f"\n--- process {i} (exit {p.returncode}) stderr:\n{(tmp_path / f'p{i}.err').read_text()[-3000:]}"
+        for i, p in enumerate(procs))
     assert not (tmp_path / "p1.json").exists()  # only process 0 writes
     alone = subprocess.run([sys.executable, *common, "--output-json", str(tmp_path / "one.json")], cwd=ROOT,
                            env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)

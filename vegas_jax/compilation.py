@@ -20,14 +20,36 @@ def compiler_options() -> dict | None:
 
 def compile_jitted(fn: Callable, *args, donate: tuple = ()):
     """fn jitted and compiled ahead of time for these argument shapes, with the decode compiler options (without
-    them, and a warning, on an XLA that does not know one of them)."""
+    them, and a warning, on an XLA that does not know one of them). With several processes, every process leaves
+    only once all have compiled (`_after_every_process_compiled`)."""
     lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
     options = compiler_options()
     try:
-        return lowered.compile(compiler_options=options)
+        compiled = lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as exc:
         if not options or "No such compile option" not in str(exc):
             raise
         warnings.warn(f"compiling without the decode compiler options {options}: {exc}", RuntimeWarning,
                       stacklevel=2)
-        return lowered.compile()
+        compiled = lowered.compile()
+    _after_every_process_compiled(getattr(fn, "__qualname__", "program"))
+    return compiled
+
+
+def _after_every_process_compiled(name: str) -> None:
+    """A barrier across processes. Compiling a loop takes seconds to minutes and its time differs between
+    processes, while the program's first collective waits for every process; on CPUs that collective first builds
+    a Gloo context, which gives up on a late peer after 30 s whatever the timeout flags say (jax#40831), and one
+    process failing that way leaves the others waiting for ever. So the barrier is the coordination service's
+    (`BARRIER_TIMEOUT_S`), not a collective."""
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp  # only here: importing it costs every run seconds
+
+        global _barriers
+        _barriers += 1
+        ocp.multihost.get_barrier_sync_fn()(key=f"vegas_jax compiled {_barriers} {name}",
+                                            timeout_ms=BARRIER_TIMEOUT_S * 1000)
+
+
+BARRIER_TIMEOUT_S = 3600  # the slowest process's compilation of the largest loop, with a wide margin
+_barriers = 0  # every process compiles the same programs in the same order, so the counts agree
