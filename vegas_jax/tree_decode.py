@@ -54,6 +54,12 @@ def accept_greedy(tree, tokens, counted, logits):
     return best, jnp.take_along_axis(target, best[:, None], axis=1)[:, 0]
 
 
+def residual(p, q):
+    """norm(max(0, p - q)) [B, V]: what speculative sampling draws from after rejecting a draft drawn from q."""
+    rest = jnp.maximum(p - q, 0.0)
+    return rest / jnp.maximum(jnp.sum(rest, axis=-1, keepdims=True), 1e-30)
+
+
 def accept_sampled(key, tree, tokens, counted, target_probs, draft_probs):
     """(last accepted node [B], the token after it [B]) by recursive rejection sampling (the module's rule) from
     per-request keys [B], target_probs [B, R, V] and the drafter's draft_probs [B, P, V] (None: fixed choices)."""
@@ -81,9 +87,7 @@ def accept_sampled(key, tree, tokens, counted, target_probs, draft_probs):
             tried = ~stopped & ~moved & (child >= 0) & counted[rows, c] & (q_token > 0)
             accept = tried & (u[rows, c] * q_token < p[rows, token])
             reject = tried & ~accept
-            residual = jnp.maximum(p - q_i, 0.0)
-            residual = residual / jnp.maximum(jnp.sum(residual, axis=-1, keepdims=True), 1e-30)
-            p = jnp.where(reject[:, None], residual, p)
+            p = jnp.where(reject[:, None], residual(p, q_i), p)
             if q is not None:  # the next sibling is drawn without this one
                 rest = q * (1.0 - one_hot)
                 mass = jnp.sum(rest, axis=-1, keepdims=True)
