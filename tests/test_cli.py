@@ -169,6 +169,24 @@ BAD_INPUT = {
     "system-and-a-system-message": (lambda tmp: ["--system", "Be brief.", "--messages", str(_a_file(
         tmp, '[{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]'))],
         ["--system", "plain-file", "system message of its own"]),
+    "draft-tree-syntax": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "4by2"],
+                          ["--draft-tree", "4by2", "DEPTHxBRANCHING"]),
+    "draft-tree-over-64-nodes": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "6x2"],
+                                 ["--draft-tree 6x2", "126 drafted nodes", "64"]),
+    "draft-tree-contradicting-gamma": (["--prompt", PROMPT, *VEGAS, "--draft-tree", "4x2"],
+                                       ["--gamma 3", "--draft-tree 4x2", "depth 4"]),
+    "draft-tree-without-a-method": (["--prompt", PROMPT, "--draft-tree", "2x2"], ["--draft-tree 2x2", "--method"]),
+    "drafter-bogus": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2", "--drafter", "eagle"],
+                      ["--drafter", "eagle"]),
+    "drafter-without-a-tree": (["--prompt", PROMPT, "--drafter", "ngram"], ["--drafter ngram", "--draft-tree"]),
+    "ngram-drafter-with-a-method": (["--prompt", PROMPT, *VEGAS[:2], "--draft-tree", "2x2", "--drafter", "ngram"],
+                                    ["--drafter ngram", "--method vegas"]),
+    "draft-tree-with-penalties": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2",
+                                   "--repetition-penalty", "1.2"], ["--draft-tree", "--repetition-penalty"]),
+    "draft-tree-with-quest": (["--prompt", PROMPT, "--method", "quest", "--draft-tree", "2x2"],
+                              ["--draft-tree", "--method quest"]),
+    "draft-tree-with-phase-times": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2",
+                                     "--phase-times"], ["--phase-times", "--draft-tree"]),
 }
 
 
