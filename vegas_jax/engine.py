@@ -3,7 +3,7 @@
 Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
 (prefill_spans); the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
 sampling mode, output buffer width: max_new_tokens rounded up to OUTPUT_BUCKET). The cache capacity is
-`max_model_len` plus γ+1 rows (for the drafts), rounded up to a multiple of 128; left unset, `max_model_len` is the
+`max_model_len` plus γ+1 rows (for the drafts; a draft tree: its nodes + 1), rounded up to a multiple of 128; left unset, `max_model_len` is the
 prompt plus `max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
 """
 
