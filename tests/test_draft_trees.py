@@ -1,8 +1,8 @@
 """Draft trees (vegas_jax.tree, tree_decode, drafters) on a tiny random Qwen3 in float32, each against an
 independent reference: every node's logits from one tree pass equal full recomputation of its root-to-node path,
 and the committed path's K/V equal that recomputation's; greedy tree speculation with each drafter equals greedy
-decoding by full recomputation (`dense_greedy`), ragged batches, with the caches after acceptance equal to plain
-decoding's; a chain-shaped tree is the linear loop (tokens and τ, greedy and sampled). Sampled trees keep the
+decoding by full recomputation (`dense_greedy`), ragged batches, with the caches after acceptance, the
+log-probabilities and a stop id as plain decoding's; a sampled chain-shaped tree is the linear loop (tokens, τ). Sampled trees keep the
 distribution: test_sampling_distribution's tiny model, the joint of four tokens (the last three from one tree
 iteration) over 20,000 seeds (self drafts; n-gram drafts 10,000) against the exact float64 joint, and a rule without
 the residual is caught."""
@@ -34,6 +34,8 @@ _forward = jax.jit(forward, static_argnames="config")
 IRREGULAR = TreeShape((-1, 0, 0, 1, 1, 2, 3, 5))
 NEW = 14
 LENGTHS = [21, 34, 9]  # ragged
+STOP = 59  # greedy decoding emits it as the 8th token of the second sequence (and nowhere else)
+CONTROLS = dict(logprobs=2, stop_token_ids=(STOP,))
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +119,12 @@ def run_to_end(engine, ids, opts):
 
 @pytest.fixture(scope="module")
 def plain(engine):
-    """(prompts, greedy tokens by full recomputation, plain decoding's final state)."""
+    """(prompts, greedy tokens by full recomputation, plain decoding's final state, with logprobs and a stop id)."""
     ids = prompts(LENGTHS, engine.config.vocab_size, seed=1)
     # A repeated stretch gives the n-gram drafter matches beyond those of the output's own loops.
     ids[1] = ids[1][:17] + ids[1][:17]
-    state = run_to_end(engine, ids, GenerationOptions(max_new_tokens=NEW))
-    return ids, dense_greedy(engine, ids, NEW), state
+    state = run_to_end(engine, ids, GenerationOptions(max_new_tokens=NEW, **CONTROLS))
+    return ids, dense_greedy(engine, ids, NEW, stop_ids=(STOP,)), state
 
 
 TREES = [
@@ -135,10 +137,16 @@ TREES = [
 def test_greedy_tree_speculation_is_plain_greedy_decoding(engine, plain, method, drafter, tree):
     ids, expected, plain_state = plain
     opts = GenerationOptions(max_new_tokens=NEW, method=method, draft_tree=tree, drafter=drafter, sparse_ratio=0.1,
-                             min_sparse_tokens=8 if method == "vegas" else 24)
+                             min_sparse_tokens=8, **CONTROLS)
     state = run_to_end(engine, ids, opts)
     output, count = np.asarray(state.output), np.asarray(state.num_generated)
     assert [output[i, : count[i]].tolist() for i in range(len(ids))] == expected
+    assert count[1] == 8  # the stop id ended it
+    for b, n in enumerate(count):  # each emitted token's log-probabilities come from its own path's row
+        np.testing.assert_allclose(np.asarray(state.logprobs.chosen[b, :n]),
+                                   np.asarray(plain_state.logprobs.chosen[b, :n]), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(state.logprobs.top_ids[b, :n]),
+                                      np.asarray(plain_state.logprobs.top_ids[b, :n]))
     accepted = np.asarray(state.metrics.accepted).sum(0)
     assert accepted[1] > 0, accepted  # paths of depth 2 and more were accepted: the tree was at work
     committed = np.asarray(state.committed)
