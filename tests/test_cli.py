@@ -275,6 +275,18 @@ def test_compare_ar_reports_identity_and_speedup(vegas_run, reference):
     assert speedup == pytest.approx(out["metrics"]["decode_tokens_per_s"] / out["ar"]["metrics"]["decode_tokens_per_s"])
 
 
+def test_a_draft_tree_run_reports_its_tree_and_plain_decodings_tokens(capsys, tmp_path, reference):
+    out, _, err = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--draft-tree", "3x2", "--drafter", "ngram"])
+    _, ref = reference
+    assert [r["tokens"] for r in out["requests"]] == [ref.tokens]
+    metrics = out["metrics"]
+    assert (metrics["draft_tree"], metrics["drafter"], metrics["gamma"]) == ("3x2", "ngram", 3)
+    histogram = metrics["accepted_depth_histogram"]
+    assert len(histogram) == 4 and sum(histogram) == metrics["iterations"]
+    assert sum(d * n for d, n in enumerate(histogram)) == round((metrics["tau"] - 1) * metrics["iterations"])
+    assert f"tree 3x2 (ngram)  accepted depths {histogram}" in err
+
+
 # ---- prompts ---------------------------------------------------------------------------------------------------
 
 
