@@ -20,8 +20,7 @@ import pytest
 from models.decoder import forward
 from models.kv_cache import KVCache
 from tests.test_lossless_tiny import dense_greedy, prompts, tiny_engine
-from tests.test_sampling_distribution import (PROMPT_LENGTH, VOCAB, chi_square_p_value, processed_probs,
-                                              tiny_sampler)
+from tests.test_sampling_distribution import VOCAB, chi_square_p_value, processed_probs, tiny_sampler
 from vegas_jax import tree_decode
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.attention.tree import TreeAttention
@@ -171,12 +170,13 @@ def test_a_chain_shaped_tree_is_the_linear_loop(engine, plain):
 
 # ---- sampling ------------------------------------------------------------------------------------------------
 SAMPLED_NEW = 4  # the bootstrap token, then one 2x2 iteration: up to two drafts and a bonus
+PROMPT_LENGTH = 32
 SAMPLED = dict(temperature=1.0, top_k=3, top_p=0.9)
 
 
 @pytest.fixture(scope="module")
 def sampler():
-    """The sampling test's tiny model and prompt, and the exact float64 joint of the first four tokens."""
+    """The sampling test's tiny model, a 32-token prompt and the exact float64 joint of the first four tokens."""
     engine = tiny_sampler()
     prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
     continuations = list(itertools.product(range(VOCAB), repeat=SAMPLED_NEW - 1))
