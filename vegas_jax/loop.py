@@ -415,10 +415,21 @@ def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, m
     logits, cache, scores = verify(params, state, cache, drafts, config)
     finite = draft_finite & _check_finite(logits, num_drafts + 1)
     accepted, next_token = accept(state, logits, drafts, draft_probs, num_drafts, keys, config)
+    return conclude(state, config, cache=cache, drafts=drafts, accepted=accepted, next_token=next_token,
+                    finite=finite, num_drafts=num_drafts, logits=logits, scores=scores, last_row=accepted)
 
+
+def conclude(state: DecodeState, config: DecodeConfig, *, cache, drafts, accepted, next_token, finite, num_drafts,
+             logits, scores, last_row, **fields) -> DecodeState:
+    """The end of an iteration, over a chain or a tree: emits drafts[:, :accepted] ([B, γ], by position) and
+    next_token, cut after a stop (logits [B, γ+1, V]: candidate j's distribution in row j), commits them, counts
+    them, and selects the next draft's KV from the verification scores with the last accepted token in row
+    `last_row`. `fields`: more of the state that the iteration changed."""
+    active = ~state.done
     emit_ok = active & finite
+    width = drafts.shape[1] + 1
     candidates = jnp.concatenate([drafts, next_token[:, None]], axis=1)
-    candidates = jnp.where(jnp.arange(gamma + 1)[None, :] == accepted[:, None], next_token[:, None], candidates)
+    candidates = jnp.where(jnp.arange(width)[None, :] == accepted[:, None], next_token[:, None], candidates)
     emitted, hit_stop = _emit(state, candidates, accepted + 1, emit_ok, logits, config)
     committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
 
@@ -438,10 +449,11 @@ def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, m
         nonfinite=state.nonfinite | (active & ~finite),
         metrics=metrics,
         step=state.step + 1,
+        **fields,
     )
     if config.policy is None:
         return verified
-    return select(state, verified, scores, accepted, config)
+    return select(state, verified, scores, last_row, config)
 
 
 def decode(

@@ -119,12 +119,10 @@ def commit_path(cache, base, path, accepted, ok):
 def iteration(params, draft_params, state, config):
     """One draft-tree round for every unfinished sequence (loop._iteration's tree twin)."""
     tree, drafter = config.tree, make_drafter(config.drafter)
-    active = ~state.done
     num_drafts = loop.counted_drafts(state, tree.depth)  # the deepest path that may count
     keys = loop.step_keys(state.keys, loop.request_step(state), tree.depth + 2)
     proposal = drafter.propose(params, draft_params, state, keys, config, num_drafts)
-    depths = jnp.asarray(tree.depths)[None, :]
-    counted = proposal.valid & (depths <= num_drafts[:, None])
+    counted = proposal.valid & (jnp.asarray(tree.depths)[None, :] <= num_drafts[:, None])
 
     logits, cache, scores = verify(params, state, proposal.cache, proposal.tokens, config)
     finite = proposal.finite & jnp.all(jnp.all(jnp.isfinite(logits), axis=-1) | ~counted, axis=1)
@@ -135,42 +133,18 @@ def iteration(params, draft_params, state, config):
         last, next_token = accept_sampled(keys[tree.depth], tree, proposal.tokens, counted, target_probs,
                                           proposal.probs)
     accepted = jnp.asarray(tree.depths)[last]
-    path = jnp.asarray(tree.path_nodes)[last]  # [B, D+1]
+    path = jnp.asarray(tree.path_nodes)[last]  # [B, D+1] the accepted path's nodes by depth, root first
     rows = jnp.arange(path.shape[0])[:, None]
     path_tokens = proposal.tokens[rows, path]
 
-    emit_ok = active & finite
-    width = tree.depth + 1
-    candidates = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)  # drafts by depth, a bonus
-    candidates = jnp.where(jnp.arange(width)[None, :] == accepted[:, None], next_token[:, None], candidates)
-    # Candidate j is drawn at the path's node j: _emit reads its log-probabilities from row j.
-    emitted, hit_stop = loop._emit(state, candidates, accepted + 1, emit_ok, logits[rows, path], config)
+    emit_ok = ~state.done & finite
     cache = commit_path(cache, state.committed, path, accepted, emit_ok)
-    # The root and the accepted drafts: the sequence through the last accepted token (the bonus is the next root).
-    written = emit_ok[:, None] & (jnp.arange(width)[None, :] <= accepted[:, None])
-    positions = jnp.where(written, state.committed[:, None] + jnp.arange(width)[None, :], cache.capacity)
-    drafter_state = drafter.record(state.drafter_state, positions, path_tokens)
-    committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
-
-    positions_idx = jnp.arange(state.metrics.drafted.shape[1])[None, :]
-    counted_rows = emit_ok[:, None]
-    metrics = loop.Metrics(
-        iterations=state.metrics.iterations + emit_ok,
-        drafted=state.metrics.drafted + (counted_rows & (positions_idx < num_drafts[:, None])),
-        accepted=state.metrics.accepted + (counted_rows & (positions_idx < accepted[:, None])),
-    )
-    verified = dataclasses.replace(
-        emitted,
-        cache=cache,
-        committed=committed,
-        last_token=jnp.where(emit_ok, next_token, state.last_token),
-        done=state.done | hit_stop | (emitted.num_generated >= state.max_new) | (active & ~finite),
-        nonfinite=state.nonfinite | (active & ~finite),
-        metrics=metrics,
-        step=state.step + 1,
-        drafter_state=drafter_state,
-    )
-    if config.policy is None:
-        return verified
-    return loop.select(state, verified, scores, last, config)  # the last accepted token is row `last`
-
+    # The drafter remembers the root and the accepted drafts (the bonus token is the next iteration's root).
+    depth = jnp.arange(tree.depth + 1)[None, :]
+    written = emit_ok[:, None] & (depth <= accepted[:, None])
+    positions = jnp.where(written, state.committed[:, None] + depth, cache.capacity)
+    # The path's node j holds the distribution of its candidate j (the draft at depth j + 1, or the bonus token).
+    return loop.conclude(state, config, cache=cache, drafts=path_tokens[:, 1:], accepted=accepted,
+                         next_token=next_token, finite=finite, num_drafts=num_drafts, logits=logits[rows, path],
+                         scores=scores, last_row=last,
+                         drafter_state=drafter.record(state.drafter_state, positions, path_tokens))
