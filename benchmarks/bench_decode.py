@@ -2,7 +2,8 @@
 
     python benchmarks/bench_decode.py --model PATH.gguf --methods ar,vegas --batches 1,8,32,64 \
         --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7] [--requests 128] \
-        [--repetition-penalty 1.1 --frequency-penalty 0.3 --presence-penalty 0.3 --logprobs 5 --stop TEXT]
+        [--repetition-penalty 1.1 --frequency-penalty 0.3 --presence-penalty 0.3 --logprobs 5 --stop TEXT] \
+        [--trees self:4x2,self:6x1,ngram:4x2,ngram:6x1 --tree-method vegas]
 
 Decode tokens/s exclude compilation and prefill (reported separately). Each configuration runs twice and the
 second run is reported (the first warms up allocations). With --requests N, N prompts queue for each batch size's
@@ -12,7 +13,10 @@ steady throughput of the decode calls that started with every slot busy. With --
 state right after prefill. Greedy records of methods other than ar also say, per sequence, where its output first
 leaves plain decoding's. The generation controls (penalties, logprobs, stop strings) are passed through, so that
 their cost per iteration can be measured against a run without them (a stop string that never occurs keeps the
-token counts equal). Prints a table; writes JSON to --out (and $OUT if set).
+token counts equal). With --trees, each DRAFTER:DEPTHxBRANCHING runs after the methods as one more record (draft
+trees, vegas_jax.tree_decode; the self drafter selects its KV by --tree-method), with the tree, the drafter and
+the accepted-depth histogram: τ per tree shape and drafter against plain decoding. Prints a table; writes JSON to
+--out (and $OUT if set).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
+from vegas_jax.metrics import accepted_histogram  # noqa: E402
 from vegas_jax.phases import time_phases  # noqa: E402
 from vegas_jax.sharding import make_mesh, parse_mesh  # noqa: E402
 
@@ -50,7 +55,18 @@ def configuration(options: GenerationOptions, prompts) -> dict:
         "score_mode": options.score_mode if options.effective_gamma else None,
         "temperature": options.temperature,
         "controls": {k: getattr(options, k) for k in CONTROLS},
+        "draft_tree": options.draft_tree,
+        "drafter": options.drafter if options.draft_tree else None,
     }
+
+
+def runs(methods: str, trees: str, tree_method: str) -> list[tuple[str, str | None, str]]:
+    """(method, draft tree, drafter) per record: the methods' chains, then each DRAFTER:TREE of --trees."""
+    specs = [(m, None, "self") for m in methods.split(",")]
+    for item in filter(None, trees.split(",")):
+        drafter, _, tree = item.partition(":")
+        specs.append((tree_method if drafter == "self" else "ar", tree, drafter))
+    return specs
 
 
 # GenerationOptions fields passed through from flags of the same name.
@@ -87,6 +103,7 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
         "ms_per_iteration": 1e3 * decode_s / max(1, iterations.max()),
         "tau": float((iterations.sum() + accepted.sum()) / max(1, iterations.sum())),
         "acceptance_by_position": (accepted.sum(0) / np.maximum(drafted.sum(0), 1)).tolist(),
+        "accepted_depth_histogram": accepted_histogram(int(iterations.sum()), accepted.sum(0)),
         "compile_s": compile_s,
         "prefill_s": started.timings["prefill_s"],
         "outputs": np.asarray(state.output)[:n, :8].tolist(),
@@ -153,6 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--trees", default="", help="draft trees after the methods: DRAFTER:DEPTHxBRANCHING,... "
+                                               "(drafter self or ngram; e.g. self:4x2,ngram:6x1)")
+    p.add_argument("--tree-method", default="vegas", help="the self drafter's KV selection for --trees")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the last is reported")
     p.add_argument("--requests", type=int, default=0,
                    help="continuous batching: this many prompts queue for --batches slots each (0: one static batch)")
@@ -176,17 +196,18 @@ def main(argv=None) -> int:
         for batch in [int(x) for x in args.batches.split(",")]:
             prompts = long_prompts(engine.tokenizer, args.requests or batch, prompt_tokens, corpus)
             ar_rate, ar_steady, ar_tokens = None, None, None
-            for method in args.methods.split(","):
-                options = GenerationOptions(
+            for method, tree, drafter in runs(args.methods, args.trees, args.tree_method):
+                options = GenerationOptions.check(GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
-                    gamma=args.gamma, sparse_ratio=args.sparse_ratio, min_sparse_tokens=args.min_sparse_tokens,
-                    score_mode=args.score_mode, max_model_len=prompt_tokens + args.max_new_tokens,
+                    gamma=args.gamma if tree is None else int(tree.split("x")[0]), sparse_ratio=args.sparse_ratio,
+                    min_sparse_tokens=args.min_sparse_tokens, score_mode=args.score_mode,
+                    max_model_len=prompt_tokens + args.max_new_tokens, draft_tree=tree, drafter=drafter,
                     **{k: tuple(getattr(args, k)) if k == "stop" else getattr(args, k) for k in CONTROLS},
-                )
+                ))
                 if args.requests:
                     rec, tokens = run_served(engine, prompts, options, batch, args.refill)
                 else:
-                    rec, tokens = run_one(engine, prompts, options, args.breakdown, args.repeats)
+                    rec, tokens = run_one(engine, prompts, options, args.breakdown and tree is None, args.repeats)
                 if method == "ar":
                     ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
                     ar_steady = rec.get("steady_decode_tokens_per_s")
@@ -194,7 +215,7 @@ def main(argv=None) -> int:
                 if args.requests:
                     steady = rec["steady_decode_tokens_per_s"]
                     rec["steady_speedup_vs_ar"] = steady / ar_steady if steady and ar_steady else None
-                if ar_tokens is not None and method != "ar" and args.temperature == 0:
+                if ar_tokens is not None and options.effective_gamma and args.temperature == 0:
                     # Greedy speculative decoding should reproduce plain greedy decoding; in bf16 the two passes
                     # round differently, so a near-tie can send a sequence another way (float32 should not).
                     rec["first_difference_to_ar"] = first_differences(tokens, ar_tokens)
@@ -213,7 +234,8 @@ def main(argv=None) -> int:
         else:
             extra = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())
         same = r.get("sequences_identical_to_ar", "-")
-        print(f"{r['method']:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
+        label = f"{r['drafter']}:{r['draft_tree']}" if r.get("draft_tree") else r["method"]
+        print(f"{label:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
               f"{r['tau']:5.2f} {fmt(r['ms_per_iteration'], '7.2f'):>7} {fmt(r['speedup_vs_ar'], '.2f'):>7} "
               f"{same:>5}  {extra}")
     return 0

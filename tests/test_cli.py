@@ -169,6 +169,24 @@ BAD_INPUT = {
     "system-and-a-system-message": (lambda tmp: ["--system", "Be brief.", "--messages", str(_a_file(
         tmp, '[{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]'))],
         ["--system", "plain-file", "system message of its own"]),
+    "draft-tree-syntax": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "4by2"],
+                          ["--draft-tree", "4by2", "DEPTHxBRANCHING"]),
+    "draft-tree-over-64-nodes": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "6x2"],
+                                 ["--draft-tree 6x2", "126 drafted nodes", "64"]),
+    "draft-tree-contradicting-gamma": (["--prompt", PROMPT, *VEGAS, "--draft-tree", "4x2"],
+                                       ["--gamma 3", "--draft-tree 4x2", "depth 4"]),
+    "draft-tree-without-a-method": (["--prompt", PROMPT, "--draft-tree", "2x2"], ["--draft-tree 2x2", "--method"]),
+    "drafter-bogus": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2", "--drafter", "eagle"],
+                      ["--drafter", "eagle"]),
+    "drafter-without-a-tree": (["--prompt", PROMPT, "--drafter", "ngram"], ["--drafter ngram", "--draft-tree"]),
+    "ngram-drafter-with-a-method": (["--prompt", PROMPT, *VEGAS[:2], "--draft-tree", "2x2", "--drafter", "ngram"],
+                                    ["--drafter ngram", "--method vegas"]),
+    "draft-tree-with-penalties": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2",
+                                   "--repetition-penalty", "1.2"], ["--draft-tree", "--repetition-penalty"]),
+    "draft-tree-with-quest": (["--prompt", PROMPT, "--method", "quest", "--draft-tree", "2x2"],
+                              ["--draft-tree", "--method quest"]),
+    "draft-tree-with-phase-times": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2",
+                                     "--phase-times"], ["--phase-times", "--draft-tree"]),
 }
 
 
@@ -255,6 +273,18 @@ def test_compare_ar_reports_identity_and_speedup(vegas_run, reference):
     assert 0 < out["metrics"]["acceptance_rate"] < 1
     speedup = out["speedup_vs_ar"]
     assert speedup == pytest.approx(out["metrics"]["decode_tokens_per_s"] / out["ar"]["metrics"]["decode_tokens_per_s"])
+
+
+def test_a_draft_tree_run_reports_its_tree_and_plain_decodings_tokens(capsys, tmp_path, reference):
+    out, _, err = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--draft-tree", "3x2", "--drafter", "ngram"])
+    _, ref = reference
+    assert [r["tokens"] for r in out["requests"]] == [ref.tokens]
+    metrics = out["metrics"]
+    assert (metrics["draft_tree"], metrics["drafter"], metrics["gamma"]) == ("3x2", "ngram", 3)
+    histogram = metrics["accepted_depth_histogram"]
+    assert len(histogram) == 4 and sum(histogram) == metrics["iterations"]
+    assert sum(d * n for d, n in enumerate(histogram)) == round((metrics["tau"] - 1) * metrics["iterations"])
+    assert f"tree 3x2 (ngram)  accepted depths {histogram}" in err
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------------

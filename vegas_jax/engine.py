@@ -3,7 +3,7 @@
 Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
 (prefill_spans); the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
 sampling mode, output buffer width: max_new_tokens rounded up to OUTPUT_BUCKET). The cache capacity is
-`max_model_len` plus γ+1 rows (for the drafts), rounded up to a multiple of 128; left unset, `max_model_len` is the
+`max_model_len` plus γ+1 rows (for the drafts; a draft tree: its nodes + 1), rounded up to a multiple of 128; left unset, `max_model_len` is the
 prompt plus `max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
 """
 
@@ -28,12 +28,14 @@ from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling,
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
+from vegas_jax.drafters import DRAFTERS
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.logprobs import TokenLogprob, host_list
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
 from vegas_jax.sharding import Placement, check_model_fits, on_all_shards, round_up_to_shards
+from vegas_jax.tree import TreeShape, parse_tree
 
 METHODS = ("ar",) + POLICIES
 CAPACITY_ALIGN = 128
@@ -101,6 +103,11 @@ class GenerationOptions:
     # iteration (its verification, score collection and selection). Both or neither; None: timed at the start.
     draft_cost: float | None = None
     verify_cost: float | None = None
+    # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
+    # (vegas_jax.drafters): self (the model's sparse draft, with a selection method) or ngram (prompt lookup, with
+    # method ar: no draft pass, no selection).
+    draft_tree: str | None = None
+    drafter: str = "self"
 
     @classmethod
     def check(cls, options: Any) -> GenerationOptions:
@@ -182,7 +189,7 @@ class GenerationOptions:
              "{" + knob + "} {} applies to {method} " + method + " only, not {!r}", getattr(self, knob), self.method)
             for knob, method in METHOD_KNOBS.items()
         ]
-        for ok, template, *values in checks:
+        for ok, template, *values in checks + self._tree_checks():
             if not ok:
                 raise InputError(template, *values)
         for i, text in enumerate(self.stop):
@@ -198,13 +205,43 @@ class GenerationOptions:
             if token < 0:
                 raise InputError("{stop_token_ids}: {} is no token id", token)
 
+    def _tree_checks(self) -> list[tuple]:
+        """validate's checks of draft_tree and drafter (the tree's own syntax and size: parse_tree)."""
+        if self.draft_tree is None:
+            return [(self.drafter == "self", "{drafter} {} drafts a tree: give {draft_tree} too (6x1 is a chain)",
+                     self.drafter)]
+        tree = parse_tree(self.draft_tree)
+        penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return [
+            (self.drafter in DRAFTERS, "{drafter} must be one of " + ", ".join(DRAFTERS) + ", got {!r}", self.drafter),
+            (self.drafter != "self" or self.method != "ar",
+             "{draft_tree} {}: the self drafter drafts with a KV selection: give {method} (e.g. vegas), or "
+             "{drafter} ngram", self.draft_tree),
+            (self.drafter != "ngram" or self.method == "ar",
+             "{drafter} ngram reads no KV selection: {method} {} would be ignored (leave it ar)", self.method),
+            (not self.auto_gamma, "{gamma} auto: not with {draft_tree} (a tree's depth is fixed)"),
+            (self.gamma in (GenerationOptions.gamma, tree.depth),
+             "{gamma} {} contradicts {draft_tree} {} (depth {}): leave {gamma} out or give the depth", self.gamma,
+             self.draft_tree, tree.depth),
+            # Only Quest's draft attention scores pages itself, step by step along a chain.
+            (self.method != "quest", "{draft_tree}: not with {method} quest (it scores pages along a chain)"),
+            (not penalised, "{draft_tree}: not with {repetition_penalty}, {presence_penalty} or {frequency_penalty} "
+                            "(each tree node would need its own path as history)"),
+        ]
+
+    @property
+    def tree(self) -> TreeShape | None:
+        return None if self.draft_tree is None else parse_tree(self.draft_tree)
+
     @property
     def auto_gamma(self) -> bool:
         return self.gamma == adaptive_gamma.AUTO
 
     @property
     def effective_gamma(self) -> int:
-        """The compiled γ: 0 for plain decoding; with auto, γ_max."""
+        """The compiled γ: 0 for plain decoding; with auto, γ_max; with a draft tree, its depth."""
+        if self.draft_tree is not None:
+            return self.tree.depth
         if self.method == "ar":
             return 0
         if self.auto_gamma:
@@ -214,7 +251,8 @@ class GenerationOptions:
     def plain(self) -> "GenerationOptions":
         """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
-                                   gamma_max=None, draft_cost=None, verify_cost=None)
+                                   gamma_max=None, draft_cost=None, verify_cost=None, draft_tree=None,
+                                   drafter=GenerationOptions.drafter)
 
     @property
     def given_costs(self) -> tuple[float, float] | None:
@@ -415,7 +453,8 @@ class Engine:
         precision = config.draft_weights
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
                                    draft=self._draft_shapes(precision),
-                                   gamma=config.gamma, k_max=config.policy.budget.k_max if config.policy else 0,
+                                   gamma=config.verify_rows - 1,
+                                   k_max=config.policy.budget.k_max if config.policy else 0,
                                    policy=options.method, quest_page=options.quest_page,
                                    output_width=config.max_new_tokens,
                                    sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
@@ -433,6 +472,8 @@ class Engine:
             "output_width": config.max_new_tokens,
             "gamma": options.gamma if options.auto_gamma else config.gamma,
             "gamma_max": config.gamma if options.auto_gamma else None,
+            "draft_tree": options.draft_tree,
+            "drafter": options.drafter if options.draft_tree else None,
             "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
             "stop_table_states": stop_table.shape[0],
             "draft_weights": precision,
@@ -492,13 +533,13 @@ class Engine:
         gamma = options.effective_gamma
         placement = self.placement
         policy = None
-        if gamma:
+        if gamma and options.drafter == "self":
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
             policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
                                  options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
-                                 adaptive_gamma=options.auto_gamma)
+                                 adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter)
 
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
@@ -520,11 +561,11 @@ class Engine:
         # The kernels run on each shard's heads: the verification kernel's limit is per KV head's query heads,
         # which a model axis does not change (it splits query and KV heads alike).
         gamma, group = options.effective_gamma, self.config.num_heads // self.config.num_kv_heads
-        most = config.verify_attention().scored_tokens_limit(group)
+        most = None if config.tree else config.verify_attention().scored_tokens_limit(group)
         if most is not None and gamma + 1 > most:
             raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
                              "model's heads (γ + 1 <= {})", gamma, most, most)
-        return config, _round_up(max_model_len + options.effective_gamma + 1, CAPACITY_ALIGN)
+        return config, _round_up(max_model_len + config.verify_rows, CAPACITY_ALIGN)
 
     @staticmethod
     def _sampling_params(batch: int, options: GenerationOptions) -> sampling.SamplingParams:
@@ -580,12 +621,17 @@ class Engine:
         batch = len(ids) if rows is None else rows
         padded = list(ids) + [ids[-1]] * (batch - len(ids))
         in_prompt = penalties.prompt_mask(padded, self.config.vocab_size) if config.sampling.penalties else None
+        prompt_tokens = None
+        if config.tree is not None and config.drafter == "ngram":  # the drafter looks tokens up in the prompts
+            prompt_tokens = np.zeros((batch, capacity), np.int32)
+            for i, p in enumerate(padded):
+                prompt_tokens[i, : len(p)] = p
         host = (
             np.asarray([len(p) for p in padded], np.int32),
             np.asarray([p[-1] for p in padded], np.int32),
             np.where(np.arange(batch) < len(ids), options.max_new_tokens, 0).astype(np.int32),
             (np.arange(batch) + first_request + options.seed).astype(np.int32),
-            self._stop_table(options), in_prompt,
+            self._stop_table(options), in_prompt, prompt_tokens,
             tuple(np.float32(v) for v in _sampling_values(options)), np.bool_(finished),
         )
         create = functools.partial(_new_state, config=config, capacity=capacity,
@@ -980,6 +1026,8 @@ class Engine:
         metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
         metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
         metrics["draft_weights"] = options.draft_weights if gamma else None
+        metrics["draft_tree"] = options.draft_tree
+        metrics["drafter"] = options.drafter if options.draft_tree else None
         metrics.update(gamma_report or {})
         for status in ("failed", "interrupted"):
             metrics[f"{status}_requests"] = [i for i, r in enumerate(requests) if r.status == status]
@@ -992,8 +1040,8 @@ def _sampling_values(options: GenerationOptions) -> tuple:
             options.presence_penalty, options.frequency_penalty)
 
 
-def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, sampling_values, finished, *, config, capacity,
-               dtype) -> loop.DecodeState:
+def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, prompt_tokens, sampling_values, finished, *,
+               config, capacity, dtype) -> loop.DecodeState:
     """The decode state of a batch before prefill (Engine._initial_state), from host arrays."""
     batch = lengths.shape[0]
     state = loop.init_state(
@@ -1003,5 +1051,6 @@ def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, sampling_va
         sampling.SamplingParams.create(batch, *sampling_values),
         stop_table,
         None if in_prompt is None else penalties.History.of_prompts(in_prompt),
+        prompt_tokens,
     )
     return dataclasses.replace(state, done=jnp.full_like(state.done, finished))

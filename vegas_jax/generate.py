@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-weights", default=GenerationOptions.draft_weights,
                    help="what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 (groups); "
                         "verification always reads the model's weights")
+    p.add_argument("--draft-tree", default=None,
+                   help="verify a draft tree DEPTHxBRANCHING (e.g. 4x2; 6x1 is a chain; at most 64 nodes) instead of "
+                        "a chain of --gamma drafts")
+    p.add_argument("--drafter", default=GenerationOptions.drafter,
+                   help="with --draft-tree: self (the model's sparse draft; needs --method) or ngram (prompt lookup)")
     p.add_argument("--sparse-ratio", type=float, default=GenerationOptions.sparse_ratio,
                    help="draft KV budget as a fraction of the current length")
     p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
@@ -425,6 +430,9 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
     if m.get("tau") is not None and m["gamma"]:
         by_pos = " ".join(f"{x:.2f}" if x is not None else "-" for x in m["acceptance_by_position"])
         line += f"  tau {m['tau']:.2f}  acceptance {m['acceptance_rate']:.3f}  by position [{by_pos}]"
+        if m.get("draft_tree"):
+            line += f"  tree {m['draft_tree']} ({m['drafter']})"
+        line += f"  accepted depths {m['accepted_depth_histogram']}"
     if m.get("gamma_chosen_histogram") is not None:
         costs = m["gamma_costs"]
         cost_text = "" if costs is None else f", costs draft {costs['draft']:.3f} verify {costs['verify']:.3f}"
@@ -502,11 +510,13 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
                 raise InputError("--stream: not with --slots (continuous batching returns whole requests)")
         elif args.refill is not None:
             raise InputError("--refill: only with --slots")
-        if args.compare_ar and options.method == "ar":
+        if args.compare_ar and options.effective_gamma == 0:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
         mesh = _mesh(args)
         if args.phase_times and mesh is not None:
             raise InputError("{phase_times}: not with {mesh} (the phases are timed on one device)")
+        if args.phase_times and args.draft_tree:
+            raise InputError("{phase_times}: not with {draft_tree} (the phases timed are the chain's)")
         prompts = _read_prompts(args)
         if args.output_json:
             _check_output_path(args.output_json)

@@ -33,8 +33,10 @@ from vegas_jax import adaptive_gamma, penalties, sampling
 from vegas_jax.logprobs import Logprobs
 from vegas_jax.attention.verify import VerifyAttention
 from vegas_jax.draft_kernel import with_kernel
+from vegas_jax.drafters import make_drafter
 from vegas_jax.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
+from vegas_jax.tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +53,28 @@ class DecodeConfig:
     logprobs: int | None = None  # log-probabilities of the emitted tokens and this many alternatives; None: off
     draft_weights: str = "bf16"  # what the drafts read: bf16 (the model's weights) | int8 | int4 (draft_params)
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
+    # A draft tree (vegas_jax.tree_decode) in place of the chain of γ drafts; γ is then its depth.
+    tree: TreeShape | None = None
+    drafter: str = "self"  # with a tree (vegas_jax.drafters): self (sparse drafts, reads the policy) | ngram
 
     def __post_init__(self):
-        if (self.policy is None) != (self.gamma == 0):
-            raise ValueError("a selection policy is needed exactly when gamma > 0")
-        if self.gamma == 0 and (self.adaptive_gamma or self.draft_weights != "bf16"):
-            raise ValueError("adaptive gamma and quantized draft weights need gamma > 0")
+        if self.tree is None:
+            if (self.policy is None) != (self.gamma == 0):
+                raise ValueError("a selection policy is needed exactly when gamma > 0")
+        else:
+            if self.gamma != self.tree.depth:
+                raise ValueError(f"with a draft tree gamma is its depth {self.tree.depth}, got {self.gamma}")
+            if (self.policy is None) != (self.drafter == "ngram"):
+                raise ValueError("the self drafter reads a selection policy's KV; the ngram drafter none")
+            if self.adaptive_gamma or self.sampling.penalties:
+                raise ValueError("draft trees take neither adaptive gamma nor penalties")
+        if self.policy is None and (self.adaptive_gamma or self.draft_weights != "bf16"):
+            raise ValueError("adaptive gamma and quantized draft weights need sparse drafts")
+
+    @property
+    def verify_rows(self) -> int:
+        """Tokens per sequence of a verification pass (the cache's spare rows past the longest sequence)."""
+        return self.tree.rows if self.tree is not None else self.gamma + 1
 
     def plain(self) -> "DecodeConfig":
         """This loop's plain decoding step (adaptive γ's g = 0)."""
@@ -105,6 +123,7 @@ class DecodeState:
     metrics: Metrics
     step: jax.Array = axes_field()  # scalar int32: iterations run
     gamma_control: adaptive_gamma.GammaControl | None = None  # with adaptive γ
+    drafter_state: Any = ()  # a tree's drafter's memory (vegas_jax.drafters; the ngram drafter's tokens so far)
 
 
 def init_state(
@@ -117,8 +136,10 @@ def init_state(
     sampling_params: sampling.SamplingParams,
     stop_table: jax.Array,
     history: penalties.History | None,
+    prompt_tokens: jax.Array | None = None,
 ) -> DecodeState:
-    """State after prefill of all but each prompt's last token (which the bootstrap step verifies)."""
+    """State after prefill of all but each prompt's last token (which the bootstrap step verifies). prompt_tokens
+    [B, capacity] (each prompt from column 0): the ngram drafter's, None for the others."""
     batch = prompt_lengths.shape[0]
     policy, mc = config.policy, config.model
     if policy is not None:
@@ -152,6 +173,7 @@ def init_state(
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
         step=jnp.zeros((), jnp.int32),
         gamma_control=adaptive_gamma.GammaControl.create(config.gamma) if config.adaptive_gamma else None,
+        drafter_state=make_drafter(config.drafter).init_state(prompt_tokens) if config.tree is not None else (),
     )
 
 
@@ -347,7 +369,11 @@ def select(state: DecodeState, verified: DecodeState, scores, accepted, config: 
 
 def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
     """One draft -> verify -> accept -> select round for every unfinished sequence; with adaptive γ, of the
-    number of drafts the control chooses (0: a plain step)."""
+    number of drafts the control chooses (0: a plain step); with a draft tree, vegas_jax.tree_decode's."""
+    if config.tree is not None:
+        from vegas_jax import tree_decode  # it builds on this module's phases
+
+        return tree_decode.iteration(params, draft_params, state, config)
     if not config.adaptive_gamma:
         return _iteration(params, draft_params, state, config, config.gamma)
     control = state.gamma_control
@@ -389,10 +415,21 @@ def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, m
     logits, cache, scores = verify(params, state, cache, drafts, config)
     finite = draft_finite & _check_finite(logits, num_drafts + 1)
     accepted, next_token = accept(state, logits, drafts, draft_probs, num_drafts, keys, config)
+    return conclude(state, config, cache=cache, drafts=drafts, accepted=accepted, next_token=next_token,
+                    finite=finite, num_drafts=num_drafts, logits=logits, scores=scores, last_row=accepted)
 
+
+def conclude(state: DecodeState, config: DecodeConfig, *, cache, drafts, accepted, next_token, finite, num_drafts,
+             logits, scores, last_row, **fields) -> DecodeState:
+    """The end of an iteration, over a chain or a tree: emits drafts[:, :accepted] ([B, γ], by position) and
+    next_token, cut after a stop (logits [B, γ+1, V]: candidate j's distribution in row j), commits them, counts
+    them, and selects the next draft's KV from the verification scores with the last accepted token in row
+    `last_row`. `fields`: more of the state that the iteration changed."""
+    active = ~state.done
     emit_ok = active & finite
+    width = drafts.shape[1] + 1
     candidates = jnp.concatenate([drafts, next_token[:, None]], axis=1)
-    candidates = jnp.where(jnp.arange(gamma + 1)[None, :] == accepted[:, None], next_token[:, None], candidates)
+    candidates = jnp.where(jnp.arange(width)[None, :] == accepted[:, None], next_token[:, None], candidates)
     emitted, hit_stop = _emit(state, candidates, accepted + 1, emit_ok, logits, config)
     committed = jnp.where(emit_ok, state.committed + accepted + 1, state.committed)
 
@@ -412,10 +449,11 @@ def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, m
         nonfinite=state.nonfinite | (active & ~finite),
         metrics=metrics,
         step=state.step + 1,
+        **fields,
     )
     if config.policy is None:
         return verified
-    return select(state, verified, scores, accepted, config)
+    return select(state, verified, scores, last_row, config)
 
 
 def decode(

@@ -3,7 +3,9 @@
 τ (tokens per iteration) = 1 + accepted drafts / verification passes, the acceptance length of vLLM and
 llama.cpp, from 1 to γ+1. Acceptance rate = accepted / drafted. Acceptance by position i = the fraction of passes
 whose draft i (1-based) was accepted among passes that drafted it. Pooled numbers sum counts over requests rather
-than averaging per-request ratios, so long requests weigh by their iterations (report both).
+than averaging per-request ratios, so long requests weigh by their iterations (report both). The accepted-depth
+histogram counts passes by how many drafts they accepted (0 to γ; with a draft tree, the depth of the accepted
+path): a pass accepted at least i drafts iff it accepted draft i, so it follows from the counts by position.
 """
 
 from __future__ import annotations
@@ -36,4 +38,11 @@ def pooled_metrics(iterations: np.ndarray, drafted: np.ndarray, accepted: np.nda
         "tau_mean_over_requests": float(np.mean(per_request_tau)) if per_request_tau else None,
         "acceptance_rate": _ratio(accepted.sum(), drafted.sum()),
         "acceptance_by_position": [_ratio(a, d) for a, d in zip(accepted.sum(0), drafted.sum(0))],
+        "accepted_depth_histogram": accepted_histogram(total_iterations, accepted.sum(0)),
     }
+
+
+def accepted_histogram(iterations: int, accepted_by_position: np.ndarray) -> list[int]:
+    """[passes that accepted exactly 0, 1, ..., γ drafts] from the passes and the accepted counts by position."""
+    at_least = np.concatenate([[iterations], np.asarray(accepted_by_position, np.int64)])
+    return (at_least - np.concatenate([at_least[1:], [0]])).astype(int).tolist()

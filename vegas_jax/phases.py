@@ -42,6 +42,8 @@ def time_phases(engine: Engine, started: Started) -> dict:
     config, state, params, draft_params = started.config, started.state, engine.model.params, started.draft_params
     if config.placement.mesh is not None:
         raise InputError("{phase_times}: not on a {mesh} (run it on one device)")
+    if config.tree is not None:
+        raise InputError("{phase_times}: not with {draft_tree} (the phases timed are the chain's)")
     gamma, batch = config.gamma, state.committed.shape[0]
     keys = loop.step_keys(state.keys, loop.request_step(state), gamma + 2)
     num_drafts = jnp.full((batch,), gamma, jnp.int32)

@@ -82,12 +82,7 @@ class VerifyAttention:
         if not self.collects(layer):
             return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
         out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
-        if self.request.mode == "logit":
-            per_head = raw
-        else:
-            scaled = jnp.where(mask[:, None, None], raw * (q.shape[-1] ** -0.5), -jnp.inf)
-            per_head = jnp.exp(scaled - lse[..., None])
-        per_row = jnp.mean(per_head, axis=(1, 2))  # [B, S, T], mean over all query heads
+        per_row = row_scores(self.request.mode, raw, lse, mask, q.shape[-1])
         if self.request.rows == "boundary":
             scores = 0.5 * (per_row[:, 0] + per_row[:, -1])
         elif self.request.rows == "all":
@@ -98,3 +93,14 @@ class VerifyAttention:
         if scores.ndim == 3:
             candidate = candidate[:, None, :]
         return out, k_cache, v_cache, jnp.where(candidate, scores, -jnp.inf)
+
+
+def row_scores(mode: str, raw: jax.Array, lse: jax.Array, mask: jax.Array, head_dim: int) -> jax.Array:
+    """[B, S, T] each query row's score of every cache position, the mean over all query heads: raw q.k ('logit')
+    or the softmax probability ('weight'), from masked_attention's raw logits [B, K, G, S, T] and lse."""
+    if mode == "logit":
+        per_head = raw
+    else:
+        scaled = jnp.where(mask[:, None, None], raw * (head_dim**-0.5), -jnp.inf)
+        per_head = jnp.exp(scaled - lse[..., None])
+    return jnp.mean(per_head, axis=(1, 2))

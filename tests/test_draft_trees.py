@@ -1,0 +1,243 @@
+"""Draft trees (vegas_jax.tree, tree_decode, drafters) on a tiny random Qwen3 in float32, each against an
+independent reference: every node's logits from one tree pass equal full recomputation of its root-to-node path,
+and the committed path's K/V equal that recomputation's; greedy tree speculation with each drafter equals greedy
+decoding by full recomputation (`dense_greedy`), ragged batches, with the caches after acceptance, the
+log-probabilities and a stop id as plain decoding's; a sampled chain-shaped tree is the linear loop (tokens, τ). Sampled trees keep the
+distribution: test_sampling_distribution's tiny model, the joint of four tokens (the last three from one tree
+iteration) over 20,000 seeds (self drafts; n-gram drafts 10,000) against the exact float64 joint, and a rule without
+the residual is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.decoder import forward
+from models.kv_cache import KVCache
+from tests.test_lossless_tiny import dense_greedy, prompts, tiny_engine
+from tests.test_sampling_distribution import VOCAB, chi_square_p_value, processed_probs, tiny_sampler
+from vegas_jax import tree_decode
+from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.attention.tree import TreeAttention
+from vegas_jax.engine import Engine, GenerationOptions, InputError
+from vegas_jax.metrics import accepted_histogram
+from vegas_jax.tree import TreeShape, parse_tree
+
+_forward = jax.jit(forward, static_argnames="config")
+# Depths 0 1 1 2 2 2 3 3: unequal branching, a leaf above the deepest level, two paths of depth 3.
+IRREGULAR = TreeShape((-1, 0, 0, 1, 1, 2, 3, 5))
+NEW = 14
+LENGTHS = [21, 34, 9]  # ragged
+STOP = 59  # greedy decoding emits it as the 8th token of the second sequence (and nowhere else)
+CONTROLS = dict(logprobs=2, stop_token_ids=(STOP,))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+def test_tree_shapes():
+    tree = parse_tree("2x2")
+    assert tree.parents == (-1, 0, 0, 1, 1, 2, 2) and tree.depth == 2 and tree.num_parents == 3
+    assert parse_tree("6x1") == TreeShape.chain(6) and TreeShape.chain(6).is_chain and not tree.is_chain
+    assert IRREGULAR.children.tolist() == [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [7, -1], [-1, -1], [-1, -1]]
+    assert IRREGULAR.path_nodes[7].tolist() == [0, 2, 5, 7] and IRREGULAR.path_nodes[4].tolist() == [0, 1, 4, 0]
+    assert IRREGULAR.ancestors[7].tolist() == [True, False, True, False, False, True, False, True]
+    for bad, needle in [("4by2", "DEPTHxBRANCHING"), ("0x3", ">= 1"), ("6x2", "126 drafted nodes, more than 64")]:
+        with pytest.raises(InputError, match=needle):
+            parse_tree(bad)
+    with pytest.raises(ValueError, match="parent must come before"):
+        TreeShape((-1, 2, 0))
+    assert accepted_histogram(10, np.array([6, 2, 1])) == [4, 4, 1, 1]
+
+
+def _path_tokens(tokens: np.ndarray, tree: TreeShape, node: int) -> list[int]:
+    return [int(tokens[n]) for n in tree.path_nodes[node][1 : tree.depths[node] + 1]]
+
+
+def test_every_node_attends_its_path_and_the_committed_path_is_plain_decoding(engine):
+    """One tree pass over sequences of different lengths: node i's logits are those of the last row of a dense
+    forward over prompt + path(i); committing a path leaves the K/V rows that forward writes."""
+    config, params, tree = engine.config, engine.model.params, IRREGULAR
+    seqs = prompts([9, 14], config.vocab_size, seed=3)
+    batch, capacity = len(seqs), 32
+    base = np.array([len(s) - 1 for s in seqs], np.int32)  # the last prompt token is the root, without K/V yet
+    width = int(base.max())
+    tokens = np.zeros((batch, width), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s) - 1] = s[:-1]
+    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    _, cache, _ = _forward(params, jnp.asarray(tokens), positions, KVCache.create(config, batch, capacity, jnp.float32),
+                           DenseAttention(), config=config)
+    rng = np.random.default_rng(0)
+    nodes = rng.integers(0, config.vocab_size, (batch, tree.rows)).astype(np.int32)
+    nodes[:, 0] = [s[-1] for s in seqs]
+    attention = TreeAttention(jnp.asarray(base[:, None] + np.arange(tree.rows)), jnp.asarray(base),
+                              jnp.asarray(tree.ancestors))
+    logits, cache, _ = _forward(params, jnp.asarray(nodes), jnp.asarray(base[:, None] + tree.depths), cache,
+                                attention, config=config)
+
+    paths = [(b, n) for b in range(batch) for n in range(tree.rows)]
+    full = [seqs[b] + _path_tokens(nodes[b], tree, n) for b, n in paths]
+    length = max(map(len, full))
+    padded = np.zeros((len(full), length), np.int32)
+    for i, s in enumerate(full):
+        padded[i, : len(s)] = s
+    ref_logits, ref_cache, _ = _forward(params, jnp.asarray(padded), jnp.broadcast_to(jnp.arange(length), padded.shape),
+                                        KVCache.create(config, len(full), length, jnp.float32), DenseAttention(),
+                                        config=config, logit_rows=jnp.asarray([[len(s) - 1] for s in full]))
+    expected = np.asarray(ref_logits[:, 0]).reshape(batch, tree.rows, -1)
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=2e-4, rtol=1e-4)
+
+    last = np.array([7, 4], np.int32)  # paths 0-2-5-7 and 0-1-4
+    accepted = tree.depths[last]
+    committed = tree_decode.commit_path(cache, jnp.asarray(base), jnp.asarray(tree.path_nodes[last]),
+                                        jnp.asarray(accepted), jnp.ones((batch,), bool))
+    for b in range(batch):
+        ref = paths.index((b, int(last[b])))
+        rows = int(base[b] + accepted[b] + 1)  # the prompt and the path, the last accepted token included
+        for got, want in ((committed.k, ref_cache.k), (committed.v, ref_cache.v)):
+            for layer in range(config.num_layers):
+                np.testing.assert_allclose(np.asarray(got[layer][b, :rows]), np.asarray(want[layer][ref, :rows]),
+                                           atol=2e-5, rtol=1e-5)
+
+
+def run_to_end(engine, ids, opts):
+    """The final decode state of a whole run (engine.start, then the compiled loop to the end)."""
+    started = engine.start(ids, opts)
+    rows = started.state.committed.shape[0]
+    return started.decode(engine.model.params, started.draft_params, started.state, np.int32(10_000),
+                          np.int32(rows))
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    """(prompts, greedy tokens by full recomputation, plain decoding's final state, with logprobs and a stop id)."""
+    ids = prompts(LENGTHS, engine.config.vocab_size, seed=1)
+    # A repeated stretch gives the n-gram drafter matches beyond those of the output's own loops.
+    ids[1] = ids[1][:17] + ids[1][:17]
+    state = run_to_end(engine, ids, GenerationOptions(max_new_tokens=NEW, **CONTROLS))
+    return ids, dense_greedy(engine, ids, NEW, stop_ids=(STOP,)), state
+
+
+TREES = [
+    ("vegas", "self", "2x3"),
+    ("ar", "ngram", "3x2"),
+]
+
+
+@pytest.mark.parametrize("method,drafter,tree", TREES, ids=[f"{m}-{d}-{t}" for m, d, t in TREES])
+def test_greedy_tree_speculation_is_plain_greedy_decoding(engine, plain, method, drafter, tree):
+    ids, expected, plain_state = plain
+    opts = GenerationOptions(max_new_tokens=NEW, method=method, draft_tree=tree, drafter=drafter, sparse_ratio=0.1,
+                             min_sparse_tokens=8, **CONTROLS)
+    state = run_to_end(engine, ids, opts)
+    output, count = np.asarray(state.output), np.asarray(state.num_generated)
+    assert [output[i, : count[i]].tolist() for i in range(len(ids))] == expected
+    assert count[1] == 8  # the stop id ended it
+    for b, n in enumerate(count):  # each emitted token's log-probabilities come from its own path's row
+        np.testing.assert_allclose(np.asarray(state.logprobs.chosen[b, :n]),
+                                   np.asarray(plain_state.logprobs.chosen[b, :n]), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(state.logprobs.top_ids[b, :n]),
+                                      np.asarray(plain_state.logprobs.top_ids[b, :n]))
+    accepted = np.asarray(state.metrics.accepted).sum(0)
+    assert accepted[1] > 0, accepted  # paths of depth 2 and more were accepted: the tree was at work
+    committed = np.asarray(state.committed)
+    np.testing.assert_array_equal(committed, np.asarray(plain_state.committed))
+    for got, want in zip(state.cache.k + state.cache.v, plain_state.cache.k + plain_state.cache.v):
+        for b, rows in enumerate(committed):
+            np.testing.assert_allclose(np.asarray(got[b, :rows]), np.asarray(want[b, :rows]), atol=2e-5, rtol=1e-5)
+
+
+def test_a_chain_shaped_tree_is_the_linear_loop(engine, plain):
+    """Sampled, so that the drafts, the keys and the acceptance rule must all agree: tokens, τ and acceptance by
+    position equal γ = 3's. (Greedy, both equal plain greedy decoding token for token.)"""
+    ids = plain[0]
+    common = dict(max_new_tokens=NEW, method="vegas", sparse_ratio=0.1, min_sparse_tokens=8, temperature=1.0)
+    linear = engine.generate(ids, GenerationOptions(gamma=3, **common))
+    chain = engine.generate(ids, GenerationOptions(draft_tree="3x1", **common))
+    assert [r.tokens for r in chain.requests] == [r.tokens for r in linear.requests]
+    for key in ("tau", "acceptance_by_position", "accepted_depth_histogram", "iterations"):
+        assert chain.metrics[key] == linear.metrics[key], key
+    assert 1.2 < linear.metrics["tau"] < 3.8  # drafts accepted and rejected
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+SAMPLED_NEW = 4  # the bootstrap token, then one 2x2 iteration: up to two drafts and a bonus
+PROMPT_LENGTH = 32
+SAMPLED = dict(temperature=1.0, top_k=3, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    """The sampling test's tiny model, a 32-token prompt and the exact float64 joint of the first four tokens."""
+    engine = tiny_sampler()
+    prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
+    continuations = list(itertools.product(range(VOCAB), repeat=SAMPLED_NEW - 1))
+    seqs = jnp.asarray([prompt + list(c) for c in continuations], jnp.int32)
+    cache = KVCache.create(engine.config, len(continuations), seqs.shape[1], jnp.float32)
+    logits, _, _ = _forward(engine.model.params, seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape), cache,
+                            DenseAttention(), config=engine.config)
+    probs, margin = processed_probs(np.asarray(logits, np.float64)[:, PROMPT_LENGTH - 1 :], **SAMPLED)
+    assert margin > 1e-4
+    joint = np.ones((VOCAB,) * SAMPLED_NEW)
+    for i in range(SAMPLED_NEW):
+        p = probs[:, i].reshape((VOCAB,) * (SAMPLED_NEW - 1) + (VOCAB,))
+        p = p[(slice(None),) * i + (0,) * (SAMPLED_NEW - 1 - i)]
+        joint *= p.reshape((VOCAB,) * (i + 1) + (1,) * (SAMPLED_NEW - 1 - i))
+    return engine, prompt, joint
+
+
+def sampled_counts(sampler, drafter: str, seeds: int = 20_000):
+    engine, prompt, _ = sampler
+    method = "vegas" if drafter == "self" else "ar"
+    opts = GenerationOptions(max_new_tokens=SAMPLED_NEW, method=method, draft_tree="2x2", drafter=drafter,
+                             sparse_ratio=0.02, min_sparse_tokens=2, prefill_chunk=80,
+                             max_model_len=PROMPT_LENGTH + SAMPLED_NEW, **SAMPLED)
+    result = engine.generate([prompt] * seeds, opts)
+    outputs = np.array([r.tokens for r in result.requests])
+    counts = np.zeros((VOCAB,) * SAMPLED_NEW)
+    np.add.at(counts, tuple(outputs.T), 1)
+    return counts, result.metrics["accepted_depth_histogram"]
+
+
+# The self drafter's children are draws without replacement, the n-gram drafter's fixed choices.
+@pytest.mark.parametrize("drafter,seeds", [("self", 20_000), ("ngram", 10_000)])
+def test_sampled_trees_keep_the_distribution(sampler, drafter, seeds):
+    counts, histogram = sampled_counts(sampler, drafter, seeds)
+    # Rejections at the root, and paths of depth 1 and 2, each in at least 2 % of the tree iterations.
+    assert min(histogram) > 0.02 * sum(histogram), histogram
+    p_value = chi_square_p_value(counts, sampler[2])
+    assert p_value > 1e-3, f"p = {p_value:.2e}"
+
+
+def test_sampling_without_the_residual_is_caught(sampler, monkeypatch):
+    """After a rejected sibling, drawing from the node's target as it was (not from the residual max(0, p - q))
+    favours the drafted tokens: the same test rejects it, already at 4,000 seeds (p below 1e-100 at 5,000)."""
+    monkeypatch.setattr(tree_decode, "residual", lambda p, q: p)
+    engine, prompt, joint = sampler
+    counts, _ = sampled_counts((Engine(engine.model), prompt, joint), "self", 4_000)  # a fresh engine compiles anew
+    p_value = chi_square_p_value(counts, sampler[2])
+    assert p_value < 1e-6, f"p = {p_value:.2e}"
+
+
+def test_library_refusals_name_the_argument():
+    cases = [
+        (dict(draft_tree="2x2"), "draft_tree 2x2: the self drafter drafts with a KV selection"),
+        (dict(draft_tree="4x2", gamma=3, method="vegas"), "gamma 3 contradicts draft_tree 4x2"),
+        (dict(drafter="ngram"), "drafter ngram drafts a tree: give draft_tree"),
+        (dict(draft_tree="2x2", drafter="ngram", method="vegas"), "drafter ngram reads no KV selection"),
+        (dict(draft_tree="2x2", method="quest"), "not with method quest"),
+        (dict(draft_tree="2x2", method="vegas", temperature=1.0, presence_penalty=0.5), "presence_penalty"),
+        (dict(draft_tree="2x2", method="vegas", gamma="auto"), "gamma auto: not with draft_tree"),
+        (dict(draft_tree="2x2", drafter="eagle", method="vegas"), "drafter must be one of self, ngram"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(InputError, match=message):
+            GenerationOptions.check(dataclasses.replace(GenerationOptions(), **fields))

@@ -1,0 +1,96 @@
+"""Tree attention: new tokens that are nodes of a draft tree, each attending to a prefix of the cache and to its own
+root-to-node path among the tree's scratch rows.
+
+The tree of a sequence lives in scratch rows base, base + 1, ...: node j's K/V at row base + j (base = the root's
+row, the sequence's committed length), while its RoPE position is base + its depth (the model rotates by the
+positions it is given; this attention writes by rows). A node sees the prefix rows and the rows of its ancestors
+and itself (`TreeShape.ancestors`), so its output is the one plain decoding of its path computes.
+
+The interface any attention family's tree verification plugs into is this one: new tokens, their positions by depth
+(the model's `positions`), the rows they are written to and the ancestor mask over the tree's rows. Verification
+sees the whole prefix (rows < base) and may collect selection scores; a draft pass sees a KV selection of it
+(`selected`) plus its recent rows [recent_start, base). jnp on every backend: the Pallas verification kernel is
+causal, not tree-masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.kv_cache import write_rows
+from vegas_jax.attention.core import masked_attention
+from vegas_jax.attention.sparse_draft import selected_mask
+from vegas_jax.attention.verify import ScoreRequest, row_scores
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftPrefix:
+    """The part of the cache before the tree that a draft pass reads: a KV selection (vegas_jax.selection.Selection's
+    arrays) and the recent rows from recent_start."""
+
+    indices: jax.Array  # [layers, B, K_max]
+    counts: jax.Array  # [layers, B]
+    recent_start: jax.Array  # [B]
+
+    def visible(self, layer: int, base: jax.Array, capacity: int) -> jax.Array:
+        t = jnp.arange(capacity)[None, :]
+        recent = (t >= self.recent_start[:, None]) & (t < base[:, None])
+        return selected_mask(self.indices[layer], self.counts[layer], capacity) | recent
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeAttention:
+    """aux per layer, when `request` asks for scores: float32 [B, T] ('boundary': the mean of the root's row and the
+    deepest nodes' rows, which for a chain are rows 0 and γ as in linear verification; 'all': every row's mean) or
+    [B, S, T] ('each'), -inf past the root's row, averaged over this shard's heads."""
+
+    rows: jax.Array  # [B, S] int32 cache rows of the new tokens (base + their node indices)
+    base: jax.Array  # [B] int32 the root's row
+    ancestors: jax.Array  # [S, R] bool: new token s sees tree row base + r
+    prefix: DraftPrefix | None = None  # None: every row before base (verification)
+    request: ScoreRequest | None = dataclasses.field(default=None, metadata=dict(static=True))
+    num_layers: int = dataclasses.field(default=0, metadata=dict(static=True))
+    deepest: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # rows of the deepest nodes
+
+    def mask(self, layer: int, capacity: int) -> jax.Array:
+        """[B, S, T] what each new token attends to."""
+        t = jnp.arange(capacity)[None, :]
+        if self.prefix is None:
+            before = t < self.base[:, None]
+        else:
+            before = self.prefix.visible(layer, self.base, capacity)
+        offset = t - self.base[:, None]  # [B, T]: the tree row each cache row would be
+        width = self.ancestors.shape[1]
+        in_tree = (offset >= 0) & (offset < width)
+        on_path = jnp.take(self.ancestors, jnp.clip(offset, 0, width - 1), axis=1)  # [S, B, T]
+        return before[:, None, :] | (in_tree[:, None, :] & jnp.moveaxis(on_path, 0, 1))
+
+    def collects(self, layer: int) -> bool:
+        if self.request is None:
+            return False
+        return not self.request.last_layer_only or layer == self.num_layers - 1
+
+    def __call__(self, layer, new, positions, k_cache, v_cache):
+        q, k, v = new.rotated()
+        k_cache = write_rows(k_cache, k, self.rows)
+        v_cache = write_rows(v_cache, v, self.rows)
+        mask = self.mask(layer, k_cache.shape[1])
+        if not self.collects(layer):
+            return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
+        out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
+        per_row = row_scores(self.request.mode, raw, lse, mask, q.shape[-1])  # [B, S, T]
+        if self.request.rows == "boundary":
+            scores = 0.5 * (per_row[:, 0] + jnp.mean(per_row[:, list(self.deepest)], axis=1))
+        elif self.request.rows == "all":
+            scores = jnp.mean(per_row, axis=1)
+        else:
+            scores = per_row
+        candidate = jnp.arange(k_cache.shape[1])[None, :] <= self.base[:, None]  # [B, T]
+        if scores.ndim == 3:
+            candidate = candidate[:, None, :]
+        return out, k_cache, v_cache, jnp.where(candidate, scores, -jnp.inf)
