@@ -26,6 +26,7 @@ from models.logical_axes import Axes, axes_of
 from models.quantized import PRECISIONS
 from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, stops
 from vegas_jax.attention.backend import default_backend
+from vegas_jax.attention.family import family_of
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.inputs import InputError
@@ -998,7 +999,7 @@ def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, sampling_va
     batch = lengths.shape[0]
     state = loop.init_state(
         config,
-        KVCache.create(config.model, batch, capacity, dtype),
+        family_of(config.model).create_cache(config.model, batch, capacity, dtype),
         lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
         sampling.SamplingParams.create(batch, *sampling_values),
         stop_table,
