@@ -504,6 +504,9 @@ class Engine:
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
         options.validate()
+        if self.config.attention != "dense" and options.method != "ar":
+            raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
+                             "selection policies attend densely)", options.method, self.config.attention)
         if options.seed + len(ids) - 1 > INT32_MAX:
             raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                              options.seed, len(ids))

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import ModelConfig
+from models.config import NSA_VIEW_LAYOUT, ModelConfig, NSALayout
 from models.kv_cache import KVCache
 from models.nsa_cache import NSACache
 from vegas_jax.attention.nsa import NSAAttention
 from vegas_jax.attention.verify import ScoreRequest, VerifyAttention
+from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
 
 
@@ -38,3 +39,19 @@ class NSAFamily:
 
 def family_of(config: ModelConfig) -> DenseFamily | NSAFamily:
     return DenseFamily() if config.attention == "dense" else NSAFamily()
+
+
+ATTENTION_CHOICES = ("dense", "nsa-view")  # what --attention may ask of a model (an NSA checkpoint runs as NSA)
+
+
+def with_attention(config: ModelConfig, attention: str | None, layout: NSALayout = NSA_VIEW_LAYOUT) -> ModelConfig:
+    """`config` attending as `attention` asks (None: as it is): "nsa-view" turns a dense model into its
+    training-free NSA view with `layout`; "dense" keeps a dense model. InputError naming attention otherwise."""
+    if attention is None or attention == config.attention:
+        return config
+    if attention not in ATTENTION_CHOICES:
+        raise InputError("{attention} must be one of {}, got {!r}", ", ".join(ATTENTION_CHOICES), attention)
+    if config.attention != "dense":
+        raise InputError("{attention} {}: the model is an {} checkpoint and runs only as one", attention,
+                         config.attention)
+    return dataclasses.replace(config, attention="nsa-view", nsa=layout)

@@ -101,6 +101,10 @@ class NSAAttention:
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
     return_blocks: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
+    def scored_tokens_limit(self, group: int) -> None:
+        """No limit: an NSA pass collects no selection scores (VerifyAttention's limit)."""
+        return None
+
     def __call__(self, layer, new, positions, cache: NSALayerCache):
         q, k, v = new.rotated()
         cache = write_tokens(cache, k, v, positions, self.layout)
