@@ -92,7 +92,7 @@ class DecoderLayer(nnx.Module):
         self.o_proj = nnx.Param(init(rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), dtype))
         self.gated = c.attention == "nsa"
         if self.gated:  # NSA's branch gates: per query head, (compressed, selected, window)
-            self.gate_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.num_heads, 3), dtype))
+            self.branch_gate_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.num_heads, 3), dtype))
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.gate_up_proj = nnx.Param(init(rngs.params(), (c.hidden_size, 2, c.intermediate_size), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (c.intermediate_size, c.hidden_size), dtype))
@@ -111,7 +111,7 @@ class DecoderLayer(nnx.Module):
             qkv = jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=2)
         gates = None
         if self.gated:
-            gates = jax.nn.sigmoid(contract("BSD,DNG->BSNG", h, self.gate_proj.get_value(),
+            gates = jax.nn.sigmoid(contract("BSD,DNG->BSNG", h, self.branch_gate_proj.get_value(),
                                             preferred_element_type=jnp.float32))
         new = NewTokens(qkv, *rope, num_kv_heads=self.num_kv_heads, gates=gates)
         out, cache, aux = attend(attention, layer, new, positions, cache)
@@ -175,7 +175,7 @@ _PARAM_AXES = {
     "qkv_proj": Axes(None, HEADS, None),
     "qkv_bias": Axes(HEADS, None),
     "o_proj": Axes(HEADS, None, None),
-    "gate_proj": Axes(None, HEADS, None),
+    "branch_gate_proj": Axes(None, HEADS, None),
     "gate_up_proj": Axes(None, None, MLP),
     "down_proj": Axes(MLP, None),
 }

@@ -67,7 +67,8 @@ _QK_NORM = {
     "model.layers.{i}.self_attn.q_norm.weight": (("q_norm", "scale"), _AS_IS),
     "model.layers.{i}.self_attn.k_norm.weight": (("k_norm", "scale"), _AS_IS),
 }
-_NSA_GATES = {"model.layers.{i}.self_attn.g_proj.weight": (("gate_proj",), _LINEAR)}  # [H_q * 3, D], head-major
+# fla-org NSA's branch gates: [H_q * 3, D], three (compressed, selected, window) per query head.
+_NSA_GATES = {"model.layers.{i}.self_attn.g_proj.weight": (("branch_gate_proj",), _LINEAR)}
 _GLOBAL = {
     "model.embed_tokens.weight": (("embed",), _AS_IS),
     "model.norm.weight": (("final_norm", "scale"), _AS_IS),
