@@ -52,10 +52,14 @@ def compressed_probabilities(qg, k_cmp, positions, layout: NSALayout):
 
 
 def selected_row_mask(indices: jax.Array, positions: jax.Array, capacity: int, layout: NSALayout) -> jax.Array:
-    """[B, K, S, T]: row t lies in one of the query's selected blocks indices [B, K, S, n] and t <= its position."""
-    t = jnp.arange(capacity)
-    in_block = jnp.any((t // layout.select_block)[None, None, None, :, None] == indices[..., None, :], axis=-1)
-    return in_block & (t <= positions[:, None, :, None])
+    """[B, K, S, T]: row t lies in one of the query's selected blocks indices [B, K, S, n] and t <= its position.
+    Marked per block, then widened to rows: no [.., T, n] comparison."""
+    num_blocks = num_select_blocks(layout, capacity)
+    marked = jnp.zeros(indices.shape[:-1] + (num_blocks + 1,), bool)
+    lead = jnp.indices(indices.shape[:-1], sparse=True)
+    marked = marked.at[(*(i[..., None] for i in lead), jnp.where(indices >= 0, indices, num_blocks))].set(True)
+    rows = jnp.repeat(marked[..., :num_blocks], layout.select_block, axis=-1)[..., :capacity]
+    return rows & (jnp.arange(capacity) <= positions[:, None, :, None])
 
 
 def window_mask(positions: jax.Array, capacity: int, window: int) -> jax.Array:
