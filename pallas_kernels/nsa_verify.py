@@ -27,6 +27,7 @@ from models.config import NSALayout
 from models.nsa_cache import NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels.nsa_decode import nsa_decode_reference
+from pallas_kernels.nsa_tree_select import v0_selected, v1_selected
 
 MAX_TREE_NODES = 64
 
@@ -98,14 +99,20 @@ def _masked(logits, mask):
     return jnp.where(mask, logits, -jnp.inf)
 
 
-def _softmax(segments):
-    """Normalised weights of one softmax over segments of logits [..., N_s] (-inf masked); zero for a row that
-    sees nothing."""
-    peak = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1) for x in segments])
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None]
-    weights = [jnp.exp(x - peak) for x in segments]
-    total = sum(w.sum(axis=-1) for w in weights)[..., None]
-    return [w / jnp.where(total > 0, total, 1.0) for w in weights]
+def _segment(logits, values):
+    """A softmax over one segment of keys: logits [H_kv, G, T, N] (-inf masked), values(p) [T, H_kv, G, D].
+    Returns (o normalised [T, H_kv, G, D], lse [T, H_kv, G]; -inf and zero for a row that sees nothing)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    return values(p), jnp.moveaxis(lse, 2, 0)
+
+
+def _merge(*segments):
+    """One softmax over several segments' keys, from each segment's (o, lse)."""
+    lse = functools.reduce(jnp.logaddexp, [s[1] for s in segments])
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight = lambda s_lse: jnp.where(jnp.isfinite(s_lse), jnp.exp(s_lse - safe), 0.0)[..., None]
+    return sum(weight(s_lse) * o for o, s_lse in segments)
 
 
 def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSALayout, num_nodes: int):
@@ -127,11 +134,49 @@ def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSAL
     return c, valid, (prefix[None] + path) / l
 
 
+def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALayout, schedule: str, kernels):
+    """(o, lse) of each node's selected blocks' prefix rows (< length): V0 or V1, in XLA (kernels None) or
+    through pallas_kernels.nsa_tree_select (kernels "pallas" or "interpret")."""
+    num_nodes, num_kv_heads = blocks.shape[:2]
+    sel, capacity = layout.select_block, cache.k.shape[0]  # unbatched: [T_cap, H_kv, D]
+    if kernels is not None:
+        interpret = kernels == "interpret"
+        if schedule == "v0":
+            o, lse = v0_selected(q, cache.k, cache.v, blocks, length, select_block=sel, interpret=interpret)
+        else:
+            union, count, member = union_schedule(blocks, num_select_blocks(layout, capacity))
+            o, lse = v1_selected(q, cache.k, cache.v, union, count, member, length, select_block=sel,
+                                 interpret=interpret)
+        return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    span = jnp.arange(sel)
+    if schedule == "v0":
+        rows = (jnp.maximum(blocks, 0)[..., None] * sel + span).reshape(num_nodes, num_kv_heads, -1)
+        valid = jnp.repeat(blocks >= 0, sel, axis=-1) & (rows < length)  # [T, H_kv, N]
+        gather = lambda x: x[rows, jnp.arange(num_kv_heads)[None, :, None]]  # [T, H_kv, N, D]
+        k_sel, v_sel = gather(cache.k), gather(cache.v)
+        logits = jnp.einsum("thgd,thnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale
+        return _segment(_masked(logits, jnp.moveaxis(valid, 1, 0)[:, None]),
+                        lambda p: jnp.einsum("hgtn,thnd->thgd", p.astype(v_sel.dtype), v_sel,
+                                             preferred_element_type=jnp.float32))
+    union, _, member = union_schedule(blocks, num_select_blocks(layout, capacity))
+    rows = (jnp.maximum(union, 0)[..., None] * sel + span).reshape(num_kv_heads, -1)  # [H_kv, U l']
+    valid = jnp.repeat(member, sel, axis=-1) & (rows < length)[:, None, :]  # [H_kv, T, U l']
+    gather = lambda x: x[rows, jnp.arange(num_kv_heads)[:, None]]  # [H_kv, U l', D]
+    k_sel, v_sel = gather(cache.k), gather(cache.v)
+    logits = jnp.einsum("thgd,hnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale
+    return _segment(_masked(logits, valid[:, None]),
+                    lambda p: jnp.einsum("hgtn,hnd->thgd", p.astype(v_sel.dtype), v_sel,
+                                         preferred_element_type=jnp.float32))
+
+
 def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
-                    kind: str = "nsa", schedule: str = "v1", return_blocks: bool = False):
+                    kind: str = "nsa", schedule: str = "v1", kernels: str | None = None,
+                    return_blocks: bool = False):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
     [T_cap, H_kv, D] without the batch axis; length and parents traced). schedule: "v0" | "v1" (module
-    docstring). Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
+    docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels).
+    Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
     if schedule not in ("v0", "v1"):
         raise ValueError(f"schedule must be v0 or v1, got {schedule!r}")
     num_nodes, num_q_heads, head_dim = q.shape
@@ -153,36 +198,19 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     _, _, v_extra = _path_compressed(cache.v, tree_v, anc, positions, length, layout, num_nodes)
     extra_logits = _masked(jnp.einsum("thgd,tehd->hgte", qg, k_extra.astype(q.dtype),
                                       preferred_element_type=jnp.float32) * scale, extra_valid[None, None])
-    p_cmp, p_extra = _softmax([cmp_logits, extra_logits])
+    lse = jnp.logaddexp(jax.nn.logsumexp(cmp_logits, axis=-1), jax.nn.logsumexp(extra_logits, axis=-1))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+    p_cmp, p_extra = jnp.exp(cmp_logits - lse), jnp.exp(extra_logits - lse)
     compressed = p_cmp.sum(axis=1).at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
     scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)
     blocks = select_blocks(scores, positions[None, :], layout).transpose(1, 0, 2)  # [T, H_kv, n]
 
     # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
-    span = jnp.arange(sel)
-    if schedule == "v0":
-        rows = (jnp.maximum(blocks, 0)[..., None] * sel + span).reshape(num_nodes, num_kv_heads, -1)
-        valid = jnp.repeat(blocks >= 0, sel, axis=-1) & (rows < length)  # [T, H_kv, N]
-        gather = lambda x: x[rows, jnp.arange(num_kv_heads)[None, :, None]]  # [T, H_kv, N, D]
-        k_sel, v_sel = gather(cache.k), gather(cache.v)
-        slc_logits = _masked(jnp.einsum("thgd,thnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale,
-                             jnp.moveaxis(valid, 1, 0)[:, None])
-        slc_values = lambda p: jnp.einsum("hgtn,thnd->thgd", p.astype(v_sel.dtype), v_sel,
-                                          preferred_element_type=jnp.float32)
-    else:
-        union, _, member = union_schedule(blocks, num_select_blocks(layout, capacity))
-        rows = (jnp.maximum(union, 0)[..., None] * sel + span).reshape(num_kv_heads, -1)  # [H_kv, U l']
-        valid = jnp.repeat(member, sel, axis=-1) & (rows < length)[:, None, :]  # [H_kv, T, U l']
-        gather = lambda x: x[rows, jnp.arange(num_kv_heads)[:, None]]  # [H_kv, U l', D]
-        k_sel, v_sel = gather(cache.k), gather(cache.v)
-        slc_logits = _masked(jnp.einsum("thgd,hnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale,
-                             valid[:, None])
-        slc_values = lambda p: jnp.einsum("hgtn,hnd->thgd", p.astype(v_sel.dtype), v_sel,
-                                          preferred_element_type=jnp.float32)
+    selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels)
+    by_head = blocks.transpose(1, 0, 2)  # [H_kv, T, n]
     tree_logits = dot(tree_k, "thgd,jhd->hgtj")  # [H_kv, G, T, T_j]
     tree_values = lambda p: jnp.einsum("hgtj,jhd->thgd", p.astype(tree_v.dtype), tree_v,
                                        preferred_element_type=jnp.float32)
-    by_head = blocks.transpose(1, 0, 2)  # [H_kv, T, n]
     tree_slc = anc[None] & jnp.any((positions // sel)[None, None, :, None] == by_head[:, :, None, :], axis=-1)
     tree_win = anc & (positions[None, :] > positions[:, None] - w)  # [T, T_j]
 
@@ -194,20 +222,18 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     win_logits = dot(k_win, "thgd,nhd->hgtn")
     win_values = lambda p: jnp.einsum("hgtn,nhd->thgd", p.astype(v_win.dtype), v_win,
                                       preferred_element_type=jnp.float32)
-    if kind == "nsa-view":
+    if kind == "nsa-view":  # one softmax; the window's prefix rows inside a selected block are counted there
         in_selected = jnp.any((win_rows // sel)[None, None, :, None] == by_head[:, :, None, :], axis=-1)
-        p_slc, p_win, p_tree = _softmax([slc_logits, _masked(win_logits, (win_valid[None] & ~in_selected)[:, None]),
-                                         _masked(tree_logits, (tree_slc | tree_win[None])[:, None])])
-        out = slc_values(p_slc) + win_values(p_win) + tree_values(p_tree)
+        out = _merge(selected, _segment(_masked(win_logits, (win_valid[None] & ~in_selected)[:, None]), win_values),
+                     _segment(_masked(tree_logits, (tree_slc | tree_win[None])[:, None]), tree_values))
     else:
-        p_slc, p_tree_slc = _softmax([slc_logits, _masked(tree_logits, tree_slc[:, None])])
-        p_win, p_tree_win = _softmax([_masked(win_logits, win_valid[None, None]),
-                                      _masked(tree_logits, tree_win[None, None])])
+        o_slc = _merge(selected, _segment(_masked(tree_logits, tree_slc[:, None]), tree_values))
+        o_win = _merge(_segment(_masked(win_logits, win_valid[None, None]), win_values),
+                       _segment(_masked(tree_logits, tree_win[None, None]), tree_values))
         o_cmp = (jnp.einsum("hgtc,chd->thgd", p_cmp.astype(cache.v_cmp.dtype), cache.v_cmp,
                             preferred_element_type=jnp.float32)
                  + jnp.einsum("hgte,tehd->thgd", p_extra, v_extra))
         g = gates.reshape(num_nodes, num_kv_heads, group, 3, 1).astype(jnp.float32)
-        out = (g[..., 0, :] * o_cmp + g[..., 1, :] * (slc_values(p_slc) + tree_values(p_tree_slc))
-               + g[..., 2, :] * (win_values(p_win) + tree_values(p_tree_win)))
+        out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     out = out.reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)
     return (out, blocks) if return_blocks else out

@@ -1,6 +1,7 @@
-"""NSA tree verification: every node's output from one V0 or V1 pass equals the float64 oracle decoding the
-node's root-to-node path (paths that complete a compressed and a selection block included); V1 equals V0; V1's
-union and row masks equal a brute-force set union."""
+"""NSA tree verification: every node's output from one V0 or V1 pass (their selected branch in XLA and through the
+Pallas kernels in interpret mode) equals the float64 oracle decoding the node's root-to-node path (paths that
+complete a compressed and a selection block included); V1 equals V0; V1's union and row masks equal a brute-force
+set union."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def tree_case(request):
     cache = jax.tree.map(lambda x: x[0], cache)
     args = (jnp.asarray(q), cache, jnp.asarray(tree_k), jnp.asarray(tree_v),
             None if gates is None else jnp.asarray(gates), jnp.int32(length), jnp.asarray(PARENTS))
-    verify = jax.jit(nsa_tree_verify, static_argnames=("layout", "kind", "schedule", "return_blocks"))
-    outputs = {s: verify(*args, layout=layout, kind=kind, schedule=s, return_blocks=True) for s in ("v0", "v1")}
+    verify = jax.jit(nsa_tree_verify, static_argnames=("layout", "kind", "schedule", "kernels", "return_blocks"))
+    outputs = {(s, kernels): verify(*args, layout=layout, kind=kind, schedule=s, kernels=kernels, return_blocks=True)
+               for s in ("v0", "v1") for kernels in (None, "interpret")}
     return dict(layout=layout, kind=kind, length=length, k=k, v=v, q=q, tree_k=tree_k, tree_v=tree_v,
                 gates=gates, capacity=capacity, outputs=outputs)
 
@@ -66,18 +68,19 @@ def test_every_node_equals_float64_decoding_of_its_path(tree_case):
         if c["gates"] is not None:
             gates[-1] = c["gates"][node]
         want = nsa_rows(queries, keys, values, gates, c["layout"], c["kind"], [len(keys) - 1])[0]
-        for schedule, (out, _) in c["outputs"].items():
-            np.testing.assert_allclose(np.asarray(out[node]), want, atol=2e-5, err_msg=f"{schedule} node {node}")
+        for variant, (out, _) in c["outputs"].items():
+            np.testing.assert_allclose(np.asarray(out[node]), want, atol=2e-5, err_msg=f"{variant} node {node}")
 
 
-def test_v1_equals_v0(tree_case):
-    (out0, blocks0), (out1, blocks1) = tree_case["outputs"]["v0"], tree_case["outputs"]["v1"]
+@pytest.mark.parametrize("kernels", [None, "interpret"])
+def test_v1_equals_v0(tree_case, kernels):
+    (out0, blocks0), (out1, blocks1) = tree_case["outputs"]["v0", kernels], tree_case["outputs"]["v1", kernels]
     np.testing.assert_array_equal(blocks0, blocks1)
     np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), atol=1e-6)
 
 
 def test_union_and_masks_equal_a_brute_force_union(tree_case):
-    _, blocks = tree_case["outputs"]["v1"]
+    _, blocks = tree_case["outputs"]["v1", None]
     blocks = np.asarray(blocks)
     num_blocks = tree_case["capacity"] // tree_case["layout"].select_block
     union, count, member = map(np.asarray, union_schedule(jnp.asarray(blocks), num_blocks))
