@@ -5,8 +5,9 @@
     python benchmarks/bench_nsa_kernels.py           # 8K to 128K, trees of 4 to 64, batch 1 to 64
 
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
-tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify, written in XLA: gathers and masked
-softmaxes; each node's selection computed in the pass) and dense-tree (the Pallas verification kernel over the
+tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
+pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_select, impl "pallas", and by
+XLA gathers, impl "xla") and dense-tree (the Pallas verification kernel over the
 whole context for the tree's rows, which reads what an ancestor-masked dense pass reads). Tree queries are
 q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 from pathlib import Path
 
 import jax
@@ -97,10 +99,10 @@ def main(argv=None) -> int:
                 q, tree_k, tree_v, gates = tree_inputs(batch, nodes, args.noise, key)
                 parents = jnp.asarray(binary_tree(nodes))
                 union, overlap = None, None
-                for schedule in ("v0", "v1"):
+                for schedule, impl in itertools.product(("v0", "v1"), ("pallas", "xla")):
                     verify = jax.jit(jax.vmap(functools.partial(
-                        nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True),
-                        in_axes=(0, 0, 0, 0, 0, 0, None)))
+                        nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True,
+                        kernels="pallas" if impl == "pallas" else None), in_axes=(0, 0, 0, 0, 0, 0, None)))
                     run = lambda c: verify(q, c, tree_k, tree_v, gates, length, parents)
                     seconds = median_seconds(run, cache)
                     if union is None:
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                         overlap = jaccard_with_root(np.asarray(blocks))
                     read_blocks = nodes * LAYOUT.top_n if schedule == "v0" else union
                     nbytes = int(batch * (cmp_read + window_read + KV_HEADS * selected_bytes(read_blocks)))
-                    records.append(dict(kernel=schedule, tree_nodes=nodes, context=context, batch=batch,
+                    records.append(dict(kernel=schedule, impl=impl, tree_nodes=nodes, context=context, batch=batch,
                                         time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
                                         copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=union,
                                         overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union))
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
                                     time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
                                     copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=None,
                                     overlap=None))
-                print(records[-3:], flush=True)
+                print(records[-5:], flush=True)
     doc = run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
                        noise=args.noise, bandwidth=bandwidth, records=records)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
