@@ -3,6 +3,7 @@
 
     python benchmarks/bench_nsa_kernels.py --quick   # 8K and 32K, trees of 4, 16, 64, batch 1 and 8 (< 5 min)
     python benchmarks/bench_nsa_kernels.py           # 8K to 128K, trees of 4 to 64, batch 1 to 64
+    python benchmarks/bench_nsa_kernels.py --smoke   # 512 tokens, kernels in interpret mode: checks the script
 
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
 tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
@@ -24,20 +25,23 @@ import argparse
 import datetime
 import functools
 import itertools
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.results_io import run_metadata, save_results
-from benchmarks.suite_scale import measure_bandwidth, median_seconds
-from models.config import NSA_1B_LAYOUT
-from models.nsa_cache import NSALayerCache, compressed_rows
-from models.nsa_selection import num_select_blocks
-from pallas_kernels import verify_attention
-from pallas_kernels.nsa_decode import nsa_decode
-from pallas_kernels.nsa_verify import nsa_tree_verify, union_schedule
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E402
+from models.config import NSA_1B_LAYOUT  # noqa: E402
+from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
+from models.nsa_selection import num_select_blocks  # noqa: E402
+from pallas_kernels import verify_attention  # noqa: E402
+from pallas_kernels.nsa_decode import nsa_decode  # noqa: E402
+from pallas_kernels.nsa_verify import nsa_tree_verify, union_schedule  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 2, 64
 LAYOUT = NSA_1B_LAYOUT
@@ -72,12 +76,17 @@ def selected_bytes(blocks: int) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
     parser.add_argument("--noise", type=float, default=0.3, help="tree query noise relative to the root query")
     args = parser.parse_args(argv)
     contexts = [8192, 32768] if args.quick else [8192, 32768, 65536, 131072]
     batches = [1, 8] if args.quick else [1, 4, 8, 16, 64]
     trees = [4, 16, 64] if args.quick else [4, 8, 16, 32, 64]
-    bandwidth = measure_bandwidth()
+    if args.smoke:
+        contexts, batches, trees = [512], [1], [4]
+    interpret = args.smoke
+    kernels = "interpret" if interpret else "pallas"
+    bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
     records = []
     key = jax.random.PRNGKey(0)
     for context in contexts:
@@ -88,7 +97,7 @@ def main(argv=None) -> int:
             window_read = 2 * LAYOUT.window * KV_HEADS * DIM * 2
             q1 = jax.random.normal(key, (batch, HEADS, DIM), jnp.bfloat16)
             gates1 = jax.nn.sigmoid(jax.random.normal(key, (batch, HEADS, 3)))
-            decode = jax.jit(functools.partial(nsa_decode, layout=LAYOUT))
+            decode = jax.jit(functools.partial(nsa_decode, layout=LAYOUT, interpret=interpret))
             seconds = median_seconds(lambda c: decode(q1, c.k, c.v, c.k_cmp, c.v_cmp, length, gates1), cache)
             nbytes = batch * (cmp_read + KV_HEADS * selected_bytes(LAYOUT.top_n) + window_read)
             records.append(dict(kernel="nsa-decode", tree_nodes=1, context=context, batch=batch,
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
                 for schedule, impl in itertools.product(("v0", "v1"), ("pallas", "xla")):
                     verify = jax.jit(jax.vmap(functools.partial(
                         nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True,
-                        kernels="pallas" if impl == "pallas" else None), in_axes=(0, 0, 0, 0, 0, 0, None)))
+                        kernels=kernels if impl == "pallas" else None), in_axes=(0, 0, 0, 0, 0, 0, None)))
                     run = lambda c: verify(q, c, tree_k, tree_v, gates, length, parents)
                     seconds = median_seconds(run, cache)
                     if union is None:
@@ -116,7 +125,7 @@ def main(argv=None) -> int:
                                         time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
                                         copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=union,
                                         overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union))
-                dense = jax.jit(lambda c: verify_attention(q, c.k, c.v, length)[0])
+                dense = jax.jit(lambda c: verify_attention(q, c.k, c.v, length, interpret=interpret)[0])
                 seconds = median_seconds(dense, cache)
                 nbytes = batch * 2 * context * KV_HEADS * DIM * 2
                 records.append(dict(kernel="dense-tree", tree_nodes=nodes, context=context, batch=batch,
@@ -127,7 +136,7 @@ def main(argv=None) -> int:
     doc = run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
                        noise=args.noise, bandwidth=bandwidth, records=records)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
-    save_results(doc, f"nsa-kernels-{stamp}.json", RESULTS)
+    save_results(doc, f"nsa-kernels-{stamp}.json", None if args.smoke else RESULTS)
     return 0
 
 
