@@ -222,3 +222,27 @@ def test_the_cli_refuses_what_an_nsa_checkpoint_cannot_do_in_one_line(nsa_folder
     rc = generate.main(["--model", str(nsa_folder), "--prompt", "hi", "--max-new-tokens", "2", "--quiet", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and culprit in err[0]
+
+
+@pytest.mark.slow
+def test_smollm2_view_equals_dense_while_its_blocks_cover_the_prefix_and_departs_past_it():
+    """SmolLM2's NSA view over real text: rows up to 16 blocks of 16 tokens select every block, so their logits
+    are dense SmolLM2's; rows past that attend a subset and differ."""
+    from models.decoder import forward
+    from models.kv_cache import KVCache
+    from models.nsa_cache import NSACache
+    from vegas_jax.attention.dense import DenseAttention
+    from vegas_jax.attention.family import with_attention
+
+    loaded = load_model(None, jnp.float32)
+    view = with_attention(loaded.config, "nsa-view")
+    tokens = loaded.tokenizer.encode(open(json.__file__, encoding="utf-8").read(), add_special_tokens=False)[:384]
+    ids, positions = jnp.asarray([tokens], jnp.int32), jnp.arange(384, dtype=jnp.int32)[None]
+    run = jax.jit(forward, static_argnames="config")
+    dense, _, _ = run(loaded.params, ids, positions, KVCache.create(loaded.config, 1, 384, jnp.float32),
+                      DenseAttention(), config=loaded.config)
+    sparse, _, _ = run(loaded.params, ids, positions, NSACache.create(view, 1, 384, jnp.float32),
+                       NSAAttention(view.nsa, "nsa-view"), config=view)
+    covered = view.nsa.top_n * view.nsa.select_block  # 256
+    np.testing.assert_allclose(np.asarray(sparse[0, :covered]), np.asarray(dense[0, :covered]), atol=2e-3)
+    assert np.abs(np.asarray(sparse[0, covered + 64:]) - np.asarray(dense[0, covered + 64:])).max() > 0.1
