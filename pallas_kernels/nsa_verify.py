@@ -11,8 +11,10 @@ Two schedules of the selected-block reads, equal in their results:
 - V0: every node gathers its own top_n blocks (a KV group's heads share them): T * top_n block reads.
 - V1, the exact union schedule: per KV head the union U of all nodes' blocks (union_schedule), each block read
   once for all T * G query rows, with a per-block row mask [T, |U|] keeping each node to its own blocks.
-Both are written in XLA here (gathers and masked softmaxes); `nsa_tree_reference` is their oracle twin, which
-copies the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
+The selected prefix rows go through the Pallas kernels of pallas_kernels.nsa_tree_select or through XLA
+gathers; the tree's own rows (a T x T ancestor-masked segment), the window and the compressed branch are XLA, and
+the segments of a branch are merged by their log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
+the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def _path_rows(parents: jax.Array, depth: jax.Array) -> jax.Array:
     def ancestor_at(i):
         def step(r, carry):
             node, rows = carry
-            rows = rows.at[depth[i] - r].set(jnp.where(depth[i] - r >= 0, node, -1))
+            at = jnp.where(depth[i] - r >= 0, depth[i] - r, num_nodes)  # past the root: dropped
+            rows = rows.at[at].set(node, mode="drop")
             return jnp.where(node >= 0, parents[jnp.maximum(node, 0)], -1), rows
         return jax.lax.fori_loop(0, num_nodes, step, (i, jnp.full((num_nodes,), -1, jnp.int32)))[1]
 
