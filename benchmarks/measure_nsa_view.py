@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         agreement.append({"tokens": len(a), "equal_prefix": first,
                           "equal": sum(x == y for x, y in zip(a, b)) / max(len(a), 1)})
     doc = run_metadata(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, texts=args.texts,
+                       dtype=str(loaded.params["embed"].dtype),
                        layout=dataclasses.asdict(view.config.nsa), perplexity=ppl, greedy_agreement=agreement)
     print(doc)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
