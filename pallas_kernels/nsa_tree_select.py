@@ -7,7 +7,8 @@ tree's own rows, the window and the compressed branch.
   (padded to 16 rows) and reads its own blocks, one contiguous [l', D] load each: T * top_n block reads.
 - v1_selected: grid (KV head, split of the union, row block); each program holds up to 128 of the T * G rows
   (row r: node r // G, head r % G) and reads each union block of its split once for all of them, masking a
-  block's columns for the rows whose node did not select it (member [T, |U|]): |U| block reads per row block.
+  block's columns for the rows whose node did not select it (the block's member row over the nodes): |U| block
+  reads per row block.
   Splitting over the union gives a small batch (2 KV heads) enough programs.
 """
 
@@ -65,7 +66,7 @@ def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, 
 
 
 def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale,
-              group, num_q_heads, num_nodes, block_r, select_block, per_split):
+              group, num_q_heads, num_nodes, nodes_padded, block_r, select_block, per_split):
     kv_head, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, count = length_ref[()], count_ref[()]
     row = row_block * block_r + jnp.arange(block_r)
@@ -76,7 +77,11 @@ def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref,
     def body(step, carry):
         u = first + step
         base = union_ref[u] * select_block
-        takes = member_ref[node, u] != 0  # [block_r]: the row's node selected this union block
+        # The union block's member row [nodes_padded], spread onto the query rows by their nodes (a masked
+        # reduction: register vectors cannot be gathered from).
+        members = member_ref[u, :]
+        picked = jnp.where(node[:, None] == jnp.arange(nodes_padded)[None, :], members[None, :], 0)
+        takes = jnp.max(picked, axis=1) != 0  # [block_r]: the row's node selected this union block
         valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
         k = k_ref[pl.ds(base, select_block), :]
         v = v_ref[pl.ds(base, select_block), :]
@@ -114,7 +119,8 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_s
     per_split = pl.cdiv(top_n, num_splits)
     kernel = functools.partial(v0_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, num_q_heads=num_q_heads,
                                block_h=block_h, select_block=select_block, top_n=top_n, per_split=per_split)
-    part = lambda *tail: pl.BlockSpec((None, None, None, block_h, *tail), lambda h, t, s: (s, h, t, 0, *(0,) * len(tail)))
+    part = lambda *tail: pl.BlockSpec((None, None, None, block_h, *tail),
+                                      lambda h, t, s: (s, h, t, 0, *(0,) * len(tail)))
     shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_nodes, block_h, *tail), jnp.float32)
     o, l, m = pl.pallas_call(
         kernel, grid=(num_kv_heads, num_nodes, num_splits),
@@ -142,11 +148,13 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
     width = next_power_of_2(union.shape[1])
     pad = width - union.shape[1]
     union = jnp.pad(jnp.maximum(union, 0).astype(jnp.int32), ((0, 0), (0, pad)))
-    member = jnp.pad(member.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)))
+    nodes_padded = next_power_of_2(num_nodes)  # Triton loads a power-of-two number of elements
+    member = jnp.pad(jnp.swapaxes(member, 1, 2).astype(jnp.int32), ((0, 0), (0, pad), (0, nodes_padded - num_nodes)))
     num_splits = max(1, min(num_splits, width))
     per_split = pl.cdiv(width, num_splits)
     kernel = functools.partial(v1_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, num_q_heads=num_q_heads,
-                               num_nodes=num_nodes, block_r=block_r, select_block=select_block, per_split=per_split)
+                               num_nodes=num_nodes, nodes_padded=nodes_padded, block_r=block_r,
+                               select_block=select_block, per_split=per_split)
     part = lambda *tail: pl.BlockSpec((None, None, block_r, *tail), lambda h, s, r: (s, h, r, *(0,) * len(tail)))
     shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * block_r, *tail), jnp.float32)
     o, l, m = pl.pallas_call(
@@ -154,7 +162,7 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, r: (0, 0)),
                   _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
                   pl.BlockSpec((None, width), lambda h, s, r: (h, 0)), pl.BlockSpec((None,), lambda h, s, r: (h,)),
-                  pl.BlockSpec((None, num_nodes, width), lambda h, s, r: (h, 0, 0)),
+                  pl.BlockSpec((None, width, nodes_padded), lambda h, s, r: (h, 0, 0)),
                   pl.BlockSpec((), lambda h, s, r: ())],
         out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,

@@ -1,7 +1,7 @@
 """NSA tree verification: every node's output from one V0 or V1 pass (their selected branch in XLA and through the
-Pallas kernels in interpret mode), and from the oracle twin nsa_tree_reference, equals the float64 oracle decoding the node's root-to-node path (paths that
-complete a compressed and a selection block included); V1 equals V0; V1's union and row masks equal a brute-force
-set union."""
+Pallas kernels in interpret mode), and from the oracle twin nsa_tree_reference, equals the float64 oracle decoding
+the node's root-to-node path (paths that complete a compressed and a selection block included); V1 equals V0;
+V1's union and row masks equal a brute-force set union."""
 
 from __future__ import annotations
 
