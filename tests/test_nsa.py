@@ -190,6 +190,16 @@ def test_checkpoint_generates_greedy_as_the_oracle_decodes(nsa_folder):
     assert result.requests[0].tokens == tokens[len(prompt):]
 
 
+def test_the_memory_plan_counts_the_nsa_cache_it_allocates(nsa_folder):
+    from models.nsa_cache import NSACache
+
+    engine = Engine(load_model(nsa_folder, jnp.float32))
+    plan = engine.plan([[5] * 40, [6] * 70], GenerationOptions(max_new_tokens=8))
+    cache = jax.eval_shape(lambda: NSACache.create(engine.config, plan["batch_rows"], plan["cache_capacity"],
+                                                   jnp.float32))
+    assert plan["bytes_per_device"]["kv_cache"] == sum(x.size * 4 for x in jax.tree.leaves(cache))
+
+
 def test_the_zen_e_nsa_1b_config_is_nsa_1b():
     hf = {**TINY_NSA, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
           "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 16, "vocab_size": 128256,
