@@ -558,7 +558,7 @@ class Engine:
             _round_up(longest - 1, 16) or 16,
             prefill_chunk_for_activations(rows, self.config.intermediate_size // model),
         )
-        if not placement.uses_kernels:
+        if not placement.uses_kernels or self.config.attention != "dense":  # NSA prefills through jnp
             chunk = min(chunk, prefill_chunk_for_memory(rows, self.config.num_heads // model, capacity))
         return chunk
 
