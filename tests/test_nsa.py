@@ -23,7 +23,6 @@ from models.nsa_cache import NSALayerCache, compressed_rows
 from nsa_reference import model_logits, nsa_rows
 from vegas_jax.attention.nsa import NSAAttention
 from vegas_jax.engine import Engine, GenerationOptions
-from vegas_jax.inputs import InputError
 from vegas_jax.loading import load_model
 from vegas_jax.sharding import Placement
 
