@@ -9,7 +9,10 @@ tree's own rows, the window and the compressed branch.
   (row r: node r // G, head r % G) and reads each union block of its split once for all of them, masking a
   block's columns for the rows whose node did not select it (the block's member row over the nodes): |U| block
   reads per row block.
-  Splitting over the union gives a small batch (2 KV heads) enough programs.
+  Splitting over the union gives a small batch (2 KV heads) enough programs. A program's accumulator holds at most
+  MAX_ROWS rows, so at NSA-1B's G = 16 a 64-node tree (1024 rows) takes 8 row blocks, each reading the union's
+  blocks of its split: V1 reads 8 |U| blocks from memory or L2 against V0's T n, and its advantage rests on
+  |U| << T n / 8 or on the row blocks of a split finding the blocks in L2 (the benchmark measures which).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("select_block", "num_splits", "interpret"))
-def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_block: int, num_splits: int = 8,
+def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_block: int, num_splits: int = 16,
                 interpret: bool = False):
     """q [T, H_q, D]; caches [T_cap, H_kv, D]; union [H_kv, U] (ascending, -1 past count [H_kv]); member
     [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G])."""
