@@ -7,8 +7,8 @@
 
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
 tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
-pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_select, impl "pallas", and by
-XLA gathers, impl "xla") and dense-tree (the Pallas verification kernel over the
+pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_select, impl "pallas" (V1 also
+"pallas-row-loop": a program runs all row blocks of its union split), and by XLA gathers, impl "xla") and dense-tree (the Pallas verification kernel over the
 whole context for the tree's rows, which reads what an ancestor-masked dense pass reads). Tree queries are
 q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import itertools
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
 from pallas_kernels import verify_attention  # noqa: E402
 from pallas_kernels.nsa_decode import nsa_decode  # noqa: E402
+from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
 from pallas_kernels.nsa_verify import nsa_tree_verify, union_schedule  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 2, 64
@@ -108,10 +108,12 @@ def main(argv=None) -> int:
                 q, tree_k, tree_v, gates = tree_inputs(batch, nodes, args.noise, key)
                 parents = jnp.asarray(binary_tree(nodes))
                 union, overlap = None, None
-                for schedule, impl in itertools.product(("v0", "v1"), ("pallas", "xla")):
+                variants = [("v0", "pallas"), ("v0", "xla"), ("v1", "pallas"), ("v1", "pallas-row-loop"), ("v1", "xla")]
+                for schedule, impl in variants:
                     verify = jax.jit(jax.vmap(functools.partial(
                         nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True,
-                        kernels=kernels if impl == "pallas" else None), in_axes=(0, 0, 0, 0, 0, 0, None)))
+                        kernels=None if impl == "xla" else kernels,
+                        v1_launch=V1Launch(row_loop=impl == "pallas-row-loop")), in_axes=(0, 0, 0, 0, 0, 0, None)))
                     run = lambda c: verify(q, c, tree_k, tree_v, gates, length, parents)
                     seconds = median_seconds(run, cache)
                     if union is None:
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
                                     time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
                                     copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=None,
                                     overlap=None))
-                print(records[-5:], flush=True)
+                print(records[-6:], flush=True)
     doc = run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
                        noise=args.noise, bandwidth=bandwidth, records=records)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")

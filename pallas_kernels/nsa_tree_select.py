@@ -12,11 +12,13 @@ tree's own rows, the window and the compressed branch.
   Splitting over the union gives a small batch (2 KV heads) enough programs. A program's accumulator holds at most
   MAX_ROWS rows, so at NSA-1B's G = 16 a 64-node tree (1024 rows) takes 8 row blocks, each reading the union's
   blocks of its split: V1 reads 8 |U| blocks from memory or L2 against V0's T n, and its advantage rests on
-  |U| << T n / 8 or on the row blocks of a split finding the blocks in L2 (the benchmark measures which).
+  |U| << T n / 8 or on the re-reads hitting a cache: in L2 (one program per row block), or in the SM's own cache
+  with row_loop (one program runs its split's row blocks in turn; fewer programs). The benchmark measures both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -28,7 +30,17 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import MASK_VALUE, next_power_of_2, online_softmax_start
 
-MAX_ROWS = 128  # query rows per V1 program
+MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
+
+
+@dataclasses.dataclass(frozen=True)
+class V1Launch:
+    """How v1_selected splits its work: union splits per KV head, query rows per row block (a power of two, 16
+    to MAX_ROWS), and whether a program runs all row blocks of its split (row_loop) or one."""
+
+    num_splits: int = 16
+    block_rows: int = MAX_ROWS
+    row_loop: bool = False
 
 
 def _step(carry, q, k, v, valid, sm_scale):
@@ -69,29 +81,36 @@ def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, 
 
 
 def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale,
-              group, num_q_heads, num_nodes, nodes_padded, block_r, select_block, per_split):
-    kv_head, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+              group, num_q_heads, num_nodes, nodes_padded, block_r, row_blocks_here, select_block, per_split):
+    kv_head, split, program_rows = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, count = length_ref[()], count_ref[()]
-    row = row_block * block_r + jnp.arange(block_r)
-    node = jnp.minimum(row // group, num_nodes - 1)  # rows past the tree repeat its last node; never read back
-    q = q_ref[node * num_q_heads + kv_head * group + row % group, :]
     first = split * per_split
-
-    def body(step, carry):
-        u = first + step
-        base = union_ref[u] * select_block
-        # The union block's member row [nodes_padded], spread onto the query rows by their nodes (a masked
-        # reduction: register vectors cannot be gathered from).
-        members = member_ref[u, :]
-        picked = jnp.where(node[:, None] == jnp.arange(nodes_padded)[None, :], members[None, :], 0)
-        takes = jnp.max(picked, axis=1) != 0  # [block_r]: the row's node selected this union block
-        valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
-        k = k_ref[pl.ds(base, select_block), :]
-        v = v_ref[pl.ds(base, select_block), :]
-        return _step(carry, q, k, v, valid, sm_scale)
-
     steps = jnp.clip(count - first, 0, per_split)
-    _store(o_ref, l_ref, m_ref, lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1])))
+    # Row blocks one after another in this program (row_loop): the split's union blocks, just read for the first
+    # row block, are read again from this SM's cache by the next.
+    for here in range(row_blocks_here):
+        row = (program_rows * row_blocks_here + here) * block_r + jnp.arange(block_r)
+        node = jnp.minimum(row // group, num_nodes - 1)  # rows past the tree repeat its last node; never read back
+        q = q_ref[node * num_q_heads + kv_head * group + row % group, :]
+
+        def body(step, carry, node=node, q=q):
+            u = first + step
+            base = union_ref[u] * select_block
+            # The union block's member row [nodes_padded], spread onto the query rows by their nodes (a masked
+            # reduction: register vectors cannot be gathered from).
+            members = member_ref[u, :]
+            picked = jnp.where(node[:, None] == jnp.arange(nodes_padded)[None, :], members[None, :], 0)
+            takes = jnp.max(picked, axis=1) != 0  # [block_r]: the row's node selected this union block
+            valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
+            k = k_ref[pl.ds(base, select_block), :]
+            v = v_ref[pl.ds(base, select_block), :]
+            return _step(carry, q, k, v, valid, sm_scale)
+
+        o, m, l = lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1]))
+        rows_here = pl.ds(here * block_r, block_r)
+        o_ref[rows_here, :] = o
+        l_ref[rows_here] = l
+        m_ref[rows_here] = m
 
 
 def _finish(o, l, m):
@@ -137,31 +156,38 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_s
     return _finish(o[..., :group, :], l[..., :group], m[..., :group])
 
 
-@functools.partial(jax.jit, static_argnames=("select_block", "num_splits", "interpret"))
-def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_block: int, num_splits: int = 16,
-                interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))
+def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_block: int,
+                launch: V1Launch = V1Launch(), interpret: bool = False):
     """q [T, H_q, D]; caches [T_cap, H_kv, D]; union [H_kv, U] (ascending, -1 past count [H_kv]); member
-    [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G])."""
+    [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]).
+
+    launch.row_loop: each program runs all row blocks of its union split one after another (the split's blocks
+    come from its SM's cache after the first), instead of one program per row block (more programs, the
+    re-reads left to L2)."""
     num_nodes, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     rows = num_nodes * group
-    block_r = min(MAX_ROWS, max(16, next_power_of_2(rows)))
+    block_r = min(launch.block_rows, max(16, next_power_of_2(rows)))
     row_blocks = pl.cdiv(rows, block_r)
     width = next_power_of_2(union.shape[1])
     pad = width - union.shape[1]
     union = jnp.pad(jnp.maximum(union, 0).astype(jnp.int32), ((0, 0), (0, pad)))
     nodes_padded = next_power_of_2(num_nodes)  # Triton loads a power-of-two number of elements
-    member = jnp.pad(jnp.swapaxes(member, 1, 2).astype(jnp.int32), ((0, 0), (0, pad), (0, nodes_padded - num_nodes)))
-    num_splits = max(1, min(num_splits, width))
+    member = jnp.pad(jnp.swapaxes(member, 1, 2).astype(jnp.int32),
+                     ((0, 0), (0, pad), (0, nodes_padded - num_nodes)))
+    num_splits = max(1, min(launch.num_splits, width))
     per_split = pl.cdiv(width, num_splits)
+    here = row_blocks if launch.row_loop else 1
     kernel = functools.partial(v1_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, num_q_heads=num_q_heads,
                                num_nodes=num_nodes, nodes_padded=nodes_padded, block_r=block_r,
-                               select_block=select_block, per_split=per_split)
-    part = lambda *tail: pl.BlockSpec((None, None, block_r, *tail), lambda h, s, r: (s, h, r, *(0,) * len(tail)))
+                               row_blocks_here=here, select_block=select_block, per_split=per_split)
+    part = lambda *tail: pl.BlockSpec((None, None, here * block_r, *tail),
+                                      lambda h, s, r: (s, h, r, *(0,) * len(tail)))
     shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * block_r, *tail), jnp.float32)
     o, l, m = pl.pallas_call(
-        kernel, grid=(num_kv_heads, num_splits, row_blocks),
+        kernel, grid=(num_kv_heads, num_splits, row_blocks // here),
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, r: (0, 0)),
                   _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
                   pl.BlockSpec((None, width), lambda h, s, r: (h, 0)), pl.BlockSpec((None,), lambda h, s, r: (h,)),

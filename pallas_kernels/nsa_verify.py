@@ -29,7 +29,7 @@ from models.config import NSALayout
 from models.nsa_cache import NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels.nsa_decode import nsa_decode_reference
-from pallas_kernels.nsa_tree_select import v0_selected, v1_selected
+from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v1_selected
 
 MAX_TREE_NODES = 64
 
@@ -137,7 +137,8 @@ def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSAL
     return c, valid, (prefix[None] + path) / l
 
 
-def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALayout, schedule: str, kernels):
+def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALayout, schedule: str, kernels,
+                     v1_launch: V1Launch):
     """(o, lse) of each node's selected blocks' prefix rows (< length): V0 or V1, in XLA (kernels None) or
     through pallas_kernels.nsa_tree_select (kernels "pallas" or "interpret")."""
     num_nodes, num_kv_heads = blocks.shape[:2]
@@ -149,7 +150,7 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
         else:
             union, count, member = union_schedule(blocks, num_select_blocks(layout, capacity))
             o, lse = v1_selected(q, cache.k, cache.v, union, count, member, length, select_block=sel,
-                                 interpret=interpret)
+                                 launch=v1_launch, interpret=interpret)
         return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
     scale = 1.0 / math.sqrt(q.shape[-1])
     span = jnp.arange(sel)
@@ -175,10 +176,11 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
 
 def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
                     kind: str = "nsa", schedule: str = "v1", kernels: str | None = None,
-                    return_blocks: bool = False):
+                    v1_launch: V1Launch = V1Launch(), return_blocks: bool = False):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
     [T_cap, H_kv, D] without the batch axis; length and parents traced). schedule: "v0" | "v1" (module
-    docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels).
+    docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
+    v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch).
     Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
     if schedule not in ("v0", "v1"):
         raise ValueError(f"schedule must be v0 or v1, got {schedule!r}")
@@ -209,7 +211,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     blocks = select_blocks(scores, positions[None, :], layout).transpose(1, 0, 2)  # [T, H_kv, n]
 
     # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
-    selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels)
+    selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch)
     by_head = blocks.transpose(1, 0, 2)  # [H_kv, T, n]
     tree_logits = dot(tree_k, "thgd,jhd->hgtj")  # [H_kv, G, T, T_j]
     tree_values = lambda p: jnp.einsum("hgtj,jhd->thgd", p.astype(tree_v.dtype), tree_v,

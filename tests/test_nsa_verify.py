@@ -13,6 +13,7 @@ import pytest
 from models.config import NSA_1B_LAYOUT, NSA_PAPER_LAYOUT, NSA_VIEW_LAYOUT
 from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
 from nsa_reference import nsa_rows
+from pallas_kernels.nsa_tree_select import V1Launch
 from pallas_kernels.nsa_verify import nsa_tree_reference, nsa_tree_verify, union_schedule
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -52,10 +53,15 @@ def tree_case(request):
     cache = jax.tree.map(lambda x: x[0], cache)
     args = (jnp.asarray(q), cache, jnp.asarray(tree_k), jnp.asarray(tree_v),
             None if gates is None else jnp.asarray(gates), jnp.int32(length), jnp.asarray(PARENTS))
-    verify = jax.jit(nsa_tree_verify, static_argnames=("layout", "kind", "schedule", "kernels", "return_blocks"))
+    verify = jax.jit(nsa_tree_verify,
+                     static_argnames=("layout", "kind", "schedule", "kernels", "v1_launch", "return_blocks"))
     outputs = {(s, kernels): verify(*args, layout=layout, kind=kind, schedule=s, kernels=kernels, return_blocks=True)
                for s in ("v0", "v1") for kernels in implementations}
-    if twin:
+    if twin:  # and V1's kernel over 16-row blocks (40 rows: 3 of them), one program each and all in one program
+        for name, launch in (("v1-rows16", V1Launch(block_rows=16)),
+                             ("v1-row-loop", V1Launch(block_rows=16, row_loop=True))):
+            outputs[name, "interpret"] = verify(*args, layout=layout, kind=kind, schedule="v1", kernels="interpret",
+                                                v1_launch=launch, return_blocks=True)
         outputs["twin"] = (jax.jit(nsa_tree_reference, static_argnames=("layout", "kind"))(
             args[0], jax.tree.map(lambda x: x[None], cache), *args[2:], layout=layout, kind=kind), None)
     return dict(layout=layout, kind=kind, length=length, k=k, v=v, q=q, tree_k=tree_k, tree_v=tree_v,
@@ -80,10 +86,10 @@ def test_every_node_equals_float64_decoding_of_its_path(tree_case):
 
 def test_v1_equals_v0(tree_case):
     outputs = tree_case["outputs"]
-    for kernels in {k for _, k in filter(lambda key: key != "twin", outputs)}:
-        (out0, blocks0), (out1, blocks1) = outputs["v0", kernels], outputs["v1", kernels]
+    for key in filter(lambda key: key != "twin" and key[0] != "v0", outputs):
+        (out0, blocks0), (out1, blocks1) = outputs["v0", key[1]], outputs[key]
         np.testing.assert_array_equal(blocks0, blocks1)
-        np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), atol=1e-6, err_msg=str(kernels))
+        np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), atol=1e-6, err_msg=str(key))
 
 
 def test_union_and_masks_equal_a_brute_force_union(tree_case):
