@@ -1,8 +1,10 @@
 """NSA verification and decoding on the GPU at NSA-1B shapes (32 query / 2 KV heads, D 64, l = d = l' = 16,
 16 blocks, window 128), random bf16 caches at full length, one layer:
 
-    python benchmarks/bench_nsa_kernels.py --quick   # 8K and 32K, trees of 4, 16, 64, batch 1 and 8 (< 5 min)
-    python benchmarks/bench_nsa_kernels.py           # 8K to 128K, trees of 4 to 64, batch 1 to 64
+    python benchmarks/bench_nsa_kernels.py --quick   # 32K, trees of 16 and 64, batch 1 and 8 (< 5 min)
+    python benchmarks/bench_nsa_kernels.py           # 8K to 128K, trees of 4 to 64, batch 1 to 64: ~600
+                                                     # compilations; run it in pieces with the flags below
+    python benchmarks/bench_nsa_kernels.py --contexts 131072 --batches 1,8 --trees 64
     python benchmarks/bench_nsa_kernels.py --smoke   # 512 tokens, kernels in interpret mode: checks the script
 
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
@@ -78,12 +80,16 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
     parser.add_argument("--noise", type=float, default=0.3, help="tree query noise relative to the root query")
+    parser.add_argument("--contexts", type=_ints, default=None, help="comma-separated, e.g. 32768,131072")
+    parser.add_argument("--batches", type=_ints, default=None)
+    parser.add_argument("--trees", type=_ints, default=None, help="tree sizes (nodes, at most 64)")
     args = parser.parse_args(argv)
-    contexts = [8192, 32768] if args.quick else [8192, 32768, 65536, 131072]
+    contexts = [32768] if args.quick else [8192, 32768, 65536, 131072]
     batches = [1, 8] if args.quick else [1, 4, 8, 16, 64]
-    trees = [4, 16, 64] if args.quick else [4, 8, 16, 32, 64]
+    trees = [16, 64] if args.quick else [4, 8, 16, 32, 64]
     if args.smoke:
         contexts, batches, trees = [512], [1], [4]
+    contexts, batches, trees = args.contexts or contexts, args.batches or batches, args.trees or trees
     interpret = args.smoke
     kernels = "interpret" if interpret else "pallas"
     bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
@@ -140,6 +146,10 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     save_results(doc, f"nsa-kernels-{stamp}.json", None if args.smoke else RESULTS)
     return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def jaccard_with_root(blocks: np.ndarray) -> float:
