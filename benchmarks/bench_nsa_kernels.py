@@ -16,7 +16,9 @@ q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' 
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
 the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
 
-Per record: kernel, tree_nodes, context, batch, time_ms (median), bytes (K/V rows the schedule reads: selected
+Every kernel's output is checked first (nsa-decode against nsa_decode_reference, each tree variant against XLA's
+V0, bf16 tolerance 0.05); a kernel that fails to run or to match goes to `failures` with its error and the run
+goes on, exiting 1 at the end. Per record: kernel, tree_nodes, context, batch, time_ms (median), max_abs_error, bytes (K/V rows the schedule reads: selected
 or union blocks, compressed rows, window), gb_per_s, copy_gb_per_s (benchmarks.suite_scale.measure_bandwidth),
 union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT).
 """
@@ -41,7 +43,7 @@ from models.config import NSA_1B_LAYOUT  # noqa: E402
 from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
 from pallas_kernels import verify_attention  # noqa: E402
-from pallas_kernels.nsa_decode import nsa_decode  # noqa: E402
+from pallas_kernels.nsa_decode import nsa_decode, nsa_decode_reference  # noqa: E402
 from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
 from pallas_kernels.nsa_verify import nsa_tree_verify, union_schedule  # noqa: E402
 
@@ -93,8 +95,30 @@ def main(argv=None) -> int:
     interpret = args.smoke
     kernels = "interpret" if interpret else "pallas"
     bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
-    records = []
+    records, failures = [], []
     key = jax.random.PRNGKey(0)
+
+    def timed(record: dict, fn, arg, want=None, tolerance=0.05):
+        """record + time_ms, bytes' GB/s and (against want) max_abs_error; a kernel that fails to run or to match
+        is recorded with its error and the run goes on (exit status 1 at the end)."""
+        try:
+            got = fn(arg)
+            out = got[0] if isinstance(got, tuple) else got
+            if want is not None:
+                error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+                record["max_abs_error"] = error
+                if not error <= tolerance:
+                    raise AssertionError(f"max abs error {error} against the XLA path")
+            seconds = median_seconds(fn, arg)
+        except Exception as e:  # noqa: BLE001: one kernel's failure must not cost the rest of the run
+            failures.append(record | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            print("FAILED", failures[-1], flush=True)
+            return None
+        record |= dict(time_ms=seconds * 1e3, gb_per_s=record["bytes"] / seconds / 1e9,
+                       copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
+        records.append(record)
+        return got
+
     for context in contexts:
         for batch in batches:
             cache = caches(batch, context, key)
@@ -104,48 +128,45 @@ def main(argv=None) -> int:
             q1 = jax.random.normal(key, (batch, HEADS, DIM), jnp.bfloat16)
             gates1 = jax.nn.sigmoid(jax.random.normal(key, (batch, HEADS, 3)))
             decode = jax.jit(functools.partial(nsa_decode, layout=LAYOUT, interpret=interpret))
-            seconds = median_seconds(lambda c: decode(q1, c.k, c.v, c.k_cmp, c.v_cmp, length, gates1), cache)
-            nbytes = batch * (cmp_read + KV_HEADS * selected_bytes(LAYOUT.top_n) + window_read)
-            records.append(dict(kernel="nsa-decode", tree_nodes=1, context=context, batch=batch,
-                                time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
-                                copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=LAYOUT.top_n,
-                                overlap=1.0))
+            want = nsa_decode_reference(q1, cache.k, cache.v, cache.k_cmp, cache.v_cmp, length, gates1,
+                                        layout=LAYOUT)
+            timed(dict(kernel="nsa-decode", tree_nodes=1, context=context, batch=batch,
+                       bytes=batch * (cmp_read + KV_HEADS * selected_bytes(LAYOUT.top_n) + window_read),
+                       union_blocks=LAYOUT.top_n, overlap=1.0),
+                  lambda c: decode(q1, c.k, c.v, c.k_cmp, c.v_cmp, length, gates1), cache, want)
             for nodes in trees:
                 q, tree_k, tree_v, gates = tree_inputs(batch, nodes, args.noise, key)
                 parents = jnp.asarray(binary_tree(nodes))
-                union, overlap = None, None
-                variants = [("v0", "pallas"), ("v0", "xla"), ("v1", "pallas"), ("v1", "pallas-row-loop"), ("v1", "xla")]
+                union = overlap = want = None
+                # XLA's V0 first: the others are checked against its output.
+                variants = [("v0", "xla"), ("v0", "pallas"), ("v1", "xla"), ("v1", "pallas"),
+                            ("v1", "pallas-row-loop")]
                 for schedule, impl in variants:
                     verify = jax.jit(jax.vmap(functools.partial(
                         nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True,
                         kernels=None if impl == "xla" else kernels,
                         v1_launch=V1Launch(row_loop=impl == "pallas-row-loop")), in_axes=(0, 0, 0, 0, 0, 0, None)))
                     run = lambda c: verify(q, c, tree_k, tree_v, gates, length, parents)
-                    seconds = median_seconds(run, cache)
                     if union is None:
-                        blocks = run(cache)[1]  # [B, T, H_kv, n]
+                        want, blocks = run(cache)  # [B, T, H_q, D], [B, T, H_kv, n]
                         counts = jax.vmap(lambda b: union_schedule(b, num_select_blocks(LAYOUT, context))[1])(blocks)
                         union = float(jnp.mean(counts))
                         overlap = jaccard_with_root(np.asarray(blocks))
                     read_blocks = nodes * LAYOUT.top_n if schedule == "v0" else union
-                    nbytes = int(batch * (cmp_read + window_read + KV_HEADS * selected_bytes(read_blocks)))
-                    records.append(dict(kernel=schedule, impl=impl, tree_nodes=nodes, context=context, batch=batch,
-                                        time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
-                                        copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=union,
-                                        overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union))
+                    timed(dict(kernel=schedule, impl=impl, tree_nodes=nodes, context=context, batch=batch,
+                               bytes=int(batch * (cmp_read + window_read + KV_HEADS * selected_bytes(read_blocks))),
+                               union_blocks=union, overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union),
+                          run, cache, None if (schedule, impl) == ("v0", "xla") else want)
                 dense = jax.jit(lambda c: verify_attention(q, c.k, c.v, length, interpret=interpret)[0])
-                seconds = median_seconds(dense, cache)
-                nbytes = batch * 2 * context * KV_HEADS * DIM * 2
-                records.append(dict(kernel="dense-tree", tree_nodes=nodes, context=context, batch=batch,
-                                    time_ms=seconds * 1e3, bytes=nbytes, gb_per_s=nbytes / seconds / 1e9,
-                                    copy_gb_per_s=bandwidth["copy_bandwidth_gbps"], union_blocks=None,
-                                    overlap=None))
+                timed(dict(kernel="dense-tree", tree_nodes=nodes, context=context, batch=batch,
+                           bytes=batch * 2 * context * KV_HEADS * DIM * 2, union_blocks=None, overlap=None),
+                      dense, cache)
                 print(records[-6:], flush=True)
     doc = run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
-                       noise=args.noise, bandwidth=bandwidth, records=records)
+                       noise=args.noise, bandwidth=bandwidth, records=records, failures=failures)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     save_results(doc, f"nsa-kernels-{stamp}.json", None if args.smoke else RESULTS)
-    return 0
+    return 1 if failures else 0
 
 
 def _ints(text: str) -> list[int]:
