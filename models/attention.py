@@ -4,7 +4,9 @@ A model projects the new tokens to query, key and value heads and hands them, be
 to an `Attention`. The attention object rotates the query and key heads (a kernel can do it in registers while it
 reads them, where a separate pass would cost a launch per layer), decides what the layer attends to (all of the
 cache, a selected subset, ...), writes the new rows into the cache, and may return an auxiliary output (for
-example the scores that guide KV selection). Dense, sparse-draft and verification attention are implementations
+example the scores that guide KV selection). A dense layer's cache is the pair (k_cache, v_cache); another family's
+(NSA: raw, compressed) is one pytree its attention takes and returns whole (`attend`), so the model never looks
+inside a layer cache. Dense, sparse-draft and verification attention are implementations
 of this protocol living outside the model code, passed to `forward` as a pytree, so their dynamic inputs
 (indices, lengths) are traced arrays and their configuration static.
 """
@@ -44,6 +46,9 @@ class NewTokens:
     rope_cos: jax.Array  # [B, S, D] float32 tables at the tokens' positions (rope_tables)
     rope_sin: jax.Array
     num_kv_heads: int = dataclasses.field(metadata=dict(static=True))
+    # [B, S, H_q, 3] float32 NSA's branch gates (compressed, selected, window), sigmoids of the layer's gate
+    # projection of the hidden state; None for a model without gates.
+    gates: jax.Array | None = None
 
     def rotated(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q [B, S, H_q, D], k [B, S, H_kv, D], v) with RoPE applied to q and k."""
@@ -63,3 +68,20 @@ class Attention(Protocol):
     ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
         """Returns (output [B, S, H_q, D], k_cache, v_cache, aux)."""
         ...
+
+
+class FamilyAttention(Protocol):
+    """An attention over one pytree per layer cache (the NSA family)."""
+
+    def __call__(self, layer: int, new: NewTokens, positions: jax.Array, cache: Any) -> tuple[jax.Array, Any, Any]:
+        """Returns (output [B, S, H_q, D], cache, aux)."""
+        ...
+
+
+def attend(attention, layer: int, new: NewTokens, positions: jax.Array, cache) -> tuple[jax.Array, Any, Any]:
+    """(output, layer cache, aux) of `attention` over one layer's cache: a dense cache (k, v) goes to an
+    `Attention`, any other to a `FamilyAttention`."""
+    if isinstance(cache, tuple):
+        out, k_cache, v_cache, aux = attention(layer, new, positions, *cache)
+        return out, (k_cache, v_cache), aux
+    return attention(layer, new, positions, cache)

@@ -7,6 +7,11 @@ import math
 from typing import Any, Mapping
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# How a layer attends: dense causal attention; Native Sparse Attention (compressed, selected and window branches
+# mixed by sigmoid gates, arXiv 2502.11089); or the training-free NSA view of a dense model (selected blocks and
+# the window in one softmax, no compressed branch, no gates).
+ATTENTION_KINDS = ("dense", "nsa", "nsa-view")
+POOLINGS = ("mean",)
 
 # HF `model_type` / `architectures[0]` -> our architecture name.
 _HF_MODEL_TYPES = {
@@ -32,6 +37,48 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class NSALayout:
+    """Where an NSA query looks (all lengths in tokens). Compressed block i covers keys [i*stride, i*stride +
+    compress_block) and is visible once complete; selection block j covers [j*select_block, (j+1)*select_block).
+    A query's top_n selection blocks (shared by a KV group's query heads) count the forced ones: the first
+    forced_initial blocks and the forced_local blocks ending at the query's own block. The window is the last
+    `window` keys, the query's own included."""
+
+    compress_block: int  # l
+    compress_stride: int  # d
+    select_block: int  # l'
+    top_n: int  # n
+    window: int  # w
+    forced_initial: int
+    forced_local: int
+    pooling: str = "mean"  # how a compressed key/value summarises its block's rotated keys/values
+
+    def __post_init__(self):
+        d = self.compress_stride
+        if min(self.compress_block, d, self.select_block, self.top_n) < 1 or self.window < 0:
+            raise UnsupportedModelError(f"NSA layout {self}: block sizes and top_n must be positive, window >= 0")
+        if self.compress_block % d or self.select_block % d:
+            raise UnsupportedModelError(
+                f"NSA layout: compress_block {self.compress_block} and select_block {self.select_block} must be "
+                f"multiples of compress_stride {d}")
+        if self.forced_local < 1 or self.forced_initial < 0 or self.forced_initial + self.forced_local > self.top_n:
+            raise UnsupportedModelError(
+                f"NSA layout: forced blocks ({self.forced_initial} initial + {self.forced_local} local, the query's "
+                f"own block among them) must fit in top_n {self.top_n}")
+        if self.pooling not in POOLINGS:
+            raise UnsupportedModelError(f"NSA layout: pooling {self.pooling!r} (only {', '.join(POOLINGS)})")
+
+
+# zen-E/NSA-1B (fla-org's parallel_nsa): l = d = l' = 16, 16 blocks, window 128, only the query's block forced.
+NSA_1B_LAYOUT = NSALayout(16, 16, 16, 16, 128, forced_initial=0, forced_local=1)
+# The NSA paper's: l = 32, d = 16, l' = 64, 16 blocks counting 1 initial and 2 local, window 512 (its learned
+# compression MLP replaced by mean pooling, which no checkpoint here can train).
+NSA_PAPER_LAYOUT = NSALayout(32, 16, 64, 16, 512, forced_initial=1, forced_local=2)
+# The training-free view of a dense model: NSA-1B's blocks with the attention sink (block 0) forced as well.
+NSA_VIEW_LAYOUT = NSALayout(16, 16, 16, 16, 128, forced_initial=1, forced_local=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -48,8 +95,15 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     rope_scaling: RopeScaling | None = None
+    attention: str = "dense"  # ATTENTION_KINDS
+    nsa: NSALayout | None = None  # the layout of attention "nsa" and "nsa-view"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise UnsupportedModelError(f"attention {self.attention!r}: one of {', '.join(ATTENTION_KINDS)}")
+        if (self.nsa is None) != (self.attention == "dense"):
+            raise UnsupportedModelError(f"attention {self.attention!r} with NSA layout {self.nsa}: a layout is "
+                                        "needed exactly for the NSA kinds")
         if self.architecture not in ARCHITECTURES:
             raise UnsupportedModelError(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:
@@ -69,12 +123,16 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if d.get("nsa") is not None:
+            d["nsa"] = NSALayout(**d["nsa"])
         return cls(**d)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
         """From a Hugging Face `config.json`; anything that would change the math and is not implemented fails."""
         model_type = hf.get("model_type")
+        if model_type == _NSA_MODEL_TYPE:
+            return _nsa_from_hf(cls, hf)
         if model_type not in _HF_MODEL_TYPES:
             archs = hf.get("architectures") or [model_type]
             raise UnsupportedModelError(
@@ -114,6 +172,36 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             rope_scaling=_rope_scaling_from_hf(hf),
         )
+
+
+_NSA_MODEL_TYPE = "llama-nsa"
+_NSA_ARCHITECTURE = "LlamaNSAForCausalLM"
+
+
+def _nsa_from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
+    """fla-org's NSA on Llama (zen-E/NSA-1B): Llama fields plus block_size (= compression block = stride =
+    selection block, mean-pooled), block_counts (top-n, the query's block forced) and window_size."""
+    archs = hf.get("architectures") or [_NSA_ARCHITECTURE]
+    if archs[0] != _NSA_ARCHITECTURE:
+        raise UnsupportedModelError(f"model_type {_NSA_MODEL_TYPE!r} with architecture {archs[0]!r}: only "
+                                    f"{_NSA_ARCHITECTURE!r}")
+    fields = {}
+    for name in ("block_size", "block_counts", "window_size"):
+        value = hf.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "window_size" else 1):
+            raise UnsupportedModelError(f"unsupported config.json field {name}={value!r} (NSA needs an integer"
+                                        f"{' >= 0' if name == 'window_size' else ' >= 1'})")
+        fields[name] = value
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("unsupported config.json field attention_bias=true for an NSA model")
+    block = fields["block_size"]
+    try:
+        layout = NSALayout(block, block, block, fields["block_counts"], fields["window_size"], forced_initial=0,
+                           forced_local=1)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"config.json: {e}") from None
+    dense = cls.from_hf({**hf, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    return dataclasses.replace(dense, attention="nsa", nsa=layout)
 
 
 def _rope_scaling_from_hf(hf: Mapping[str, Any]) -> RopeScaling | None:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import Attention, NewTokens, rope_tables
+from models.attention import Attention, NewTokens, attend, rope_tables
 from models.config import ModelConfig, rope_inverse_frequencies
 from models.kv_cache import KVCache
 from models.logical_axes import HEADS, MLP, Axes
@@ -90,6 +90,9 @@ class DecoderLayer(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.o_proj = nnx.Param(init(rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), dtype))
+        self.gated = c.attention == "nsa"
+        if self.gated:  # NSA's branch gates: per query head, (compressed, selected, window)
+            self.branch_gate_proj = nnx.Param(init(rngs.params(), (c.hidden_size, c.num_heads, 3), dtype))
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.gate_up_proj = nnx.Param(init(rngs.params(), (c.hidden_size, 2, c.intermediate_size), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (c.intermediate_size, c.hidden_size), dtype))
@@ -98,7 +101,7 @@ class DecoderLayer(nnx.Module):
         self.num_kv_heads = c.num_kv_heads
         self.qk_norm = c.qk_norm
 
-    def __call__(self, layer: int, x, positions, rope, k_cache, v_cache, attention: Attention, tp: TensorParallel):
+    def __call__(self, layer: int, x, positions, rope, cache, attention: Attention, tp: TensorParallel):
         h = self.attn_norm(x)
         qkv = contract("BSD,DNH->BSNH", h, self.qkv_proj.get_value())
         if self.attention_bias:
@@ -106,14 +109,18 @@ class DecoderLayer(nnx.Module):
         if self.qk_norm:
             q, k, v = jnp.split(qkv, self.head_split, axis=2)
             qkv = jnp.concatenate([self.q_norm(q), self.k_norm(k), v], axis=2)
-        new = NewTokens(qkv, *rope, num_kv_heads=self.num_kv_heads)
-        out, k_cache, v_cache, aux = attention(layer, new, positions, k_cache, v_cache)
+        gates = None
+        if self.gated:
+            gates = jax.nn.sigmoid(contract("BSD,DNG->BSNG", h, self.branch_gate_proj.get_value(),
+                                            preferred_element_type=jnp.float32))
+        new = NewTokens(qkv, *rope, num_kv_heads=self.num_kv_heads, gates=gates)
+        out, cache, aux = attend(attention, layer, new, positions, cache)
         x = x + tp.row_parallel("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj.get_value())
         h = self.mlp_norm(x)
         gate_up = contract("BSD,DGF->BSGF", h, self.gate_up_proj.get_value())
         x = x + tp.row_parallel("BSF,FD->BSD", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1],
                                 self.down_proj.get_value())
-        return x, k_cache, v_cache, aux
+        return x, cache, aux
 
 
 class Decoder(nnx.Module):
@@ -131,11 +138,10 @@ class Decoder(nnx.Module):
                  lm_head=None):
         rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32))
         x = jnp.take(self.embed[...], tokens, axis=0)
-        k_out, v_out, aux_out = [], [], []
+        caches, aux_out = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v, aux = layer(i, x, positions, rope, kv_cache.k[i], kv_cache.v[i], attention, tp)
-            k_out.append(k)
-            v_out.append(v)
+            x, cache, aux = layer(i, x, positions, rope, kv_cache.layer(i), attention, tp)
+            caches.append(cache)
             aux_out.append(aux)
         if logit_rows is not None:  # only these rows need the (vocabulary-sized) LM head
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
@@ -146,7 +152,7 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("BSD,VD->BSV", x, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = contract("BSD,DV->BSV", x, self.lm_head.get_value(), preferred_element_type=jnp.float32)
-        return logits, KVCache(k=tuple(k_out), v=tuple(v_out)), tuple(aux_out)
+        return logits, type(kv_cache).from_layers(caches), tuple(aux_out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,6 +175,7 @@ _PARAM_AXES = {
     "qkv_proj": Axes(None, HEADS, None),
     "qkv_bias": Axes(HEADS, None),
     "o_proj": Axes(HEADS, None, None),
+    "branch_gate_proj": Axes(None, HEADS, None),
     "gate_up_proj": Axes(None, None, MLP),
     "down_proj": Axes(MLP, None),
 }

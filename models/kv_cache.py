@@ -37,6 +37,14 @@ class KVCache:
     def batch(self) -> int:
         return self.k[0].shape[0]
 
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """Layer i's cache as dense attentions take it: (k, v)."""
+        return self.k[i], self.v[i]
+
+    @classmethod
+    def from_layers(cls, layers: list[tuple[jax.Array, jax.Array]]) -> "KVCache":
+        return cls(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
+
 
 def write_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
     """cache[b, positions[b, s]] = rows[b, s]; positions past the end are dropped, never clamped onto valid rows."""

@@ -190,6 +190,30 @@ def scenario_tiny() -> dict:
     return out
 
 
+def scenario_nsa() -> dict:
+    """The tiny Qwen3 with NSA attention (2 selected blocks of 16 and a 16-token window, so the prompts are
+    sparse): plain decoding on (data=2, model=4), its NSA caches split like dense ones, against one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import NSALayout
+    from models.decoder import init_params
+    from tests.test_lossless_tiny import GREEDY, prompts
+    from vegas_jax.engine import Engine
+    from vegas_jax.loading.bundle import LoadedModel
+    from vegas_jax.sharding import make_mesh
+
+    dense = _tiny_qwen3()
+    config = dataclasses.replace(dense.config, attention="nsa", nsa=NSALayout(16, 16, 16, 2, 16, 0, 1))
+    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, init_params(config, jnp.float32, 0))
+    nsa = LoadedModel(config, params, dense.tokenizer, "random", "random")
+    batch = prompts([45, 12, 80, 30, 64], config.vocab_size, seed=5)
+    options = dataclasses.replace(GREEDY, max_new_tokens=24)
+    one = Engine(nsa).generate(batch, options)
+    mesh = Engine(nsa.on_mesh(make_mesh({"data": 2, "model": 4}))).generate(batch, options)
+    return {"nsa_identical": [a.tokens == b.tokens for a, b in zip(mesh.requests, one.requests)]}
+
+
 def scenario_smollm2() -> dict:
     """The real model on data=2, model=3 (SmolLM2's 3 KV heads split over 3 devices), float32, a long real prompt;
     plus the CLI's answers to bad meshes."""
@@ -226,7 +250,7 @@ def scenario_smollm2() -> dict:
     return out
 
 
-SCENARIOS = {"tiny": scenario_tiny, "smollm2": scenario_smollm2}
+SCENARIOS = {"tiny": scenario_tiny, "nsa": scenario_nsa, "smollm2": scenario_smollm2}
 
 
 # ---- tests --------------------------------------------------------------------------------------------------
@@ -253,6 +277,10 @@ def test_every_mesh_decodes_as_one_device(tiny):
     chosen = auto["chosen_histogram"]
     assert chosen[0] and sum(chosen[1:]), chosen  # adaptive γ ran plain steps and speculative ones
     assert tiny["draft_weights_move_to_a_mesh"]
+
+
+def test_an_nsa_model_decodes_on_a_mesh_as_on_one_device():
+    assert run_scenario("nsa", devices=8)["nsa_identical"] == [True] * 5
 
 
 def test_the_loop_keeps_its_layout_without_gathering(tiny):

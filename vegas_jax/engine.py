@@ -26,6 +26,7 @@ from models.logical_axes import Axes, axes_of
 from models.quantized import PRECISIONS
 from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, stops
 from vegas_jax.attention.backend import default_backend
+from vegas_jax.attention.family import family_of
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.drafters import DRAFTERS
@@ -544,6 +545,9 @@ class Engine:
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
         options.validate()
+        if self.config.attention != "dense" and options.method != "ar":
+            raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
+                             "selection policies attend densely)", options.method, self.config.attention)
         if options.seed + len(ids) - 1 > INT32_MAX:
             raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                              options.seed, len(ids))
@@ -595,7 +599,7 @@ class Engine:
             _round_up(longest - 1, 16) or 16,
             prefill_chunk_for_activations(rows, self.config.intermediate_size // model),
         )
-        if not placement.uses_kernels:
+        if not placement.uses_kernels or self.config.attention != "dense":  # NSA prefills through jnp
             chunk = min(chunk, prefill_chunk_for_memory(rows, self.config.num_heads // model, capacity))
         return chunk
 
@@ -1046,7 +1050,7 @@ def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, prompt_toke
     batch = lengths.shape[0]
     state = loop.init_state(
         config,
-        KVCache.create(config.model, batch, capacity, dtype),
+        family_of(config.model).create_cache(config.model, batch, capacity, dtype),
         lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
         sampling.SamplingParams.create(batch, *sampling_values),
         stop_table,

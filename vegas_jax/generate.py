@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from vegas_jax import inputs, stops
+from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
 from vegas_jax.engine import (
     METHODS,
     Engine,
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache length (default: prompt + max-new-tokens rounded up to 1024, capped at the model's)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--attention", default=None,
+                   help="dense | nsa-view: the training-free NSA view of a dense model (selected 16-token blocks "
+                        "and a 128-token window; --method ar); default: the checkpoint's own (NSA checkpoints "
+                        "load as NSA)")
     p.add_argument("--gamma", type=gamma_value, default=GenerationOptions.gamma,
                    help="draft tokens per iteration, or auto: chosen each iteration from the measured costs and the "
                         "running acceptance (at most --gamma-max; 0 = a plain step)")
@@ -524,10 +529,13 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         from vegas_jax.attention.backend import default_backend
 
         default_backend()  # VEGAS_KERNELS is checked before the model loads
+        if args.attention not in (None, *ATTENTION_CHOICES):
+            raise InputError("{attention} must be one of {}, got {!r}", ", ".join(ATTENTION_CHOICES), args.attention)
 
         t0 = time.perf_counter()
         loaded = _load(args.model, dtype, mesh, options.draft_weights if options.effective_gamma else None)
         load_s = time.perf_counter() - t0
+        loaded = dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention))
         engine = Engine(loaded)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         if (args.system is not None or args.messages) and engine.tokenizer.chat_template is None:

@@ -31,7 +31,7 @@ from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from models.quantized import overlay
 from vegas_jax import adaptive_gamma, penalties, sampling
 from vegas_jax.logprobs import Logprobs
-from vegas_jax.attention.verify import VerifyAttention
+from vegas_jax.attention.family import family_of
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.drafters import make_drafter
 from vegas_jax.selection import Policy, SelectContext, Selection
@@ -80,9 +80,9 @@ class DecodeConfig:
         """This loop's plain decoding step (adaptive γ's g = 0)."""
         return dataclasses.replace(self, gamma=0, policy=None, draft_weights="bf16", adaptive_gamma=False)
 
-    def verify_attention(self, active: jax.Array | None = None) -> VerifyAttention:
+    def verify_attention(self, active: jax.Array | None = None):
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return VerifyAttention(request, self.model.num_layers, self.placement, active)
+        return family_of(self.model).full_attention(self.model, self.placement, request, active)
 
     def forward(self, params, tokens, positions, cache, attention, logit_rows=None):
         """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
@@ -182,7 +182,7 @@ def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConf
     needed. Causal attention through verification attention without scores: on the kernel backend its kernel
     tiles the chunk's query rows and reads each sequence's keys only up to the chunk."""
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
-    attention = VerifyAttention(num_layers=model.num_layers, placement=placement)
+    attention = family_of(model).full_attention(model, placement)
     _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
                           tensor_parallel=placement.tensor_parallel)
     return cache

@@ -23,6 +23,7 @@ from models import draft_weights
 from models.config import ModelConfig
 from models.decoder import param_axes
 from models.logical_axes import HEADS, MLP
+from models.nsa_cache import compressed_rows
 from models.quantized import nbytes
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
@@ -61,7 +62,9 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     kv_heads = config.num_kv_heads // placement.model_shards
     heads = config.num_heads // placement.model_shards
     layers, vocab = config.num_layers, config.vocab_size
-    cache_row = 2 * layers * capacity * kv_heads * config.head_dim * dtype  # one sequence's K and V
+    # One sequence's K and V rows, and an NSA layer's compressed rows besides (models.nsa_cache).
+    rows_kept = capacity + (compressed_rows(config.nsa, capacity) if config.nsa is not None else 0)
+    cache_row = 2 * layers * rows_kept * kv_heads * config.head_dim * dtype
 
     # Per request beyond its cache: the output, and with logprobs each token's value and alternatives (id, value).
     request_row = output_width * 4 * (1 if logprobs is None else 2 + 2 * max(logprobs, 1))

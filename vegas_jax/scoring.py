@@ -28,7 +28,7 @@ from models.decoder import forward, param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import BATCH, Axes, axes_of
 from vegas_jax import inputs
-from vegas_jax.attention.verify import VerifyAttention
+from vegas_jax.attention.family import family_of
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
 
@@ -63,7 +63,7 @@ def perplexity(scored: list[Scored]) -> float:
 def score_chunk(params, cache: KVCache, tokens, positions, targets, *, model, placement: Placement):
     """One chunk [B, C] through the model, writing its K/V: (cache, log p(targets) [B, C], targets are the argmax
     [B, C]); a target of -1 is not scored (its values are meaningless)."""
-    attention = VerifyAttention(num_layers=model.num_layers, placement=placement)
+    attention = family_of(model).full_attention(model, placement)
     logits, cache, _ = forward(params, tokens, positions, cache, attention, config=model,
                                tensor_parallel=placement.tensor_parallel)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -126,7 +126,8 @@ def score(engine: Engine, prompts, continuations, *, batch_size: int = 8, prefil
     chunk = max(16, min(prefill_chunk, budget, -(-(max(lengths) - 1) // 16) * 16) // 16 * 16)
     timings = {"compile_s": 0.0, "score_s": 0.0}
     params = engine.model.params
-    cache = placement.creator(lambda: KVCache.create(engine.config, rows, capacity, params["embed"].dtype))()
+    family = family_of(engine.config)
+    cache = placement.creator(lambda: family.create_cache(engine.config, rows, capacity, params["embed"].dtype))()
     order = sorted(range(len(pairs)), key=lambda i: -lengths[i])
     results: dict[int, Scored] = {}
     for first in range(0, len(order), rows):

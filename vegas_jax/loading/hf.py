@@ -67,6 +67,8 @@ _QK_NORM = {
     "model.layers.{i}.self_attn.q_norm.weight": (("q_norm", "scale"), _AS_IS),
     "model.layers.{i}.self_attn.k_norm.weight": (("k_norm", "scale"), _AS_IS),
 }
+# fla-org NSA's branch gates: [H_q * 3, D], three (compressed, selected, window) per query head.
+_NSA_GATES = {"model.layers.{i}.self_attn.g_proj.weight": (("branch_gate_proj",), _LINEAR)}
 _GLOBAL = {
     "model.embed_tokens.weight": (("embed",), _AS_IS),
     "model.norm.weight": (("final_norm", "scale"), _AS_IS),
@@ -84,6 +86,8 @@ def name_map(config: ModelConfig) -> dict[str, tuple[tuple, _Layout]]:
         layer |= _QKV_BIAS
     if config.qk_norm:
         layer |= _QK_NORM
+    if config.attention == "nsa":
+        layer |= _NSA_GATES
     table = dict(_GLOBAL)
     if not config.tie_word_embeddings:
         table |= _UNTIED_HEAD

@@ -1,0 +1,189 @@
+"""NSA verification and decoding on the GPU at NSA-1B shapes (32 query / 2 KV heads, D 64, l = d = l' = 16,
+16 blocks, window 128), random bf16 caches at full length, one layer:
+
+    python benchmarks/bench_nsa_kernels.py --quick   # 32K, trees of 16 and 64, batch 1 and 8 (< 5 min)
+    python benchmarks/bench_nsa_kernels.py           # 8K to 128K, trees of 4 to 64, batch 1 to 64: ~600
+                                                     # compilations; run it in pieces with the flags below
+    python benchmarks/bench_nsa_kernels.py --contexts 131072 --batches 1,8 --trees 64
+    python benchmarks/bench_nsa_kernels.py --smoke   # 512 tokens, kernels in interpret mode: checks the script
+
+Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
+tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
+pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_select, impl "pallas" (V1 also
+"pallas-row-loop": a program runs all row blocks of its union split), and by XLA gathers, impl "xla") and dense-tree (the Pallas verification kernel over the
+whole context for the tree's rows, which reads what an ancestor-masked dense pass reads). Tree queries are
+q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
+queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
+the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
+
+Every kernel's output is checked first (nsa-decode against nsa_decode_reference, each tree variant against XLA's
+V0, bf16 tolerance 0.05); a kernel that fails to run or to match goes to `failures` with its error and the run
+goes on, exiting 1 at the end. Per record: kernel, tree_nodes, context, batch, time_ms (median), max_abs_error, bytes (K/V rows the schedule reads: selected
+or union blocks, compressed rows, window), gb_per_s, copy_gb_per_s (benchmarks.suite_scale.measure_bandwidth),
+union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E402
+from models.config import NSA_1B_LAYOUT  # noqa: E402
+from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
+from models.nsa_selection import num_select_blocks  # noqa: E402
+from pallas_kernels import verify_attention  # noqa: E402
+from pallas_kernels.nsa_decode import nsa_decode, nsa_decode_reference  # noqa: E402
+from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
+from pallas_kernels.nsa_verify import nsa_tree_verify, union_schedule  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 32, 2, 64
+LAYOUT = NSA_1B_LAYOUT
+RESULTS = Path(__file__).parent / "results"
+
+
+def binary_tree(nodes: int) -> np.ndarray:
+    """parents of a complete binary tree in breadth-first order (a draft tree of branching 2)."""
+    return np.array([-1] + [(i - 1) // 2 for i in range(1, nodes)], np.int32)
+
+
+def caches(batch: int, context: int, key):
+    kk, kv, kc, kd = jax.random.split(key, 4)
+    raw = lambda k, rows: jax.random.normal(k, (batch, rows, KV_HEADS, DIM), jnp.bfloat16)
+    rows = compressed_rows(LAYOUT, context)
+    return NSALayerCache(raw(kk, context), raw(kv, context), raw(kc, rows), raw(kd, rows))
+
+
+def tree_inputs(batch: int, nodes: int, noise: float, key):
+    kr, kn, kt, kg = jax.random.split(key, 4)
+    root = jax.random.normal(kr, (batch, 1, HEADS, DIM), jnp.float32)
+    q = (root + noise * jax.random.normal(kn, (batch, nodes, HEADS, DIM))).astype(jnp.bfloat16)
+    tree_kv = jax.random.normal(kt, (2, batch, nodes, KV_HEADS, DIM), jnp.bfloat16)
+    gates = jax.nn.sigmoid(jax.random.normal(kg, (batch, nodes, HEADS, 3)))
+    return q, tree_kv[0], tree_kv[1], gates
+
+
+def selected_bytes(blocks: int) -> int:
+    return 2 * blocks * LAYOUT.select_block * DIM * 2  # K and V, bf16
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
+    parser.add_argument("--noise", type=float, default=0.3, help="tree query noise relative to the root query")
+    parser.add_argument("--contexts", type=_ints, default=None, help="comma-separated, e.g. 32768,131072")
+    parser.add_argument("--batches", type=_ints, default=None)
+    parser.add_argument("--trees", type=_ints, default=None, help="tree sizes (nodes, at most 64)")
+    args = parser.parse_args(argv)
+    contexts = [32768] if args.quick else [8192, 32768, 65536, 131072]
+    batches = [1, 8] if args.quick else [1, 4, 8, 16, 64]
+    trees = [16, 64] if args.quick else [4, 8, 16, 32, 64]
+    if args.smoke:
+        contexts, batches, trees = [512], [1], [4]
+    contexts, batches, trees = args.contexts or contexts, args.batches or batches, args.trees or trees
+    interpret = args.smoke
+    kernels = "interpret" if interpret else "pallas"
+    bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
+    records, failures = [], []
+    key = jax.random.PRNGKey(0)
+
+    def timed(record: dict, fn, arg, want=None, tolerance=0.05):
+        """record + time_ms, bytes' GB/s and (against want) max_abs_error; a kernel that fails to run or to match
+        is recorded with its error and the run goes on (exit status 1 at the end)."""
+        try:
+            got = fn(arg)
+            out = got[0] if isinstance(got, tuple) else got
+            if want is not None:
+                error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+                record["max_abs_error"] = error
+                if not error <= tolerance:
+                    raise AssertionError(f"max abs error {error} against the XLA path")
+            seconds = median_seconds(fn, arg)
+        except Exception as e:  # noqa: BLE001: one kernel's failure must not cost the rest of the run
+            failures.append(record | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            print("FAILED", failures[-1], flush=True)
+            return None
+        record |= dict(time_ms=seconds * 1e3, gb_per_s=record["bytes"] / seconds / 1e9,
+                       copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
+        records.append(record)
+        return got
+
+    for context in contexts:
+        for batch in batches:
+            cache = caches(batch, context, key)
+            length = jnp.full((batch,), context - 64 - 1, jnp.int32)  # room for the tree's rows
+            cmp_read = 2 * (context // LAYOUT.compress_stride) * KV_HEADS * DIM * 2
+            window_read = 2 * LAYOUT.window * KV_HEADS * DIM * 2
+            q1 = jax.random.normal(key, (batch, HEADS, DIM), jnp.bfloat16)
+            gates1 = jax.nn.sigmoid(jax.random.normal(key, (batch, HEADS, 3)))
+            decode = jax.jit(functools.partial(nsa_decode, layout=LAYOUT, interpret=interpret))
+            want = nsa_decode_reference(q1, cache.k, cache.v, cache.k_cmp, cache.v_cmp, length, gates1,
+                                        layout=LAYOUT)
+            timed(dict(kernel="nsa-decode", tree_nodes=1, context=context, batch=batch,
+                       bytes=batch * (cmp_read + KV_HEADS * selected_bytes(LAYOUT.top_n) + window_read),
+                       union_blocks=LAYOUT.top_n, overlap=1.0),
+                  lambda c: decode(q1, c.k, c.v, c.k_cmp, c.v_cmp, length, gates1), cache, want)
+            for nodes in trees:
+                q, tree_k, tree_v, gates = tree_inputs(batch, nodes, args.noise, key)
+                parents = jnp.asarray(binary_tree(nodes))
+                union = overlap = want = None
+                # XLA's V0 first: the others are checked against its output.
+                variants = [("v0", "xla"), ("v0", "pallas"), ("v1", "xla"), ("v1", "pallas"),
+                            ("v1", "pallas-row-loop")]
+                for schedule, impl in variants:
+                    verify = jax.jit(jax.vmap(functools.partial(
+                        nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True,
+                        kernels=None if impl == "xla" else kernels,
+                        v1_launch=V1Launch(row_loop=impl == "pallas-row-loop")), in_axes=(0, 0, 0, 0, 0, 0, None)))
+                    run = lambda c: verify(q, c, tree_k, tree_v, gates, length, parents)
+                    if union is None:
+                        want, blocks = run(cache)  # [B, T, H_q, D], [B, T, H_kv, n]
+                        counts = jax.vmap(lambda b: union_schedule(b, num_select_blocks(LAYOUT, context))[1])(blocks)
+                        union = float(jnp.mean(counts))
+                        overlap = jaccard_with_root(np.asarray(blocks))
+                    read_blocks = nodes * LAYOUT.top_n if schedule == "v0" else union
+                    timed(dict(kernel=schedule, impl=impl, tree_nodes=nodes, context=context, batch=batch,
+                               bytes=int(batch * (cmp_read + window_read + KV_HEADS * selected_bytes(read_blocks))),
+                               union_blocks=union, overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union),
+                          run, cache, None if (schedule, impl) == ("v0", "xla") else want)
+                dense = jax.jit(lambda c: verify_attention(q, c.k, c.v, length, interpret=interpret)[0])
+                timed(dict(kernel="dense-tree", tree_nodes=nodes, context=context, batch=batch,
+                           bytes=batch * 2 * context * KV_HEADS * DIM * 2, union_blocks=None, overlap=None),
+                      dense, cache)
+                print(records[-6:], flush=True)
+    doc = run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
+                       noise=args.noise, bandwidth=bandwidth, records=records, failures=failures)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    save_results(doc, f"nsa-kernels-{stamp}.json", None if args.smoke else RESULTS)
+    return 1 if failures else 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def jaccard_with_root(blocks: np.ndarray) -> float:
+    """Mean Jaccard similarity of each non-root node's block set with the root's, over batch and KV heads."""
+    scores = []
+    for b in range(blocks.shape[0]):
+        for h in range(blocks.shape[2]):
+            root = {x for x in blocks[b, 0, h] if x >= 0}
+            for node in range(1, blocks.shape[1]):
+                other = {x for x in blocks[b, node, h] if x >= 0}
+                scores.append(len(root & other) / len(root | other))
+    return float(np.mean(scores)) if scores else 1.0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""The selected branch of NSA tree verification over the committed prefix, as Pallas kernels: V0 and V1
+(pallas_kernels.nsa_verify for the semantics). Both return, per KV head, node and group head, the softmax over
+the prefix rows (< length) of the node's selected blocks as (o normalised, lse), which nsa_verify merges with the
+tree's own rows, the window and the compressed branch.
+
+- v0_selected: grid (KV head, node, split of the node's blocks); each program holds one node's G query heads
+  (padded to 16 rows) and reads its own blocks, one contiguous [l', D] load each: T * top_n block reads.
+- v1_selected: grid (KV head, split of the union, row block); each program holds up to 128 of the T * G rows
+  (row r: node r // G, head r % G) and reads each union block of its split once for all of them, masking a
+  block's columns for the rows whose node did not select it (the block's member row over the nodes): |U| block
+  reads per row block.
+  Splitting over the union gives a small batch (2 KV heads) enough programs. A program's accumulator holds at most
+  MAX_ROWS rows, so at NSA-1B's G = 16 a 64-node tree (1024 rows) takes 8 row blocks, each reading the union's
+  blocks of its split: V1 reads 8 |U| blocks from memory or L2 against V0's T n, and its advantage rests on
+  |U| << T n / 8 or on the re-reads hitting a cache: in L2 (one program per row block), or in the SM's own cache
+  with row_loop (one program runs its split's row blocks in turn; fewer programs). The benchmark measures both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import MASK_VALUE, next_power_of_2, online_softmax_start
+
+MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
+
+
+@dataclasses.dataclass(frozen=True)
+class V1Launch:
+    """How v1_selected splits its work: union splits per KV head, query rows per row block (a power of two, 16
+    to MAX_ROWS), and whether a program runs all row blocks of its split (row_loop) or one."""
+
+    num_splits: int = 16
+    block_rows: int = MAX_ROWS
+    row_loop: bool = False
+
+
+def _step(carry, q, k, v, valid, sm_scale):
+    o_prev, m_prev, l_prev = carry
+    logits = jnp.where(valid, plt.dot(q, k, trans_b=True) * sm_scale, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
+    return (o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v), m_next,
+            l_prev * correction + p.sum(axis=1))
+
+
+def _store(o_ref, l_ref, m_ref, carry):
+    o, m, l = carry
+    o_ref[...] = o
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads,
+              block_h, select_block, top_n, per_split):
+    kv_head, node, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = length_ref[()]
+    lane = jnp.arange(block_h)
+    q = q_ref[node * num_q_heads + kv_head * group + jnp.minimum(lane, group - 1), :]
+    first = split * per_split
+
+    def body(step, carry):
+        block = blocks_ref[first + step]
+        base = jnp.maximum(block, 0) * select_block
+        valid = (block >= 0) & (base + jnp.arange(select_block) < length)
+        k = k_ref[pl.ds(base, select_block), :]
+        v = v_ref[pl.ds(base, select_block), :]
+        return _step(carry, q, k, v, valid[None, :], sm_scale)
+
+    steps = jnp.clip(top_n - first, 0, per_split)
+    _store(o_ref, l_ref, m_ref, lax.fori_loop(0, steps, body, online_softmax_start(block_h, q.shape[1])))
+
+
+def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale,
+              group, num_q_heads, num_nodes, nodes_padded, block_r, row_blocks_here, select_block, per_split):
+    kv_head, split, program_rows = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length, count = length_ref[()], count_ref[()]
+    first = split * per_split
+    steps = jnp.clip(count - first, 0, per_split)
+    # Row blocks one after another in this program (row_loop): the split's union blocks, just read for the first
+    # row block, are read again from this SM's cache by the next.
+    for here in range(row_blocks_here):
+        row = (program_rows * row_blocks_here + here) * block_r + jnp.arange(block_r)
+        node = jnp.minimum(row // group, num_nodes - 1)  # rows past the tree repeat its last node; never read back
+        q = q_ref[node * num_q_heads + kv_head * group + row % group, :]
+
+        def body(step, carry, node=node, q=q):
+            u = first + step
+            base = union_ref[u] * select_block
+            # The union block's member row [nodes_padded], spread onto the query rows by their nodes (a masked
+            # reduction: register vectors cannot be gathered from).
+            members = member_ref[u, :]
+            picked = jnp.where(node[:, None] == jnp.arange(nodes_padded)[None, :], members[None, :], 0)
+            takes = jnp.max(picked, axis=1) != 0  # [block_r]: the row's node selected this union block
+            valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
+            k = k_ref[pl.ds(base, select_block), :]
+            v = v_ref[pl.ds(base, select_block), :]
+            return _step(carry, q, k, v, valid, sm_scale)
+
+        o, m, l = lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1]))
+        rows_here = pl.ds(here * block_r, block_r)
+        o_ref[rows_here, :] = o
+        l_ref[rows_here] = l
+        m_ref[rows_here] = m
+
+
+def _finish(o, l, m):
+    """Partials o [splits, ..., D], l, m [splits, ...] -> (normalised o, lse; -inf where no row was seen)."""
+    m_max = m.max(axis=0)
+    correction = jnp.exp(m - m_max[None])
+    total = (l * correction).sum(axis=0)
+    out = (o * correction[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out, jnp.where(total > 0, m_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def _head_rows(capacity, head_dim):
+    """One KV head's rows of a cache [T_cap, H_kv, D] on a grid whose first axis is the KV head."""
+    return pl.BlockSpec((capacity, None, head_dim), lambda h, a, b: (0, h, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("select_block", "num_splits", "interpret"))
+def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_splits: int = 4,
+                interpret: bool = False):
+    """q [T, H_q, D] (rotated); caches [T_cap, H_kv, D]; blocks [T, H_kv, n] (-1 pads); length []. Returns
+    (o [H_kv, T, G, D] float32, lse [H_kv, T, G])."""
+    num_nodes, num_q_heads, head_dim = q.shape
+    capacity, num_kv_heads, _ = k_cache.shape
+    group, top_n = num_q_heads // num_kv_heads, blocks.shape[2]
+    block_h = max(16, next_power_of_2(group))
+    listed = next_power_of_2(top_n)
+    blocks = jnp.pad(blocks.astype(jnp.int32), ((0, 0), (0, 0), (0, listed - top_n)), constant_values=-1)
+    per_split = pl.cdiv(top_n, num_splits)
+    kernel = functools.partial(v0_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, num_q_heads=num_q_heads,
+                               block_h=block_h, select_block=select_block, top_n=top_n, per_split=per_split)
+    part = lambda *tail: pl.BlockSpec((None, None, None, block_h, *tail),
+                                      lambda h, t, s: (s, h, t, 0, *(0,) * len(tail)))
+    shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_nodes, block_h, *tail), jnp.float32)
+    o, l, m = pl.pallas_call(
+        kernel, grid=(num_kv_heads, num_nodes, num_splits),
+        in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, t, s: (0, 0)),
+                  _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
+                  pl.BlockSpec((None, None, listed), lambda h, t, s: (t, h, 0)), pl.BlockSpec((), lambda h, t, s: ())],
+        out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
+        name="nsa_tree_v0_selected",
+    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, blocks, length.astype(jnp.int32))
+    return _finish(o[..., :group, :], l[..., :group], m[..., :group])
+
+
+@functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))
+def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_block: int,
+                launch: V1Launch = V1Launch(), interpret: bool = False):
+    """q [T, H_q, D]; caches [T_cap, H_kv, D]; union [H_kv, U] (ascending, -1 past count [H_kv]); member
+    [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]).
+
+    launch.row_loop: each program runs all row blocks of its union split one after another (the split's blocks
+    come from its SM's cache after the first), instead of one program per row block (more programs, the
+    re-reads left to L2)."""
+    num_nodes, num_q_heads, head_dim = q.shape
+    capacity, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    rows = num_nodes * group
+    block_r = min(launch.block_rows, max(16, next_power_of_2(rows)))
+    row_blocks = pl.cdiv(rows, block_r)
+    width = next_power_of_2(union.shape[1])
+    pad = width - union.shape[1]
+    union = jnp.pad(jnp.maximum(union, 0).astype(jnp.int32), ((0, 0), (0, pad)))
+    nodes_padded = next_power_of_2(num_nodes)  # Triton loads a power-of-two number of elements
+    member = jnp.pad(jnp.swapaxes(member, 1, 2).astype(jnp.int32),
+                     ((0, 0), (0, pad), (0, nodes_padded - num_nodes)))
+    num_splits = max(1, min(launch.num_splits, width))
+    per_split = pl.cdiv(width, num_splits)
+    here = row_blocks if launch.row_loop else 1
+    kernel = functools.partial(v1_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, num_q_heads=num_q_heads,
+                               num_nodes=num_nodes, nodes_padded=nodes_padded, block_r=block_r,
+                               row_blocks_here=here, select_block=select_block, per_split=per_split)
+    part = lambda *tail: pl.BlockSpec((None, None, here * block_r, *tail),
+                                      lambda h, s, r: (s, h, r, *(0,) * len(tail)))
+    shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * block_r, *tail), jnp.float32)
+    o, l, m = pl.pallas_call(
+        kernel, grid=(num_kv_heads, num_splits, row_blocks // here),
+        in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, r: (0, 0)),
+                  _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
+                  pl.BlockSpec((None, width), lambda h, s, r: (h, 0)), pl.BlockSpec((None,), lambda h, s, r: (h,)),
+                  pl.BlockSpec((None, width, nodes_padded), lambda h, s, r: (h, 0, 0)),
+                  pl.BlockSpec((), lambda h, s, r: ())],
+        out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
+        name="nsa_tree_v1_selected",
+    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, union, count.astype(jnp.int32), member,
+      length.astype(jnp.int32))
+    unpack = lambda x: x[:, :, :rows].reshape(num_splits, num_kv_heads, num_nodes, group, *x.shape[3:])
+    return _finish(unpack(o), unpack(l), unpack(m))

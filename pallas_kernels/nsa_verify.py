@@ -1,0 +1,244 @@
+"""Exact NSA verification of a draft tree: T tree queries (T <= 64) of one sequence, node i at position
+L + depth[i] (L: the committed length; the cache holds rows [0, L) and the compressed rows of the blocks complete
+before L), each attending as plain NSA decoding of its root-to-node path would (ssv-nsa.md 4.3). The tree's own
+rotated K/V come as separate rows, visible to a node through the ancestor(-or-self) mask.
+
+Per node, the selection is computed in the pass: compressed scores over the prefix's complete compressed rows
+(read once for all nodes) plus the blocks that the node's path completes, whose compressed keys are the mean of
+their prefix rows and the path's rows; then the layout's top-n rule (models.nsa_selection).
+
+Two schedules of the selected-block reads, equal in their results:
+- V0: every node gathers its own top_n blocks (a KV group's heads share them): T * top_n block reads.
+- V1, the exact union schedule: per KV head the union U of all nodes' blocks (union_schedule), each block read
+  once for all T * G query rows, with a per-block row mask [T, |U|] keeping each node to its own blocks.
+The selected prefix rows go through the Pallas kernels of pallas_kernels.nsa_tree_select or through XLA
+gathers; the tree's own rows (a T x T ancestor-masked segment), the window and the compressed branch are XLA, and
+the segments of a branch are merged by their log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
+the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from models.config import NSALayout
+from models.nsa_cache import NSALayerCache, write_tokens
+from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
+from pallas_kernels.nsa_decode import nsa_decode_reference
+from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v1_selected
+
+MAX_TREE_NODES = 64
+
+
+def union_schedule(blocks: jax.Array, num_blocks: int):
+    """V1's schedule from per-node blocks [T, H_kv, n] (NO_BLOCK pads): (union [H_kv, U] ascending, NO_BLOCK
+    after the count; count [H_kv]; member [H_kv, T, U]: node t selected union block u), U = min(T n, num_blocks)."""
+    num_nodes, num_kv_heads, top_n = blocks.shape
+    width = min(num_nodes * top_n, num_blocks)
+    chosen = jnp.zeros((num_kv_heads, num_blocks + 1), bool)
+    heads = jnp.arange(num_kv_heads)[:, None]
+    flat = jnp.where(blocks >= 0, blocks, num_blocks).transpose(1, 0, 2).reshape(num_kv_heads, -1)
+    chosen = chosen.at[heads, flat].set(True)[:, :num_blocks]
+    count = chosen.sum(axis=1)
+    order = jnp.argsort(~chosen, axis=1, stable=True)[:, :width]  # chosen blocks first, ascending
+    union = jnp.where(jnp.arange(width)[None] < count[:, None], order, NO_BLOCK).astype(jnp.int32)
+    member = jnp.any(union[:, None, :, None] == blocks.transpose(1, 0, 2)[:, :, None, :], axis=-1)
+    return union, count, member & (union[:, None, :] >= 0)
+
+
+def _path_rows(parents: jax.Array, depth: jax.Array) -> jax.Array:
+    """[T, R]: the node at depth r on node i's root path (R = T), -1 past depth[i]."""
+    num_nodes = parents.shape[0]
+
+    def ancestor_at(i):
+        def step(r, carry):
+            node, rows = carry
+            at = jnp.where(depth[i] - r >= 0, depth[i] - r, num_nodes)  # past the root: dropped
+            rows = rows.at[at].set(node, mode="drop")
+            return jnp.where(node >= 0, parents[jnp.maximum(node, 0)], -1), rows
+        return jax.lax.fori_loop(0, num_nodes, step, (i, jnp.full((num_nodes,), -1, jnp.int32)))[1]
+
+    rows = jax.vmap(ancestor_at)(jnp.arange(num_nodes))
+    return jnp.where(jnp.arange(num_nodes)[None] <= depth[:, None], rows, -1)
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+    """[T, T] bool: node j is node i or one of its ancestors (parents[i] < i, -1 for the root)."""
+    num_nodes = parents.shape[0]
+    mask = jnp.eye(num_nodes, dtype=bool)
+    for _ in range(num_nodes):
+        mask = mask | jnp.where(parents[:, None] >= 0, mask[jnp.maximum(parents, 0)], False)
+    return mask
+
+
+def tree_depths(parents: jax.Array) -> jax.Array:
+    return ancestor_mask(parents).sum(axis=1) - 1
+
+
+def nsa_tree_reference(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
+                       kind: str = "nsa"):
+    """Oracle twin, one sequence: node i's output [T, H_q, D] by decoding its path. q [T, H_q, D] rotated;
+    cache: one sequence's layer cache [1, ...] holding rows [0, length); tree_k, tree_v [T, H_kv, D] rotated;
+    gates [T, H_q, 3] or None; parents [T] int32 (parents[i] < i; -1: the root)."""
+    depth = tree_depths(parents)
+    path = _path_rows(parents, depth)  # [T, R]
+    positions = jnp.where(path >= 0, length + jnp.arange(path.shape[1])[None], cache.capacity)  # dropped
+
+    def one(i):
+        rows = jnp.maximum(path[i], 0)
+        node_cache = write_tokens(cache, tree_k[rows][None], tree_v[rows][None], positions[i][None], layout)
+        g = None if gates is None else gates[i][None]
+        return nsa_decode_reference(q[i][None], node_cache.k, node_cache.v, node_cache.k_cmp, node_cache.v_cmp,
+                                    (length + depth[i])[None], g, layout=layout, kind=kind)[0]
+
+    return jax.vmap(one)(jnp.arange(q.shape[0]))
+
+
+def _masked(logits, mask):
+    return jnp.where(mask, logits, -jnp.inf)
+
+
+def _segment(logits, values):
+    """A softmax over one segment of keys: logits [H_kv, G, T, N] (-inf masked), values(p) [T, H_kv, G, D].
+    Returns (o normalised [T, H_kv, G, D], lse [T, H_kv, G]; -inf and zero for a row that sees nothing)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    return values(p), jnp.moveaxis(lse, 2, 0)
+
+
+def _merge(*segments):
+    """One softmax over several segments' keys, from each segment's (o, lse)."""
+    lse = functools.reduce(jnp.logaddexp, [s[1] for s in segments])
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight = lambda s_lse: jnp.where(jnp.isfinite(s_lse), jnp.exp(s_lse - safe), 0.0)[..., None]
+    return sum(weight(s_lse) * o for o, s_lse in segments)
+
+
+def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSALayout, num_nodes: int):
+    """The compressed rows that node paths complete: blocks c0 + e whose last row is at or past `length`, e <
+    E = (T + l) // d + 1. Returns (their rows c [E], valid [T, E]: complete at the node, pooled [T, E, H_kv, D]
+    float32: the mean of the block's prefix rows (cache_rows [T_cap, H_kv, D]) and of the node's path rows
+    (tree_rows [T, H_kv, D], at positions [T]) inside it)."""
+    l, d = layout.compress_block, layout.compress_stride
+    extra = (num_nodes + l) // d + 1
+    c = jnp.maximum(-(-(length - l + 1) // d), 0) + jnp.arange(extra)
+    start = c * d
+    rows = start[:, None] + jnp.arange(l)  # [E, l]
+    prefix = jnp.where((rows < length)[..., None, None],
+                       cache_rows[jnp.clip(rows, 0, cache_rows.shape[0] - 1)].astype(jnp.float32), 0.0).sum(axis=1)
+    inside = (positions[None, :] >= start[:, None]) & (positions[None, :] < start[:, None] + l)  # [E, T_j]
+    path = jnp.einsum("ij,ej,jhd->iehd", anc.astype(jnp.float32), inside.astype(jnp.float32),
+                      tree_rows.astype(jnp.float32))
+    valid = (start + l - 1)[None, :] <= positions[:, None]
+    return c, valid, (prefix[None] + path) / l
+
+
+def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALayout, schedule: str, kernels,
+                     v1_launch: V1Launch):
+    """(o, lse) of each node's selected blocks' prefix rows (< length): V0 or V1, in XLA (kernels None) or
+    through pallas_kernels.nsa_tree_select (kernels "pallas" or "interpret")."""
+    num_nodes, num_kv_heads = blocks.shape[:2]
+    sel, capacity = layout.select_block, cache.k.shape[0]  # unbatched: [T_cap, H_kv, D]
+    if kernels is not None:
+        interpret = kernels == "interpret"
+        if schedule == "v0":
+            o, lse = v0_selected(q, cache.k, cache.v, blocks, length, select_block=sel, interpret=interpret)
+        else:
+            union, count, member = union_schedule(blocks, num_select_blocks(layout, capacity))
+            o, lse = v1_selected(q, cache.k, cache.v, union, count, member, length, select_block=sel,
+                                 launch=v1_launch, interpret=interpret)
+        return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    span = jnp.arange(sel)
+    if schedule == "v0":
+        rows = (jnp.maximum(blocks, 0)[..., None] * sel + span).reshape(num_nodes, num_kv_heads, -1)
+        valid = jnp.repeat(blocks >= 0, sel, axis=-1) & (rows < length)  # [T, H_kv, N]
+        gather = lambda x: x[rows, jnp.arange(num_kv_heads)[None, :, None]]  # [T, H_kv, N, D]
+        k_sel, v_sel = gather(cache.k), gather(cache.v)
+        logits = jnp.einsum("thgd,thnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale
+        return _segment(_masked(logits, jnp.moveaxis(valid, 1, 0)[:, None]),
+                        lambda p: jnp.einsum("hgtn,thnd->thgd", p.astype(v_sel.dtype), v_sel,
+                                             preferred_element_type=jnp.float32))
+    union, _, member = union_schedule(blocks, num_select_blocks(layout, capacity))
+    rows = (jnp.maximum(union, 0)[..., None] * sel + span).reshape(num_kv_heads, -1)  # [H_kv, U l']
+    valid = jnp.repeat(member, sel, axis=-1) & (rows < length)[:, None, :]  # [H_kv, T, U l']
+    gather = lambda x: x[rows, jnp.arange(num_kv_heads)[:, None]]  # [H_kv, U l', D]
+    k_sel, v_sel = gather(cache.k), gather(cache.v)
+    logits = jnp.einsum("thgd,hnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale
+    return _segment(_masked(logits, valid[:, None]),
+                    lambda p: jnp.einsum("hgtn,hnd->thgd", p.astype(v_sel.dtype), v_sel,
+                                         preferred_element_type=jnp.float32))
+
+
+def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
+                    kind: str = "nsa", schedule: str = "v1", kernels: str | None = None,
+                    v1_launch: V1Launch = V1Launch(), return_blocks: bool = False):
+    """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
+    [T_cap, H_kv, D] without the batch axis; length and parents traced). schedule: "v0" | "v1" (module
+    docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
+    v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch).
+    Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
+    if schedule not in ("v0", "v1"):
+        raise ValueError(f"schedule must be v0 or v1, got {schedule!r}")
+    num_nodes, num_q_heads, head_dim = q.shape
+    capacity, num_kv_heads = cache.k.shape[:2]
+    if num_nodes > MAX_TREE_NODES:
+        raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes, got {num_nodes}")
+    group, sel, w = num_q_heads // num_kv_heads, layout.select_block, layout.window
+    scale = 1.0 / math.sqrt(head_dim)
+    qg = q.reshape(num_nodes, num_kv_heads, group, head_dim)
+    dot = lambda keys, spec: jnp.einsum(spec, qg, keys, preferred_element_type=jnp.float32) * scale
+    anc = ancestor_mask(parents)
+    positions = length + anc.sum(axis=1) - 1
+
+    # Compressed branch and scores: the prefix's complete rows (read once) and the rows each path completes.
+    l, d = layout.compress_block, layout.compress_stride
+    prefix_visible = jnp.arange(cache.k_cmp.shape[0]) * d + l - 1 < length  # [C]
+    cmp_logits = _masked(dot(cache.k_cmp, "thgd,chd->hgtc"), prefix_visible)
+    c_extra, extra_valid, k_extra = _path_compressed(cache.k, tree_k, anc, positions, length, layout, num_nodes)
+    _, _, v_extra = _path_compressed(cache.v, tree_v, anc, positions, length, layout, num_nodes)
+    extra_logits = _masked(jnp.einsum("thgd,tehd->hgte", qg, k_extra.astype(q.dtype),
+                                      preferred_element_type=jnp.float32) * scale, extra_valid[None, None])
+    lse = jnp.logaddexp(jax.nn.logsumexp(cmp_logits, axis=-1), jax.nn.logsumexp(extra_logits, axis=-1))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+    p_cmp, p_extra = jnp.exp(cmp_logits - lse), jnp.exp(extra_logits - lse)
+    compressed = p_cmp.sum(axis=1).at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
+    scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)
+    blocks = select_blocks(scores, positions[None, :], layout).transpose(1, 0, 2)  # [T, H_kv, n]
+
+    # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
+    selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch)
+    by_head = blocks.transpose(1, 0, 2)  # [H_kv, T, n]
+    tree_logits = dot(tree_k, "thgd,jhd->hgtj")  # [H_kv, G, T, T_j]
+    tree_values = lambda p: jnp.einsum("hgtj,jhd->thgd", p.astype(tree_v.dtype), tree_v,
+                                       preferred_element_type=jnp.float32)
+    tree_slc = anc[None] & jnp.any((positions // sel)[None, None, :, None] == by_head[:, :, None, :], axis=-1)
+    tree_win = anc & (positions[None, :] > positions[:, None] - w)  # [T, T_j]
+
+    # Window rows of the prefix: the w rows before `length`, each node keeping those within its own window.
+    win_rows = length - w + jnp.arange(w)
+    win_valid = (win_rows >= 0)[None, :] & (win_rows[None, :] > positions[:, None] - w)  # [T, w]
+    safe = jnp.clip(win_rows, 0, capacity - 1)
+    k_win, v_win = cache.k[safe], cache.v[safe]  # [w, H_kv, D]
+    win_logits = dot(k_win, "thgd,nhd->hgtn")
+    win_values = lambda p: jnp.einsum("hgtn,nhd->thgd", p.astype(v_win.dtype), v_win,
+                                      preferred_element_type=jnp.float32)
+    if kind == "nsa-view":  # one softmax; the window's prefix rows inside a selected block are counted there
+        in_selected = jnp.any((win_rows // sel)[None, None, :, None] == by_head[:, :, None, :], axis=-1)
+        out = _merge(selected, _segment(_masked(win_logits, (win_valid[None] & ~in_selected)[:, None]), win_values),
+                     _segment(_masked(tree_logits, (tree_slc | tree_win[None])[:, None]), tree_values))
+    else:
+        o_slc = _merge(selected, _segment(_masked(tree_logits, tree_slc[:, None]), tree_values))
+        o_win = _merge(_segment(_masked(win_logits, win_valid[None, None]), win_values),
+                       _segment(_masked(tree_logits, tree_win[None, None]), tree_values))
+        o_cmp = (jnp.einsum("hgtc,chd->thgd", p_cmp.astype(cache.v_cmp.dtype), cache.v_cmp,
+                            preferred_element_type=jnp.float32)
+                 + jnp.einsum("hgte,tehd->thgd", p_extra, v_extra))
+        g = gates.reshape(num_nodes, num_kv_heads, group, 3, 1).astype(jnp.float32)
+        out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
+    out = out.reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)
+    return (out, blocks) if return_blocks else out

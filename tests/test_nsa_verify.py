@@ -1,0 +1,109 @@
+"""NSA tree verification: every node's output from one V0 or V1 pass (their selected branch in XLA and through the
+Pallas kernels in interpret mode), and from the oracle twin nsa_tree_reference, equals the float64 oracle decoding
+the node's root-to-node path (paths that complete a compressed and a selection block included); V1 equals V0;
+V1's union and row masks equal a brute-force set union."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import NSA_1B_LAYOUT, NSA_PAPER_LAYOUT, NSA_VIEW_LAYOUT
+from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
+from nsa_reference import nsa_rows
+from pallas_kernels.nsa_tree_select import V1Launch
+from pallas_kernels.nsa_verify import nsa_tree_reference, nsa_tree_verify, union_schedule
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+# A binary top and a deep chain: 20 nodes, depth 13, so the deepest paths cross block boundaries.
+PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 6, 9, 11, 12, 13, 14, 15, 16, 17, 18], np.int32)
+# (layout, kind, capacity, committed length, selected-branch implementations): the paths from the length complete
+# a compressed block (and, for NSA-1B and the view, a selection block: 300 + 13 > 303; the paper's at 1039) past
+# the covered prefix. The XLA and kernel paths share everything but the selected prefix rows, so the paper's
+# layout and the view run the kernels only; the oracle twin runs on NSA-1B's (compilations dominate these tests'
+# time).
+BOTH, KERNELS = (None, "interpret"), ("interpret",)
+CASES = [(NSA_1B_LAYOUT, "nsa", 384, 300, BOTH, True), (NSA_PAPER_LAYOUT, "nsa", 1152, 1030, KERNELS, False),
+         (NSA_VIEW_LAYOUT, "nsa-view", 384, 305, KERNELS, False)]
+
+
+def root_path(node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = PARENTS[node]
+    return path[::-1]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["nsa-1b", "paper", "view"])
+def tree_case(request):
+    layout, kind, capacity, length, implementations, twin = request.param
+    rng = np.random.default_rng(capacity + length)
+    k, v = (rng.normal(size=(capacity, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+    nodes = len(PARENTS)
+    q = rng.normal(size=(nodes, HEADS, DIM)).astype(np.float32)
+    tree_k, tree_v = (rng.normal(size=(nodes, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+    gates = rng.uniform(size=(nodes, HEADS, 3)).astype(np.float32) if kind == "nsa" else None
+    zeros = lambda rows: jnp.zeros((1, rows, KV_HEADS, DIM), jnp.float32)
+    cache = NSALayerCache(zeros(capacity), zeros(capacity), zeros(compressed_rows(layout, capacity)),
+                          zeros(compressed_rows(layout, capacity)))
+    cache = write_tokens(cache, jnp.asarray(k[None, :length]), jnp.asarray(v[None, :length]),
+                         jnp.arange(length)[None], layout)
+    cache = jax.tree.map(lambda x: x[0], cache)
+    args = (jnp.asarray(q), cache, jnp.asarray(tree_k), jnp.asarray(tree_v),
+            None if gates is None else jnp.asarray(gates), jnp.int32(length), jnp.asarray(PARENTS))
+    verify = jax.jit(nsa_tree_verify,
+                     static_argnames=("layout", "kind", "schedule", "kernels", "v1_launch", "return_blocks"))
+    outputs = {(s, kernels): verify(*args, layout=layout, kind=kind, schedule=s, kernels=kernels, return_blocks=True)
+               for s in ("v0", "v1") for kernels in implementations}
+    if twin:  # and V1's kernel over 16-row blocks (40 rows: 3 of them), one program each and all in one program
+        for name, launch in (("v1-rows16", V1Launch(block_rows=16)),
+                             ("v1-row-loop", V1Launch(block_rows=16, row_loop=True))):
+            outputs[name, "interpret"] = verify(*args, layout=layout, kind=kind, schedule="v1", kernels="interpret",
+                                                v1_launch=launch, return_blocks=True)
+        outputs["twin"] = (jax.jit(nsa_tree_reference, static_argnames=("layout", "kind"))(
+            args[0], jax.tree.map(lambda x: x[None], cache), *args[2:], layout=layout, kind=kind), None)
+    return dict(layout=layout, kind=kind, length=length, k=k, v=v, q=q, tree_k=tree_k, tree_v=tree_v,
+                gates=gates, capacity=capacity, outputs=outputs)
+
+
+def test_every_node_equals_float64_decoding_of_its_path(tree_case):
+    c = tree_case
+    for node in range(len(PARENTS)):
+        path = root_path(node)
+        keys = np.concatenate([c["k"][:c["length"]], c["tree_k"][path]])
+        values = np.concatenate([c["v"][:c["length"]], c["tree_v"][path]])
+        queries = np.zeros((len(keys), HEADS, DIM))
+        queries[-1] = c["q"][node]
+        gates = np.zeros((len(keys), HEADS, 3))
+        if c["gates"] is not None:
+            gates[-1] = c["gates"][node]
+        want = nsa_rows(queries, keys, values, gates, c["layout"], c["kind"], [len(keys) - 1])[0]
+        for variant, (out, _) in c["outputs"].items():
+            np.testing.assert_allclose(np.asarray(out[node]), want, atol=2e-5, err_msg=f"{variant} node {node}")
+
+
+def test_v1_equals_v0(tree_case):
+    outputs = tree_case["outputs"]
+    for key in filter(lambda key: key != "twin" and key[0] != "v0", outputs):
+        (out0, blocks0), (out1, blocks1) = outputs["v0", key[1]], outputs[key]
+        np.testing.assert_array_equal(blocks0, blocks1)
+        np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), atol=1e-6, err_msg=str(key))
+
+
+def test_union_and_masks_equal_a_brute_force_union(tree_case):
+    _, blocks = tree_case["outputs"]["v1", "interpret"]
+    blocks = np.asarray(blocks)
+    num_blocks = tree_case["capacity"] // tree_case["layout"].select_block
+    union, count, member = map(np.asarray, union_schedule(jnp.asarray(blocks), num_blocks))
+    for head in range(KV_HEADS):
+        want = sorted({int(b) for b in blocks[:, head].ravel() if b >= 0})
+        assert count[head] == len(want) and list(union[head, :count[head]]) == want
+        assert (union[head, count[head]:] == -1).all()
+        for node in range(len(PARENTS)):
+            chosen = {int(b) for b in blocks[node, head] if b >= 0}
+            assert {int(u) for u, m in zip(union[head], member[head, node]) if m} == chosen
+    # The tree's nodes share blocks: the union is smaller than the sum of the selections (V1's saving).
+    assert count.max() < len(PARENTS) * tree_case["layout"].top_n
