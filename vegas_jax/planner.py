@@ -8,7 +8,7 @@ whole-pass times of the target, `passes` (mode, rows verified per sequence: 1 fo
 context, ms), and of the drafter, `drafts` (drafter, drafted nodes, batch, context, ms), plus each approximate
 mode's measured distance from the exact target (`distances`, benchmarks/measure_approx_modes.py). Per (mode, rows)
 and per (drafter, nodes) it fits ms = a + b * batch + c * batch * context (weights read once per pass, plus the
-K/V each sequence reads) by least squares over the measured points.
+K/V each sequence reads) by non-negative least squares over the measured points.
 
 Acceptance: a per-token probability alpha that a drafted token is the target's (running, `AcceptanceTracker`),
 each level of a tree with branching k accepting with 1 - (1 - alpha)^k (candidates independent: a model, not a
@@ -19,6 +19,7 @@ yields 1.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -59,13 +60,29 @@ class Fit:
         return self.a + self.b * batch + self.c * batch * context
 
 
+def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |x c - y| over c >= 0, for few columns: the best unconstrained fit over each subset of columns
+    that comes out non-negative (a time is no sum with a negative part, and noisy points would extrapolate so)."""
+    best, best_residual = np.zeros(x.shape[1]), float(np.sum(y * y))
+    for subset in itertools.product((False, True), repeat=x.shape[1]):
+        columns = np.flatnonzero(subset)
+        if not len(columns):
+            continue
+        c = np.zeros(x.shape[1])
+        c[columns] = np.linalg.lstsq(x[:, columns], y, rcond=None)[0]
+        residual = float(np.sum((x @ c - y) ** 2))
+        if (c >= 0).all() and residual < best_residual:
+            best, best_residual = c, residual
+    return best
+
+
 def _fit(rows: list[dict], what: str, where: str) -> Fit:
     x = np.array([[1.0, r["batch"], r["batch"] * r["context"]] for r in rows])
     y = np.array([r["ms"] for r in rows])
     if np.linalg.matrix_rank(x) < 3:
         raise InputError("{ssv_profile} " + where + ": " + what + " needs points at 2 batch sizes and 2 contexts at "
                          "least (has {})", len(rows))
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    coef = _nonnegative_least_squares(x, y)
     error = float(np.max(np.abs(x @ coef - y) / y))
     return Fit(*map(float, coef), len(rows), error)
 
