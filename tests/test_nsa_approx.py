@@ -100,6 +100,50 @@ def test_shared_selection_equals_its_definition_on_chains_and_trees(span):
         assert (np.asarray(want) == BEFORE_PASS).any() and (np.asarray(want) >= 0).any()
 
 
+# ---- tree verification of a modified target ------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["refresh", "reuse"])
+def test_tree_verification_of_a_modified_target_equals_decoding_each_path(role):
+    """One layer of s4w2 (refresh) or with injected blocks (reuse): every node of a random tree whose paths cross a
+    span boundary (anchors in the prefix, at the root's children, deeper) against the float64 transcription of
+    the target decoding the node's root-to-node path."""
+    from pallas_kernels.nsa_verify import nsa_tree_verify
+    from vegas_jax.attention.nsa_approx import tree_reselect
+
+    mode, length, nodes, group = ApproxMode(share_span=4, widen=2), 150, 12, HEADS // KV_HEADS
+    wide = mode.selection_layout(KERNEL_LAYOUT)
+    rng = np.random.default_rng(11 if role == "refresh" else 12)
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 8, 9], np.int32)
+    depth = np.asarray(ancestor_mask(jnp.asarray(parents))).sum(axis=1) - 1
+    q, k, v = (rng.normal(size=(length + nodes, h, DIM)) for h in (HEADS, KV_HEADS, KV_HEADS))
+    gates = rng.uniform(size=(length + nodes, HEADS, 3))
+    capacity, cmp_rows = 256, compressed_rows(KERNEL_LAYOUT, 256)
+    zeros = lambda rows: jnp.zeros((1, rows, KV_HEADS, DIM), jnp.float32)
+    written = write_tokens(NSALayerCache(zeros(capacity), zeros(capacity), zeros(cmp_rows), zeros(cmp_rows)),
+                           jnp.asarray(k[None, :length], jnp.float32), jnp.asarray(v[None, :length], jnp.float32),
+                           jnp.arange(length, dtype=jnp.int32)[None], KERNEL_LAYOUT)
+    prefix = jax.tree.map(lambda x: x[0], written)  # rows [0, length) and their complete compressed blocks
+    stored = np.array([oracle.anchor_selection(q, k, KERNEL_LAYOUT, 4, 2, length - 1, h, group)
+                       for h in range(KV_HEADS)])
+    injected = rng.integers(-1, 9, size=(nodes, KV_HEADS, wide.top_n))
+    t = lambda x: jnp.asarray(x[length:], jnp.float32)
+    reselect = tree_reselect(mode, jnp.asarray(stored, jnp.int32),
+                             None if role == "refresh" else jnp.asarray(injected, jnp.int32))
+    got = nsa_tree_verify(t(q), prefix, t(k), t(v), t(gates), jnp.int32(length), jnp.asarray(parents),
+                          layout=wide, reselect=reselect)
+    for i in range(nodes):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        rows = list(range(length)) + [length + j for j in reversed(path)]
+        pq, pk, pv, pg = (x[rows] for x in (q, k, v, gates))
+        p = length + depth[i]
+        blocks_of = (lambda r, h: oracle.anchor_selection(pq, pk, KERNEL_LAYOUT, 4, 2, r, h, group)) \
+            if role == "refresh" else (lambda r, h: injected[i, h])
+        want = oracle.rows_with_blocks(pq, pk, pv, pg, KERNEL_LAYOUT, "nsa", [p], blocks_of)[0]
+        np.testing.assert_allclose(np.asarray(got[i]), want, atol=2e-5, err_msg=f"node {i} (depth {depth[i]})")
+
+
 # ---- plain decoding of each modified target ------------------------------------------------------------------
 
 TINY_3 = {**TINY_NSA, "num_hidden_layers": 3}

@@ -6,8 +6,8 @@ Refresh layers hand their selection to the next layers through `after_layer` (mo
 object through its layer loop). The cache keeps, per layer, the shared selection of the span holding the last
 position written (`ApproxNSACache.anchor`): a later pass whose rows' anchor precedes it reads it there.
 
-This attention runs chain passes (prefill, plain decoding); a draft tree's anchors come from
-models.nsa_shared_selection.anchor_rows with the tree's ancestor mask instead.
+This attention runs chain passes (prefill, plain decoding); tree verification of a modified target is
+pallas_kernels.nsa_verify with `tree_reselect` (the anchors found through the tree's ancestor mask).
 """
 
 from __future__ import annotations
@@ -126,6 +126,21 @@ class ApproxNSAAttention:
     def after_layer(self, layer: int, aux) -> "ApproxNSAAttention":
         """The attention of the next layer: a refresh layer's selections carried on."""
         return dataclasses.replace(self, carried=aux) if self.mode.refreshes(layer) else self
+
+
+def tree_reselect(mode: ApproxMode, stored: jax.Array | None = None, injected: jax.Array | None = None):
+    """nsa_tree_verify's reselect hook (pallas_kernels.nsa_verify) for one layer of mode's target and one sequence,
+    verified with layout mode.selection_layout(layout): a refresh layer's nodes take their span anchor's blocks
+    (the node's own, an ancestor's, or stored [H_kv, n'] for an anchor before the tree); a reuse layer's take
+    injected [T, H_kv, n'] (its refresh layer's)."""
+    def reselect(blocks, sees, positions):
+        if injected is not None:
+            return injected
+        if mode.share_span == 1:
+            return blocks
+        anchors = anchor_rows(positions[None], sees[None], mode.share_span)
+        return shared_blocks(blocks.transpose(1, 0, 2)[None], anchors, stored[None])[0].transpose(1, 0, 2)
+    return reselect
 
 
 def modified_target(config: ModelConfig, mode: ApproxMode, placement: Placement = Placement()) -> ApproxNSAAttention:
