@@ -17,9 +17,11 @@ Tables, per (batch, context) of the grid:
 - drafts: the n-gram drafter's device work per tree shape, modelled as a match of the last two tokens against
   every position and the continuations of the best `branching` matches gathered (the drafter lives with the
   loop; this is its cost's order, not its code).
+- the same tree verification under each approximate mode for the --mode-trees shapes (the refresh layers' nodes
+  taking their anchors' blocks, the reuse layers' injected; both still derive each node's own selection in the
+  pass, as nsa_verify has no reuse path yet, so reuse is an upper bound there).
 A pass's time is then linear + the sum over layers of their attention (refresh or reuse), and each passes record
-says so ("source": "composed"). Approximate modes have no tree verification kernels yet, so their passes cover
-plain decoding (rows 1) only. JSON: benchmarks/results/ssv-profile-<model>-<date>.json (and $OUT).
+says so ("source": "composed"). JSON: benchmarks/results/ssv-profile-<model>-<date>.json (and $OUT).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from models.decoder import forward, init_params  # noqa: E402
 from models.nsa_cache import NSACache, NSALayerCache, compressed_rows  # noqa: E402
 from pallas_kernels.nsa_verify import nsa_tree_verify  # noqa: E402
 from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
-from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention  # noqa: E402
+from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
 from vegas_jax.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
 from vegas_jax.precision import ApproxMode  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
@@ -134,6 +136,28 @@ def full_tree_parents(depth: int, branching: int) -> np.ndarray:
     return np.array(parents, np.int32)
 
 
+def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, parents, backend, reps):
+    """(refresh, reuse) ms of one layer's tree verification of mode's target (nsa_tree_verify with
+    tree_reselect): a refresh layer's nodes take their anchors' blocks (the stored one for anchors before the
+    tree), a reuse layer's are injected. Both still derive every node's own selection in the pass (the tree
+    kernels have no reuse path yet), so the reuse time is an upper bound."""
+    wide = mode.selection_layout(config.nsa)
+    batch, rows = q.shape[:2]
+    stored = jnp.broadcast_to(jnp.arange(wide.top_n, dtype=jnp.int32), (batch, config.num_kv_heads, wide.top_n))
+    injected = jnp.broadcast_to(stored[:, None], (batch, rows, config.num_kv_heads, wide.top_n))
+
+    def one(role):
+        def verify(q, c, k, v, g, n, extra):
+            reselect = tree_reselect(mode, stored=extra) if role == "refresh" else tree_reselect(mode, injected=extra)
+            return nsa_tree_verify(q, c, k, v, g, n, parents, layout=wide, kind=config.attention, schedule="v1",
+                                   kernels=backend, reselect=reselect)
+        batched = jax.vmap(verify, in_axes=(0, 0, 0, 0, None if gates is None else 0, 0, 0))
+        extra = stored if role == "refresh" else injected
+        return per_layer(lambda c: batched(q, c, k, v, gates, length, extra), caches, reps)
+
+    return one("refresh"), one("reuse") if mode.refresh_every > 1 else one("refresh")
+
+
 def ngram_draft_ms(batch: int, context: int, depth: int, branching: int, reps: int) -> float:
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, context), 0, 50000)
 
@@ -155,6 +179,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--trees", default=DEFAULT_TREES, help="DEPTHxBRANCHING shapes verified")
     parser.add_argument("--modes", default=DEFAULT_MODES, help="approximate modes (ApproxMode labels)")
+    parser.add_argument("--mode-trees", default="4x1,3x2,4x2",
+                        help="the tree shapes (among --trees) verified under each approximate mode too")
     parser.add_argument("--distances", default=None,
                         help="a benchmarks/measure_approx_modes.py JSON: each mode's distance from the exact target")
     parser.add_argument("--reps", type=int, default=10)
@@ -162,10 +188,10 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the tiny model, interpret mode (CPU)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.contexts, args.batches, args.trees = "4096,8192", "1,8", "2x1,4x1,3x2"
+        args.contexts, args.batches, args.trees, args.mode_trees = "4096,8192", "1,8", "2x1,4x1,3x2", "4x1,3x2"
     if args.smoke:
-        args.model, args.contexts, args.batches, args.trees, args.modes, args.reps = (
-            "tiny", "128,256", "1,2", "2x1,2x2", "s8w1r1,s1w1r2", 2)
+        args.model, args.contexts, args.batches, args.trees, args.modes, args.mode_trees, args.reps = (
+            "tiny", "128,256", "1,2", "2x1,2x2", "s8w1r1,s1w1r2", "2x2", 2)
     backend = "interpret" if args.smoke else "pallas"
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     config, params = load(args.model, dtype)
@@ -173,6 +199,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     trees = [tuple(int(x) for x in spec.split("x")) for spec in args.trees.split(",")]
     modes = [ApproxMode.from_name(m) for m in args.modes.split(",")]
+    mode_trees = {tuple(int(x) for x in spec.split("x")) for spec in args.mode_trees.split(",")}
     placement, layers, key = Placement(backend=backend), config.num_layers, jax.random.PRNGKey(0)
     kernels, passes, drafts = [], [], []
 
@@ -229,6 +256,18 @@ def main(argv=None) -> int:
                        ms=linear[rows] + layers * t_tree, source="composed")
                 record(drafts, drafter="ngram", nodes=rows - 1, batch=batch, context=context,
                        ms=ngram_draft_ms(batch, context, depth, branching, args.reps))
+                if (depth, branching) not in mode_trees:
+                    continue
+                for mode in modes:
+                    refresh, reuse = approx_tree_ms(config, mode, caches, q, k, v, tree.gates, length, parents,
+                                                    backend, args.reps)
+                    record(kernels, kernel="tree-v1-refresh", mode=mode.name(), rows=rows, batch=batch,
+                           context=context, ms=refresh)
+                    record(kernels, kernel="tree-v1-reuse", mode=mode.name(), rows=rows, batch=batch,
+                           context=context, ms=reuse)
+                    refreshing = sum(mode.refreshes(layer) for layer in range(layers))
+                    record(passes, mode=mode.name(), rows=rows, batch=batch, context=context,
+                           ms=linear[rows] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")
     distances = {}
     if args.distances:
         measured = json.loads(Path(args.distances).read_text())

@@ -110,7 +110,7 @@ def test_tree_verification_of_a_modified_target_equals_decoding_each_path(role):
     from pallas_kernels.nsa_verify import nsa_tree_verify
     from vegas_jax.attention.nsa_approx import tree_reselect
 
-    mode, length, nodes, group = ApproxMode(share_span=4, widen=2), 150, 12, HEADS // KV_HEADS
+    mode, length, nodes, group = ApproxMode(share_span=4, widen=2), 218, 12, HEADS // KV_HEADS
     wide = mode.selection_layout(KERNEL_LAYOUT)
     rng = np.random.default_rng(11 if role == "refresh" else 12)
     parents = np.array([-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 8, 9], np.int32)
@@ -129,8 +129,8 @@ def test_tree_verification_of_a_modified_target_equals_decoding_each_path(role):
     t = lambda x: jnp.asarray(x[length:], jnp.float32)
     reselect = tree_reselect(mode, jnp.asarray(stored, jnp.int32),
                              None if role == "refresh" else jnp.asarray(injected, jnp.int32))
-    got = nsa_tree_verify(t(q), prefix, t(k), t(v), t(gates), jnp.int32(length), jnp.asarray(parents),
-                          layout=wide, reselect=reselect)
+    verify = jax.jit(lambda *a: nsa_tree_verify(*a, layout=wide, reselect=reselect))
+    got = verify(t(q), prefix, t(k), t(v), t(gates), jnp.int32(length), jnp.asarray(parents))
     for i in range(nodes):
         path = [i]
         while parents[path[-1]] >= 0:
