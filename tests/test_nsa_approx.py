@@ -183,3 +183,21 @@ def test_plain_decoding_of_a_modified_target_equals_its_float64_definition(tiny_
 def test_a_mode_that_straddles_selection_blocks_is_refused(tiny_model):
     with pytest.raises(InputError, match="share_span 3 must divide the selection block 16"):
         greedy_decode(tiny_model.params, tiny_model.config, np.ones((1, 4), np.int32), 1, ApproxMode(share_span=3))
+
+
+@pytest.mark.parametrize("kind, heads, kv_heads, top_n", [("nsa-view", 9, 3, 32), ("nsa", 32, 2, 16)],
+                         ids=["smollm2-view-widened", "nsa-1b"])
+def test_the_fused_reuse_kernel_lowers_to_triton_for_h200(kind, heads, kv_heads, top_n):
+    from h200_lowering import lower_for_h200
+    from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT
+
+    layout = NSA_VIEW_LAYOUT if kind == "nsa-view" else NSA_1B_LAYOUT
+    batch, capacity, spec = 2, 32768, jax.ShapeDtypeStruct
+    cmp_rows = compressed_rows(layout, capacity)
+    lowered = lower_for_h200(
+        nsa_reuse_decode, spec((batch, heads, 64), jnp.bfloat16),
+        *[spec((batch, capacity, kv_heads, 64), jnp.bfloat16)] * 2,
+        *[spec((batch, cmp_rows, kv_heads, 64), jnp.bfloat16)] * 2,
+        spec((batch, kv_heads, top_n), jnp.int32), spec((batch,), jnp.int32),
+        spec((batch, heads, 3), jnp.float32) if kind == "nsa" else None, layout=layout, kind=kind)
+    assert "__gpu$xla.gpu.triton" in lowered
