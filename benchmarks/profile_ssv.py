@@ -5,6 +5,7 @@ whole-pass times the planner fits, saved as a vegas-ssv-profile JSON.
     python benchmarks/profile_ssv.py --model nsa-1b --contexts 8192,32768     # NSA-1B shapes, random weights
     python benchmarks/profile_ssv.py --quick                                  # fewer shapes (< 5 min)
     python benchmarks/profile_ssv.py --smoke                                  # tiny shapes, interpret mode (CPU)
+    python benchmarks/profile_ssv.py --merge A.json B.json                    # runs split to fit a time limit
 
 Tables, per (batch, context) of the grid:
 - linear: one whole-model pass over `rows` new tokens per sequence with the attention left out (an attention that
@@ -172,6 +173,32 @@ def ngram_draft_ms(batch: int, context: int, depth: int, branching: int, reps: i
     return ms(draft, tokens, reps)
 
 
+def read_distances(path: str | None) -> dict:
+    """Each mode's distance from the exact target, from a benchmarks/measure_approx_modes.py JSON."""
+    if path is None:
+        return {}
+    measured = json.loads(Path(path).read_text())
+    return {m["mode"]: {"top1_disagreement": 1 - m["top1_agreement"], "greedy_agreement": m["greedy_agreement"]}
+            for m in measured["modes"]}
+
+
+def merge(paths: list[str], distances: str | None) -> int:
+    """One profile of several runs' tables (the same model, device and dtype), the distances of the last run that
+    has them or of `distances`."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    for key in ("model", "device", "dtype"):
+        if len({d[key] for d in docs}) > 1:
+            raise SystemExit(f"error: --merge: the profiles differ in {key}: {sorted({d[key] for d in docs})}")
+    merged = {**docs[-1], "merged_from": paths, "date": run_metadata()["date"]}
+    for table in ("kernels", "passes", "drafts"):
+        merged[table] = [row for d in docs for row in d[table]]
+    merged["distances"] = read_distances(distances) or next((d["distances"] for d in reversed(docs)
+                                                             if d["distances"]), {})
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    save_results(merged, f"ssv-profile-{merged['model']}-merged-{stamp}.json", RESULTS)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-view", choices=("smollm2-view", "nsa-1b", "tiny"))
@@ -184,9 +211,13 @@ def main(argv=None) -> int:
     parser.add_argument("--distances", default=None,
                         help="a benchmarks/measure_approx_modes.py JSON: each mode's distance from the exact target")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--merge", nargs="+", default=None, metavar="PROFILE",
+                        help="write one profile of these profiles' tables together (runs split to fit a time limit)")
     parser.add_argument("--quick", action="store_true", help="contexts 4096,8192, batches 1,8, trees 2x1,4x1,3x2")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, interpret mode (CPU)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.distances)
     if args.quick:
         args.contexts, args.batches, args.trees, args.mode_trees = "4096,8192", "1,8", "2x1,4x1,3x2", "4x1,3x2"
     if args.smoke:
@@ -268,14 +299,9 @@ def main(argv=None) -> int:
                     refreshing = sum(mode.refreshes(layer) for layer in range(layers))
                     record(passes, mode=mode.name(), rows=rows, batch=batch, context=context,
                            ms=linear[rows] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")
-    distances = {}
-    if args.distances:
-        measured = json.loads(Path(args.distances).read_text())
-        distances = {m["mode"]: {"top1_disagreement": 1 - m["top1_agreement"],
-                                 "greedy_agreement": m["greedy_agreement"]} for m in measured["modes"]}
     doc = run_metadata(format=PROFILE_FORMAT, version=PROFILE_VERSION, model=args.model,
                        config=config.to_dict(), dtype=str(jnp.dtype(dtype)), kernels=kernels, passes=passes,
-                       drafts=drafts, distances=distances, smoke=args.smoke)
+                       drafts=drafts, distances=read_distances(args.distances), smoke=args.smoke)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     save_results(doc, f"ssv-profile-{args.model}-{stamp}.json", None if args.smoke else RESULTS)
     return 0

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import pytest
 
-from vegas_jax.generate import _flag
 from vegas_jax.inputs import InputError
-from vegas_jax.planner import Planner, expected_tokens, load_profile, tree_nodes
+from vegas_jax.planner import AcceptanceTracker, Planner, expected_tokens, load_profile, tree_nodes
 from vegas_jax.precision import ApproxMode, parse_precision
 
 BATCHES, CONTEXTS = (1, 8, 32), (1024, 8192, 32768)
@@ -90,8 +90,9 @@ def test_the_prediction_is_the_fitted_cost_of_the_choice(tmp_path):
     assert report["measured_over_predicted"] == pytest.approx(2.0) and report["mode"] == "exact"
 
 
-def one_line(error: InputError, flag_names: bool = True) -> str:
-    message = error.render(_flag) if flag_names else str(error)
+def one_line(error: InputError) -> str:
+    """The error as the CLI renders it (every argument a flag of the same name)."""
+    message = error.render(lambda name: "--" + name.replace("_", "-"))
     assert "\n" not in message
     return message
 
@@ -144,3 +145,18 @@ def test_precision_classes_and_mode_labels():
         ApproxMode.from_name("s8")
     with pytest.raises(InputError, match="refresh_every must be an integer >= 1"):
         ApproxMode(refresh_every=0)
+
+
+@pytest.mark.parametrize("alpha, depth, branching", [(0.7, 4, 1), (0.5, 3, 2), (0.2, 6, 3)])
+def test_the_acceptance_tracker_recovers_alpha_from_accepted_lengths(alpha, depth, branching):
+    """Steps drawn from the acceptance model itself (each level passes with 1 - (1 - alpha)^k) from a wrong
+    prior: the running estimate comes within 0.06 of alpha (decay 0.995: about 200 steps' memory)."""
+    rng = random.Random(depth)
+    level = 1 - (1 - alpha) ** branching
+    tracker = AcceptanceTracker(prior=0.95, decay=0.995)
+    for _ in range(3000):
+        accepted = 0
+        while accepted < depth and rng.random() < level:
+            accepted += 1
+        tracker.observe(accepted, depth, branching)
+    assert tracker.alpha == pytest.approx(alpha, abs=0.06)

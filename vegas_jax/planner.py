@@ -146,18 +146,36 @@ def load_profile(path) -> Profile:
 
 
 class AcceptanceTracker:
-    """The running per-token acceptance alpha: after each verification step of a DEPTHxBRANCHING tree that
-    accepted n drafted tokens, the level acceptance that step shows (n / (n + 1) levels passed, or all of them),
-    turned into alpha and folded in with weight `weight`."""
+    """The running per-token acceptance alpha. A verification step of a DEPTHxBRANCHING tree that accepted n
+    drafted tokens passed n levels and, if n < DEPTH, failed one: with level acceptance p that is a truncated
+    geometric count, whose maximum-likelihood p is passes / (passes + failures). Counts decay by `decay` per step
+    (recent steps count more), are kept per branching (p differs with it) and start from `prior_steps` steps'
+    worth of the prior; alpha = 1 - (1 - p)^(1/k), averaged over branchings by their counts."""
 
-    def __init__(self, prior: float = DEFAULT_ACCEPTANCE, weight: float = 0.1):
-        self.alpha, self.weight, self.steps = prior, weight, 0
+    def __init__(self, prior: float = DEFAULT_ACCEPTANCE, prior_steps: float = 4.0, decay: float = 0.98):
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior acceptance {prior} is no probability")
+        self.prior, self.prior_steps, self.decay = prior, prior_steps, decay
+        self.counts: dict[int, list[float]] = {}  # branching -> [passes, failures]
 
     def observe(self, accepted: int, depth: int, branching: int) -> None:
-        level = 1.0 if accepted >= depth else accepted / (accepted + 1)
-        alpha = 1.0 - (1.0 - level) ** (1.0 / branching)
-        self.alpha += self.weight * (alpha - self.alpha)
-        self.steps += 1
+        if not 0 <= accepted <= depth:
+            raise ValueError(f"accepted {accepted} drafted tokens of a tree of depth {depth}")
+        if branching not in self.counts:
+            level = 1.0 - (1.0 - self.prior) ** branching
+            self.counts[branching] = [self.prior_steps * level, self.prior_steps * (1.0 - level)]
+        for counts in self.counts.values():
+            counts[0] *= self.decay
+            counts[1] *= self.decay
+        self.counts[branching][0] += accepted
+        self.counts[branching][1] += accepted < depth
+
+    @property
+    def alpha(self) -> float:
+        if not self.counts:
+            return self.prior
+        total = sum(p + f for p, f in self.counts.values())
+        return sum((p + f) / total * (1.0 - (f / (p + f)) ** (1.0 / k)) for k, (p, f) in self.counts.items())
 
 
 @dataclasses.dataclass(frozen=True)
