@@ -39,7 +39,7 @@ from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.precision import EXACT_MODE, ApproxMode  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT_MODES = "s8w1r1,s16w1r1,s16w2r1,s1w1r2,s8w1r2,s8w2r2,s1w1r3"
+DEFAULT_MODES = "s2w1r1,s4w1r1,s4w2r1,s8w1r1,s1w1r2,s4w1r2,s1w1r3"
 
 
 def scored(logits: np.ndarray, tokens: np.ndarray, start: int):

@@ -15,6 +15,7 @@ Tables, per (batch, context) of the grid:
   each approximate mode (vegas_jax.attention.nsa_approx, the reuse layer through the fused kernel), and exact tree
   verification of each tree shape (pallas_kernels.nsa_verify V1, selected blocks through its Pallas kernels;
   the commit of the accepted path is not timed);
+- checks: the fused reuse kernel against its jnp twin on each (mode, batch, context), before it is timed;
 - drafts: the n-gram drafter's device work per tree shape, modelled as a match of the last two tokens against
   every position and the continuations of the best `branching` matches gathered (the drafter lives with the
   loop; this is its cost's order, not its code).
@@ -62,7 +63,7 @@ NSA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, 
 TINY = dataclasses.replace(NSA_1B, vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
                            head_dim=16, nsa=NSALayout(16, 16, 16, 2, 16, forced_initial=0, forced_local=1))
 DEFAULT_TREES = "1x1,2x1,3x1,4x1,6x1,2x2,3x2,4x2,5x2,2x3,3x3,2x4"
-DEFAULT_MODES = "s8w1r1,s16w1r1,s1w1r2,s8w1r2,s8w2r2"
+DEFAULT_MODES = "s2w1r1,s4w1r1,s4w2r1,s8w1r1,s1w1r2,s4w1r2,s1w1r3"
 
 
 @jax.tree_util.register_dataclass
@@ -135,6 +136,27 @@ def full_tree_parents(depth: int, branching: int) -> np.ndarray:
                 nxt.append(len(parents) - 1)
         level = nxt
     return np.array(parents, np.int32)
+
+
+def first(caches):
+    return jax.tree.map(lambda x: x[0], caches)
+
+
+# Largest |kernel - jnp twin| / max |twin| accepted on the device (bf16 rounds probabilities and outputs).
+FUSED_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def check_fused(attention, new, position, cache, mode, batch, context) -> dict:
+    """The fused reuse kernel as the device compiles it against its jnp twin on the profile's shapes; a
+    mismatch stops the profile (timings of a wrong kernel mean nothing)."""
+    kernel = attention(1, new, position, cache)[0].astype(jnp.float32)
+    twin = dataclasses.replace(attention, placement=Placement())(1, new, position, cache)[0].astype(jnp.float32)
+    error = float(jnp.max(jnp.abs(kernel - twin)) / jnp.max(jnp.abs(twin)))
+    dtype = str(cache.nsa.k.dtype)
+    if not error <= FUSED_TOLERANCE[dtype]:
+        raise SystemExit(f"error: the fused reuse kernel differs from its jnp twin by {error:.3g} (relative) for "
+                         f"mode {mode.name()}, batch {batch}, context {context}")
+    return dict(mode=mode.name(), batch=batch, context=context, relative_error=error, dtype=dtype)
 
 
 def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, parents, backend, reps):
@@ -232,7 +254,7 @@ def main(argv=None) -> int:
     modes = [ApproxMode.from_name(m) for m in args.modes.split(",")]
     mode_trees = {tuple(int(x) for x in spec.split("x")) for spec in args.mode_trees.split(",")}
     placement, layers, key = Placement(backend=backend), config.num_layers, jax.random.PRNGKey(0)
-    kernels, passes, drafts = [], [], []
+    kernels, passes, drafts, checks = [], [], [], []
 
     def record(table, **fields):
         table.append(fields)
@@ -262,6 +284,8 @@ def main(argv=None) -> int:
                 refresh = per_layer(lambda c: attention(0, one, at, ApproxLayerCache(c, anchor))[0], caches,
                                     args.reps)
                 reuse_attention = dataclasses.replace(attention, carried=carried)
+                checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(first(caches), anchor),
+                                          mode, batch, context))
                 reuse = per_layer(lambda c: reuse_attention(1, one, at, ApproxLayerCache(c, anchor))[0], caches,
                                   args.reps) if mode.refresh_every > 1 else refresh
                 record(kernels, kernel="refresh-decode", mode=mode.name(), rows=1, batch=batch, context=context,
@@ -301,7 +325,8 @@ def main(argv=None) -> int:
                            ms=linear[rows] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")
     doc = run_metadata(format=PROFILE_FORMAT, version=PROFILE_VERSION, model=args.model,
                        config=config.to_dict(), dtype=str(jnp.dtype(dtype)), kernels=kernels, passes=passes,
-                       drafts=drafts, distances=read_distances(args.distances), smoke=args.smoke)
+                       drafts=drafts, distances=read_distances(args.distances), fused_kernel_checks=checks,
+                       smoke=args.smoke)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     save_results(doc, f"ssv-profile-{args.model}-{stamp}.json", None if args.smoke else RESULTS)
     return 0
