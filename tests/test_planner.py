@@ -160,3 +160,12 @@ def test_the_acceptance_tracker_recovers_alpha_from_accepted_lengths(alpha, dept
             accepted += 1
         tracker.observe(accepted, depth, branching)
     assert tracker.alpha == pytest.approx(alpha, abs=0.06)
+
+
+def test_plan_ssv_reports_a_bad_profile_in_one_error_line(tmp_path, capsys):
+    from benchmarks import plan_ssv
+
+    path = write(tmp_path, "[1, 2]", "list.json")
+    assert plan_ssv.main(["--ssv-profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --ssv-profile {path}: not a vegas-ssv-profile")

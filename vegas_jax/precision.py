@@ -58,10 +58,6 @@ class ApproxMode:
     def refreshes(self, layer: int) -> bool:
         return layer % self.refresh_every == 0
 
-    def refresh_layer(self, layer: int) -> int:
-        """R(l): the layer whose selection layer `layer` uses."""
-        return layer - layer % self.refresh_every
-
     def selection_layout(self, layout: NSALayout) -> NSALayout:
         """The layout whose top-n rule the anchors apply (top_n widened); InputError if the span straddles
         selection blocks."""
