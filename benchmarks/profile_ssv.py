@@ -11,8 +11,8 @@ Tables, per (batch, context) of the grid:
 - linear: one whole-model pass over `rows` new tokens per sequence with the attention left out (an attention that
   reads no cache), i.e. weights, MLP, norms and the LM head;
 - attention of one layer, the mean over 4 distinct layer caches run in sequence (one cache would sit in L2 at
-  small shapes): plain decoding of the exact target (pallas_kernels.nsa_decode), a refresh and a reuse layer of
-  each approximate mode (vegas_jax.attention.nsa_approx, the reuse layer through the fused kernel), and exact tree
+  small shapes): plain decoding of the exact target (pallas_kernels.nsa_decode), a refresh layer (the mean over
+  a span: its anchor derives a selection, the other steps read it) and a reuse layer of each approximate mode (vegas_jax.attention.nsa_approx, the reuse layer through the fused kernel), and exact tree
   verification of each tree shape (pallas_kernels.nsa_verify V1, selected blocks through its Pallas kernels;
   the commit of the accepted path is not timed);
 - checks: the fused reuse kernel against its jnp twin on each (mode, batch, context), before it is timed;
@@ -279,17 +279,21 @@ def main(argv=None) -> int:
                 width = mode.selection_layout(config.nsa).top_n
                 anchor = jnp.zeros((batch, config.num_kv_heads, width), jnp.int32)
                 carried = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, config.num_kv_heads, 1, width))
-                # Position context - 2: a span's second query, which reads the stored anchor selection.
-                at = position - 1
-                refresh = per_layer(lambda c: attention(0, one, at, ApproxLayerCache(c, anchor))[0], caches,
-                                    args.reps)
+                # A refresh layer derives a selection at a span's anchor only; the other S - 1 steps of the span
+                # read the stored one.
+                at = position - 1 - (context - 2) % mode.share_span  # an anchor
+                refresh_at = lambda p: per_layer(lambda c: attention(0, one, p, ApproxLayerCache(c, anchor))[0],
+                                                 caches, args.reps)
+                at_anchor = refresh_at(at)
+                following = refresh_at(at + 1) if mode.share_span > 1 else at_anchor
+                refresh = (at_anchor + (mode.share_span - 1) * following) / mode.share_span
                 reuse_attention = dataclasses.replace(attention, carried=carried)
                 checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(first(caches), anchor),
                                           mode, batch, context))
                 reuse = per_layer(lambda c: reuse_attention(1, one, at, ApproxLayerCache(c, anchor))[0], caches,
                                   args.reps) if mode.refresh_every > 1 else refresh
                 record(kernels, kernel="refresh-decode", mode=mode.name(), rows=1, batch=batch, context=context,
-                       ms=refresh)
+                       ms=refresh, at_anchor_ms=at_anchor, following_ms=following)
                 record(kernels, kernel="reuse-decode", mode=mode.name(), rows=1, batch=batch, context=context,
                        ms=reuse)
                 refreshing = sum(mode.refreshes(layer) for layer in range(layers))

@@ -22,7 +22,7 @@ from models.config import ModelConfig, NSALayout
 from models.logical_axes import BATCH, KV_HEADS, axes_field
 from models.nsa_cache import NSACache, NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
-from models.nsa_shared_selection import anchor_rows, chain_sees, shared_blocks
+from models.nsa_shared_selection import BEFORE_PASS, anchor_rows, chain_sees, shared_blocks
 from pallas_kernels.nsa_reuse import nsa_reuse_decode
 from vegas_jax.attention.nsa import _attend, _grouped, compressed_probabilities, selected_row_mask, window_mask
 from vegas_jax.precision import ApproxMode
@@ -61,13 +61,19 @@ class ApproxNSACache:
 
 def refreshed_blocks(qg, cache: NSALayerCache, positions, anchor, layout: NSALayout, mode: ApproxMode):
     """A refresh layer's selections [B, K, S, n'] of a chain pass: each row's top-n' (NSA's rule, top_n
-    widened), then each row takes its span anchor's (from this pass, or `anchor` [B, K, n'] stored)."""
-    probs, _ = compressed_probabilities(qg, cache.k_cmp, positions, layout)
-    scores = selection_scores(jnp.sum(probs, axis=2), num_select_blocks(layout, cache.capacity), layout)
-    own = select_blocks(scores, positions[:, None, :], mode.selection_layout(layout))
+    widened), then each row takes its span anchor's (from this pass, or `anchor` [B, K, n'] stored). A pass
+    without an anchor row (plain decoding between anchors) derives nothing: the stored selection serves it."""
+    def own():
+        probs, _ = compressed_probabilities(qg, cache.k_cmp, positions, layout)
+        scores = selection_scores(jnp.sum(probs, axis=2), num_select_blocks(layout, cache.capacity), layout)
+        return select_blocks(scores, positions[:, None, :], mode.selection_layout(layout))
+
     if mode.share_span == 1:
-        return own
-    return shared_blocks(own, anchor_rows(positions, chain_sees(positions), mode.share_span), anchor)
+        return own()
+    anchors = anchor_rows(positions, chain_sees(positions), mode.share_span)
+    stored = jnp.broadcast_to(anchor[:, :, None, :], anchor.shape[:2] + positions.shape[1:] + anchor.shape[2:])
+    return jax.lax.cond(jnp.any(anchors != BEFORE_PASS), lambda: shared_blocks(own(), anchors, anchor),
+                        lambda: stored)
 
 
 def branches_with_blocks(q, cache: NSALayerCache, positions, gates, indices, layout: NSALayout, kind: str):
