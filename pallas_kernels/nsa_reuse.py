@@ -118,13 +118,10 @@ def _merge(o, l, m):
     return (o * correction[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def default_splits(layout: NSALayout, top_n: int, compressed_rows: int, block_c: int) -> int:
+def default_splits(top_n: int) -> int:
     """Splits per KV head: one per injected block (each split then also takes about 1/splits of the compressed
-    rows and of the window), as far as the compressed rows divide into whole block_c chunks."""
-    splits = next_power_of_2(top_n)
-    while splits > 1 and compressed_rows % (splits * block_c):
-        splits //= 2
-    return splits
+    rows and of the window)."""
+    return next_power_of_2(top_n)
 
 
 def _unbatched(q, k, v, k_cmp, v_cmp, blocks, gates, position, *, layout, kind, block_c, num_splits, interpret):
@@ -140,7 +137,8 @@ def _unbatched(q, k, v, k_cmp, v_cmp, blocks, gates, position, *, layout, kind, 
     window_steps = layout.window // WINDOW_STEP
     kernel = functools.partial(
         fused_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, block_h=block_h, layout=layout, top_n=top_n,
-        block_c=block_c, cmp_chunk=rows // num_splits, blocks_per_split=pl.cdiv(top_n, num_splits),
+        block_c=block_c, cmp_chunk=pl.cdiv(rows // block_c, num_splits) * block_c,
+        blocks_per_split=pl.cdiv(top_n, num_splits),
         window_steps_per_split=pl.cdiv(window_steps, num_splits), joint=joint)
     head_rows = lambda n: pl.BlockSpec((n, None, head_dim), lambda h, s: (0, h, 0))
     branches = 1 if joint else 3
@@ -182,9 +180,7 @@ def nsa_reuse_decode(q, k_cache, v_cache, k_cmp, v_cmp, blocks, position, gates=
     if layout.window % WINDOW_STEP or k_cmp.shape[1] % block_c:
         raise ValueError(f"window {layout.window} must be a multiple of {WINDOW_STEP} and compressed rows "
                          f"{k_cmp.shape[1]} of block_c {block_c}")
-    splits = num_splits or default_splits(layout, blocks.shape[2], k_cmp.shape[1], block_c)
-    if k_cmp.shape[1] % (splits * block_c):
-        raise ValueError(f"compressed rows {k_cmp.shape[1]} must split into {splits} chunks of block_c {block_c}")
+    splits = num_splits or default_splits(blocks.shape[2])
     if gates is None:
         gates = jnp.zeros((batch, num_q_heads, GATE_COLUMNS), jnp.float32)
     else:
