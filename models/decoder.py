@@ -143,6 +143,8 @@ class Decoder(nnx.Module):
             x, cache, aux = layer(i, x, positions, rope, kv_cache.layer(i), attention, tp)
             caches.append(cache)
             aux_out.append(aux)
+            if hasattr(attention, "after_layer"):  # an attention that hands a layer's result on (nsa_approx)
+                attention = attention.after_layer(i, aux)
         if logit_rows is not None:  # only these rows need the (vocabulary-sized) LM head
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
         x = self.final_norm(x)

@@ -176,11 +176,13 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
 
 def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
                     kind: str = "nsa", schedule: str = "v1", kernels: str | None = None,
-                    v1_launch: V1Launch = V1Launch(), return_blocks: bool = False):
+                    v1_launch: V1Launch = V1Launch(), return_blocks: bool = False, reselect=None):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
     [T_cap, H_kv, D] without the batch axis; length and parents traced). schedule: "v0" | "v1" (module
     docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
     v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch).
+    reselect: None, or (blocks [T, H_kv, n], ancestor mask [T, T], positions [T]) -> the blocks each node attends
+    instead of its own (an approximate mode's, vegas_jax.attention.nsa_approx.tree_reselect).
     Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
     if schedule not in ("v0", "v1"):
         raise ValueError(f"schedule must be v0 or v1, got {schedule!r}")
@@ -209,6 +211,8 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     compressed = p_cmp.sum(axis=1).at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
     scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)
     blocks = select_blocks(scores, positions[None, :], layout).transpose(1, 0, 2)  # [T, H_kv, n]
+    if reselect is not None:
+        blocks = reselect(blocks, anc, positions)
 
     # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
     selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch)

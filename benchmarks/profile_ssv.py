@@ -1,0 +1,340 @@
+"""The SSV planner's profile (vegas_jax.planner): kernel time tables measured on this device, composed into the
+whole-pass times the planner fits, saved as a vegas-ssv-profile JSON.
+
+    python benchmarks/profile_ssv.py --model smollm2-view --distances benchmarks/results/approx-modes-<date>.json
+    python benchmarks/profile_ssv.py --model nsa-1b --contexts 8192,32768     # NSA-1B shapes, random weights
+    python benchmarks/profile_ssv.py --quick                                  # fewer shapes (< 5 min)
+    python benchmarks/profile_ssv.py --smoke                                  # tiny shapes, interpret mode (CPU)
+    python benchmarks/profile_ssv.py --merge A.json B.json                    # runs split to fit a time limit
+
+Tables, per (batch, context) of the grid:
+- linear: one whole-model pass over `rows` new tokens per sequence with the attention left out (an attention that
+  reads no cache), i.e. weights, MLP, norms and the LM head;
+- attention of one layer, the mean over 4 distinct layer caches run in sequence (one cache would sit in L2 at
+  small shapes): plain decoding of the exact target (pallas_kernels.nsa_decode), a refresh layer (the mean over
+  a span: its anchor derives a selection, the other steps read it) and a reuse layer of each approximate mode (vegas_jax.attention.nsa_approx, the reuse layer through the fused kernel), and exact tree
+  verification of each tree shape (pallas_kernels.nsa_verify V1, selected blocks through its Pallas kernels;
+  the commit of the accepted path is not timed);
+- checks: the fused reuse kernel against its jnp twin on each (mode, batch, context), before it is timed;
+- drafts: the n-gram drafter's device work per tree shape, modelled as a match of the last two tokens against
+  every position and the continuations of the best `branching` matches gathered (the drafter lives with the
+  loop; this is its cost's order, not its code).
+- the same tree verification under each approximate mode for the --mode-trees shapes (the refresh layers' nodes
+  taking their anchors' blocks, the reuse layers' injected; both still derive each node's own selection in the
+  pass, as nsa_verify has no reuse path yet, so reuse is an upper bound there).
+A pass's time is then linear + the sum over layers of their attention (refresh or reuse), and each passes record
+says so ("source": "composed"). JSON: benchmarks/results/ssv-profile-<model>-<date>.json (and $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.suite_scale import median_seconds  # noqa: E402
+from models.attention import NewTokens  # noqa: E402
+from models.config import NSA_1B_LAYOUT, ModelConfig, NSALayout  # noqa: E402
+from models.decoder import forward, init_params  # noqa: E402
+from models.nsa_cache import NSACache, NSALayerCache, compressed_rows  # noqa: E402
+from pallas_kernels.nsa_verify import nsa_tree_verify  # noqa: E402
+from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
+from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
+from vegas_jax.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
+from vegas_jax.precision import ApproxMode  # noqa: E402
+from vegas_jax.sharding import Placement  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+CACHE_COPIES = 4
+NSA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                     num_heads=32, num_kv_heads=2, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=131072, tie_word_embeddings=True, attention="nsa", nsa=NSA_1B_LAYOUT)
+TINY = dataclasses.replace(NSA_1B, vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
+                           head_dim=16, nsa=NSALayout(16, 16, 16, 2, 16, forced_initial=0, forced_local=1))
+DEFAULT_TREES = "1x1,2x1,3x1,4x1,6x1,2x2,3x2,4x2,5x2,2x3,3x3,2x4"
+DEFAULT_MODES = "s2w1r1,s4w1r1,s4w2r1,s8w1r1,s1w1r2,s4w1r2,s1w1r3"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoAttention:
+    """Attention left out (the linear table): zero output, the cache untouched."""
+
+    def __call__(self, layer, new, positions, cache):
+        num_q = new.heads.shape[2] - 2 * new.num_kv_heads
+        return jnp.zeros(new.heads.shape[:2] + (num_q, new.heads.shape[3]), new.heads.dtype), cache, None
+
+
+def load(name: str, dtype):
+    if name == "smollm2-view":
+        from vegas_jax.attention.family import with_attention
+        from vegas_jax.loading import load_model
+
+        loaded = load_model(None, dtype)
+        return with_attention(loaded.config, "nsa-view"), loaded.params
+    config = {"nsa-1b": NSA_1B, "tiny": TINY}[name]
+    return config, init_params(config, dtype)
+
+
+def ms(fn, x, reps) -> float:
+    return median_seconds(fn, x, reps) * 1e3
+
+
+def linear_ms(config, params, batch: int, rows: int, dtype, reps: int) -> float:
+    cache = NSACache.create(config, batch, 64, dtype)
+    tokens = jnp.zeros((batch, rows), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (batch, rows))
+    run = jax.jit(functools.partial(forward, config=config))
+    return ms(lambda p: run(p, tokens, positions, cache, NoAttention())[0], params, reps)
+
+
+def layer_caches(config, batch: int, context: int, dtype, key):
+    """CACHE_COPIES random layer caches of capacity context + 64 (room for a tree's rows)."""
+    capacity = context + 64
+    rows = compressed_rows(config.nsa, capacity)
+    shape = lambda n: (CACHE_COPIES, batch, n, config.num_kv_heads, config.head_dim)
+    keys = jax.random.split(key, 4)
+    return NSALayerCache(*(jax.random.normal(k, shape(n), dtype) for k, n in zip(keys, (capacity,) * 2 + (rows,) * 2)))
+
+
+def new_tokens(config, batch: int, rows: int, dtype, key):
+    heads = jax.random.normal(key, (batch, rows, config.num_heads + 2 * config.num_kv_heads, config.head_dim), dtype)
+    ones = jnp.ones((batch, rows, config.head_dim), jnp.float32)
+    gates = jax.nn.sigmoid(jax.random.normal(key, (batch, rows, config.num_heads, 3))) if config.attention == "nsa" \
+        else None
+    return NewTokens(heads, ones, 0 * ones, config.num_kv_heads, gates)
+
+
+def per_layer(call, caches, reps) -> float:
+    """Mean ms of call(layer cache) over the distinct caches, run in sequence in one program."""
+    def all_copies(stack):
+        return sum(jnp.sum(call(jax.tree.map(lambda x: x[i], stack)).astype(jnp.float32))
+                   for i in range(CACHE_COPIES))
+    return ms(jax.jit(all_copies), caches, reps) / CACHE_COPIES
+
+
+def full_tree_parents(depth: int, branching: int) -> np.ndarray:
+    """parents of the full DEPTHxBRANCHING tree in breadth-first order, the root (the last committed token)
+    first: nodes + 1 rows."""
+    parents, level = [-1], [0]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(branching):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return np.array(parents, np.int32)
+
+
+def first(caches):
+    return jax.tree.map(lambda x: x[0], caches)
+
+
+# Largest |kernel - jnp twin| / max |twin| accepted on the device (bf16 rounds probabilities and outputs).
+FUSED_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def check_fused(attention, new, position, cache, mode, batch, context) -> dict:
+    """The fused reuse kernel as the device compiles it against its jnp twin on the profile's shapes; a
+    mismatch stops the profile (timings of a wrong kernel mean nothing)."""
+    kernel = attention(1, new, position, cache)[0].astype(jnp.float32)
+    twin = dataclasses.replace(attention, placement=Placement())(1, new, position, cache)[0].astype(jnp.float32)
+    error = float(jnp.max(jnp.abs(kernel - twin)) / jnp.max(jnp.abs(twin)))
+    dtype = str(cache.nsa.k.dtype)
+    if not error <= FUSED_TOLERANCE[dtype]:
+        raise SystemExit(f"error: the fused reuse kernel differs from its jnp twin by {error:.3g} (relative) for "
+                         f"mode {mode.name()}, batch {batch}, context {context}")
+    return dict(mode=mode.name(), batch=batch, context=context, relative_error=error, dtype=dtype)
+
+
+def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, parents, backend, reps):
+    """(refresh, reuse) ms of one layer's tree verification of mode's target (nsa_tree_verify with
+    tree_reselect): a refresh layer's nodes take their anchors' blocks (the stored one for anchors before the
+    tree), a reuse layer's are injected. Both still derive every node's own selection in the pass (the tree
+    kernels have no reuse path yet), so the reuse time is an upper bound."""
+    wide = mode.selection_layout(config.nsa)
+    batch, rows = q.shape[:2]
+    stored = jnp.broadcast_to(jnp.arange(wide.top_n, dtype=jnp.int32), (batch, config.num_kv_heads, wide.top_n))
+    injected = jnp.broadcast_to(stored[:, None], (batch, rows, config.num_kv_heads, wide.top_n))
+
+    def one(role):
+        def verify(q, c, k, v, g, n, extra):
+            reselect = tree_reselect(mode, stored=extra) if role == "refresh" else tree_reselect(mode, injected=extra)
+            return nsa_tree_verify(q, c, k, v, g, n, parents, layout=wide, kind=config.attention, schedule="v1",
+                                   kernels=backend, reselect=reselect)
+        batched = jax.vmap(verify, in_axes=(0, 0, 0, 0, None if gates is None else 0, 0, 0))
+        extra = stored if role == "refresh" else injected
+        return per_layer(lambda c: batched(q, c, k, v, gates, length, extra), caches, reps)
+
+    return one("refresh"), one("reuse") if mode.refresh_every > 1 else one("refresh")
+
+
+def ngram_draft_ms(batch: int, context: int, depth: int, branching: int, reps: int) -> float:
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, context), 0, 50000)
+
+    @jax.jit
+    def draft(t):
+        last = t[:, -2:]
+        hit = (t[:, :-depth - 2] == last[:, :1]) & (t[:, 1:-depth - 1] == last[:, 1:])
+        score = jnp.where(hit, jnp.arange(context - depth - 2), -1)
+        _, starts = jax.lax.top_k(score, branching)
+        return jnp.take_along_axis(t, (starts[..., None] + 2 + jnp.arange(depth)).reshape(batch, -1), axis=1)
+
+    return ms(draft, tokens, reps)
+
+
+def read_distances(path: str | None) -> dict:
+    """Each mode's distance from the exact target, from a benchmarks/measure_approx_modes.py JSON."""
+    if path is None:
+        return {}
+    measured = json.loads(Path(path).read_text())
+    return {m["mode"]: {"top1_disagreement": 1 - m["top1_agreement"], "greedy_agreement": m["greedy_agreement"]}
+            for m in measured["modes"]}
+
+
+def merge(paths: list[str], distances: str | None) -> int:
+    """One profile of several runs' tables (the same model, device and dtype), the distances of the last run that
+    has them or of `distances`."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    for key in ("model", "device", "dtype"):
+        if len({d[key] for d in docs}) > 1:
+            raise SystemExit(f"error: --merge: the profiles differ in {key}: {sorted({d[key] for d in docs})}")
+    merged = {**docs[-1], "merged_from": paths, "date": run_metadata()["date"]}
+    for table in ("kernels", "passes", "drafts"):
+        merged[table] = [row for d in docs for row in d[table]]
+    merged["distances"] = read_distances(distances) or next((d["distances"] for d in reversed(docs)
+                                                             if d["distances"]), {})
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    save_results(merged, f"ssv-profile-{merged['model']}-merged-{stamp}.json", RESULTS)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-view", choices=("smollm2-view", "nsa-1b", "tiny"))
+    parser.add_argument("--contexts", default="4096,8192,16384")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--trees", default=DEFAULT_TREES, help="DEPTHxBRANCHING shapes verified")
+    parser.add_argument("--modes", default=DEFAULT_MODES, help="approximate modes (ApproxMode labels)")
+    parser.add_argument("--mode-trees", default="4x1,3x2,4x2",
+                        help="the tree shapes (among --trees) verified under each approximate mode too")
+    parser.add_argument("--distances", default=None,
+                        help="a benchmarks/measure_approx_modes.py JSON: each mode's distance from the exact target")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--merge", nargs="+", default=None, metavar="PROFILE",
+                        help="write one profile of these profiles' tables together (runs split to fit a time limit)")
+    parser.add_argument("--quick", action="store_true", help="contexts 4096,8192, batches 1,8, trees 2x1,4x1,3x2")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, interpret mode (CPU)")
+    args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.distances)
+    if args.quick:
+        args.contexts, args.batches, args.trees, args.mode_trees = "4096,8192", "1,8", "2x1,4x1,3x2", "4x1,3x2"
+    if args.smoke:
+        args.model, args.contexts, args.batches, args.trees, args.modes, args.mode_trees, args.reps = (
+            "tiny", "128,256", "1,2", "2x1,2x2", "s8w1r1,s1w1r2", "2x2", 2)
+    backend = "interpret" if args.smoke else "pallas"
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    config, params = load(args.model, dtype)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    trees = [tuple(int(x) for x in spec.split("x")) for spec in args.trees.split(",")]
+    modes = [ApproxMode.from_name(m) for m in args.modes.split(",")]
+    mode_trees = {tuple(int(x) for x in spec.split("x")) for spec in args.mode_trees.split(",")}
+    placement, layers, key = Placement(backend=backend), config.num_layers, jax.random.PRNGKey(0)
+    kernels, passes, drafts, checks = [], [], [], []
+
+    def record(table, **fields):
+        table.append(fields)
+        print(json.dumps(fields), flush=True)
+
+    for batch in batches:
+        linear = {rows: linear_ms(config, params, batch, rows, dtype, args.reps)
+                  for rows in [1] + [tree_nodes(*t) + 1 for t in trees]}
+        for rows, t in linear.items():
+            record(kernels, kernel="linear", rows=rows, batch=batch, context=0, ms=t)
+        for context in contexts:
+            caches = layer_caches(config, batch, context, dtype, key)
+            position = jnp.full((batch, 1), context - 1, jnp.int32)
+            one = new_tokens(config, batch, 1, dtype, key)
+            exact = NSAAttention(config.nsa, config.attention, placement)
+            t_exact = per_layer(lambda c: exact(0, one, position, c)[0], caches, args.reps)
+            record(kernels, kernel="nsa-decode", rows=1, batch=batch, context=context, ms=t_exact)
+            record(passes, mode="exact", rows=1, batch=batch, context=context, ms=linear[1] + layers * t_exact,
+                   source="composed")
+            for mode in modes:
+                attention = ApproxNSAAttention(config.nsa, mode, config.attention, placement)
+                width = mode.selection_layout(config.nsa).top_n
+                anchor = jnp.zeros((batch, config.num_kv_heads, width), jnp.int32)
+                carried = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, config.num_kv_heads, 1, width))
+                # A refresh layer derives a selection at a span's anchor only; the other S - 1 steps of the span
+                # read the stored one.
+                at = position - 1 - (context - 2) % mode.share_span  # an anchor
+                refresh_at = lambda p: per_layer(lambda c: attention(0, one, p, ApproxLayerCache(c, anchor))[0],
+                                                 caches, args.reps)
+                at_anchor = refresh_at(at)
+                following = refresh_at(at + 1) if mode.share_span > 1 else at_anchor
+                refresh = (at_anchor + (mode.share_span - 1) * following) / mode.share_span
+                reuse_attention = dataclasses.replace(attention, carried=carried)
+                checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(first(caches), anchor),
+                                          mode, batch, context))
+                reuse = per_layer(lambda c: reuse_attention(1, one, at, ApproxLayerCache(c, anchor))[0], caches,
+                                  args.reps) if mode.refresh_every > 1 else refresh
+                record(kernels, kernel="refresh-decode", mode=mode.name(), rows=1, batch=batch, context=context,
+                       ms=refresh, at_anchor_ms=at_anchor, following_ms=following)
+                record(kernels, kernel="reuse-decode", mode=mode.name(), rows=1, batch=batch, context=context,
+                       ms=reuse)
+                refreshing = sum(mode.refreshes(layer) for layer in range(layers))
+                record(passes, mode=mode.name(), rows=1, batch=batch, context=context,
+                       ms=linear[1] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")
+            length = jnp.full((batch,), context - 1, jnp.int32)
+            for depth, branching in trees:
+                parents = jnp.asarray(full_tree_parents(depth, branching))
+                rows = len(parents)
+                tree = new_tokens(config, batch, rows, dtype, key)
+                q, k, v = tree.rotated()
+                gates_axis = None if tree.gates is None else 0
+                verify = jax.vmap(functools.partial(nsa_tree_verify, layout=config.nsa, kind=config.attention,
+                                                    schedule="v1", kernels=backend),
+                                  in_axes=(0, 0, 0, 0, gates_axis, 0, None))
+                t_tree = per_layer(lambda c: verify(q, c, k, v, tree.gates, length, parents), caches, args.reps)
+                record(kernels, kernel="tree-v1", rows=rows, batch=batch, context=context, ms=t_tree)
+                record(passes, mode="exact", rows=rows, batch=batch, context=context,
+                       ms=linear[rows] + layers * t_tree, source="composed")
+                record(drafts, drafter="ngram", nodes=rows - 1, batch=batch, context=context,
+                       ms=ngram_draft_ms(batch, context, depth, branching, args.reps))
+                if (depth, branching) not in mode_trees:
+                    continue
+                for mode in modes:
+                    refresh, reuse = approx_tree_ms(config, mode, caches, q, k, v, tree.gates, length, parents,
+                                                    backend, args.reps)
+                    record(kernels, kernel="tree-v1-refresh", mode=mode.name(), rows=rows, batch=batch,
+                           context=context, ms=refresh)
+                    record(kernels, kernel="tree-v1-reuse", mode=mode.name(), rows=rows, batch=batch,
+                           context=context, ms=reuse)
+                    refreshing = sum(mode.refreshes(layer) for layer in range(layers))
+                    record(passes, mode=mode.name(), rows=rows, batch=batch, context=context,
+                           ms=linear[rows] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")
+    doc = run_metadata(format=PROFILE_FORMAT, version=PROFILE_VERSION, model=args.model,
+                       config=config.to_dict(), dtype=str(jnp.dtype(dtype)), kernels=kernels, passes=passes,
+                       drafts=drafts, distances=read_distances(args.distances), fused_kernel_checks=checks,
+                       smoke=args.smoke)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    save_results(doc, f"ssv-profile-{args.model}-{stamp}.json", None if args.smoke else RESULTS)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
