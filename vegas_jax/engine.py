@@ -548,6 +548,10 @@ class Engine:
         if self.config.attention != "dense" and options.method != "ar":
             raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
                              "selection policies attend densely)", options.method, self.config.attention)
+        if self.config.attention != "dense" and options.draft_tree is not None:
+            raise InputError("{draft_tree} {}: draft trees are verified by dense tree attention, and an {} model's "
+                             "tree verification (pallas_kernels/nsa_verify.py) is not in the loop yet",
+                             options.draft_tree, self.config.attention)
         if options.seed + len(ids) - 1 > INT32_MAX:
             raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                              options.seed, len(ids))
