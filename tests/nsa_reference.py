@@ -47,9 +47,10 @@ def selected_blocks(q_group, k_head, t, layout):
     return ranked[:layout.top_n], probs, k_cmp
 
 
-def nsa_rows(q, k, v, gates, layout, kind, rows):
+def nsa_rows(q, k, v, gates, layout, kind, rows, blocks_of=None):
     """Outputs [len(rows), H_q, D] float64 of queries q [T, H_q, D] at positions `rows` over k, v [T, H_kv, D];
-    gates [T, H_q, 3] (compressed, selected, window) for kind "nsa"."""
+    gates [T, H_q, 3] (compressed, selected, window) for kind "nsa". blocks_of(t, h), if given, names the blocks
+    (negative entries: none) the query at t attends through KV head h instead of its own selection."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     num_q, num_kv = q.shape[1], k.shape[1]
     group = num_q // num_kv
@@ -59,7 +60,9 @@ def nsa_rows(q, k, v, gates, layout, kind, rows):
         for h in range(num_kv):
             heads = range(h * group, (h + 1) * group)
             blocks, probs, _ = selected_blocks(q[t, list(heads)], k[:t + 1, h], t, layout)
-            chosen = sorted(r for j in blocks for r in range(j * sel, min((j + 1) * sel, t + 1)))
+            if blocks_of is not None:
+                blocks = blocks_of(t, h)
+            chosen = sorted({r for j in blocks if j >= 0 for r in range(j * sel, min((j + 1) * sel, t + 1))})
             window = list(range(max(0, t - w + 1), t + 1))
             v_cmp = np.array([v[i * d:i * d + l, h].mean(axis=0) for i in range(probs.shape[1])])
             for g, head in enumerate(heads):
@@ -85,9 +88,10 @@ def rope(x, positions, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def model_logits(weights: dict, hf: dict, layout, tokens) -> np.ndarray:
+def model_logits(weights: dict, hf: dict, layout, tokens, layer_blocks=None) -> np.ndarray:
     """Logits [T, V] float64 of fla-org's LlamaNSAForCausalLM over `tokens`, from its safetensors weights
-    (torch [out, in] linears, g_proj viewed as [..., H_q, 3]) and config.json `hf`."""
+    (torch [out, in] linears, g_proj viewed as [..., H_q, 3]) and config.json `hf`. layer_blocks(i, q, k), if
+    given, returns layer i's blocks_of for nsa_rows (its rotated q [T, H_q, D] and k [T, H_kv, D] at hand)."""
     w = {name: np.asarray(x, np.float64) for name, x in weights.items()}
     eps, heads, kv = hf["rms_norm_eps"], hf["num_attention_heads"], hf["num_key_value_heads"]
     dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -101,7 +105,8 @@ def model_logits(weights: dict, hf: dict, layout, tokens) -> np.ndarray:
         k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(len(t), kv, dim), t, hf["rope_theta"])
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(len(t), kv, dim)
         gates = 1 / (1 + np.exp(-(h @ w[p + "self_attn.g_proj.weight"].T).reshape(len(t), heads, 3)))
-        attn = nsa_rows(q, k, v, gates, layout, "nsa", list(t)).reshape(len(t), heads * dim)
+        blocks_of = layer_blocks(i, q, k) if layer_blocks else None
+        attn = nsa_rows(q, k, v, gates, layout, "nsa", list(t), blocks_of).reshape(len(t), heads * dim)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         h = norm(x, w[p + "post_attention_layernorm.weight"])
         gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T

@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import nsa_approx_reference as oracle
+from nsa_reference import nsa_rows
 from models.config import NSALayout
 from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
 from models.nsa_shared_selection import BEFORE_PASS, anchor_rows, chain_sees, shared_blocks
@@ -62,7 +63,7 @@ def test_fused_reuse_kernel_equals_its_jnp_twin_and_the_float64_oracle(kind):
         q_rows = np.zeros((position + 1, HEADS, DIM))
         q_rows[position] = q[0]
         g_rows = None if gates is None else np.repeat(gates, position + 1, axis=0)
-        want = oracle.rows_with_blocks(q_rows, k[:position + 1], v[:position + 1], g_rows, KERNEL_LAYOUT, kind,
+        want = nsa_rows(q_rows, k[:position + 1], v[:position + 1], g_rows, KERNEL_LAYOUT, kind,
                                        [position], lambda t, h: blocks[h])[0]
         np.testing.assert_allclose(np.asarray(kernel[0]), want, atol=2e-5, err_msg=f"kernel at {position}")
         np.testing.assert_allclose(np.asarray(twin[0]), want, atol=2e-5, err_msg=f"jnp twin at {position}")
@@ -140,7 +141,7 @@ def test_tree_verification_of_a_modified_target_equals_decoding_each_path(role):
         p = length + depth[i]
         blocks_of = (lambda r, h: oracle.anchor_selection(pq, pk, KERNEL_LAYOUT, 4, 2, r, h, group)) \
             if role == "refresh" else (lambda r, h: injected[i, h])
-        want = oracle.rows_with_blocks(pq, pk, pv, pg, KERNEL_LAYOUT, "nsa", [p], blocks_of)[0]
+        want = nsa_rows(pq, pk, pv, pg, KERNEL_LAYOUT, "nsa", [p], blocks_of)[0]
         np.testing.assert_allclose(np.asarray(got[i]), want, atol=2e-5, err_msg=f"node {i} (depth {depth[i]})")
 
 
