@@ -10,7 +10,6 @@ the residual is caught."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,8 @@ import pytest
 from models.decoder import forward
 from models.kv_cache import KVCache
 from tests.test_lossless_tiny import dense_greedy, prompts, tiny_engine
-from tests.test_sampling_distribution import VOCAB, chi_square_p_value, processed_probs, tiny_sampler
+from tests.test_sampling_distribution import (VOCAB, chi_square_p_value, continuation_logits, processed_probs,
+                                              tiny_sampler)
 from vegas_jax import tree_decode
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.attention.tree import TreeAttention
@@ -179,12 +179,8 @@ def sampler():
     """The sampling test's tiny model, a 32-token prompt and the exact float64 joint of the first four tokens."""
     engine = tiny_sampler()
     prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
-    continuations = list(itertools.product(range(VOCAB), repeat=SAMPLED_NEW - 1))
-    seqs = jnp.asarray([prompt + list(c) for c in continuations], jnp.int32)
-    cache = KVCache.create(engine.config, len(continuations), seqs.shape[1], jnp.float32)
-    logits, _, _ = _forward(engine.model.params, seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape), cache,
-                            DenseAttention(), config=engine.config)
-    probs, margin = processed_probs(np.asarray(logits, np.float64)[:, PROMPT_LENGTH - 1 :], **SAMPLED)
+    logits = continuation_logits(engine, prompt, SAMPLED_NEW)
+    probs, margin = processed_probs(np.asarray(logits, np.float64), **SAMPLED)
     assert margin > 1e-4
     joint = np.ones((VOCAB,) * SAMPLED_NEW)
     for i in range(SAMPLED_NEW):

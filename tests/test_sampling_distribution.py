@@ -116,20 +116,24 @@ def tiny_sampler() -> Engine:
     return Engine(LoadedModel(config, params, IdsTokenizer(), "random", "random"))
 
 
-@pytest.fixture(scope="module")
-def model():
-    engine = tiny_sampler()
-    prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
-    # Logits of every continuation t1..t4 in one dense pass: row PROMPT_LENGTH - 1 + i of sequence (t1..t4) is
-    # the distribution of token i + 1 after t1..ti (causality keeps the later tokens out).
-    continuations = list(itertools.product(range(VOCAB), repeat=NEW - 1))
+def continuation_logits(engine: Engine, prompt: list[int], new: int) -> np.ndarray:
+    """[V^(new-1), new, V] logits of every continuation t1..t(new-1) of the prompt, in one dense pass: row i of
+    continuation (t1..t(new-1)) is the distribution of token i + 1 after t1..ti (causality keeps later tokens out)."""
+    continuations = list(itertools.product(range(VOCAB), repeat=new - 1))
     seqs = jnp.asarray([prompt + list(c) for c in continuations], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape)
     cache = KVCache.create(engine.config, len(continuations), seqs.shape[1], jnp.float32)
     logits, _, _ = jax.jit(forward, static_argnames="config")(
         engine.model.params, seqs, positions, cache, DenseAttention(), config=engine.config
     )
-    return engine, prompt, np.asarray(logits)[:, PROMPT_LENGTH - 1 :]  # [V^4, 5, V]
+    return np.asarray(logits)[:, len(prompt) - 1 :]
+
+
+@pytest.fixture(scope="module")
+def model():
+    engine = tiny_sampler()
+    prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
+    return engine, prompt, continuation_logits(engine, prompt, NEW)  # [V^4, 5, V]
 
 
 @pytest.fixture(scope="module")
