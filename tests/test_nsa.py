@@ -147,14 +147,18 @@ def tiny_nsa_weights(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def nsa_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-nsa")
-    (folder / "config.json").write_text(json.dumps(TINY_NSA))
-    save_file(tiny_nsa_weights(TINY_NSA), folder / "model.safetensors")
+def write_tiny_nsa(folder, config: dict):
+    """An HF folder in fla-org's format: config.json, random weights, tiny Llama's tokenizer."""
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tiny_nsa_weights(config), folder / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURES / "tiny-llama" / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def nsa_folder(tmp_path_factory):
+    return write_tiny_nsa(tmp_path_factory.mktemp("tiny-nsa"), TINY_NSA)
 
 
 def oracle_layout():

@@ -5,14 +5,11 @@ equals a float64 numpy transcription of its definition (tests/nsa_approx_referen
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import nsa_approx_reference as oracle
 from nsa_reference import nsa_rows
@@ -21,7 +18,7 @@ from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
 from models.nsa_shared_selection import BEFORE_PASS, anchor_rows, chain_sees, shared_blocks
 from pallas_kernels.nsa_reuse import nsa_reuse_decode
 from pallas_kernels.nsa_verify import ancestor_mask
-from test_nsa import FIXTURES, TINY_NSA, tiny_nsa_weights
+from test_nsa import TINY_NSA, tiny_nsa_weights, write_tiny_nsa
 from vegas_jax.attention.nsa_approx import branches_with_blocks, greedy_decode
 from vegas_jax.inputs import InputError
 from vegas_jax.loading import load_model
@@ -154,12 +151,7 @@ MODES = [ApproxMode(share_span=8), ApproxMode(refresh_every=2), ApproxMode(share
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-nsa-3")
-    (folder / "config.json").write_text(json.dumps(TINY_3))
-    save_file(tiny_nsa_weights(TINY_3), folder / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(FIXTURES / "tiny-llama" / name, folder / name)
-    return load_model(folder, jnp.float32)
+    return load_model(write_tiny_nsa(tmp_path_factory.mktemp("tiny-nsa-3"), TINY_3), jnp.float32)
 
 
 # The combined mode runs its decode steps through the fused kernel (interpret; its jnp twin is tested above), the
