@@ -238,6 +238,15 @@ def test_the_cli_refuses_what_an_nsa_checkpoint_cannot_do_in_one_line(nsa_folder
     assert rc != 0 and len(err) == 1 and culprit in err[0]
 
 
+def test_an_unknown_attention_kind_is_one_line(capsys):
+    from vegas_jax import generate
+
+    rc = generate.main(["--model", str(FIXTURES / "tiny-llama"), "--attention", "sparse", "--prompt", "hi",
+                        "--max-new-tokens", "2", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --attention must be one of dense, nsa-view"), err
+
+
 @pytest.mark.slow
 def test_smollm2_view_equals_dense_while_its_blocks_cover_the_prefix_and_departs_past_it():
     """SmolLM2's NSA view over real text: rows up to 16 blocks of 16 tokens select every block, so their logits
