@@ -64,6 +64,24 @@ def contract(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arr
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
+# The LM head gets at least this many rows (batch x logit rows), fewer padded along the rows of each sequence (not
+# the batch, which a mesh may shard). With one row, XLA on GPU rewrites the bf16 x bf16 -> float32 product into a
+# float32 GEMV and converts the whole weight to float32 first, every step: at Llama-3.1-8B's 1 GB head that was
+# 1.26 ms where reading the weight once takes 0.25 ms (profile-2026-12-01-8b-b1-32k.json; benchmarks/bench_lm_head.py
+# measures the variants). Rows are independent, so the real rows' logits are those of the unpadded product.
+LM_HEAD_MIN_ROWS = 16
+
+
+def vocabulary_logits(spec: str, x: jax.Array, w) -> jax.Array:
+    """The LM head, contract(spec, x, w) in float32, for x of shape (B, S, D)."""
+    batch, rows, _ = x.shape
+    if isinstance(w, QuantizedWeight) or batch * rows >= LM_HEAD_MIN_ROWS:
+        return contract(spec, x, w, preferred_element_type=jnp.float32)
+    padded_rows = -(-LM_HEAD_MIN_ROWS // batch)
+    padded = jnp.pad(x, ((0, 0), (0, padded_rows - rows), (0, 0)))
+    return contract(spec, padded, w, preferred_element_type=jnp.float32)[:, :rows]
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
@@ -149,11 +167,11 @@ class Decoder(nnx.Module):
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
         x = self.final_norm(x)
         if lm_head is not None:  # a tied model's draft pass: its own (quantized) copy of the embedding's transpose
-            logits = contract("BSD,DV->BSV", x, lm_head, preferred_element_type=jnp.float32)
+            logits = vocabulary_logits("BSD,DV->BSV", x, lm_head)
         elif self.config.tie_word_embeddings:
-            logits = jnp.einsum("BSD,VD->BSV", x, self.embed[...], preferred_element_type=jnp.float32)
+            logits = vocabulary_logits("BSD,VD->BSV", x, self.embed[...])
         else:
-            logits = contract("BSD,DV->BSV", x, self.lm_head.get_value(), preferred_element_type=jnp.float32)
+            logits = vocabulary_logits("BSD,DV->BSV", x, self.lm_head.get_value())
         return logits, type(kv_cache).from_layers(caches), tuple(aux_out)
 
 
