@@ -4,12 +4,15 @@
 
 The 8B batch-1 profile (benchmarks/results/profile-2026-12-01-8b-b1-32k.json) shows XLA turning the one-row
 bf16 head with float32 output into a convert of the whole 1 GB weight to float32 (0.76 ms) and a float32 GEMV
-(0.50 ms) every step, where reading the bf16 weight once should take about 0.25 ms. The variants:
-- `f32-out`: einsum with preferred_element_type=float32 (what the decoder does today);
+(0.50 ms) every step, where reading the bf16 weight once should take about 0.25 ms. Jitted alone, as here, the
+one-row head does not show it (H200, 2026-12-01: 0.45 ms for every variant and row count,
+lm-head-llama8b-2026-12-01.json); inside the decode loop it did, and the padding removed it (the 8B plain step
+7.01 -> 6.12 ms). This script keeps the standalone variants' times and errors on record. The variants:
+- `f32-out`: einsum with preferred_element_type=float32 (what the decoder did before);
 - `bf16-out`: einsum in bf16, then float32 (a bf16 GEMM accumulates in float32 and rounds the result once: logits
   lose their last 8 mantissa bits, which the printed error against float64 measures);
-- `decoder`: what models/decoder.py does now (vocabulary_logits: fewer than 16 rows padded along each sequence's
-  rows to 16, XLA's GEMM path instead of its GEMV rewrite), f32-out, sliced; rows as a batch of one-row sequences.
+- `decoder`: what models/decoder.py does now (vocabulary_logits: a single row padded to 16, XLA's GEMM path
+  instead of its GEMV rewrite), f32-out, sliced; rows as a batch of one-row sequences.
 Each row of the table: median wall ms over 20 calls, the weight's read rate, and the largest logit error against
 float64. Prints the table; writes JSON to $OUT (or --out).
 """

@@ -232,7 +232,9 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
         out += ["Tuned cells (chosen on the tuning split by the coordinate search of benchmarks/suite_tuning.py):",
                 "", cells_table(records), ""]
         ablations = ablation_table(records)
-        out += ["Ablations:", "", ablations, ""] if ablations else []
+        out += ["Ablations (their τ is the comparison: the verification kernel collects only Vegas's two score rows, "
+                "so an ablation's verification runs the jnp path and its tok/s is not comparable):", "", ablations,
+                ""] if ablations else []
     else:
         out += ["Suite (tuned, held-out, repeats): **not yet measured**. Until it is, the tables below are the "
                 "measurements made before the suite: single runs at the default settings on the tuning split's "

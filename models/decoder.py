@@ -64,22 +64,23 @@ def contract(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arr
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
-# The LM head gets at least this many rows (batch x logit rows), fewer padded along the rows of each sequence (not
-# the batch, which a mesh may shard). With one row, XLA on GPU rewrites the bf16 x bf16 -> float32 product into a
-# float32 GEMV and converts the whole weight to float32 first, every step: at Llama-3.1-8B's 1 GB head that was
-# 1.26 ms where reading the weight once takes 0.25 ms (profile-2026-12-01-8b-b1-32k.json; benchmarks/bench_lm_head.py
-# measures the variants). Rows are independent, so the real rows' logits are those of the unpadded product.
-LM_HEAD_MIN_ROWS = 16
+# A one-row LM head (batch 1, one logit row) is padded to this many rows along the sequence's rows. With one row,
+# XLA on GPU rewrites the bf16 x bf16 -> float32 product into a float32 GEMV and converts the whole weight to
+# float32 first, every step: at Llama-3.1-8B's 1 GB head, 1.26 ms where reading the weight takes 0.44 ms
+# (profile-2026-12-01-8b-b1-32k.json). Padded, the 8B plain step at batch 1 and 32K fell from 7.01 to 6.12 ms
+# (draft-precision-2026-12-01-random-s18-lmhead.json). With more rows XLA keeps the GEMM and padding bought nothing
+# measurable (lm-head-llama8b-2026-12-01.json), so only one row is padded. Rows are independent: the real row's
+# logits are those of the unpadded product.
+LM_HEAD_PADDED_ROWS = 16
 
 
 def vocabulary_logits(spec: str, x: jax.Array, w) -> jax.Array:
     """The LM head, contract(spec, x, w) in float32, for x of shape (B, S, D)."""
     batch, rows, _ = x.shape
-    if isinstance(w, QuantizedWeight) or batch * rows >= LM_HEAD_MIN_ROWS:
+    if isinstance(w, QuantizedWeight) or batch * rows > 1:
         return contract(spec, x, w, preferred_element_type=jnp.float32)
-    padded_rows = -(-LM_HEAD_MIN_ROWS // batch)
-    padded = jnp.pad(x, ((0, 0), (0, padded_rows - rows), (0, 0)))
-    return contract(spec, padded, w, preferred_element_type=jnp.float32)[:, :rows]
+    padded = jnp.pad(x, ((0, 0), (0, LM_HEAD_PADDED_ROWS - 1), (0, 0)))
+    return contract(spec, padded, w, preferred_element_type=jnp.float32)[:, :1]
 
 
 class RMSNorm(nnx.Module):
