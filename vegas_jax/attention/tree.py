@@ -47,6 +47,17 @@ class DraftPrefix:
         return selected_mask(self.indices[layer], self.counts[layer], capacity) | recent
 
 
+def score_weights(rows: str, num_queries: int, deepest: tuple[int, ...]) -> np.ndarray:
+    """[S] each new token's weight in the 'boundary' (root 1/2, the deepest nodes 1/2 between them) or 'all' (the
+    mean) scores: the tree kernel's score_weights for TreeAttention's row means."""
+    if rows == "all":
+        return np.full(num_queries, 1.0 / num_queries, np.float32)
+    weights = np.zeros(num_queries, np.float32)
+    weights[list(deepest)] = 0.5 / len(deepest)
+    weights[0] += 0.5
+    return weights
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreeAttention:
@@ -88,22 +99,14 @@ class TreeAttention:
             return False
         return not self.collects(layer) or (self.request.mode == "logit" and self.request.rows != "each")
 
-    def score_weights(self) -> np.ndarray:
-        """[S] each new token's weight in the 'boundary' or 'all' scores (the mean over rows of the jnp path)."""
-        num_queries = self.ancestors.shape[0]
-        if self.request.rows == "all":
-            return np.full(num_queries, 1.0 / num_queries, np.float32)
-        weights = np.zeros(num_queries, np.float32)
-        weights[list(self.deepest)] = 0.5 / len(self.deepest)
-        weights[0] += 0.5
-        return weights
-
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, k, v = new.rotated()
         k_cache = write_rows(k_cache, k, self.rows)
         v_cache = write_rows(v_cache, v, self.rows)
         if self._kernel_serves(layer):
-            weights = jnp.asarray(self.score_weights()) if self.collects(layer) else None
+            weights = None
+            if self.collects(layer):
+                weights = jnp.asarray(score_weights(self.request.rows, self.ancestors.shape[0], self.deepest))
             out, scores = tree_attention(q, k_cache, v_cache, self.base, self.ancestors, score_weights=weights,
                                          interpret=self.placement.interpret)
             return out, k_cache, v_cache, scores
