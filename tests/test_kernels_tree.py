@@ -1,6 +1,7 @@
 """tree_attention in interpret mode against a float64 numpy brute force (each node's visible keys: the prefix, then
 its ancestors found by walking the parents array), on chains, full trees and a 64-node tree, ragged batches; a chain
-equals the linear verification kernel; TreeAttention's kernel path equals its jnp path.
+equals the linear verification kernel; TreeAttention's kernel path equals its jnp path, and greedy tree speculation
+through the kernel is plain greedy decoding.
 
 Every run draws fresh inputs; a failing test prints its seed, and KERNEL_TEST_SEED=<seed> replays it. Cache rows at
 or past base[b] + R (scratch rows this round has not filled) are NaN, so reading any of them shows up as NaN, as
