@@ -10,8 +10,9 @@
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
 tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
 pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_select, impl "pallas" (V1 also
-"pallas-row-loop": a program runs all row blocks of its union split), and by XLA gathers, impl "xla") and dense-tree (the Pallas verification kernel over the
-whole context for the tree's rows, which reads what an ancestor-masked dense pass reads). Tree queries are
+"pallas-row-loop": a program runs all row blocks of its union split), and by XLA gathers, impl "xla") and dense-tree (the
+tree's rows in pallas_kernels.tree_attention over the whole context, ancestor-masked; its own sweep against the jnp
+path is benchmarks/bench_tree_attention.py). Tree queries are
 q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
 the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
@@ -42,10 +43,10 @@ from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E4
 from models.config import NSA_1B_LAYOUT  # noqa: E402
 from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
-from pallas_kernels import verify_attention  # noqa: E402
 from pallas_kernels.nsa_decode import nsa_decode, nsa_decode_reference  # noqa: E402
 from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
-from pallas_kernels.nsa_verify import nsa_tree_verify, union_schedule  # noqa: E402
+from pallas_kernels.nsa_verify import ancestor_mask, nsa_tree_verify, union_schedule  # noqa: E402
+from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 2, 64
 LAYOUT = NSA_1B_LAYOUT
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
                                bytes=int(batch * (cmp_read + window_read + KV_HEADS * selected_bytes(read_blocks))),
                                union_blocks=union, overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union),
                           run, cache, None if (schedule, impl) == ("v0", "xla") else want)
-                dense = jax.jit(lambda c: verify_attention(q, c.k, c.v, length, interpret=interpret)[0])
+                ancestors = ancestor_mask(parents)
+                dense = jax.jit(lambda c: tree_attention(q, c.k, c.v, length, ancestors, interpret=interpret)[0])
                 timed(dict(kernel="dense-tree", tree_nodes=nodes, context=context, batch=batch,
                            bytes=batch * 2 * context * KV_HEADS * DIM * 2, union_blocks=None, overlap=None),
                       dense, cache)

@@ -37,7 +37,7 @@ def verify(params, state, cache, tokens, config):
     positions = base[:, None] + jnp.asarray(tree.depths)[None, :]
     request = config.policy.score_request(config.score_mode) if config.policy else None
     attention = TreeAttention(rows, base, jnp.asarray(tree.ancestors), None, request, config.model.num_layers,
-                              tuple(tree.levels[-1]))
+                              tuple(tree.levels[-1]), config.placement)
     logits, cache, scores = config.forward(params, tokens, positions, cache, attention)
     return logits, cache, config.placement.mean_over_model(scores)
 

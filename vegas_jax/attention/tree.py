@@ -9,8 +9,10 @@ and itself (`TreeShape.ancestors`), so its output is the one plain decoding of i
 The interface any attention family's tree verification plugs into is this one: new tokens, their positions by depth
 (the model's `positions`), the rows they are written to and the ancestor mask over the tree's rows. Verification
 sees the whole prefix (rows < base) and may collect selection scores; a draft pass sees a KV selection of it
-(`selected`) plus its recent rows [recent_start, base). jnp on every backend: the Pallas verification kernel is
-causal, not tree-masked.
+(`selected`) plus its recent rows [recent_start, base). Verification runs the tree kernel
+(pallas_kernels.tree_attention) where the placement uses kernels and the scores asked for are logits of the
+boundary or all rows (weights and per-row scores, and draft passes, are jnp, as are the linear verifier's
+ablations); jnp elsewhere.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.kv_cache import write_rows
+from pallas_kernels.tree_attention import tree_attention
 from vegas_jax.attention.core import masked_attention
 from vegas_jax.attention.sparse_draft import selected_mask
 from vegas_jax.attention.verify import ScoreRequest, row_scores
+from vegas_jax.sharding import Placement
 
 
 @jax.tree_util.register_dataclass
@@ -42,6 +47,17 @@ class DraftPrefix:
         return selected_mask(self.indices[layer], self.counts[layer], capacity) | recent
 
 
+def score_weights(rows: str, num_queries: int, deepest: tuple[int, ...]) -> np.ndarray:
+    """[S] each new token's weight in the 'boundary' (root 1/2, the deepest nodes 1/2 between them) or 'all' (the
+    mean) scores: the tree kernel's score_weights for TreeAttention's row means."""
+    if rows == "all":
+        return np.full(num_queries, 1.0 / num_queries, np.float32)
+    weights = np.zeros(num_queries, np.float32)
+    weights[list(deepest)] = 0.5 / len(deepest)
+    weights[0] += 0.5
+    return weights
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreeAttention:
@@ -56,6 +72,7 @@ class TreeAttention:
     request: ScoreRequest | None = dataclasses.field(default=None, metadata=dict(static=True))
     num_layers: int = dataclasses.field(default=0, metadata=dict(static=True))
     deepest: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # rows of the deepest nodes
+    placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
 
     def mask(self, layer: int, capacity: int) -> jax.Array:
         """[B, S, T] what each new token attends to."""
@@ -75,10 +92,24 @@ class TreeAttention:
             return False
         return not self.request.last_layer_only or layer == self.num_layers - 1
 
+    def _kernel_serves(self, layer: int) -> bool:
+        """Verification passes whose scores, if any, are logits of the boundary or all rows: the kernel's weighted
+        row sums (score_weights)."""
+        if self.prefix is not None or not self.placement.uses_kernels:
+            return False
+        return not self.collects(layer) or (self.request.mode == "logit" and self.request.rows != "each")
+
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, k, v = new.rotated()
         k_cache = write_rows(k_cache, k, self.rows)
         v_cache = write_rows(v_cache, v, self.rows)
+        if self._kernel_serves(layer):
+            weights = None
+            if self.collects(layer):
+                weights = jnp.asarray(score_weights(self.request.rows, self.ancestors.shape[0], self.deepest))
+            out, scores = tree_attention(q, k_cache, v_cache, self.base, self.ancestors, score_weights=weights,
+                                         interpret=self.placement.interpret)
+            return out, k_cache, v_cache, scores
         mask = self.mask(layer, k_cache.shape[1])
         if not self.collects(layer):
             return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
