@@ -105,8 +105,9 @@ class GenerationOptions:
     draft_cost: float | None = None
     verify_cost: float | None = None
     # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
-    # (vegas_jax.drafters): self (the model's sparse draft, with a selection method) or ngram (prompt lookup, with
-    # method ar: no draft pass, no selection).
+    # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
+    # an NSA model's sink-and-window draft, with method ar) or ngram (prompt lookup, with method ar: no draft pass,
+    # no selection).
     draft_tree: str | None = None
     drafter: str = "self"
 
@@ -215,9 +216,6 @@ class GenerationOptions:
         penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
         return [
             (self.drafter in DRAFTERS, "{drafter} must be one of " + ", ".join(DRAFTERS) + ", got {!r}", self.drafter),
-            (self.drafter != "self" or self.method != "ar",
-             "{draft_tree} {}: the self drafter drafts with a KV selection: give {method} (e.g. vegas), or "
-             "{drafter} ngram", self.draft_tree),
             (self.drafter != "ngram" or self.method == "ar",
              "{drafter} ngram reads no KV selection: {method} {} would be ignored (leave it ar)", self.method),
             (not self.auto_gamma, "{gamma} auto: not with {draft_tree} (a tree's depth is fixed)"),
@@ -534,7 +532,7 @@ class Engine:
         gamma = options.effective_gamma
         placement = self.placement
         policy = None
-        if gamma and options.drafter == "self":
+        if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
             policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
@@ -548,10 +546,10 @@ class Engine:
         if self.config.attention != "dense" and options.method != "ar":
             raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
                              "selection policies attend densely)", options.method, self.config.attention)
-        if self.config.attention != "dense" and options.draft_tree is not None:
-            raise InputError("{draft_tree} {}: draft trees are verified by dense tree attention, and an {} model's "
-                             "tree verification (pallas_kernels/nsa_verify.py) is not in the loop yet",
-                             options.draft_tree, self.config.attention)
+        if self.config.attention == "dense" and options.draft_tree is not None and options.drafter == "self" \
+                and options.method == "ar":
+            raise InputError("{draft_tree} {}: a dense model's self drafter drafts with a KV selection: give {method} "
+                             "(e.g. vegas), or {drafter} ngram", options.draft_tree)
         if options.seed + len(ids) - 1 > INT32_MAX:
             raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                              options.seed, len(ids))

@@ -55,7 +55,8 @@ class DecodeConfig:
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
     # A draft tree (vegas_jax.tree_decode) in place of the chain of γ drafts; γ is then its depth.
     tree: TreeShape | None = None
-    drafter: str = "self"  # with a tree (vegas_jax.drafters): self (sparse drafts, reads the policy) | ngram
+    # With a tree (vegas_jax.drafters): self (the model's cheaper draft: a dense model's reads the policy) | ngram.
+    drafter: str = "self"
 
     def __post_init__(self):
         if self.tree is None:
@@ -64,8 +65,9 @@ class DecodeConfig:
         else:
             if self.gamma != self.tree.depth:
                 raise ValueError(f"with a draft tree gamma is its depth {self.tree.depth}, got {self.gamma}")
-            if (self.policy is None) != (self.drafter == "ngram"):
-                raise ValueError("the self drafter reads a selection policy's KV; the ngram drafter none")
+            if (self.policy is not None) != (self.drafter == "self" and self.model.attention == "dense"):
+                raise ValueError("a dense model's self drafter reads a selection policy's KV; the ngram drafter "
+                                 "and an NSA model's self drafter none")
             if self.adaptive_gamma or self.sampling.penalties:
                 raise ValueError("draft trees take neither adaptive gamma nor penalties")
         if self.policy is None and (self.adaptive_gamma or self.draft_weights != "bf16"):

@@ -1,15 +1,24 @@
 """Attention families: the static value that says, for a model's attention kind (models.config), what its cache
-is and which attention its full passes (prefill, plain decoding, verification) run. Dense is one family, NSA
-(the "nsa" and "nsa-view" kinds) the other; drafts and selection policies exist for the dense family only."""
+is, which attention its full passes (prefill, plain decoding, verification) run, and how a draft tree is drafted
+by the model itself, verified, and its accepted path committed. Dense is one family, NSA (the "nsa" and "nsa-view"
+kinds) the other; sparse chain drafts and their selection policies exist for the dense family only.
+
+Committing a tree's accepted path (node j's K/V in scratch row base + j; vegas_jax.attention.tree) copies its rows
+to base + depth, as plain decoding of its tokens would have written them; NSA then pools the compressed rows of
+the blocks those rows complete (models.nsa_cache.pool_blocks), so its cache equals plain decoding's too."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from models.config import NSA_VIEW_LAYOUT, ModelConfig, NSALayout
+import jax.numpy as jnp
+
 from models.kv_cache import KVCache
-from models.nsa_cache import NSACache
+from models.nsa_cache import NSACache, pool_blocks
 from vegas_jax.attention.nsa import NSAAttention
+from vegas_jax.attention.nsa_tree import NSATreeVerify, SinkWindowDraft
+from vegas_jax.attention.tree import DraftPrefix, TreeAttention, copy_path_rows, path_positions
 from vegas_jax.attention.verify import ScoreRequest, VerifyAttention
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
@@ -24,6 +33,27 @@ class DenseFamily:
                        active=None) -> VerifyAttention:
         return VerifyAttention(request, config.num_layers, placement, active)
 
+    def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
+                              request: ScoreRequest | None = None) -> TreeAttention:
+        """The verification pass over every node of `tree` (vegas_jax.tree.TreeShape), roots at rows base [B]."""
+        rows = base[:, None] + jnp.arange(tree.rows)[None, :]
+        return TreeAttention(rows, base, jnp.asarray(tree.ancestors), None, request, config.num_layers,
+                             tuple(tree.levels[-1]))
+
+    def tree_draft_attention(self, config: ModelConfig, rows, base, ancestors,
+                             prefix: DraftPrefix | None) -> TreeAttention:
+        """The self drafter's pass over one level's nodes (rows [B, S], ancestors [S, R]): sparse attention over
+        the KV selection `prefix` and the recent rows (vegas_jax.drafters)."""
+        if prefix is None:
+            raise ValueError("the dense self drafter drafts with a selection policy's KV selection")
+        return TreeAttention(rows, base, ancestors, prefix)
+
+    def commit_path(self, config: ModelConfig, cache: KVCache, base, path, accepted, ok) -> KVCache:
+        """The cache with path [B, D+1] (node indices, root first) committed up to depth accepted [B] where ok [B]
+        (the module docstring)."""
+        move = lambda layer: copy_path_rows(layer, base, path, accepted, ok)
+        return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+
 
 @dataclasses.dataclass(frozen=True)
 class NSAFamily:
@@ -35,6 +65,29 @@ class NSAFamily:
         if request is not None:
             raise ValueError("NSA models verify without selection scores (no dense draft policy serves them)")
         return NSAAttention(config.nsa, config.attention, placement)
+
+    def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
+                              request: ScoreRequest | None = None) -> NSATreeVerify:
+        """Exact NSA verification of every node of `tree` (V1; vegas_jax.attention.nsa_tree)."""
+        if request is not None:
+            raise ValueError("NSA models verify without selection scores (no dense draft policy serves them)")
+        return NSATreeVerify(base, tree.parents, config.nsa, config.attention, placement)
+
+    def tree_draft_attention(self, config: ModelConfig, rows, base, ancestors,
+                             prefix: DraftPrefix | None) -> SinkWindowDraft:
+        """The self drafter of an NSA model: the sink block (the first selection block) and NSA's window before
+        the tree, plus the node's path, in one softmax (vegas_jax.attention.nsa_tree.SinkWindowDraft)."""
+        if prefix is not None:
+            raise ValueError("an NSA model's self drafter reads no KV selection")
+        return SinkWindowDraft(rows, base, ancestors, config.nsa.select_block, config.nsa.window)
+
+    def commit_path(self, config: ModelConfig, cache: NSACache, base, path, accepted, ok) -> NSACache:
+        """DenseFamily.commit_path, then the compressed rows of the blocks the committed rows complete."""
+        move = lambda layer: copy_path_rows(layer, base, path, accepted, ok)
+        moved = dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+        positions = path_positions(base, path.shape[1], accepted, ok, moved.capacity)
+        return NSACache.from_layers([pool_blocks(moved.layer(i), positions, config.nsa)
+                                     for i in range(config.num_layers)])
 
 
 def family_of(config: ModelConfig) -> DenseFamily | NSAFamily:
