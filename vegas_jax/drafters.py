@@ -27,7 +27,6 @@ import numpy as np
 from models.logical_axes import BATCH, axes_field
 from models.quantized import overlay
 from vegas_jax import sampling
-from vegas_jax.attention.family import family_of
 from vegas_jax.attention.tree import DraftPrefix
 from vegas_jax.draft_kernel import with_kernel
 
@@ -77,7 +76,7 @@ class SelfDrafter:
             selection = state.selection  # a finished sequence reads no selected rows (as in loop.draft)
             prefix = DraftPrefix(selection.indices, jnp.where(state.done[None, :], 0, selection.counts),
                                  selection.recent_start)
-        family = family_of(config.model)
+        family = config.family
         greedy = config.sampling.greedy
         tokens = jnp.zeros((batch, tree.rows), jnp.int32).at[:, 0].set(state.last_token)
         probs = None if greedy else jnp.zeros((batch, tree.num_parents, config.model.vocab_size), jnp.float32)

@@ -31,6 +31,7 @@ from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from models.quantized import overlay
 from vegas_jax import adaptive_gamma, penalties, sampling
 from vegas_jax.logprobs import Logprobs
+from vegas_jax.precision import EXACT_MODE, ApproxMode
 from vegas_jax.attention.family import family_of
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.drafters import make_drafter
@@ -57,6 +58,8 @@ class DecodeConfig:
     tree: TreeShape | None = None
     # With a tree (vegas_jax.drafters): self (the model's cheaper draft: a dense model's reads the policy) | ngram.
     drafter: str = "self"
+    # The approximate NSA mode whose modified target every pass runs (vegas_jax.precision; exact: the model).
+    mode: ApproxMode = EXACT_MODE
 
     def __post_init__(self):
         if self.tree is None:
@@ -82,9 +85,14 @@ class DecodeConfig:
         """This loop's plain decoding step (adaptive γ's g = 0)."""
         return dataclasses.replace(self, gamma=0, policy=None, draft_weights="bf16", adaptive_gamma=False)
 
+    @property
+    def family(self):
+        """The model's attention family running this loop's mode (vegas_jax.attention.family)."""
+        return family_of(self.model, self.mode)
+
     def verify_attention(self, active: jax.Array | None = None):
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return family_of(self.model).full_attention(self.model, self.placement, request, active)
+        return self.family.full_attention(self.model, self.placement, request, active)
 
     def forward(self, params, tokens, positions, cache, attention, logit_rows=None):
         """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
@@ -179,12 +187,13 @@ def init_state(
     )
 
 
-def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, placement: Placement) -> KVCache:
+def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, placement: Placement,
+                  mode: ApproxMode = EXACT_MODE) -> KVCache:
     """Writes K/V of one chunk of prompt tokens [B, C] at the same positions in every sequence; logits are not
     needed. Causal attention through verification attention without scores: on the kernel backend its kernel
     tiles the chunk's query rows and reads each sequence's keys only up to the chunk."""
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
-    attention = family_of(model).full_attention(model, placement)
+    attention = family_of(model, mode).full_attention(model, placement)
     _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
                           tensor_parallel=placement.tensor_parallel)
     return cache

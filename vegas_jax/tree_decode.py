@@ -23,20 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from vegas_jax import loop, sampling
-from vegas_jax.attention.family import family_of
 from vegas_jax.drafters import make_drafter
 
 
 def verify(params, state, cache, tokens, config):
     """The full-attention pass over every node [B, R] (the model family's tree verification: dense tree attention,
-    or exact NSA tree verification): (logits [B, R, V], cache with the tree in its scratch rows, per-layer selection
-    scores averaged over every head)."""
+    or exact NSA tree verification of the loop's target): (logits [B, R, V], cache with the tree in its scratch
+    rows, per-layer aux: with a selection policy its scores averaged over every head, else the family's own)."""
     request = config.policy.score_request(config.score_mode) if config.policy else None
     positions = state.committed[:, None] + jnp.asarray(config.tree.depths)[None, :]
-    attention = family_of(config.model).tree_verify_attention(config.model, config.placement, config.tree,
-                                                              state.committed, request)
-    logits, cache, scores = config.forward(params, tokens, positions, cache, attention)
-    return logits, cache, config.placement.mean_over_model(scores)
+    attention = config.family.tree_verify_attention(config.model, config.placement, config.tree, state.committed,
+                                                    request)
+    logits, cache, aux = config.forward(params, tokens, positions, cache, attention)
+    return logits, cache, config.placement.mean_over_model(aux) if request is not None else aux
 
 
 def accept_greedy(tree, tokens, counted, logits):
@@ -120,7 +119,7 @@ def iteration(params, draft_params, state, config):
     path_tokens = proposal.tokens[rows, path]
 
     emit_ok = ~state.done & finite
-    cache = family_of(config.model).commit_path(config.model, cache, state.committed, path, accepted, emit_ok)
+    cache = config.family.commit_path(config.model, cache, state.committed, path, accepted, emit_ok, scores)
     # The drafter remembers the root and the accepted drafts (the bonus token is the next iteration's root).
     depth = jnp.arange(tree.depth + 1)[None, :]
     written = emit_ok[:, None] & (depth <= accepted[:, None])
