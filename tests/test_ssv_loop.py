@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -124,3 +125,12 @@ def test_a_dense_model_refuses_the_approximate_class(capsys):
                         "--precision", "approximate"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--precision approximate: precision classes" in err[0], err
+
+
+def test_the_memory_plan_counts_the_approximate_cache_it_allocates(engine, ids):
+    from vegas_jax.attention.nsa_approx import ApproxNSACache
+
+    plan = engine.plan(ids, GenerationOptions(max_new_tokens=NEW, precision="approximate", approx_mode="s4w2r2"))
+    cache = jax.eval_shape(lambda: ApproxNSACache.create(engine.config, ApproxMode(4, 2, 2), plan["batch_rows"],
+                                                         plan["cache_capacity"], jnp.float32))
+    assert plan["bytes_per_device"]["kv_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

@@ -258,10 +258,11 @@ class GenerationOptions:
         return self.gamma
 
     def plain(self) -> "GenerationOptions":
-        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them."""
+        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them, no
+        planner (a pinned approximate mode stays: plain decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
                                    gamma_max=None, draft_cost=None, verify_cost=None, draft_tree=None,
-                                   drafter=GenerationOptions.drafter)
+                                   drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
     def given_costs(self) -> tuple[float, float] | None:
@@ -475,7 +476,8 @@ class Engine:
                                    logprobs=config.logprobs, stop_table=stop_table.shape,
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
                                                                      options, p),
-                                   refill=None if slots is None else self._batch_rows(check_serving(slots, refill)))
+                                   refill=None if slots is None else self._batch_rows(check_serving(slots, refill)),
+                                   approx_mode=config.mode)
         memory.check_fits(estimate, p)
         return options, config, capacity, {
             "ssv_plan": None if ssv_plan is None else ssv_plan.report(),

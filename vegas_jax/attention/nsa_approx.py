@@ -141,6 +141,10 @@ class ApproxNSAAttention:
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
     carried: jax.Array | None = None
 
+    def scored_tokens_limit(self, group: int) -> None:
+        """No limit: the modified target's passes collect no selection scores (VerifyAttention's limit)."""
+        return None
+
     def __call__(self, layer, new, positions, cache: ApproxLayerCache):
         q, k, v = new.rotated()
         nsa = write_tokens(cache.nsa, k, v, positions, self.layout)
