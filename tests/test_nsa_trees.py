@@ -4,7 +4,7 @@ cover: greedy tree speculation with each drafter equals plain NSA greedy decodin
 batches (NSA-1B's selection rules, the NSA paper's, and the view of a dense model), and the caches after
 acceptance, raw rows and compressed rows alike, equal plain decoding's; sampled trees keep the distribution
 (the joint of four tokens against the exact float64 one computed from NSA prefill logits of every
-continuation, chi-square).
+continuation, chi-square); the loop's tree verification, batched, lowers to Triton for an H200.
 
 Plain NSA decoding (the reference here) is itself checked against the float64 oracle in tests/test_nsa.py, and
 every node of one tree pass against the oracle decoding its path in tests/test_nsa_verify.py."""
@@ -143,3 +143,26 @@ def test_sampled_nsa_trees_keep_the_distribution():
     np.add.at(counts, tuple(np.array([r.tokens for r in result.requests]).T), 1)
     p_value = chi_square_p_value(counts, joint)
     assert p_value > 1e-3, f"p = {p_value:.2e}"
+
+
+def test_the_loops_tree_verification_lowers_to_triton_for_h200():
+    """NSATreeVerify's vmap over the batch of nsa_tree_verify with its Pallas kernels (V1), at NSA-1B's heads."""
+    from h200_lowering import lower_for_h200
+    from models.config import NSA_1B_LAYOUT
+    from models.nsa_cache import NSALayerCache, compressed_rows
+    from pallas_kernels.nsa_verify import nsa_tree_verify
+    from vegas_jax.tree import TreeShape
+
+    tree, batch, capacity, heads, kv_heads, dim = TreeShape.full(4, 2), 2, 4096, 32, 2, 64
+    parents, rows, spec = jnp.asarray(tree.parents, jnp.int32), compressed_rows(NSA_1B_LAYOUT, capacity), \
+        jax.ShapeDtypeStruct
+
+    def verify(q, cache, tree_k, tree_v, gates, length):
+        one = lambda *a: nsa_tree_verify(*a, parents, layout=NSA_1B_LAYOUT, kind="nsa", kernels="pallas")
+        return jax.vmap(one)(q, cache, tree_k, tree_v, gates, length)
+
+    kv = lambda n: spec((batch, n, kv_heads, dim), jnp.bfloat16)
+    lowered = lower_for_h200(jax.jit(verify), spec((batch, tree.rows, heads, dim), jnp.bfloat16),
+                             NSALayerCache(kv(capacity), kv(capacity), kv(rows), kv(rows)), kv(tree.rows),
+                             kv(tree.rows), spec((batch, tree.rows, heads, 3), jnp.float32), spec((batch,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in lowered

@@ -31,10 +31,10 @@ from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from models.quantized import overlay
 from vegas_jax import adaptive_gamma, penalties, sampling
 from vegas_jax.logprobs import Logprobs
-from vegas_jax.precision import EXACT_MODE, ApproxMode
 from vegas_jax.attention.family import family_of
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.drafters import make_drafter
+from vegas_jax.precision import EXACT_MODE, ApproxMode
 from vegas_jax.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
 from vegas_jax.tree import TreeShape
