@@ -85,17 +85,24 @@ def write_tokens(cache: NSALayerCache, k: jax.Array, v: jax.Array, positions: ja
                  layout: NSALayout) -> NSALayerCache:
     """Writes rotated k, v [B, S, H_kv, D] at positions [B, S], then the compressed row of every block whose last
     row is among them, pooled from the raw rows just written (positions past the end are dropped)."""
-    k_all = write_rows(cache.k, k, positions)
-    v_all = write_rows(cache.v, v, positions)
+    written = NSALayerCache(write_rows(cache.k, k, positions), write_rows(cache.v, v, positions), cache.k_cmp,
+                            cache.v_cmp)
+    return pool_blocks(written, positions, layout)
+
+
+def pool_blocks(cache: NSALayerCache, positions: jax.Array, layout: NSALayout) -> NSALayerCache:
+    """The cache with the compressed row of every block whose last row is at one of positions [B, S] pooled from
+    its raw rows as they are (positions past the end change nothing): what writing those rows does after the raw
+    write, and what a committed draft path needs once its rows are copied into place."""
     l, d = layout.compress_block, layout.compress_stride
     start = positions + 1 - l  # [B, S] the first row of the block that ends here
     completes = (start >= 0) & (start % d == 0) & (positions < cache.capacity)
     block = jnp.where(completes, start // d, cache.k_cmp.shape[1])  # out of range: dropped
     rows = jnp.clip(start[..., None] + jnp.arange(l), 0, cache.capacity - 1)  # [B, S, l]
-    batch_index = jnp.arange(k.shape[0])[:, None, None]
+    batch_index = jnp.arange(positions.shape[0])[:, None, None]
 
     def pooled(raw):
         return jnp.mean(raw[batch_index, rows].astype(jnp.float32), axis=2)  # [B, S, H_kv, D]
 
-    return NSALayerCache(k_all, v_all, write_rows(cache.k_cmp, pooled(k_all), block),
-                         write_rows(cache.v_cmp, pooled(v_all), block))
+    return NSALayerCache(cache.k, cache.v, write_rows(cache.k_cmp, pooled(cache.k), block),
+                         write_rows(cache.v_cmp, pooled(cache.v), block))

@@ -27,7 +27,8 @@ def chain_sees(positions: jax.Array) -> jax.Array:
 
 def shared_blocks(own: jax.Array, anchors: jax.Array, stored: jax.Array) -> jax.Array:
     """Each row's shared selection [B, K, S, n]: the selection its anchor row derived (own [B, K, S, n], every
-    row's own top-n) or, for an anchor before the pass (anchors [B, S] == BEFORE_PASS), stored [B, K, n]."""
+    row's own top-n) or, for an anchor before the pass (anchors [B, S] == BEFORE_PASS), the row's stored one
+    (stored [B, K, S or 1, n]: its span's, from the cache)."""
     rows = jnp.maximum(anchors, 0)[:, None, :, None]  # [B, 1, S, 1]
     taken = jnp.take_along_axis(own, jnp.broadcast_to(rows, own.shape), axis=2)
-    return jnp.where((anchors == BEFORE_PASS)[:, None, :, None], stored[:, :, None, :], taken)
+    return jnp.where((anchors == BEFORE_PASS)[:, None, :, None], stored, taken)

@@ -23,6 +23,7 @@ from tests.test_sampling_distribution import (VOCAB, chi_square_p_value, continu
                                               tiny_sampler)
 from vegas_jax import tree_decode
 from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.attention.family import DenseFamily
 from vegas_jax.attention.tree import TreeAttention
 from vegas_jax.engine import Engine, GenerationOptions, InputError
 from vegas_jax.metrics import accepted_histogram
@@ -97,8 +98,8 @@ def test_every_node_attends_its_path_and_the_committed_path_is_plain_decoding(en
 
     last = np.array([7, 4], np.int32)  # paths 0-2-5-7 and 0-1-4
     accepted = tree.depths[last]
-    committed = tree_decode.commit_path(cache, jnp.asarray(base), jnp.asarray(tree.path_nodes[last]),
-                                        jnp.asarray(accepted), jnp.ones((batch,), bool))
+    committed = DenseFamily().commit_path(config, cache, jnp.asarray(base), jnp.asarray(tree.path_nodes[last]),
+                                          jnp.asarray(accepted), jnp.ones((batch,), bool))
     for b in range(batch):
         ref = paths.index((b, int(last[b])))
         rows = int(base[b] + accepted[b] + 1)  # the prompt and the path, the last accepted token included
@@ -223,9 +224,10 @@ def test_sampling_without_the_residual_is_caught(sampler, monkeypatch):
     assert p_value < 1e-6, f"p = {p_value:.2e}"
 
 
-def test_library_refusals_name_the_argument():
+def test_library_refusals_name_the_argument(engine):
+    with pytest.raises(InputError, match="draft_tree 2x2: a dense model's self drafter drafts with a KV selection"):
+        engine.check_input([[1, 2, 3]], GenerationOptions(draft_tree="2x2"))
     cases = [
-        (dict(draft_tree="2x2"), "draft_tree 2x2: the self drafter drafts with a KV selection"),
         (dict(draft_tree="4x2", gamma=3, method="vegas"), "gamma 3 contradicts draft_tree 4x2"),
         (dict(drafter="ngram"), "drafter ngram drafts a tree: give draft_tree"),
         (dict(draft_tree="2x2", drafter="ngram", method="vegas"), "drafter ngram reads no KV selection"),

@@ -192,7 +192,8 @@ def scenario_tiny() -> dict:
 
 def scenario_nsa() -> dict:
     """The tiny Qwen3 with NSA attention (2 selected blocks of 16 and a 16-token window, so the prompts are
-    sparse): plain decoding on (data=2, model=4), its NSA caches split like dense ones, against one device."""
+    sparse): plain decoding and greedy n-gram tree speculation on (data=2, model=4), its NSA caches split like
+    dense ones, against one device's plain decoding."""
     import jax
     import jax.numpy as jnp
 
@@ -210,8 +211,13 @@ def scenario_nsa() -> dict:
     batch = prompts([45, 12, 80, 30, 64], config.vocab_size, seed=5)
     options = dataclasses.replace(GREEDY, max_new_tokens=24)
     one = Engine(nsa).generate(batch, options)
-    mesh = Engine(nsa.on_mesh(make_mesh({"data": 2, "model": 4}))).generate(batch, options)
-    return {"nsa_identical": [a.tokens == b.tokens for a, b in zip(mesh.requests, one.requests)]}
+    on_mesh = Engine(nsa.on_mesh(make_mesh({"data": 2, "model": 4})))
+    mesh = on_mesh.generate(batch, options)
+    # A greedy n-gram tree on the mesh: NSA tree verification over each shard's KV heads, the path committed.
+    tree = on_mesh.generate(batch, dataclasses.replace(options, draft_tree="2x2", drafter="ngram", gamma=2))
+    return {"nsa_identical": [a.tokens == b.tokens for a, b in zip(mesh.requests, one.requests)],
+            "tree_identical": [a.tokens == b.tokens for a, b in zip(tree.requests, one.requests)],
+            "tree_tau": tree.metrics["tau"]}
 
 
 def scenario_smollm2() -> dict:
@@ -280,7 +286,9 @@ def test_every_mesh_decodes_as_one_device(tiny):
 
 
 def test_an_nsa_model_decodes_on_a_mesh_as_on_one_device():
-    assert run_scenario("nsa", devices=8)["nsa_identical"] == [True] * 5
+    out = run_scenario("nsa", devices=8)
+    assert out["nsa_identical"] == [True] * 5 and out["tree_identical"] == [True] * 5
+    assert out["tree_tau"] > 1.0  # drafts were accepted
 
 
 def test_the_loop_keeps_its_layout_without_gathering(tiny):

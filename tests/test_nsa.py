@@ -229,7 +229,7 @@ def test_an_nsa_variant_that_cannot_run_exactly_is_refused(change, culprit):
 
 @pytest.mark.parametrize("flags, culprit", [(["--attention", "nsa-view"], "--attention"),
                                             (["--method", "vegas"], "--method"),
-                                            (["--draft-tree", "2x2", "--drafter", "ngram"], "--draft-tree")])
+                                            (["--draft-tree", "2x2", "--method", "vegas"], "--method")])
 def test_the_cli_refuses_what_an_nsa_checkpoint_cannot_do_in_one_line(nsa_folder, flags, culprit, capsys):
     from vegas_jax import generate
 

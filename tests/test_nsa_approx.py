@@ -92,7 +92,7 @@ def test_shared_selection_equals_its_definition_on_chains_and_trees(span):
         np.testing.assert_array_equal(got, want)
         own = rng.integers(0, 9, size=(1, KV_HEADS, len(positions), 3))
         stored = rng.integers(10, 19, size=(1, KV_HEADS, 3))
-        shared = np.asarray(shared_blocks(jnp.asarray(own), jnp.asarray(got[None]), jnp.asarray(stored)))[0]
+        shared = np.asarray(shared_blocks(jnp.asarray(own), jnp.asarray(got[None]), jnp.asarray(stored)[:, :, None]))[0]
         for i, a in enumerate(want):
             np.testing.assert_array_equal(shared[:, i], stored[0] if a == BEFORE_PASS else own[0, :, a])
         assert (np.asarray(want) == BEFORE_PASS).any() and (np.asarray(want) >= 0).any()

@@ -1,10 +1,12 @@
 """Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.tree). Behind one small interface, so
 another drafter (an EAGLE-style head, say) plugs in beside these two:
 
-- `self`: the model itself with sparse attention over its KV selection, as Vegas drafts a chain: one forward per
-  level over that level's nodes (each attending to its selection, the recent rows and its own path), a node's
+- `self`: the model itself with a cheaper attention, one forward per level over that level's nodes, a node's
   children its draft distribution's top choices (greedy) or draws from it without replacement (sampling: the
-  Gumbel-top-k trick, so the first child is an ordinary draw and a chain drafts as the linear loop does).
+  Gumbel-top-k trick, so the first child is an ordinary draw and a chain drafts as the linear loop does). What
+  the cheaper attention is comes from the model's attention family (vegas_jax.attention.family): a dense model
+  attends to its KV selection (the selection policy's, as Vegas drafts a chain), the recent rows and its own
+  path; an NSA model to its sink block, NSA's window and its own path (vegas_jax.attention.nsa_tree).
 - `ngram`: prompt lookup. The longest (up to NGRAM_MAX tokens), most recent earlier occurrences of the sequence's
   last tokens and what followed each are merged into the tree: a node's children are the distinct next tokens of
   the continuations through it, best match first. No forward pass; nodes no match fills are invalid.
@@ -25,7 +27,7 @@ import numpy as np
 from models.logical_axes import BATCH, axes_field
 from models.quantized import overlay
 from vegas_jax import sampling
-from vegas_jax.attention.tree import DraftPrefix, TreeAttention
+from vegas_jax.attention.tree import DraftPrefix
 from vegas_jax.draft_kernel import with_kernel
 
 DRAFTERS = ("self", "ngram")
@@ -69,9 +71,12 @@ class SelfDrafter:
         tree = config.tree
         batch, committed = state.committed.shape[0], state.committed
         weights = params if draft_params is None else overlay(params, with_kernel(draft_params, config.placement))
-        selection = state.selection  # a finished sequence reads no selected rows (as in loop.draft)
-        prefix = DraftPrefix(selection.indices, jnp.where(state.done[None, :], 0, selection.counts),
-                             selection.recent_start)
+        prefix = None  # an NSA model's self draft reads no selection (its family's draft attention)
+        if config.policy is not None:
+            selection = state.selection  # a finished sequence reads no selected rows (as in loop.draft)
+            prefix = DraftPrefix(selection.indices, jnp.where(state.done[None, :], 0, selection.counts),
+                                 selection.recent_start)
+        family = config.family
         greedy = config.sampling.greedy
         tokens = jnp.zeros((batch, tree.rows), jnp.int32).at[:, 0].set(state.last_token)
         probs = None if greedy else jnp.zeros((batch, tree.num_parents, config.model.vocab_size), jnp.float32)
@@ -79,7 +84,8 @@ class SelfDrafter:
         cache, finite = state.cache, jnp.ones((batch,), bool)
         for depth, level in enumerate(tree.levels[:-1]):
             nodes = np.asarray([n for n in level if tree.children[n, 0] >= 0])
-            attention = TreeAttention(committed[:, None] + nodes, committed, ancestors[nodes], prefix)
+            attention = family.tree_draft_attention(config.model, committed[:, None] + nodes, committed,
+                                                    ancestors[nodes], prefix)
             positions = jnp.broadcast_to((committed + depth)[:, None], (batch, len(nodes)))
             logits, cache, _ = config.forward(weights, tokens[:, nodes], positions, cache, attention)
             finite = finite & (jnp.all(jnp.isfinite(logits), axis=(1, 2)) | (depth >= num_drafts))

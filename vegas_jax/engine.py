@@ -24,15 +24,15 @@ from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
 from models.quantized import PRECISIONS
-from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, stops
+from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
 from vegas_jax.attention.backend import default_backend
-from vegas_jax.attention.family import family_of
 from vegas_jax.attention.verify import SCORE_MODES
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.drafters import DRAFTERS
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.logprobs import TokenLogprob, host_list
+from vegas_jax.planner import AcceptanceTracker
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.selection import POLICIES, Budget, make_policy
 from vegas_jax.sharding import Placement, check_model_fits, on_all_shards, round_up_to_shards
@@ -105,10 +105,19 @@ class GenerationOptions:
     draft_cost: float | None = None
     verify_cost: float | None = None
     # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
-    # (vegas_jax.drafters): self (the model's sparse draft, with a selection method) or ngram (prompt lookup, with
-    # method ar: no draft pass, no selection).
+    # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
+    # an NSA model's sink-and-window draft, with method ar) or ngram (prompt lookup, with method ar: no draft pass,
+    # no selection).
     draft_tree: str | None = None
     drafter: str = "self"
+    # SSV on NSA models (vegas_jax.ssv): the precision class (vegas_jax.precision: exact never changes the output;
+    # approximate allows the approximate modes whose measured top-1 disagreement with the exact target is at most
+    # precision_tolerance, default 0.05), an approximate mode pinned by its label (s<span>w<widen>r<refresh>; with
+    # precision approximate), and a device profile from which the planner chooses the tree and the mode.
+    precision: str = "exact"
+    precision_tolerance: float | None = None
+    approx_mode: str | None = None
+    ssv_profile: str | None = None
 
     @classmethod
     def check(cls, options: Any) -> GenerationOptions:
@@ -193,6 +202,7 @@ class GenerationOptions:
         for ok, template, *values in checks + self._tree_checks():
             if not ok:
                 raise InputError(template, *values)
+        ssv.check(self)
         for i, text in enumerate(self.stop):
             if not text:
                 raise InputError("{stop}: stop string {} is empty", i)
@@ -209,15 +219,13 @@ class GenerationOptions:
     def _tree_checks(self) -> list[tuple]:
         """validate's checks of draft_tree and drafter (the tree's own syntax and size: parse_tree)."""
         if self.draft_tree is None:
-            return [(self.drafter == "self", "{drafter} {} drafts a tree: give {draft_tree} too (6x1 is a chain)",
-                     self.drafter)]
+            # With a profile the planner chooses the tree (or none) for the drafter given.
+            return [(self.drafter == "self" or self.ssv_profile is not None,
+                     "{drafter} {} drafts a tree: give {draft_tree} too (6x1 is a chain)", self.drafter)]
         tree = parse_tree(self.draft_tree)
         penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
         return [
             (self.drafter in DRAFTERS, "{drafter} must be one of " + ", ".join(DRAFTERS) + ", got {!r}", self.drafter),
-            (self.drafter != "self" or self.method != "ar",
-             "{draft_tree} {}: the self drafter drafts with a KV selection: give {method} (e.g. vegas), or "
-             "{drafter} ngram", self.draft_tree),
             (self.drafter != "ngram" or self.method == "ar",
              "{drafter} ngram reads no KV selection: {method} {} would be ignored (leave it ar)", self.method),
             (not self.auto_gamma, "{gamma} auto: not with {draft_tree} (a tree's depth is fixed)"),
@@ -250,10 +258,11 @@ class GenerationOptions:
         return self.gamma
 
     def plain(self) -> "GenerationOptions":
-        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them."""
+        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them, no
+        planner (a pinned approximate mode stays: plain decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
                                    gamma_max=None, draft_cost=None, verify_cost=None, draft_tree=None,
-                                   drafter=GenerationOptions.drafter)
+                                   drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
     def given_costs(self) -> tuple[float, float] | None:
@@ -306,6 +315,8 @@ class Started:
     decode: Callable
     timings: dict
     draft_params: Any = None  # what the drafts read besides the parameters (None: nothing; int8 / int4 copies)
+    options: Any = None  # the options the run decodes with (GenerationOptions, vegas_jax.ssv's choice made)
+    ssv_plan: dict | None = None  # the SSV planner's choice (vegas_jax.planner.Plan.report), None: the default plan
 
 
 def _largest_chunk(budget_bytes: int, bytes_per_chunk_token: int) -> int:
@@ -385,6 +396,7 @@ class Engine:
         self._compiled: dict = {}
         self._stop_tables: dict = {}
         self._gamma_costs: dict = {}  # adaptive γ: measured costs per (loop configuration, batch rows, capacity)
+        self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs
 
     @property
     def placement(self) -> Placement:
@@ -443,10 +455,12 @@ class Engine:
         """What a run of these prompts (with `slots`: served through that many) would compile and allocate, without
         doing either: the mesh, the compiled shapes and the bytes per device (vegas_jax.memory). InputError if it
         does not fit."""
-        return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill)[2]
+        return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill)[3]
 
-    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None) -> tuple[loop.DecodeConfig, int, dict]:
-        """(loop configuration, cache capacity, `plan`'s summary) once the run is known to fit its devices."""
+    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None):
+        """(the options the run decodes with (vegas_jax.ssv's choice made), loop configuration, cache capacity,
+        `plan`'s summary) once the run is known to fit its devices."""
+        options, ssv_plan = ssv.resolve(options, self.config, [len(p) for p in prompt_ids], self._acceptance)
         config, capacity = self._plan(prompt_ids, options)
         stop_table = self._stop_table(options)
         batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
@@ -462,9 +476,11 @@ class Engine:
                                    logprobs=config.logprobs, stop_table=stop_table.shape,
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
                                                                      options, p),
-                                   refill=None if slots is None else self._batch_rows(check_serving(slots, refill)))
+                                   refill=None if slots is None else self._batch_rows(check_serving(slots, refill)),
+                                   approx_mode=config.mode)
         memory.check_fits(estimate, p)
-        return config, capacity, {
+        return options, config, capacity, {
+            "ssv_plan": None if ssv_plan is None else ssv_plan.report(),
             "placement": p.describe(),
             "mesh": {"data": p.data_shards, "model": p.model_shards},
             "backend": p.backend,
@@ -534,13 +550,14 @@ class Engine:
         gamma = options.effective_gamma
         placement = self.placement
         policy = None
-        if gamma and options.drafter == "self":
+        if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
             policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
                                  options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
-                                 adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter)
+                                 adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter,
+                                 mode=ssv.approx_mode_of(options))
 
     def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
         """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
@@ -548,10 +565,10 @@ class Engine:
         if self.config.attention != "dense" and options.method != "ar":
             raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
                              "selection policies attend densely)", options.method, self.config.attention)
-        if self.config.attention != "dense" and options.draft_tree is not None:
-            raise InputError("{draft_tree} {}: draft trees are verified by dense tree attention, and an {} model's "
-                             "tree verification (pallas_kernels/nsa_verify.py) is not in the loop yet",
-                             options.draft_tree, self.config.attention)
+        if self.config.attention == "dense" and options.draft_tree is not None and options.drafter == "self" \
+                and options.method == "ar":
+            raise InputError("{draft_tree} {}: a dense model's self drafter drafts with a KV selection: give {method} "
+                             "(e.g. vegas), or {drafter} ngram", options.draft_tree)
         if options.seed + len(ids) - 1 > INT32_MAX:
             raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                              options.seed, len(ids))
@@ -673,7 +690,7 @@ class Engine:
             prefill[size] = self._compile(
                 "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
                 in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
-                out_axes=cache_axes, model=self.config, placement=placement,
+                out_axes=cache_axes, model=self.config, placement=placement, mode=config.mode,
             )
         bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
                                   in_axes=(p_axes, state_axes), out_axes=state_axes, config=config)
@@ -716,7 +733,7 @@ class Engine:
         prompts' keys and values, so the tokens that follow mean nothing; only their cost does."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        config, capacity, _ = self._fitted_plan(ids, options)  # refuses what cannot fit before allocating
+        options, config, capacity, summary = self._fitted_plan(ids, options)  # refuses what cannot fit first
         timings = {}
         draft_params = self._draft_params(config.draft_weights)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
@@ -724,7 +741,7 @@ class Engine:
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = self._with_control(config, state, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
-        return Started(ids, config, state, decode, timings, draft_params)
+        return Started(ids, config, state, decode, timings, draft_params, options, summary["ssv_plan"])
 
     @staticmethod
     def _fetch(config: loop.DecodeConfig, tree):
@@ -752,6 +769,7 @@ class Engine:
         options = GenerationOptions.check(options)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
+        options = started.options
         draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
         capacity = state.cache.capacity
@@ -781,8 +799,13 @@ class Engine:
         host = {key: v[:batch] for key, v in self._host_rows(config, state).items()}
         if pacer.steps is None:
             yield [self._tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
-        yield self._result(options, started.prompt_ids, host, timings, config.placement,
-                           self._gamma_report(config, state, tuner))
+        result = self._result(options, started.prompt_ids, host, timings, config.placement,
+                              self._gamma_report(config, state, tuner))
+        if self.config.attention != "dense":
+            result.metrics.update(ssv.report(options, started.ssv_plan, timings["decode_s"],
+                                             result.metrics["decode_tokens"], batch))
+            ssv.observe(self._acceptance, options, result.metrics["accepted_depth_histogram"])
+        yield result
 
     def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:
         *_, result = self.stream(prompts, options, **kwargs)
@@ -825,7 +848,7 @@ class Engine:
             raise InputError("{slots} {}: must be a multiple of the mesh's data axis ({mesh} data={})", slots, data)
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        config, capacity, _ = self._fitted_plan(ids, options, slots=slots, refill=refill)
+        options, config, capacity, _ = self._fitted_plan(ids, options, slots=slots, refill=refill)
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))
         refill = min(refill, slots)
@@ -1054,7 +1077,7 @@ def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, prompt_toke
     batch = lengths.shape[0]
     state = loop.init_state(
         config,
-        family_of(config.model).create_cache(config.model, batch, capacity, dtype),
+        config.family.create_cache(config.model, batch, capacity, dtype),
         lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
         sampling.SamplingParams.create(batch, *sampling_values),
         stop_table,

@@ -120,7 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify a draft tree DEPTHxBRANCHING (e.g. 4x2; 6x1 is a chain; at most 64 nodes) instead of "
                         "a chain of --gamma drafts")
     p.add_argument("--drafter", default=GenerationOptions.drafter,
-                   help="with --draft-tree: self (the model's sparse draft; needs --method) or ngram (prompt lookup)")
+                   help="with --draft-tree: self (the model's cheaper draft: a dense model's sparse draft, with "
+                        "--method; an NSA model's sink and window) or ngram (prompt lookup)")
+    p.add_argument("--precision", default=GenerationOptions.precision,
+                   help="NSA models: exact (never changes the output) | approximate (allows approximate modes "
+                        "whose measured top-1 disagreement is at most --precision-tolerance)")
+    p.add_argument("--precision-tolerance", type=float, default=None,
+                   help="with --precision approximate: the largest top-1 disagreement allowed, in [0, 0.5] (0.05)")
+    p.add_argument("--approx-mode", default=None,
+                   help="with --precision approximate and no --ssv-profile: run this approximate mode's modified "
+                        "target (s<span>w<widen>r<refresh>, e.g. s8w1r2)")
+    p.add_argument("--ssv-profile", default=None,
+                   help="NSA models: a device profile (benchmarks/profile_ssv.py); the planner chooses the draft "
+                        "tree and the mode within --precision")
     p.add_argument("--sparse-ratio", type=float, default=GenerationOptions.sparse_ratio,
                    help="draft KV budget as a fraction of the current length")
     p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
@@ -438,6 +450,12 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
         if m.get("draft_tree"):
             line += f"  tree {m['draft_tree']} ({m['drafter']})"
         line += f"  accepted depths {m['accepted_depth_histogram']}"
+    if m.get("ssv_plan") is not None:
+        plan = m["ssv_plan"]
+        line += f"  precision {m['precision']} mode {m['approx_mode']} plan ({plan['source']}) tree {plan['tree']}"
+        if plan.get("measured_over_predicted") is not None:
+            line += (f" predicted {plan['predicted_ms_per_token']:.3f} ms/token measured "
+                     f"{plan['measured_ms_per_token']:.3f}")
     if m.get("gamma_chosen_histogram") is not None:
         costs = m["gamma_costs"]
         cost_text = "" if costs is None else f", costs draft {costs['draft']:.3f} verify {costs['verify']:.3f}"

@@ -34,6 +34,7 @@ from vegas_jax.logprobs import Logprobs
 from vegas_jax.attention.family import family_of
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.drafters import make_drafter
+from vegas_jax.precision import EXACT_MODE, ApproxMode
 from vegas_jax.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
 from vegas_jax.tree import TreeShape
@@ -55,7 +56,10 @@ class DecodeConfig:
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
     # A draft tree (vegas_jax.tree_decode) in place of the chain of γ drafts; γ is then its depth.
     tree: TreeShape | None = None
-    drafter: str = "self"  # with a tree (vegas_jax.drafters): self (sparse drafts, reads the policy) | ngram
+    # With a tree (vegas_jax.drafters): self (the model's cheaper draft: a dense model's reads the policy) | ngram.
+    drafter: str = "self"
+    # The approximate NSA mode whose modified target every pass runs (vegas_jax.precision; exact: the model).
+    mode: ApproxMode = EXACT_MODE
 
     def __post_init__(self):
         if self.tree is None:
@@ -64,8 +68,9 @@ class DecodeConfig:
         else:
             if self.gamma != self.tree.depth:
                 raise ValueError(f"with a draft tree gamma is its depth {self.tree.depth}, got {self.gamma}")
-            if (self.policy is None) != (self.drafter == "ngram"):
-                raise ValueError("the self drafter reads a selection policy's KV; the ngram drafter none")
+            if (self.policy is not None) != (self.drafter == "self" and self.model.attention == "dense"):
+                raise ValueError("a dense model's self drafter reads a selection policy's KV; the ngram drafter "
+                                 "and an NSA model's self drafter none")
             if self.adaptive_gamma or self.sampling.penalties:
                 raise ValueError("draft trees take neither adaptive gamma nor penalties")
         if self.policy is None and (self.adaptive_gamma or self.draft_weights != "bf16"):
@@ -80,9 +85,14 @@ class DecodeConfig:
         """This loop's plain decoding step (adaptive γ's g = 0)."""
         return dataclasses.replace(self, gamma=0, policy=None, draft_weights="bf16", adaptive_gamma=False)
 
+    @property
+    def family(self):
+        """The model's attention family running this loop's mode (vegas_jax.attention.family)."""
+        return family_of(self.model, self.mode)
+
     def verify_attention(self, active: jax.Array | None = None):
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return family_of(self.model).full_attention(self.model, self.placement, request, active)
+        return self.family.full_attention(self.model, self.placement, request, active)
 
     def forward(self, params, tokens, positions, cache, attention, logit_rows=None):
         """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
@@ -177,12 +187,13 @@ def init_state(
     )
 
 
-def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, placement: Placement) -> KVCache:
+def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, placement: Placement,
+                  mode: ApproxMode = EXACT_MODE) -> KVCache:
     """Writes K/V of one chunk of prompt tokens [B, C] at the same positions in every sequence; logits are not
     needed. Causal attention through verification attention without scores: on the kernel backend its kernel
     tiles the chunk's query rows and reads each sequence's keys only up to the chunk."""
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
-    attention = family_of(model).full_attention(model, placement)
+    attention = family_of(model, mode).full_attention(model, placement)
     _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
                           tensor_parallel=placement.tensor_parallel)
     return cache

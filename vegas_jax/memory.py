@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.decoder import param_axes
 from models.logical_axes import HEADS, MLP
 from models.nsa_cache import compressed_rows
+from vegas_jax.precision import EXACT_MODE, ApproxMode
 from models.quantized import nbytes
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
@@ -54,7 +55,8 @@ def draft_per_device(draft, placement: Placement) -> int:
 def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, capacity: int, gamma: int,
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
              refill: int | None, penalties: bool = False, logprobs: int | None = None,
-             stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16) -> dict:
+             stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16,
+             approx_mode: ApproxMode = EXACT_MODE) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
     bf16 drafts."""
     dtype = np.dtype(params["embed"].dtype).itemsize
@@ -65,6 +67,9 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     # One sequence's K and V rows, and an NSA layer's compressed rows besides (models.nsa_cache).
     rows_kept = capacity + (compressed_rows(config.nsa, capacity) if config.nsa is not None else 0)
     cache_row = 2 * layers * rows_kept * kv_heads * config.head_dim * dtype
+    if not approx_mode.is_exact:  # its stored span selections (vegas_jax.attention.nsa_approx.ApproxNSACache)
+        spans = -(-capacity // approx_mode.share_span) if approx_mode.share_span > 1 else 1
+        cache_row += layers * spans * kv_heads * approx_mode.selection_layout(config.nsa).top_n * 4
 
     # Per request beyond its cache: the output, and with logprobs each token's value and alternatives (id, value).
     request_row = output_width * 4 * (1 if logprobs is None else 2 + 2 * max(logprobs, 1))

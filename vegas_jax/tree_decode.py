@@ -1,7 +1,8 @@
 """One decode iteration over a draft tree (vegas_jax.tree): a drafter proposes the tree's tokens
 (vegas_jax.drafters), one target pass verifies every node (tree attention: node j's K/V in scratch row committed + j,
 RoPE at committed + its depth), acceptance picks a root-to-node path, and committing the path copies its K/V rows
-to the contiguous positions committed + depth, as if its tokens had been decoded one by one.
+to the contiguous positions committed + depth, as if its tokens had been decoded one by one (the model's attention
+family says how: vegas_jax.attention.family; NSA also pools the compressed blocks the path completes).
 
 Acceptance is exact. Greedy: the deepest path whose every token is its parent's target argmax, then the argmax at
 its end. Sampling: recursive rejection sampling down the tree. At a node with target distribution p, child i (token
@@ -17,29 +18,24 @@ On acceptance the walk continues at the child, whose subtree was drafted given i
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from vegas_jax import loop, sampling
-from vegas_jax.attention.tree import TreeAttention
 from vegas_jax.drafters import make_drafter
 
 
 def verify(params, state, cache, tokens, config):
-    """The full-attention pass over every node [B, R]: (logits [B, R, V], cache with the tree in its scratch rows,
-    per-layer selection scores averaged over every head)."""
-    tree = config.tree
-    base = state.committed
-    rows = base[:, None] + jnp.arange(tree.rows)[None, :]
-    positions = base[:, None] + jnp.asarray(tree.depths)[None, :]
+    """The full-attention pass over every node [B, R] (the model family's tree verification: dense tree attention,
+    or exact NSA tree verification of the loop's target): (logits [B, R, V], cache with the tree in its scratch
+    rows, per-layer aux: with a selection policy its scores averaged over every head, else the family's own)."""
     request = config.policy.score_request(config.score_mode) if config.policy else None
-    attention = TreeAttention(rows, base, jnp.asarray(tree.ancestors), None, request, config.model.num_layers,
-                              tuple(tree.levels[-1]), config.placement)
-    logits, cache, scores = config.forward(params, tokens, positions, cache, attention)
-    return logits, cache, config.placement.mean_over_model(scores)
+    positions = state.committed[:, None] + jnp.asarray(config.tree.depths)[None, :]
+    attention = config.family.tree_verify_attention(config.model, config.placement, config.tree, state.committed,
+                                                    request)
+    logits, cache, aux = config.forward(params, tokens, positions, cache, attention)
+    return logits, cache, config.placement.mean_over_model(aux) if request is not None else aux
 
 
 def accept_greedy(tree, tokens, counted, logits):
@@ -101,21 +97,6 @@ def accept_sampled(key, tree, tokens, counted, target_probs, draft_probs):
     return node, sampling.sample_rows(residual_keys, p)
 
 
-def commit_path(cache, base, path, accepted, ok):
-    """The cache with the rows of path [B, D+1] (node indices, root first) copied to base + depth for depths up to
-    accepted [B], in sequences where ok [B]: the K/V plain decoding of the path would hold."""
-    depth = jnp.arange(path.shape[1])[None, :]
-    capacity = cache.capacity
-    source = base[:, None] + path
-    target = jnp.where((depth <= accepted[:, None]) & ok[:, None], base[:, None] + depth, capacity)
-    rows = jnp.arange(path.shape[0])[:, None]
-
-    def move(layer):
-        return layer.at[rows, target].set(layer[rows, jnp.minimum(source, capacity - 1)], mode="drop")
-
-    return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
-
-
 def iteration(params, draft_params, state, config):
     """One draft-tree round for every unfinished sequence (loop._iteration's tree twin)."""
     tree, drafter = config.tree, make_drafter(config.drafter)
@@ -138,7 +119,7 @@ def iteration(params, draft_params, state, config):
     path_tokens = proposal.tokens[rows, path]
 
     emit_ok = ~state.done & finite
-    cache = commit_path(cache, state.committed, path, accepted, emit_ok)
+    cache = config.family.commit_path(config.model, cache, state.committed, path, accepted, emit_ok, scores)
     # The drafter remembers the root and the accepted drafts (the bonus token is the next iteration's root).
     depth = jnp.arange(tree.depth + 1)[None, :]
     written = emit_ok[:, None] & (depth <= accepted[:, None])

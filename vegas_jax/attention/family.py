@@ -1,15 +1,31 @@
 """Attention families: the static value that says, for a model's attention kind (models.config), what its cache
-is and which attention its full passes (prefill, plain decoding, verification) run. Dense is one family, NSA
-(the "nsa" and "nsa-view" kinds) the other; drafts and selection policies exist for the dense family only."""
+is, which attention its full passes (prefill, plain decoding, verification) run, and how a draft tree is drafted
+by the model itself, verified, and its accepted path committed. Dense is one family, NSA (the "nsa" and "nsa-view"
+kinds) the other; sparse chain drafts and their selection policies exist for the dense family only.
+
+Committing a tree's accepted path (node j's K/V in scratch row base + j; vegas_jax.attention.tree) copies its rows
+to base + depth, as plain decoding of its tokens would have written them; NSA then pools the compressed rows of
+the blocks those rows complete (models.nsa_cache.pool_blocks), so its cache equals plain decoding's too.
+
+The NSA family carries the approximate mode whose modified target it runs (vegas_jax.precision.ApproxMode; the
+exact target by default): its cache adds the stored span selections, its full passes are the modified target's
+(vegas_jax.attention.nsa_approx), its tree verification verifies that target, and committing a path also stores
+the selections of the anchors on it."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from models.config import NSA_VIEW_LAYOUT, ModelConfig, NSALayout
+import jax.numpy as jnp
+
 from models.kv_cache import KVCache
-from models.nsa_cache import NSACache
+from models.nsa_cache import NSACache, pool_blocks
 from vegas_jax.attention.nsa import NSAAttention
+from vegas_jax.attention.nsa_approx import ApproxNSACache, modified_target, record_spans
+from vegas_jax.attention.nsa_tree import NSATreeVerify, SinkWindowDraft
+from vegas_jax.precision import EXACT_MODE, ApproxMode
+from vegas_jax.attention.tree import DraftPrefix, TreeAttention, copy_path_rows, path_positions
 from vegas_jax.attention.verify import ScoreRequest, VerifyAttention
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
@@ -24,21 +40,87 @@ class DenseFamily:
                        active=None) -> VerifyAttention:
         return VerifyAttention(request, config.num_layers, placement, active)
 
+    def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
+                              request: ScoreRequest | None = None) -> TreeAttention:
+        """The verification pass over every node of `tree` (vegas_jax.tree.TreeShape), roots at rows base [B]."""
+        rows = base[:, None] + jnp.arange(tree.rows)[None, :]
+        return TreeAttention(rows, base, jnp.asarray(tree.ancestors), None, request, config.num_layers,
+                             tuple(tree.levels[-1]), placement)
+
+    def tree_draft_attention(self, config: ModelConfig, rows, base, ancestors,
+                             prefix: DraftPrefix | None) -> TreeAttention:
+        """The self drafter's pass over one level's nodes (rows [B, S], ancestors [S, R]): sparse attention over
+        the KV selection `prefix` and the recent rows (vegas_jax.drafters)."""
+        if prefix is None:
+            raise ValueError("the dense self drafter drafts with a selection policy's KV selection")
+        return TreeAttention(rows, base, ancestors, prefix)
+
+    def commit_path(self, config: ModelConfig, cache: KVCache, base, path, accepted, ok, aux=None) -> KVCache:
+        """The cache with path [B, D+1] (node indices, root first) committed up to depth accepted [B] where ok [B]
+        (the module docstring); aux: the verification pass's per-layer aux (unused here)."""
+        move = lambda layer: copy_path_rows(layer, base, path, accepted, ok)
+        return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+
 
 @dataclasses.dataclass(frozen=True)
 class NSAFamily:
-    def create_cache(self, config: ModelConfig, batch: int, capacity: int, dtype) -> NSACache:
-        return NSACache.create(config, batch, capacity, dtype)
+    mode: ApproxMode = EXACT_MODE
+
+    def create_cache(self, config: ModelConfig, batch: int, capacity: int, dtype) -> NSACache | ApproxNSACache:
+        if self.mode.is_exact:
+            return NSACache.create(config, batch, capacity, dtype)
+        return ApproxNSACache.create(config, self.mode, batch, capacity, dtype)
 
     def full_attention(self, config: ModelConfig, placement: Placement, request: ScoreRequest | None = None,
-                       active=None) -> NSAAttention:
+                       active=None):
         if request is not None:
             raise ValueError("NSA models verify without selection scores (no dense draft policy serves them)")
-        return NSAAttention(config.nsa, config.attention, placement)
+        if self.mode.is_exact:
+            return NSAAttention(config.nsa, config.attention, placement)
+        return modified_target(config, self.mode, placement)
+
+    def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
+                              request: ScoreRequest | None = None) -> NSATreeVerify:
+        """Exact NSA verification of every node of `tree` (V1; vegas_jax.attention.nsa_tree)."""
+        if request is not None:
+            raise ValueError("NSA models verify without selection scores (no dense draft policy serves them)")
+        return NSATreeVerify(base, tree.parents, config.nsa, config.attention, placement,
+                             mode=None if self.mode.is_exact else self.mode)
+
+    def tree_draft_attention(self, config: ModelConfig, rows, base, ancestors,
+                             prefix: DraftPrefix | None) -> SinkWindowDraft:
+        """The self drafter of an NSA model: the sink block (the first selection block) and NSA's window before
+        the tree, plus the node's path, in one softmax (vegas_jax.attention.nsa_tree.SinkWindowDraft)."""
+        if prefix is not None:
+            raise ValueError("an NSA model's self drafter reads no KV selection")
+        return SinkWindowDraft(rows, base, ancestors, config.nsa.select_block, config.nsa.window)
+
+    def commit_path(self, config: ModelConfig, cache, base, path, accepted, ok, aux=None):
+        """DenseFamily.commit_path, then the compressed rows of the blocks the committed rows complete; with an
+        approximate mode also the selections of the path's anchor nodes (aux: each layer's node selections
+        [B, R, H_kv, n'], NSATreeVerify's) stored at their spans."""
+        nsa = cache if self.mode.is_exact else cache.nsa
+        move = lambda layer: copy_path_rows(layer, base, path, accepted, ok)
+        moved = dataclasses.replace(nsa, k=tuple(map(move, nsa.k)), v=tuple(map(move, nsa.v)))
+        positions = path_positions(base, path.shape[1], accepted, ok, moved.capacity)
+        pooled = NSACache.from_layers([pool_blocks(moved.layer(i), positions, config.nsa)
+                                       for i in range(config.num_layers)])
+        if self.mode.is_exact:
+            return pooled
+        rows = jnp.arange(path.shape[0])[:, None]
+        spans = tuple(record_spans(spans, blocks[rows, path], positions, self.mode.share_span)
+                      if self.mode.refreshes(layer) else spans
+                      for layer, (spans, blocks) in enumerate(zip(cache.spans, aux)))
+        return ApproxNSACache(pooled, spans)
 
 
-def family_of(config: ModelConfig) -> DenseFamily | NSAFamily:
-    return DenseFamily() if config.attention == "dense" else NSAFamily()
+def family_of(config: ModelConfig, mode: ApproxMode = EXACT_MODE) -> DenseFamily | NSAFamily:
+    """The family of config's attention kind; an NSA model's runs `mode`'s modified target (exact: the model)."""
+    if config.attention == "dense":
+        if not mode.is_exact:
+            raise ValueError("approximate modes are modes of NSA models")
+        return DenseFamily()
+    return NSAFamily(mode)
 
 
 ATTENTION_CHOICES = ("dense", "nsa-view")  # what --attention may ask of a model (an NSA checkpoint runs as NSA)

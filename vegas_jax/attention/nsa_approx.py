@@ -3,11 +3,14 @@ attention over an NSA cache, for plain decoding of such a target: refresh layers
 anchors', top_n widened), reuse layers take the nearest refresh layer's and attend with them.
 
 Refresh layers hand their selection to the next layers through `after_layer` (models.decoder threads the attention
-object through its layer loop). The cache keeps, per layer, the shared selection of the span holding the last
-position written (`ApproxNSACache.anchor`): a later pass whose rows' anchor precedes it reads it there.
+object through its layer loop). The cache keeps, per layer, the shared selection of every span whose anchor was
+written (`ApproxNSACache.spans`, span j at row j): a later pass whose rows' anchor precedes it reads it there. A
+table by span, not just the latest span's: a ragged batch prefills padding rows past a short prompt, and the
+selections they derive land in spans that the real anchor rows later overwrite before anything reads them.
 
 This attention runs chain passes (prefill, plain decoding); tree verification of a modified target is
-pallas_kernels.nsa_verify with `tree_reselect` (the anchors found through the tree's ancestor mask).
+pallas_kernels.nsa_verify with `tree_reselect` (the anchors found through the tree's ancestor mask), in the loop
+vegas_jax.attention.nsa_tree.NSATreeVerify, whose committed path's anchor selections `record_spans` stores.
 """
 
 from __future__ import annotations
@@ -33,35 +36,61 @@ from vegas_jax.sharding import Placement
 @dataclasses.dataclass(frozen=True)
 class ApproxLayerCache:
     nsa: NSALayerCache
-    anchor: jax.Array  # [B, H_kv, n'] the shared selection of the last written position's span
+    spans: jax.Array  # [B, num_spans, H_kv, n'] the shared selection of each span whose anchor was written
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ApproxNSACache:
-    """An NSACache plus, per layer, the stored span selection [B, H_kv, n'] (n' = widen * top_n)."""
+    """An NSACache plus, per layer, the stored span selections [B, num_spans, H_kv, n'] (n' = widen * top_n;
+    num_spans = capacity / share_span, and 1 unread column when share_span is 1: every row is its own anchor)."""
 
     nsa: NSACache
-    anchor: tuple[jax.Array, ...] = axes_field(BATCH, KV_HEADS, None)
+    spans: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
 
     @classmethod
     def create(cls, config: ModelConfig, mode: ApproxMode, batch: int, capacity: int, dtype=jnp.bfloat16):
         width = mode.selection_layout(config.nsa).top_n
-        anchor = tuple(jnp.full((batch, config.num_kv_heads, width), NO_BLOCK, jnp.int32)
-                       for _ in range(config.num_layers))
-        return cls(NSACache.create(config, batch, capacity, dtype), anchor)
+        num_spans = -(-capacity // mode.share_span) if mode.share_span > 1 else 1
+        spans = tuple(jnp.full((batch, num_spans, config.num_kv_heads, width), NO_BLOCK, jnp.int32)
+                      for _ in range(config.num_layers))
+        return cls(NSACache.create(config, batch, capacity, dtype), spans)
+
+    @property
+    def capacity(self) -> int:
+        return self.nsa.capacity
+
+    @property
+    def batch(self) -> int:
+        return self.nsa.batch
 
     def layer(self, i: int) -> ApproxLayerCache:
-        return ApproxLayerCache(self.nsa.layer(i), self.anchor[i])
+        return ApproxLayerCache(self.nsa.layer(i), self.spans[i])
 
     @classmethod
     def from_layers(cls, layers: list[ApproxLayerCache]) -> "ApproxNSACache":
-        return cls(NSACache.from_layers([c.nsa for c in layers]), tuple(c.anchor for c in layers))
+        return cls(NSACache.from_layers([c.nsa for c in layers]), tuple(c.spans for c in layers))
 
 
-def refreshed_blocks(qg, cache: NSALayerCache, positions, anchor, layout: NSALayout, mode: ApproxMode):
+def stored_blocks(spans: jax.Array, positions: jax.Array, span: int) -> jax.Array:
+    """[B, S, H_kv, n']: the stored selection of each row's span (positions [B, S])."""
+    slot = jnp.clip(positions // span, 0, spans.shape[1] - 1)
+    return jnp.take_along_axis(spans, slot[:, :, None, None], axis=1)
+
+
+def record_spans(spans: jax.Array, blocks: jax.Array, positions: jax.Array, span: int) -> jax.Array:
+    """spans with the selections blocks [B, S, H_kv, n'] of the rows at anchor positions (positions [B, S] that
+    span divides; positions past the spans dropped) stored at their span."""
+    if span == 1:
+        return spans
+    num_spans = spans.shape[1]
+    slot = jnp.where((positions % span == 0) & (positions // span < num_spans), positions // span, num_spans)
+    return spans.at[jnp.arange(spans.shape[0])[:, None], slot].set(blocks, mode="drop")
+
+
+def refreshed_blocks(qg, cache: NSALayerCache, positions, spans, layout: NSALayout, mode: ApproxMode):
     """A refresh layer's selections [B, K, S, n'] of a chain pass: each row's top-n' (NSA's rule, top_n
-    widened), then each row takes its span anchor's (from this pass, or `anchor` [B, K, n'] stored). A pass
+    widened), then each row takes its span anchor's (from this pass, or its span's stored in `spans`). A pass
     without an anchor row (plain decoding between anchors) derives nothing: the stored selection serves it."""
     def own():
         probs, _ = compressed_probabilities(qg, cache.k_cmp, positions, layout)
@@ -71,8 +100,8 @@ def refreshed_blocks(qg, cache: NSALayerCache, positions, anchor, layout: NSALay
     if mode.share_span == 1:
         return own()
     anchors = anchor_rows(positions, chain_sees(positions), mode.share_span)
-    stored = jnp.broadcast_to(anchor[:, :, None, :], anchor.shape[:2] + positions.shape[1:] + anchor.shape[2:])
-    return jax.lax.cond(jnp.any(anchors != BEFORE_PASS), lambda: shared_blocks(own(), anchors, anchor),
+    stored = jnp.moveaxis(stored_blocks(spans, positions, mode.share_span), 1, 2)  # [B, K, S, n']
+    return jax.lax.cond(jnp.any(anchors != BEFORE_PASS), lambda: shared_blocks(own(), anchors, stored),
                         lambda: stored)
 
 
@@ -112,14 +141,19 @@ class ApproxNSAAttention:
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
     carried: jax.Array | None = None
 
+    def scored_tokens_limit(self, group: int) -> None:
+        """No limit: the modified target's passes collect no selection scores (VerifyAttention's limit)."""
+        return None
+
     def __call__(self, layer, new, positions, cache: ApproxLayerCache):
         q, k, v = new.rotated()
         nsa = write_tokens(cache.nsa, k, v, positions, self.layout)
         if self.mode.refreshes(layer):
             qg = _grouped(q, nsa.k.shape[2])
-            indices = refreshed_blocks(qg, nsa, positions, cache.anchor, self.layout, self.mode)
+            indices = refreshed_blocks(qg, nsa, positions, cache.spans, self.layout, self.mode)
+            spans = record_spans(cache.spans, jnp.moveaxis(indices, 2, 1), positions, self.mode.share_span)
         else:
-            indices = self.carried
+            indices, spans = self.carried, cache.spans  # a reuse layer's spans are never read
         if self.placement.uses_kernels and q.shape[1] == 1:
             gates = None if new.gates is None else new.gates[:, 0]
             out = nsa_reuse_decode(q[:, 0], nsa.k, nsa.v, nsa.k_cmp, nsa.v_cmp, indices[:, :, 0], positions[:, 0],
@@ -127,7 +161,7 @@ class ApproxNSAAttention:
                                    interpret=self.placement.interpret)[:, None]
         else:
             out = branches_with_blocks(q, nsa, positions, new.gates, indices, self.layout, self.kind)
-        return out, ApproxLayerCache(nsa, indices[:, :, -1]), indices
+        return out, ApproxLayerCache(nsa, spans), indices
 
     def after_layer(self, layer: int, aux) -> "ApproxNSAAttention":
         """The attention of the next layer: a refresh layer's selections carried on."""
@@ -145,7 +179,7 @@ def tree_reselect(mode: ApproxMode, stored: jax.Array | None = None, injected: j
         if mode.share_span == 1:
             return blocks
         anchors = anchor_rows(positions[None], sees[None], mode.share_span)
-        return shared_blocks(blocks.transpose(1, 0, 2)[None], anchors, stored[None])[0].transpose(1, 0, 2)
+        return shared_blocks(blocks.transpose(1, 0, 2)[None], anchors, stored[None, :, None])[0].transpose(1, 0, 2)
     return reselect
 
 

@@ -31,6 +31,25 @@ from vegas_jax.attention.verify import ScoreRequest, row_scores
 from vegas_jax.sharding import Placement
 
 
+def path_positions(base: jax.Array, width: int, accepted: jax.Array, ok: jax.Array, capacity: int) -> jax.Array:
+    """[B, width]: where the accepted path's nodes go when committed, base + depth for depths up to accepted [B]
+    in sequences where ok [B], else capacity (dropped)."""
+    depth = jnp.arange(width)[None, :]
+    return jnp.where((depth <= accepted[:, None]) & ok[:, None], base[:, None] + depth, capacity)
+
+
+def copy_path_rows(layer: jax.Array, base: jax.Array, path: jax.Array, accepted: jax.Array,
+                   ok: jax.Array) -> jax.Array:
+    """One layer's cache array [B, T, ...] with the rows of path [B, D+1] (node indices, root first; node j in
+    row base + j) copied to base + depth for depths up to accepted [B], in sequences where ok [B]: the rows plain
+    decoding of the path would hold."""
+    capacity = layer.shape[1]
+    source = jnp.minimum(base[:, None] + path, capacity - 1)
+    target = path_positions(base, path.shape[1], accepted, ok, capacity)
+    rows = jnp.arange(path.shape[0])[:, None]
+    return layer.at[rows, target].set(layer[rows, source], mode="drop")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftPrefix:

@@ -1,0 +1,263 @@
+"""SSV end to end against plain NSA decoding (nsa-ar), for each precision class and drafter.
+
+    python benchmarks/bench_ssv.py [--quick | --smoke] [--batches 1,8,32,64] [--prompt-tokens 8192]
+        [--max-new-tokens 128] [--tree 4x2] [--approx-mode s8w1r2 | --ssv-profile PROFILE.json] [--repeats 3]
+        [--nsa-1b-context 32768] [--nsa-1b-batches 1,8] [--tag TAG] [--out benchmarks/results]
+
+Two parts:
+- `view`: SmolLM2's NSA view (real weights, `--attention nsa-view`) on real prompts of benchmarks/prompts.py
+  (the standard library's text in the chat template, `--prompt-tokens` each), greedy: plain NSA decoding, then SSV
+  (draft trees, vegas_jax.tree_decode) with each drafter (ngram; self: the sink-and-window draft) in the exact class
+  and in the approximate class. The approximate class runs `--approx-mode` (pinned), or with `--ssv-profile` the
+  planner's choice (tree and mode); the exact class runs `--tree` (or the planner's tree with a profile).
+  Approximate records carry greedy_agreement: the fraction of decoded positions equal to plain NSA decoding's.
+- `nsa-1b`: random weights of NSA-1B's shapes (16 layers, 32 / 2 heads, head dim 64, NSA-1B's layout) at
+  `--nsa-1b-context` tokens, the cache filled with random rows instead of prefill: timing only. Its tokens/s are
+  PROJECTIONS: the measured iteration time with the τ that the same configuration reached on the view
+  (decode_tokens_per_s = batch * tau_view / ms per iteration), labelled `projection`.
+
+Each configuration compiles once and decodes `--repeats` times: tokens/s median with min and max. Where an
+iteration's time goes: its draft pass and its verification pass jitted alone on the state after prefill
+(`breakdown`: draft_ms, verify_ms, and the rest of the iteration: acceptance, commit, emission), against a plain
+step. Records: method (ssv | nsa-ar), precision, drafter, approx_mode, tree, batch, prompt_tokens,
+decode_tokens_per_s (+ _min, _max), speedup_vs_ar, tau, ms_per_iteration, breakdown, greedy_agreement
+(approximate), projection (nsa-1b). `--quick` is meant to fit one H200 in 8 minutes (batch 8 of 8K on the view,
+batch 1 of NSA-1B at 32K, 64 new tokens, 2 repeats: 10 loop compilations; not yet timed on the GPU); `--smoke` runs both parts end to end on a CPU at tiny sizes
+(random weights, random prompts). Prints a table; writes JSON to --out (and $OUT if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.prompts import long_prompts  # noqa: E402
+from benchmarks.random_model import NoTextTokenizer  # noqa: E402
+from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig, NSALayout  # noqa: E402
+from models.decoder import init_params  # noqa: E402
+from vegas_jax import loop, tree_decode  # noqa: E402
+from vegas_jax.attention.family import with_attention  # noqa: E402
+from vegas_jax.drafters import make_drafter  # noqa: E402
+from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.loading import load_model  # noqa: E402
+from vegas_jax.loading.bundle import LoadedModel  # noqa: E402
+
+NSA_1B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+    num_kv_heads=2, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    tie_word_embeddings=True, attention="nsa", nsa=NSA_1B_LAYOUT)
+# --smoke: a tiny dense model seen as NSA (the view's part) and a tiny NSA model (NSA-1B's part), random weights.
+TINY_LAYOUT = NSALayout(16, 16, 16, 2, 16, forced_initial=1, forced_local=1)
+TINY = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                   max_position_embeddings=1024, tie_word_embeddings=True)
+CLASSES = ("exact", "approximate")
+DRAFTERS = ("ngram", "self")
+
+
+def ssv_options(precision: str, drafter: str, args, new_tokens: int, context: int | None = None) -> GenerationOptions:
+    """The SSV run of a class and drafter: the planner's choice with a profile, else --tree (and --approx-mode)."""
+    common = dict(max_new_tokens=new_tokens, drafter=drafter, precision=precision, max_model_len=context)
+    if args.ssv_profile:
+        return GenerationOptions(ssv_profile=args.ssv_profile, **common)
+    mode = args.approx_mode if precision == "approximate" else None
+    return GenerationOptions(draft_tree=args.tree, approx_mode=mode, **common)
+
+
+def timed(fn, *args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def breakdown(engine: Engine, started) -> dict:
+    """ms of one iteration's draft pass and verification pass, each jitted alone on the state after prefill (one
+    device; nothing donated, so the state can be reused)."""
+    config, state, params = started.config, started.state, engine.model.params
+    if config.tree is None:
+        return {}
+    drafter = make_drafter(config.drafter)
+    keys = loop.step_keys(state.keys, loop.request_step(state), config.tree.depth + 2)
+    num_drafts = loop.counted_drafts(state, config.tree.depth)
+    def draft(p, s, k, n):
+        proposal = drafter.propose(p, None, s, k, config, n)
+        return proposal.cache, proposal.tokens
+
+    propose = jax.jit(draft)
+    cache, tokens = propose(params, state, keys, num_drafts)
+    verify = jax.jit(lambda p, s, c, t: tree_decode.verify(p, s, c, t, config)[0])
+    return {"draft_ms": timed(propose, params, state, keys, num_drafts),
+            "verify_ms": timed(verify, params, state, cache, tokens)}
+
+
+def run(engine: Engine, prompts, options: GenerationOptions, repeats: int, fill_cache=None) -> tuple[dict, list]:
+    """Compile once, decode `repeats` times: the record's timing fields and the last run's tokens."""
+    speeds, ms_iteration = [], []
+    for _ in range(repeats):
+        started = engine.start(prompts, options, fill_cache=fill_cache)
+        rows = started.state.committed.shape[0]
+        t0 = time.perf_counter()
+        state = started.decode(engine.model.params, started.draft_params, started.state, jnp.int32(2**31 - 1),
+                               jnp.int32(rows))
+        jax.block_until_ready(state.output)
+        decode_s = time.perf_counter() - t0
+        n = len(prompts)
+        generated = np.asarray(state.num_generated)[:n]
+        iterations = np.asarray(state.metrics.iterations)[:n]
+        speeds.append(float((generated - 1).sum()) / decode_s)
+        ms_iteration.append(1e3 * decode_s / max(1, int(iterations.max())))
+    gamma = started.config.gamma
+    accepted = np.asarray(state.metrics.accepted)[:n, :max(gamma, 1)] if gamma else np.zeros((n, 1))
+    opts = started.options
+    record = {
+        "precision": opts.precision, "drafter": opts.drafter if opts.draft_tree else None,
+        "approx_mode": started.config.mode.name(), "tree": opts.draft_tree, "ssv_plan": started.ssv_plan,
+        "batch": n, "prompt_tokens": int(np.mean([len(p) for p in prompts])), "max_new_tokens": opts.max_new_tokens,
+        "decode_tokens_per_s": float(np.median(speeds)), "decode_tokens_per_s_min": min(speeds),
+        "decode_tokens_per_s_max": max(speeds), "repeats": repeats,
+        "ms_per_iteration": float(np.median(ms_iteration)),
+        "tau": float((iterations.sum() + accepted.sum()) / max(1, iterations.sum())),
+        "compile_s": started.timings["compile_s"], "prefill_s": started.timings["prefill_s"],
+    }
+    if engine.placement.mesh is None:
+        record["breakdown"] = breakdown(engine, engine.start(prompts, options, fill_cache=fill_cache))
+    output = np.asarray(state.output)
+    return record, [output[b, 1:generated[b]] for b in range(n)]
+
+
+def agreement(tokens, reference) -> float:
+    """The fraction of decoded positions (over the shorter of each pair) where tokens equal the reference's."""
+    same = [np.mean(a[:m] == b[:m]) for a, b in zip(tokens, reference) if (m := min(len(a), len(b)))]
+    return float(np.mean(same)) if same else float("nan")
+
+
+def view_part(engine: Engine, prompts_of, args, new_tokens: int, records: list) -> dict:
+    """The view's records; returns the τ of each (precision, drafter) by batch, for the projections."""
+    taus = {}
+    for batch in args.batches:
+        prompts = prompts_of(batch)
+        base, reference = run(engine, prompts, GenerationOptions(max_new_tokens=new_tokens), args.repeats)
+        records.append({"part": "view", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0})
+        report(records[-1])
+        for precision in CLASSES:
+            for drafter in DRAFTERS:
+                record, tokens = run(engine, prompts, ssv_options(precision, drafter, args, new_tokens), args.repeats)
+                record |= {"part": "view", "method": "ssv",
+                           "speedup_vs_ar": record["decode_tokens_per_s"] / base["decode_tokens_per_s"]}
+                if precision == "approximate":
+                    record["greedy_agreement"] = agreement(tokens, reference)
+                records.append(record)
+                report(record)
+                taus[batch, precision, drafter] = record["tau"]
+    return taus
+
+
+def random_rows(cache):
+    """Every float array of the cache random (a stand-in for prefilled rows: timing only); indices kept."""
+    leaves, tree = jax.tree.flatten(cache)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    fill = lambda k, x: jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.unflatten(tree, [fill(k, x) for k, x in zip(keys, leaves)])
+
+
+def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, records: list) -> None:
+    context = args.nsa_1b_context
+    for batch in args.nsa_1b_batches:
+        prompts = [[1] * (context - new_tokens - 80)] * batch
+        plain = GenerationOptions(max_new_tokens=new_tokens, max_model_len=context)
+        base, _ = run(engine, prompts, plain, args.repeats, fill_cache=random_rows)
+        records.append({"part": "nsa-1b", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0, "tau": 1.0,
+                        "projection": False})
+        report(records[-1])
+        view_batch = min(args.batches, key=lambda b: abs(b - batch))  # the view's τ at the nearest batch
+        for precision in CLASSES:
+            for drafter in DRAFTERS:
+                options = ssv_options(precision, drafter, args, new_tokens, context)
+                record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_rows)
+                tau = taus.get((view_batch, precision, drafter))
+                projected = batch * tau / record["ms_per_iteration"] * 1e3 if tau else float("nan")
+                base_speed = base["decode_tokens_per_s"]
+                record |= {"part": "nsa-1b", "method": "ssv", "projection": True, "tau": tau,
+                           "tau_on_random_weights": record["tau"], "decode_tokens_per_s": projected,
+                           "decode_tokens_per_s_min": None, "decode_tokens_per_s_max": None,
+                           "speedup_vs_ar": projected / base_speed}
+                records.append(record)
+                report(record)
+
+
+def report(r: dict) -> None:
+    spread = "" if r.get("decode_tokens_per_s_min") is None else \
+        f" [{r['decode_tokens_per_s_min']:.0f}-{r['decode_tokens_per_s_max']:.0f}]"
+    label = " PROJECTION" if r.get("projection") else ""
+    extra = f" agreement {r['greedy_agreement']:.3f}" if "greedy_agreement" in r else ""
+    print(f"{r['part']:7s} {r['method']:6s} {r['precision']:11s} {str(r['drafter']):5s} {r['approx_mode']:8s} "
+          f"{str(r['tree']):5s} B{r['batch']:<3d} {r['prompt_tokens']:6d} tok  {r['decode_tokens_per_s']:9.1f} tok/s"
+          f"{spread}{label}  x{r['speedup_vs_ar']:.2f}  tau {r['tau'] if r['tau'] is None else round(r['tau'], 2)}"
+          f"  {r['ms_per_iteration']:.2f} ms/it{extra}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny random models on any device (CPU)")
+    p.add_argument("--model", default=None, help="the dense model whose NSA view runs (default: SmolLM2)")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default="4x2")
+    p.add_argument("--approx-mode", default="s8w1r2", help="the approximate class's mode without a profile")
+    p.add_argument("--ssv-profile", default=None, help="the planner chooses tree and mode from this profile")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nsa-1b-context", type=int, default=32768)
+    p.add_argument("--nsa-1b-batches", default="1,8")
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.nsa_1b_batches, args.max_new_tokens, args.repeats = "8", "1", 64, 2
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.nsa_1b_batches = [int(b) for b in args.nsa_1b_batches.split(",")]
+    if args.smoke:
+        args.batches, args.nsa_1b_batches, args.repeats, args.nsa_1b_context = [2], [1], 1, 256
+        dense = LoadedModel(TINY, init_params(TINY, jnp.float32), NoTextTokenizer(), "random", "random")
+        view = Engine(dataclasses.replace(dense, config=with_attention(TINY, "nsa-view", TINY_LAYOUT)))
+        rng = np.random.default_rng(0)
+        prompts_of = lambda batch: [rng.integers(0, TINY.vocab_size, 96).tolist() for _ in range(batch)]
+        nsa_config = dataclasses.replace(TINY, attention="nsa", nsa=TINY_LAYOUT)
+        new_tokens = 8
+    else:
+        loaded = load_model(args.model, jnp.bfloat16)
+        view = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
+        prompts_of = functools.partial(long_prompts, view.tokenizer, prompt_tokens=args.prompt_tokens)
+        nsa_config = NSA_1B
+        new_tokens = args.max_new_tokens
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    records: list = []
+    taus = view_part(view, prompts_of, args, new_tokens, records)
+    nsa_1b = Engine(LoadedModel(nsa_config, init_params(nsa_config, dtype), NoTextTokenizer(), "random", "random"))
+    nsa_1b_part(nsa_1b, args, new_tokens, taus, records)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    name = f"ssv-{'smoke' if args.smoke else 'quick' if args.quick else 'full'}-{stamp}{'-' + args.tag if args.tag else ''}.json"
+    save_results({**run_metadata(args={k: str(v) for k, v in vars(args).items()}), "records": records}, name,
+                 args.out)
+    print(f"wrote {args.out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""NSA attention over the nodes of a draft tree (vegas_jax.tree; rows and positions as in
+vegas_jax.attention.tree: node j's K/V in scratch row base + j, its RoPE position base + its depth): the exact
+verification pass, and the self drafter's cheaper pass.
+
+- NSATreeVerify: every node attends exactly as plain NSA decoding of its root-to-node path would
+  (pallas_kernels.nsa_verify.nsa_tree_verify: each node's selection computed in the pass, the compressed blocks its
+  path completes included; the selected rows through V1's union schedule, as Pallas kernels on the kernel backend
+  and as their XLA twin elsewhere). Only the nodes' raw K/V are written (to their scratch rows); the compressed
+  rows of the blocks a path completes are pooled when the accepted path is committed (NSAFamily.commit_path).
+  With an approximate mode (vegas_jax.precision.ApproxMode) it verifies the mode's modified target instead:
+  refresh layers give each node its span anchor's selection (the node's, an ancestor's, or the span's stored in
+  the cache), reuse layers the nearest refresh layer's (vegas_jax.attention.nsa_approx.tree_reselect).
+- SinkWindowDraft, the self drafter of an NSA model: one softmax over the sink rows [0, sink), the `window` rows
+  before the tree and the node's own path; no compressed or selected branch, no gates. It reads
+  sink + window + nodes rows per node whatever the context, which is what makes it cheap; its output is not the
+  target's, and need not be: verification decides what is emitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.config import NSALayout
+from models.kv_cache import write_rows
+from models.nsa_cache import NSALayerCache
+from pallas_kernels.nsa_verify import nsa_tree_verify
+from vegas_jax.attention.core import masked_attention
+from vegas_jax.attention.nsa_approx import ApproxLayerCache, tree_reselect
+from vegas_jax.precision import ApproxMode
+from vegas_jax.sharding import Placement
+
+
+def kernels_of(placement: Placement) -> str | None:
+    """nsa_tree_verify's `kernels` for a backend: None (XLA) on the reference backend."""
+    if not placement.uses_kernels:
+        return None
+    return "interpret" if placement.interpret else "pallas"
+
+
+def write_tree_rows(cache, k: jax.Array, v: jax.Array, rows: jax.Array):
+    """The nodes' rotated k, v [B, S, H_kv, D] in their scratch rows [B, S] of an NSA layer cache (or an
+    approximate mode's); the compressed rows and stored selections untouched."""
+    if isinstance(cache, ApproxLayerCache):
+        return dataclasses.replace(cache, nsa=write_tree_rows(cache.nsa, k, v, rows))
+    return dataclasses.replace(cache, k=write_rows(cache.k, k, rows), v=write_rows(cache.v, v, rows))
+
+
+def raw_rows(cache) -> NSALayerCache:
+    return cache.nsa if isinstance(cache, ApproxLayerCache) else cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NSATreeVerify:
+    """The verification pass of a draft tree over NSA layer caches (models.attention.FamilyAttention), of the
+    exact target or of `mode`'s modified target (ApproxLayerCaches then). The pass's new tokens are the tree's rows
+    in order (node 0, the root, first). aux: each node's selected blocks [B, R, H_kv, n] (n: the mode's widened
+    top_n) with a mode or return_blocks, else None. `carried`: the last refresh layer's, in this pass."""
+
+    base: jax.Array  # [B] int32 the root's row (the committed length)
+    parents: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # the tree (vegas_jax.tree.TreeShape)
+    layout: NSALayout = dataclasses.field(metadata=dict(static=True))
+    kind: str = dataclasses.field(default="nsa", metadata=dict(static=True))
+    placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
+    schedule: str = dataclasses.field(default="v1", metadata=dict(static=True))
+    return_blocks: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    mode: ApproxMode | None = dataclasses.field(default=None, metadata=dict(static=True))
+    carried: jax.Array | None = None  # [B, R, H_kv, n]
+
+    def __call__(self, layer, new, positions, cache):
+        q, k, v = new.rotated()
+        parents = jnp.asarray(self.parents, jnp.int32)
+        mode = self.mode
+        layout = self.layout if mode is None else mode.selection_layout(self.layout)
+        stored = injected = None
+        if mode is not None and not mode.refreshes(layer):
+            injected = self.carried
+        elif mode is not None and mode.share_span > 1:  # the root's span, read by nodes whose anchor precedes it
+            slot = jnp.clip(self.base // mode.share_span, 0, cache.spans.shape[1] - 1)
+            stored = cache.spans[jnp.arange(self.base.shape[0]), slot]  # [B, H_kv, n]
+
+        def one(q, layer_cache, k, v, gates, length, stored, injected):
+            reselect = None if mode is None else tree_reselect(mode, stored, injected)
+            return nsa_tree_verify(q, layer_cache, k, v, gates, length, parents, layout=layout, kind=self.kind,
+                                   schedule=self.schedule, kernels=kernels_of(self.placement), return_blocks=True,
+                                   reselect=reselect)
+
+        out, blocks = jax.vmap(one)(q, raw_rows(cache), k, v, new.gates, self.base, stored, injected)
+        rows = self.base[:, None] + jnp.arange(len(self.parents))[None, :]
+        keep = self.return_blocks or mode is not None
+        return out, write_tree_rows(cache, k, v, rows), blocks if keep else None
+
+    def after_layer(self, layer: int, aux) -> "NSATreeVerify":
+        """The next layer's attention: a refresh layer's selections carried on (models.decoder calls it)."""
+        if self.mode is not None and self.mode.refreshes(layer):
+            return dataclasses.replace(self, carried=aux)
+        return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SinkWindowDraft:
+    """The self drafter's attention on an NSA model (module docstring) for one level of a tree: new tokens at
+    rows [B, S], seeing the tree rows base + r where ancestors [S, R] holds."""
+
+    rows: jax.Array  # [B, S] int32
+    base: jax.Array  # [B] int32
+    ancestors: jax.Array  # [S, R] bool
+    sink: int = dataclasses.field(metadata=dict(static=True))
+    window: int = dataclasses.field(metadata=dict(static=True))
+
+    def __call__(self, layer, new, positions, cache):
+        q, k, v = new.rotated()
+        cache = write_tree_rows(cache, k, v, self.rows)
+        raw = raw_rows(cache)
+        batch, width = self.base.shape[0], self.ancestors.shape[1]
+        base = self.base[:, None]
+        sink = jnp.broadcast_to(jnp.arange(self.sink)[None, :], (batch, self.sink))
+        recent = base - self.window + jnp.arange(self.window)[None, :]
+        tree = base + jnp.arange(width)[None, :]
+        rows = jnp.concatenate([sink, recent, tree], axis=1)  # [B, N]
+        # The window's rows inside the sink are counted there; rows before 0 are none.
+        prefix = jnp.concatenate([sink < base, recent >= self.sink], axis=1)  # [B, sink + window]
+        mask = jnp.concatenate([jnp.broadcast_to(prefix[:, None, :], (batch, q.shape[1], prefix.shape[1])),
+                                jnp.broadcast_to(self.ancestors[None], (batch,) + self.ancestors.shape)], axis=2)
+        safe = jnp.clip(rows, 0, raw.capacity - 1)
+        gather = lambda x: jnp.take_along_axis(x, safe[:, :, None, None], axis=1)
+        return masked_attention(q, gather(raw.k), gather(raw.v), mask), cache, None
