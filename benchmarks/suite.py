@@ -180,7 +180,8 @@ class Session:
 
     def measure(self, fields: dict, estimate_s: float, run) -> dict:
         """The log's record of `fields`, or run() measured now and appended (after checking the budget)."""
-        existing = self.log.get(record_key(fields))
+        # Keyed as the record will be written: the session's provenance (its model above all) under the fields.
+        existing = self.log.get(record_key({**self._provenance, **fields}))
         if existing is not None:
             return existing
         what = " ".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "method", "batch", "prompt_tokens",

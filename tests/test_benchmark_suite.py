@@ -173,14 +173,21 @@ def stage_session(tmp_path, monkeypatch):
     """A session whose measurements are made-up rates: records as measure_static would write them."""
     session = suite.Session(TINY, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
                             dtype="float32")
-    monkeypatch.setattr(session, "provenance", lambda result: {})
+    # What a real session's records carry of it: the model (a key field) among them.
+    monkeypatch.setattr(session, "provenance", lambda result: {"model": "none", "date": "now"})
 
     def fake(session, stage, split, method, cell, batch, length, temperature, *, new_tokens, repeats, extra=None):
         fields = {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length,
                   "temperature": temperature, **suite._cell_fields(method, cell)}
         value = 50.0 if method == "ar" else rate(cell)
-        return session.measure(fields, 1.0, lambda: {"decode_tokens_per_s": value, "tau": 5.0, "repeats": repeats,
-                                                     **(extra or {})})
+
+        def run():
+            session.runs += 1
+            return {"decode_tokens_per_s": value, "tau": 5.0, "repeats": repeats, **(extra or {})}
+
+        return session.measure(fields, 1.0, run)
+
+    session.runs = 0
 
     monkeypatch.setattr(suite, "measure_static", fake)
     return session
@@ -216,11 +223,13 @@ def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_sess
     assert not [r for r in tuned if r["batch"] == 32]
     at32 = {r["method"]: Cell.of(r) for r in held if r["batch"] == 32 and r.get("tuned")}
     assert {m: at32[m] for m in chosen} == chosen and all(r["temperature"] == 0 for r in held if r["batch"] == 32)
-    # Run again: everything is in the log, nothing is measured twice.
-    count = len(session.log.records)
+    # Run again, from the log as a new session reads it: everything is in it, nothing is measured twice.
+    count, runs = len(session.log.records), session.runs
+    assert runs == count
+    session.log = RecordLog(session.log.path)
     suite.tune(session, 7936, 64)
     suite.heldout(session, 7936, 64)
-    assert len(session.log.records) == count
+    assert session.runs == runs and len(session.log.records) == count
 
 
 def test_a_measurement_past_the_budget_stops_before_running(tmp_path):
