@@ -353,6 +353,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_AGREE = """
+import json, sys
+import jax
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from vegas_jax.sharding import Placement, make_mesh
+placement = Placement(mesh=make_mesh({"data": 4, "model": 1}))
+me = jax.process_index()
+print(json.dumps([placement.agreed(0.25 + me), placement.agreed(me == 1), placement.agreed(3 + me)]))
+"""
+
+
+def test_processes_agree_on_process_0s_pacing_and_stop():
+    """Each process's own elapsed time and stop signal (SIGINT) differ; the decode calls they pace must not, or
+    one process enters a program's collectives that the other never does (the hang this test stands for)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE, address, str(i)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert [json.loads(out.splitlines()[-1]) for out, _ in outs] == [[0.25, False, 3]] * 2  # Gloo prints above
+
+
 def test_two_processes_on_one_global_mesh_equal_one_process(tmp_path):
     """Two processes with 4 CPU devices each run the same CLI command on a (data=4, model=2) mesh across both;
     process 0 writes the output, which equals one process on one device."""

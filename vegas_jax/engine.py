@@ -780,12 +780,13 @@ class Engine:
 
         t0 = time.perf_counter()
         num_generated, done, step = seen, *self._fetch(config, (state.done, state.step))
-        while not bool(np.all(done)) and not (stop is not None and stop()):
+        placement = config.placement
+        while not bool(np.all(done)) and not placement.agreed(stop is not None and bool(stop())):
             call_start, before = time.perf_counter(), int(step)
             state, limit = self._tuned_call(config, state, tuner, before, pacer.limit(before))
             state = started.decode(params, draft_params, state, np.int32(limit), np.int32(rows))
             num_generated, done, step = self._fetch(config, (state.num_generated, state.done, state.step))
-            elapsed = time.perf_counter() - call_start
+            elapsed = placement.agreed(time.perf_counter() - call_start)  # paces the next call on every process
             pacer.update(int(step) - before, elapsed)
             self._tuned(config, options, rows, capacity, tuner, int(step) - before, elapsed)
             if pacer.steps is not None:
@@ -865,7 +866,7 @@ class Engine:
         slot_request: list[int | None] = [None] * slots
         finished: dict[int, dict] = {}
         calls = []  # per decode call: busy slots at its start, iterations, tokens, seconds
-        while not (stop is not None and stop()):
+        while not placement.agreed(stop is not None and bool(stop())):
             free = [i for i, r in enumerate(slot_request) if r is None]
             while queue and free:
                 group = [queue.pop() for _ in range(min(refill, len(queue), len(free)))]
@@ -896,7 +897,7 @@ class Engine:
             state, limit = self._tuned_call(config, state, tuner, int(step), pacer.limit(int(step)))
             state = decode(params, draft_params, state, np.int32(limit), np.int32(finished_limit))
             jax.block_until_ready(state.done)
-            elapsed = time.perf_counter() - t0
+            elapsed = placement.agreed(time.perf_counter() - t0)  # paces the next call on every process
             iterations = int(self._fetch(config, state.step)) - int(step)
             pacer.update(iterations, elapsed)
             self._tuned(config, options, slots, capacity, tuner, iterations, elapsed)

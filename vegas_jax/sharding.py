@@ -127,6 +127,17 @@ class Placement:
 
         return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
+    def agreed(self, value):
+        """Process 0's value (a bool, int or float) on every process. The host decisions that shape what every
+        process runs next (how many iterations a decode call may run, whether to stop) come from each process's
+        own clock and signals; were they to differ, one process would enter a program, and its collectives, that
+        another never enters, and both would wait for ever."""
+        if self.mesh is None or jax.process_count() == 1:
+            return value
+        from jax.experimental import multihost_utils
+
+        return type(value)(multihost_utils.broadcast_one_to_all(np.asarray(value, np.float32)).item())
+
     def describe(self) -> str:
         if self.mesh is None:
             return f"one device ({jax.devices()[0].platform})"
