@@ -39,14 +39,13 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import (
     MASK_VALUE,
     check_cache_shapes,
-    check_power_of_2,
     combine_splits,
     next_power_of_2,
     online_softmax_start,
     split_partial_outputs,
     store_split_partials,
 )
-from pallas_kernels.verify_attention import MAX_QUERY_ROWS, default_num_splits
+from pallas_kernels.verify_attention import default_num_splits, launch_blocks
 
 MAX_TREE_ROWS = 128  # the tree's rows are one key block of the tree split
 
@@ -251,20 +250,10 @@ def tree_attention(
     if score_weights is not None and score_weights.shape != (num_queries,):
         raise ValueError(f"score_weights must have shape ({num_queries},), got {score_weights.shape}")
     query_rows = num_queries * group
-    if block_q is None:
-        block_q = next_power_of_2(min(query_rows, MAX_QUERY_ROWS))
-    check_power_of_2("block_q", block_q, 16)
-    if block_q > MAX_QUERY_ROWS:
-        raise ValueError(f"block_q must be at most {MAX_QUERY_ROWS}, got {block_q}")
-    block_q = min(block_q, max(16, next_power_of_2(query_rows)))
+    block_q, block_k, num_warps = launch_blocks(query_rows, head_dim, block_q, block_k, num_warps)
     row_blocks = pl.cdiv(query_rows, block_q)
-    if block_k is None:
-        block_k = 128 if block_q > 16 and head_dim <= 64 else 64  # as verify_attention measured
-    check_power_of_2("block_k", block_k, 16)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, capacity, block_k, row_blocks)
-    if num_warps is None:
-        num_warps = 4 if block_q <= 32 else 8
     tree_rows = ancestors.shape[1]
     tree_mask, row_weights = _row_layout(ancestors.astype(bool), score_weights, group, block_q,
                                          max(16, next_power_of_2(tree_rows)))

@@ -219,6 +219,28 @@ def verify_attention_unbatched(
     return out, (below_max, block_max, scored_lse)
 
 
+def launch_blocks(query_rows: int, head_dim: int, block_q: int | None, block_k: int | None,
+                  num_warps: int | None) -> tuple[int, int, int]:
+    """(block_q, block_k, num_warps) for `query_rows` query rows per KV head: the given ones checked, None ones
+    chosen. block_q: all rows in one block up to MAX_QUERY_ROWS (at least 16, Triton's smallest dot), never more
+    than the rows need. block_k: 128 keys a step for head dim 64 with more than 16 rows a program, else 64 --
+    measured on the H200 (SmolLM2 shapes, S = 7, B = 64, T = 8K): 0.139 ms against 0.167 ms for 64
+    (benchmarks/results/kernels-tune-2026-11-30-051414.json); head dim 128 keeps the 64 that measured 102 % of
+    copy bandwidth for Qwen3-8B shapes. num_warps: 4 up to 32 rows a program, else 8."""
+    if block_q is None:
+        block_q = max(16, next_power_of_2(min(query_rows, MAX_QUERY_ROWS)))
+    check_power_of_2("block_q", block_q, 16)
+    if block_q > MAX_QUERY_ROWS:
+        raise ValueError(f"block_q must be at most {MAX_QUERY_ROWS}, got {block_q}")
+    block_q = min(block_q, max(16, next_power_of_2(query_rows)))
+    if block_k is None:
+        block_k = 128 if block_q > 16 and head_dim <= 64 else 64
+    check_power_of_2("block_k", block_k, 16)
+    if num_warps is None:
+        num_warps = 4 if block_q <= 32 else 8
+    return block_q, block_k, num_warps
+
+
 def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: int, row_blocks: int = 1) -> int:
     wanted = next_power_of_2(pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * row_blocks))
     return max(1, min(wanted, _MAX_SPLITS, pl.cdiv(capacity, block_k)))
@@ -265,27 +287,14 @@ def verify_attention(
     query_rows = num_queries * (num_q_heads // num_kv_heads)
     if score_mode is not None and query_rows > MAX_QUERY_ROWS:
         raise ValueError(f"scoring needs S * G <= {MAX_QUERY_ROWS} query rows per KV head, got {query_rows}")
-    if block_q is None:
-        block_q = max(16, next_power_of_2(min(query_rows, MAX_QUERY_ROWS)))
-    check_power_of_2("block_q", block_q, 16)
-    if block_q > MAX_QUERY_ROWS:
-        raise ValueError(f"block_q must be at most {MAX_QUERY_ROWS}, got {block_q}")
-    block_q = min(block_q, max(16, next_power_of_2(query_rows)))
+    block_q, block_k, num_warps = launch_blocks(query_rows, head_dim, block_q, block_k, num_warps)
     if score_mode is not None and block_q < query_rows:
         raise ValueError(f"scoring needs all {query_rows} query rows in one block, got block_q {block_q}")
     row_blocks = pl.cdiv(query_rows, block_q)
-    if block_k is None:
-        # Measured on the H200 (SmolLM2 shapes, S = 7, B = 64, T = 8K): 128 keys per step take 0.139 ms against
-        # 0.167 ms for 64 (benchmarks/results/kernels-tune-2026-11-30-051414.json); head dim 128 keeps the 64
-        # that measured 102% of copy bandwidth for Qwen3-8B shapes.
-        block_k = 128 if block_q > 16 and head_dim <= 64 else 64
-    check_power_of_2("block_k", block_k, 16)
     if start.shape != (batch,):
         raise ValueError(f"start must have shape ({batch},), got {start.shape}")
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, capacity, block_k, row_blocks)
-    if num_warps is None:
-        num_warps = 4 if block_q <= 32 else 8
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     inner = functools.partial(
         verify_attention_unbatched,

@@ -117,6 +117,9 @@ CASES = {
     "3x3": dict(tree=TreeShape.full(3, 3), capacity=128, kv_heads=2, group=3, head_dim=16, bases=[70, 9],
                 dtype=jnp.bfloat16, scored=False, launch=dict(block_q=16)),
     # 65 rows of NSA-1B's group of 16: 1040 query rows, 9 row blocks of 128, each scoring its own rows.
+    # One draft of 2 heads: 4 query rows, fewer than Triton's smallest dot, padded to one block of 16.
+    "1x1": dict(tree=TreeShape.chain(1), capacity=48, kv_heads=2, group=2, head_dim=16, bases=[5, 30],
+                dtype=jnp.float32, scored=True, launch=dict(block_k=16)),
     "64": dict(tree=RANDOM_64, capacity=160, kv_heads=1, group=16, head_dim=16, bases=[40, 90],
                dtype=jnp.float32, scored=True, launch=dict(block_k=32, num_splits=2)),
 }
