@@ -47,6 +47,24 @@ def combine_splits(o, l, m):
     return o_total / l_total[..., None]
 
 
+def query_rows_by_kv_head(q, num_kv_heads: int, padded_rows: int):
+    """q [S, H_q, D] as each KV head's query rows [H_kv, padded_rows, D]: row r is query r // G, head r % G of the
+    head's group (GQA: one K/V block load serves every query head of the group and every query); zero past S * G."""
+    num_queries, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    rows = q.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    rows = rows.reshape(num_kv_heads, num_queries * group, head_dim)
+    return jnp.pad(rows, ((0, 0), (0, padded_rows - num_queries * group), (0, 0)))
+
+
+def heads_of_query_rows(rows, num_queries: int):
+    """query_rows_by_kv_head's inverse for rows [H_kv, S * G, D] (padding dropped): [S, H_q, D]."""
+    num_kv_heads, num_rows, head_dim = rows.shape
+    group = num_rows // num_queries
+    rows = rows.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
+    return rows.reshape(num_queries, num_kv_heads * group, head_dim)
+
+
 def online_softmax_start(rows: int, head_dim: int):
     """(o, m, l) before any key block: zero output and sum, the lowest finite maximum."""
     return (

@@ -40,8 +40,10 @@ from pallas_kernels._common import (
     MASK_VALUE,
     check_cache_shapes,
     combine_splits,
+    heads_of_query_rows,
     next_power_of_2,
     online_softmax_start,
+    query_rows_by_kv_head,
     split_partial_outputs,
     store_split_partials,
 )
@@ -147,8 +149,7 @@ def tree_attention_unbatched(
     num_rows = num_queries * group
     padded_rows, tree_width = tree_mask.shape
     row_blocks = padded_rows // block_q
-    q_rows = q.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_rows, head_dim), ((0, 0), (0, padded_rows - num_rows), (0, 0)))
+    q_rows = query_rows_by_kv_head(q, num_kv_heads, padded_rows)
     scoring = row_weights is not None
 
     kernel = functools.partial(tree_attention_kernel, sm_scale=sm_scale, block_k=block_k, num_splits=num_splits,
@@ -184,9 +185,7 @@ def tree_attention_unbatched(
         name=f"tree_attention_{'logit' if scoring else 'plain'}",
     )(*inputs)
     o, l, m = o[:, :, :num_rows], l[:, :, :num_rows], m[:, :, :num_rows]
-    out = combine_splits(o, l, m)  # [H_kv, S * G, D]
-    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
-    out = out.reshape(num_queries, num_q_heads, head_dim).astype(q.dtype)
+    out = heads_of_query_rows(combine_splits(o, l, m), num_queries).astype(q.dtype)
     return out, (score_partials[0] if scoring else None)
 
 

@@ -46,8 +46,10 @@ from pallas_kernels._common import (
     check_cache_shapes,
     check_power_of_2,
     combine_splits,
+    heads_of_query_rows,
     next_power_of_2,
     online_softmax_start,
+    query_rows_by_kv_head,
     split_partial_outputs,
     store_split_partials,
 )
@@ -166,9 +168,7 @@ def verify_attention_unbatched(
     group = num_q_heads // num_kv_heads
     query_rows = num_queries * group
     row_blocks = pl.cdiv(query_rows, block_q)
-    q_rows = q.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_rows = q_rows.reshape(num_kv_heads, query_rows, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, row_blocks * block_q - query_rows), (0, 0)))
+    q_rows = query_rows_by_kv_head(q, num_kv_heads, row_blocks * block_q)
 
     kernel = functools.partial(
         verify_attention_kernel,
@@ -206,9 +206,7 @@ def verify_attention_unbatched(
         name=f"verify_attention_{score_mode or 'plain'}",
     )(q_rows, k_cache, v_cache, start)
     o, l, m = o[:, :, :query_rows], l[:, :, :query_rows], m[:, :, :query_rows]
-    out = combine_splits(o, l, m)  # [H_kv, S * G, D]
-    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
-    out = out.reshape(num_queries, num_q_heads, head_dim).astype(q.dtype)
+    out = heads_of_query_rows(combine_splits(o, l, m), num_queries).astype(q.dtype)
     if score_mode != "weight":
         return out, (score_partials[0] if score_partials else None)
     m_max = m.max(axis=0)
