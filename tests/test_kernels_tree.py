@@ -20,6 +20,8 @@ from h200_lowering import lower_for_h200
 from models.attention import NewTokens, rope_tables
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+from tests.test_kernels_verify import OUTPUT_TOLERANCE
+from tests.test_kernels_verify import make_case as make_verify_case
 from tests.test_lossless_tiny import prompts, tiny_engine
 from vegas_jax.attention.tree import TreeAttention
 from vegas_jax.attention.verify import ScoreRequest
@@ -27,7 +29,6 @@ from vegas_jax.engine import GenerationOptions
 from vegas_jax.sharding import Placement
 from vegas_jax.tree import TreeShape
 
-OUTPUT_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # as test_kernels_verify's
 SCORE_TOLERANCE = 1e-5  # logit scores are float32 sums of bf16-exact products in both dtypes
 
 
@@ -41,15 +42,9 @@ RANDOM_64 = random_tree(64, 12, seed=64)  # 64 drafted nodes, depth 14, up to 4 
 
 
 def make_case(rng, tree: TreeShape, *, capacity, kv_heads, group, head_dim, bases, dtype):
-    batch, rows = len(bases), tree.rows
-    # Large queries make the softmax peaky, so a wrong mask changes the output visibly.
-    q = rng.standard_normal((batch, rows, kv_heads * group, head_dim)) * 3
-    k = rng.standard_normal((batch, capacity, kv_heads, head_dim))
-    v = rng.standard_normal((batch, capacity, kv_heads, head_dim))
-    for b, base in enumerate(bases):
-        k[b, base + rows :], v[b, base + rows :] = np.nan, np.nan
-    as_array = lambda x: jnp.asarray(x, dtype)
-    return as_array(q), as_array(k), as_array(v), jnp.asarray(bases, jnp.int32)
+    """test_kernels_verify's case with the tree's rows as the new tokens at bases: rows past base + R are NaN."""
+    return make_verify_case(rng, capacity=capacity, kv_heads=kv_heads, group=group, head_dim=head_dim,
+                            queries=tree.rows, starts=bases, dtype=dtype)
 
 
 def boundary_weights(tree: TreeShape) -> np.ndarray:
