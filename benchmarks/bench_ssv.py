@@ -1,12 +1,12 @@
 """SSV end to end against plain NSA decoding (nsa-ar), for each precision class and drafter.
 
-    python benchmarks/bench_ssv.py [--quick | --smoke] [--batches 1,8,32,64] [--prompt-tokens 8192]
+    python benchmarks/bench_ssv.py [--quick | --smoke] [--batches 1,8,32,64] [--context 8192]
         [--max-new-tokens 128] [--tree 4x2] [--approx-mode s8w1r2 | --ssv-profile PROFILE.json] [--repeats 3]
         [--nsa-1b-context 32768] [--nsa-1b-batches 1,8] [--tag TAG] [--out benchmarks/results]
 
 Two parts:
 - `view`: SmolLM2's NSA view (real weights, `--attention nsa-view`) on real prompts of benchmarks/prompts.py
-  (the standard library's text in the chat template, `--prompt-tokens` each), greedy: plain NSA decoding, then SSV
+  (the standard library's text in the chat template, `--context` less the new tokens each), greedy: plain NSA decoding, then SSV
   (draft trees, vegas_jax.tree_decode) with each drafter (ngram; self: the sink-and-window draft) in the exact class
   and in the approximate class. The approximate class runs `--approx-mode` (pinned), or with `--ssv-profile` the
   planner's choice (tree and mode); the exact class runs `--tree` (or the planner's tree with a profile).
@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
-from benchmarks.random_model import NoTextTokenizer  # noqa: E402
+from benchmarks.random_model import NoTextTokenizer, random_cache_rows  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig, NSALayout  # noqa: E402
 from models.decoder import init_params  # noqa: E402
@@ -167,20 +167,12 @@ def view_part(engine: Engine, prompts_of, args, new_tokens: int, records: list) 
     return taus
 
 
-def random_rows(cache):
-    """Every float array of the cache random (a stand-in for prefilled rows: timing only); indices kept."""
-    leaves, tree = jax.tree.flatten(cache)
-    keys = jax.random.split(jax.random.key(0), len(leaves))
-    fill = lambda k, x: jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.unflatten(tree, [fill(k, x) for k, x in zip(keys, leaves)])
-
-
 def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, records: list) -> None:
     context = args.nsa_1b_context
     for batch in args.nsa_1b_batches:
         prompts = [[1] * (context - new_tokens - 80)] * batch
         plain = GenerationOptions(max_new_tokens=new_tokens, max_model_len=context)
-        base, _ = run(engine, prompts, plain, args.repeats, fill_cache=random_rows)
+        base, _ = run(engine, prompts, plain, args.repeats, fill_cache=random_cache_rows)
         records.append({"part": "nsa-1b", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0, "tau": 1.0,
                         "projection": False})
         report(records[-1])
@@ -188,7 +180,7 @@ def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, records: list
         for precision in CLASSES:
             for drafter in DRAFTERS:
                 options = ssv_options(precision, drafter, args, new_tokens, context)
-                record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_rows)
+                record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_cache_rows)
                 tau = taus.get((view_batch, precision, drafter))
                 projected = batch * tau / record["ms_per_iteration"] * 1e3 if tau else float("nan")
                 base_speed = base["decode_tokens_per_s"]
@@ -217,7 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny random models on any device (CPU)")
     p.add_argument("--model", default=None, help="the dense model whose NSA view runs (default: SmolLM2)")
     p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--context", type=int, default=8192, help="prompt plus new tokens (SmolLM2's context: 8192)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="4x2")
     p.add_argument("--approx-mode", default="s8w1r2", help="the approximate class's mode without a profile")
@@ -243,7 +235,7 @@ def main(argv=None) -> int:
     else:
         loaded = load_model(args.model, jnp.bfloat16)
         view = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
-        prompts_of = functools.partial(long_prompts, view.tokenizer, prompt_tokens=args.prompt_tokens)
+        prompts_of = functools.partial(long_prompts, view.tokenizer, prompt_tokens=args.context - args.max_new_tokens)
         nsa_config = NSA_1B
         new_tokens = args.max_new_tokens
     dtype = jnp.float32 if args.smoke else jnp.bfloat16

@@ -277,20 +277,22 @@ def main(argv=None) -> int:
             for mode in modes:
                 attention = ApproxNSAAttention(config.nsa, mode, config.attention, placement)
                 width = mode.selection_layout(config.nsa).top_n
-                anchor = jnp.zeros((batch, config.num_kv_heads, width), jnp.int32)
+                num_spans = -(-caches.k.shape[2] // mode.share_span) if mode.share_span > 1 else 1
+                stored = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32),
+                                          (batch, num_spans, config.num_kv_heads, width))  # each span's selection
                 carried = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, config.num_kv_heads, 1, width))
                 # A refresh layer derives a selection at a span's anchor only; the other S - 1 steps of the span
                 # read the stored one.
                 at = position - 1 - (context - 2) % mode.share_span  # an anchor
-                refresh_at = lambda p: per_layer(lambda c: attention(0, one, p, ApproxLayerCache(c, anchor))[0],
+                refresh_at = lambda p: per_layer(lambda c: attention(0, one, p, ApproxLayerCache(c, stored))[0],
                                                  caches, args.reps)
                 at_anchor = refresh_at(at)
                 following = refresh_at(at + 1) if mode.share_span > 1 else at_anchor
                 refresh = (at_anchor + (mode.share_span - 1) * following) / mode.share_span
                 reuse_attention = dataclasses.replace(attention, carried=carried)
-                checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(first(caches), anchor),
+                checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(first(caches), stored),
                                           mode, batch, context))
-                reuse = per_layer(lambda c: reuse_attention(1, one, at, ApproxLayerCache(c, anchor))[0], caches,
+                reuse = per_layer(lambda c: reuse_attention(1, one, at, ApproxLayerCache(c, stored))[0], caches,
                                   args.reps) if mode.refresh_every > 1 else refresh
                 record(kernels, kernel="refresh-decode", mode=mode.name(), rows=1, batch=batch, context=context,
                        ms=refresh, at_anchor_ms=at_anchor, following_ms=following)

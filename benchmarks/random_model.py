@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling
@@ -47,3 +50,14 @@ def random_engine(config: ModelConfig, dtype=jnp.bfloat16) -> Engine:
 
 def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
     return random_engine(SMOLLM2_135M, dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def random_cache_rows(cache):
+    """Engine.start's fill_cache for timing: every float array of the cache standard normal (what prefill would
+    leave, for the cost of reading it), index arrays kept. The generator is XLA's RngBitGenerator: threefry over an
+    8B model's 32K-row cache took minutes to compile on the H200."""
+    leaves, tree = jax.tree.flatten(cache)
+    keys = jax.random.split(jax.random.key(0, impl="unsafe_rbg"), len(leaves))
+    fill = lambda k, x: jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.unflatten(tree, [fill(k, x) for k, x in zip(keys, leaves)])

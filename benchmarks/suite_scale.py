@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.profile_decode import gpu_kernel_events, summarize
-from benchmarks.random_model import SHAPES, random_engine
+from benchmarks.random_model import SHAPES, random_cache_rows, random_engine
 from benchmarks.suite_presets import SCALE_CASE_S, SCALE_MODEL_S, Preset
 from models.config import ModelConfig
 from vegas_jax.engine import GenerationOptions
@@ -52,15 +52,6 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> dict:
     copy = median_seconds(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
     del x
     return {"read_bandwidth_gbps": nbytes / read / 1e9, "copy_bandwidth_gbps": 2 * nbytes / copy / 1e9}
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def random_rows(cache):
-    """The cache with every row random (standard normal): what prefill would leave, for the cost of reading it."""
-    keys = jax.random.split(jax.random.key(0), 2 * len(cache.k))
-    fill = lambda arrays, first: tuple(jax.random.normal(keys[first + i], a.shape, a.dtype)
-                                       for i, a in enumerate(arrays))
-    return type(cache)(k=fill(cache.k, 0), v=fill(cache.v, len(cache.k)))
 
 
 def weight_bytes_read(config: ModelConfig, params) -> int:
@@ -98,12 +89,12 @@ def phase_split(events: list[dict], iterations: int) -> dict[str, float]:
     return dict(phases)
 
 
-def _profile(decode, params, state, limit: int, everyone) -> tuple[object, dict]:
+def _profile(decode, state, limit: int, everyone) -> tuple[object, dict]:
     before = int(np.asarray(state.step))
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             t0 = time.perf_counter()
-            state = decode(params, state, jnp.int32(limit), everyone)
+            state = decode(state, jnp.int32(limit), everyone)
             jax.block_until_ready(state.output)
             wall = time.perf_counter() - t0
         events = gpu_kernel_events(Path(log_dir))
@@ -125,17 +116,17 @@ def time_iterations(engine, batch: int, context: int, method: str, iterations: i
     max_new = (1 + WARMUP_ITERATIONS + iterations + PROFILED_ITERATIONS) * (gamma + 1) + 1
     options = GenerationOptions(method=method, max_new_tokens=max_new, max_model_len=context)
     prompts = [[1] * (context - max_new)] * batch
-    started = engine.start(prompts, options, fill_cache=random_rows)
-    params, everyone = engine.model.params, jnp.int32(batch)
-    state = started.decode(params, started.state, jnp.int32(WARMUP_ITERATIONS), everyone)
+    started = engine.start(prompts, options, fill_cache=random_cache_rows)
+    params, draft, everyone = engine.model.params, started.draft_params, jnp.int32(batch)
+    state = started.decode(params, draft, started.state, jnp.int32(WARMUP_ITERATIONS), everyone)
     jax.block_until_ready(state.output)
     first = int(np.asarray(state.step))
     t0 = time.perf_counter()
-    state = started.decode(params, state, jnp.int32(first + iterations), everyone)
+    state = started.decode(params, draft, state, jnp.int32(first + iterations), everyone)
     jax.block_until_ready(state.output)
     wall = time.perf_counter() - t0
     ran = int(np.asarray(state.step)) - first
-    state, profile = _profile(started.decode, params, state, first + iterations + PROFILED_ITERATIONS, everyone)
+    state, profile = _profile(functools.partial(started.decode, params, draft), state, first + iterations + PROFILED_ITERATIONS, everyone)
     budget = started.config.policy.budget.k_max if started.config.policy else 0
     return {
         "ms_per_iteration": 1e3 * wall / max(ran, 1),

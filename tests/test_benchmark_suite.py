@@ -20,9 +20,11 @@ from benchmarks.prompt_splits import chat_frame, heldout_files, split_files, spl
 from benchmarks.prompts import QUESTION, stdlib_files
 from benchmarks.suite_presets import PRESETS, Preset, ServeCase
 from benchmarks.suite_records import RecordLog, read_records, record_key
-from benchmarks.suite_scale import bytes_per_iteration, phase_split, random_rows
+from benchmarks.random_model import random_cache_rows
+from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterations
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
+from vegas_jax.engine import GenerationOptions
 from vegas_jax.loading.gguf import embedded_smollm2_path
 from vegas_jax.tokenizer import Tokenizer
 
@@ -265,19 +267,31 @@ def test_a_start_with_fill_cache_decodes_from_the_filled_cache_without_prefill()
 
     def fill(cache):
         seen.append(float(jnp.abs(cache.k[0]).max()))
-        return random_rows(cache)
+        return random_cache_rows(cache)
 
     lengths = (40, 25)
     started = engine.start(prompts(lengths, engine.config.vocab_size),
                            dataclasses.replace(GREEDY, max_new_tokens=4), fill_cache=fill)
     assert seen == [0.0] and not any(key[0] == "prefill" for key in engine._compiled)
-    filled = random_rows(jax.tree.map(jnp.zeros_like, started.state.cache))  # what fill made (same key)
+    filled = random_cache_rows(jax.tree.map(jnp.zeros_like, started.state.cache))  # what fill made (same key)
     for b, length in enumerate(lengths):  # the bootstrap step wrote the last prompt token's row, nothing before
         np.testing.assert_array_equal(np.asarray(started.state.cache.k[0][b, : length - 1]),
                                       np.asarray(filled.k[0][b, : length - 1]))
         assert not np.array_equal(np.asarray(started.state.cache.k[0][b, length - 1]),
                                   np.asarray(filled.k[0][b, length - 1]))  # the bootstrap step's own row
     assert float(jnp.abs(filled.k[0]).min()) > 0  # random rows, not the zeros prefill would have replaced
+
+
+@pytest.mark.parametrize("method", ["ar", "vegas"])
+def test_the_scale_stage_times_the_iterations_it_asked_for(method):
+    """The scale stage's timing drives the compiled loop as the engine compiled it (its arguments, the draft
+    weights among them) on a random cache: the timed iterations ran, at the context asked for."""
+    timing = time_iterations(tiny_engine(layers=1), batch=2, context=256, method=method, iterations=3)
+    assert timing["iterations"] == 3 and timing["ms_per_iteration"] > 0
+    gamma = timing["gamma"]
+    assert gamma == (0 if method == "ar" else GenerationOptions.gamma)
+    assert 0 < timing["length"] and timing["length"] + timing["iterations"] * (gamma + 1) < 256
+    assert (timing["draft_budget_tokens"] > 0) == (method != "ar")
 
 
 # ---- the report --------------------------------------------------------------------------------------------

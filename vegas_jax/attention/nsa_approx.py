@@ -190,18 +190,17 @@ def modified_target(config: ModelConfig, mode: ApproxMode, placement: Placement 
     return ApproxNSAAttention(config.nsa, mode, config.attention, placement)
 
 
-def greedy_decode(params, config: ModelConfig, prompt, steps: int, mode: ApproxMode, *, backend: str = "reference",
-                  dtype=jnp.float32):
+def greedy_decode(params, config: ModelConfig, prompt, steps: int, mode: ApproxMode, *, backend: str = "reference"):
     """Plain greedy decoding of the modified target: the prompt [B, P] (token ids) in one pass, then one token per
-    sequence per pass. Returns (tokens [B, steps], logits [B, steps, V] float32 of the steps' inputs' successors:
-    row i predicts token i)."""
+    sequence per pass, the cache in the parameters' dtype. Returns (tokens [B, steps], logits [B, steps, V] of the
+    steps' inputs' successors: row i predicts token i)."""
     from models.decoder import forward
 
     prompt = np.asarray(prompt, np.int32)
     batch, length = prompt.shape
     sel = config.nsa.select_block
     capacity = -(-(length + steps) // sel) * sel
-    cache = ApproxNSACache.create(config, mode, batch, capacity, dtype)
+    cache = ApproxNSACache.create(config, mode, batch, capacity, params["embed"].dtype)
     attention = modified_target(config, mode, Placement(backend=backend))
     run = jax.jit(forward, static_argnames=("config",))
     positions = jnp.arange(length, dtype=jnp.int32)[None].repeat(batch, 0)
@@ -218,15 +217,15 @@ def greedy_decode(params, config: ModelConfig, prompt, steps: int, mode: ApproxM
     return np.stack([np.asarray(t) for t in tokens], axis=1), np.stack([np.asarray(x) for x in kept], axis=1)
 
 
-def prefill_logits(params, config: ModelConfig, tokens, mode: ApproxMode, dtype=jnp.float32) -> jax.Array:
-    """Logits [B, T, V] of the modified target over tokens [B, T] in one pass: row t is what plain decoding of
-    the target predicts after tokens[:, :t + 1] (every rule is causal)."""
+def prefill_logits(params, config: ModelConfig, tokens, mode: ApproxMode) -> jax.Array:
+    """Logits [B, T, V] of the modified target over tokens [B, T] in one pass (the cache in the parameters'
+    dtype): row t is what plain decoding of the target predicts after tokens[:, :t + 1] (every rule is causal)."""
     from models.decoder import forward
 
     tokens = jnp.asarray(tokens, jnp.int32)
     batch, length = tokens.shape
     sel = config.nsa.select_block
-    cache = ApproxNSACache.create(config, mode, batch, -(-length // sel) * sel, dtype)
+    cache = ApproxNSACache.create(config, mode, batch, -(-length // sel) * sel, params["embed"].dtype)
     positions = jnp.arange(length, dtype=jnp.int32)[None].repeat(batch, 0)
     logits, _, _ = jax.jit(forward, static_argnames=("config",))(params, tokens, positions, cache,
                                                                  modified_target(config, mode), config=config)
