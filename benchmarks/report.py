@@ -241,7 +241,10 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
                 "text (`benchmarks/prompts.py`), no error bars.", "", legacy_tables(legacy), ""]
     for title, table in (("Serving (continuous batching, held-out prompts, tuned cells)", serve_table(records)),
                          ("Paper scale (random weights, timing only; tok/s marked PROJECTION multiply the measured "
-                          "iteration time by the τ SmolLM2 reached, default cell)",
+                          "iteration time by the τ SmolLM2 reached, default cell; roofline: the bytes a step must "
+                          "read, weights and every cached row, over the read bandwidth of a jnp.sum over 4 GiB "
+                          "measured in the same process, which the GEMM and attention kernels can beat: hence "
+                          "fractions over 100 %)",
                           scale_table(records, records if t.heldout_rows(records) else legacy)),
                          ("Peer: transformers `generate`, static cache, SDPA, same GGUF and prompts", peer_table(records))):
         out += [f"{title}:", "", table or "not yet measured", ""]
