@@ -423,8 +423,8 @@ class _LogprobLines:
             print(json.dumps({"request": i, "text": request.text, "status": request.status}))
 
 
-# A figure from the GPU for the one-line explanation of a slowdown (README, "Where it pays").
-GPU_FIGURE = "1.64-1.82x plain decoding at 7.9K-token prompts x 64 on an H200"
+# A figure from the GPU for the one-line explanation of a slowdown (the README quickstart and "Results" give it too).
+GPU_FIGURE = "1.80x plain decoding at 7.9K-token prompts x 64 on an H200 (benchmarks.suite, held-out, tuned)"
 
 
 def slowdown_reason(platform: str, tau: float | None, gamma: int, batch: int, context: int) -> str:
