@@ -70,7 +70,7 @@ class Settings:
 
 FULL = Settings(SHAPES, ROWS, 2**30, 2**30, 5, ("engine", "triton-any"), "bfloat16")
 # float32 on the CPU, whose XLA has no bf16 x bf16 -> f32 batched dot
-SMOKE = Settings({"o": (256, 256), "down": (512, 256)}, (1, 8), 2**22, 2**20, 2, ("xla-default",), "float32")
+SMOKE = Settings({"o": (256, 256), "down": (512, 256)}, (8,), 2**22, 2**20, 2, ("xla-default",), "float32")
 
 
 def compiled(fn, options: dict, *args):

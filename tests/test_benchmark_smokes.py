@@ -91,8 +91,18 @@ def test_bench_quantized_gemm(tmp_path, monkeypatch):
         finite_positive(r, "ms", "gb_per_s", "speedup_vs_bf16")
 
 
+def test_bench_lm_head(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_lm_head", tmp_path, monkeypatch)
+    assert {(r["variant"], r["rows"]) for r in doc["records"]} == {
+        (v, rows) for v in ("f32-out", "bf16-out", "decoder") for rows in (1, 8)}
+    for r in doc["records"]:
+        finite_positive(r, "ms", "weight_gb_per_s")
+        assert r["max_abs_error"] < 0.05, r  # bf16 inputs, float32 accumulation, against float64
+
+
 def test_bench_draft_precision(tmp_path, monkeypatch):
-    real, random = run_smoke("bench_draft_precision", tmp_path, monkeypatch)
+    random, real = run_smoke("bench_draft_precision", tmp_path, monkeypatch)  # by name: -random.json, -real.json
+    assert real["records"][0]["model"].startswith("tiny (random weights, smoke)")
     for doc in (real, random):
         assert doc["complete"] is True
         assert {r["draft_weights"] for r in doc["records"]} == {"bf16", "int8", "int4"}
@@ -116,7 +126,7 @@ def test_measure_approx_modes(tmp_path, monkeypatch, capsys):
     finite_positive(record, "perplexity", "perplexity_exact")
     assert record["scored_tokens"] == doc["new_tokens"] and record["greedy_equal_prefix"][0] <= doc["new_tokens"]
     # progress: a line per text as it is scored, for the exact target and for the mode
-    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if "scored" in line] == [
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": text " in line] == [
         "exact", "s2w1r2"]
 
 
@@ -149,3 +159,18 @@ def test_bench_ssv(tmp_path, monkeypatch):
             finite_positive(r["breakdown"], "draft_ms", "verify_ms")
     assert 0 <= records[2]["greedy_agreement"] <= 1
     assert [r["projection"] for r in records[3:]] == [False, True, True]
+
+
+def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
+    """A run stopped after any record leaves a document with every record so far, marked incomplete."""
+    from benchmarks.results_io import RecordLog
+
+    monkeypatch.delenv("OUT", raising=False)
+    log = RecordLog({"device": "cpu"}, "r.json", tmp_path, None, key="modes")
+    read = lambda: json.loads((tmp_path / "r.json").read_text())  # noqa: E731
+    for i in range(3):
+        log.add({"i": i})
+        assert read() == {"device": "cpu", "modes": [{"i": j} for j in range(i + 1)], "complete": False}
+    log.finish()
+    assert read()["complete"] is True and len(read()["modes"]) == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the temporary file was renamed, not left
