@@ -4,7 +4,7 @@ the cost of a draft step and of a Vegas iteration at the scale of an 8B model.
     python benchmarks/bench_draft_precision.py --part real        # SmolLM2 (the embedded GGUF), real prompts
     python benchmarks/bench_draft_precision.py --part random --models llama-3.1-8b --batches 1,8,16 --contexts 32K \
         --tau-from benchmarks/results/draft-precision-<date>-real.json
-    python benchmarks/bench_draft_precision.py --smoke            # tiny shapes on a CPU: checks this script
+    python benchmarks/bench_draft_precision.py --smoke --out /tmp/dp  # a tiny random model on a CPU: checks this script
 
 Part `real`: SmolLM2-135M-Instruct on real long prompts (benchmarks/prompts.py), greedy, γ 6: τ and acceptance by
 position per draft precision, with plain decoding's ms per step, a draft step's ms (the draft phase timed alone,
@@ -19,8 +19,9 @@ configuration is checked against the memory plan first and skipped if it does no
 
 Records: model, batch, context, draft_weights, gamma, ms_per_iteration, plain_ms_per_step, draft_ms_per_step, and
 tau for real-weight runs. Every record is saved as it is made (benchmarks/results/draft-precision-<date>-<part>
-[-tag].json, and $OUT); a run stops starting configurations after --budget-s seconds (default 480, under the
-device tool's 10 minutes per command). Prints a table at the end.
+[-tag].json or --out, and $OUT; "complete": false until the part ends; --smoke: --out and $OUT only); a run stops
+starting configurations after --budget-s seconds (default 480, under the device tool's 10 minutes per command).
+Prints a table at the end.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
-from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.random_model import SHAPES, TINY, random_engine  # noqa: E402
+from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions, InputError  # noqa: E402
 from vegas_jax.generate import token_count  # noqa: E402
@@ -55,25 +56,27 @@ WARM_ITERATIONS, TIMED_ITERATIONS = 2, 8  # random part: iterations per configur
 
 
 class Recorder:
-    """Records, saved after every one; the time budget for starting new configurations."""
+    """Records, saved after every one ("complete": false until finish()); the time budget for starting new
+    configurations. --smoke writes only to --out and $OUT: its records are no measurements."""
 
     def __init__(self, args, part: str):
-        self.records, self.args, self.started = [], args, time.perf_counter()
+        self.args, self.started = args, time.perf_counter()
         stamp = datetime.date.today().isoformat()
-        self.name = f"draft-precision-{stamp}-{part}" + (f"-{args.tag}" if args.tag else "") + ".json"
+        name = f"draft-precision-{stamp}-{part}" + (f"-{args.tag}" if args.tag else "") + ".json"
+        folder = args.out or (None if args.smoke else RESULTS)
+        self.log = RecordLog(run_metadata(attention_backend=default_backend()), name, folder)
+        self.records = self.log.records
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.started > self.args.budget_s
 
     def add(self, record: dict) -> None:
-        self.records.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "acceptance_by_position"}), flush=True)
-        self.save()
+        self.log.add(record)
 
-    def save(self) -> None:
-        doc = run_metadata(attention_backend=default_backend(), records=self.records,
-                           complete=not self.over_budget())
-        save_results(doc, self.name, self.args.out or RESULTS)
+    def finish(self) -> None:
+        """Complete unless the budget stopped configurations from starting."""
+        self.log.finish(complete=not self.over_budget())
 
 
 def _as_allocated(cache):
@@ -87,11 +90,18 @@ def loop_iterations(result) -> int:
 
 
 def real_part(args, recorder: Recorder) -> dict[str, float]:
-    """SmolLM2 on real prompts; returns τ per precision (and 'auto-<precision>')."""
-    engine = Engine(load_model(args.model, jnp.bfloat16 if not args.smoke else jnp.float32))
+    """SmolLM2 on real prompts; returns τ per precision (and 'auto-<precision>'). --smoke: the tiny random model on
+    random prompts (the script's path on a CPU; its τ means nothing)."""
+    if args.smoke:
+        engine, model = random_engine(TINY, jnp.float32), "tiny (random weights, smoke)"
+        rng = np.random.default_rng(0)
+        prompts_of = lambda n: rng.integers(0, TINY.vocab_size, (args.real_batch, n)).tolist()  # noqa: E731
+    else:
+        engine, model = Engine(load_model(args.model, jnp.bfloat16)), "smollm2-135m-instruct (real weights)"
+        prompts_of = lambda n: long_prompts(engine.tokenizer, args.real_batch, n)  # noqa: E731
     taus = {}
     for prompt_tokens in args.prompt_tokens:
-        prompts = long_prompts(engine.tokenizer, args.real_batch, prompt_tokens)
+        prompts = prompts_of(prompt_tokens)
         base = GenerationOptions(max_new_tokens=args.max_new_tokens, min_sparse_tokens=args.min_sparse_tokens)
         plain = None
         for _ in range(2):  # the second run is reported: the first pays for allocations
@@ -111,7 +121,7 @@ def real_part(args, recorder: Recorder) -> dict[str, float]:
             if gamma == GAMMA:
                 draft_ms[precision] = time_phases(engine, engine.start(prompts, options))["draft_ms"] / GAMMA
             record = {
-                "model": "smollm2-135m-instruct (real weights)", "batch": args.real_batch, "context": prompt_tokens,
+                "model": model, "batch": args.real_batch, "context": prompt_tokens,
                 "draft_weights": precision, "gamma": gamma, "tau": m["tau"],
                 "acceptance_by_position": m["acceptance_by_position"],
                 "ms_per_iteration": 1e3 * m["decode_s"] / loop_iterations(result),
@@ -139,6 +149,9 @@ def timed_iterations(engine: Engine, started) -> tuple[float, object]:
     state = started.decode(params, draft, state, np.int32(WARM_ITERATIONS + TIMED_ITERATIONS), everyone)
     jax.block_until_ready(state.output)
     ran = int(state.step) - WARM_ITERATIONS
+    if ran < 1:  # every request finished during the warm-up: nothing was timed
+        raise SystemExit(f"error: --random-new-tokens {started.options.max_new_tokens}: the requests finished after "
+                         f"{int(state.step)} iterations, within the {WARM_ITERATIONS} warm-up ones; give them more")
     return 1e3 * (time.perf_counter() - t0) / ran, state
 
 
@@ -249,18 +262,22 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.contexts = [token_count(t) for t in args.contexts.split(",")]
     if args.smoke:
-        args.real_batch, args.prompt_tokens, args.max_new_tokens, args.min_sparse_tokens = 2, [600], 16, 32
-        args.models, args.batches, args.contexts, args.random_new_tokens = ["smollm2"], [2], [1024], 16
+        args.real_batch, args.prompt_tokens, args.max_new_tokens, args.min_sparse_tokens = 2, [96], 8, 32
+        # A tiny random model's drafts are all accepted: enough tokens for the warm-up and the timed iterations.
+        args.models, args.batches, args.contexts = ["tiny"], [2], [256]
+        args.random_new_tokens = (WARM_ITERATIONS + TIMED_ITERATIONS) * (GAMMA + 1)
 
     records = []
     taus = taus_from(args.tau_from)
     if args.part in ("real", "both"):
         recorder = Recorder(args, "real")
         taus |= real_part(args, recorder)
+        recorder.finish()
         records += recorder.records
     if args.part in ("random", "both"):
         recorder = Recorder(args, "random")
         random_part(args, recorder, taus)
+        recorder.finish()
         records += recorder.records
     print_table(records)
     return 0

@@ -1,6 +1,7 @@
 """The LM head at decode shapes, written three ways, to pick how models/decoder.py contracts it.
 
     python benchmarks/bench_lm_head.py [--shape llama8b|smollm2] [--rows 1,7,8,56,64]
+    python benchmarks/bench_lm_head.py --smoke      # the smoke shape, rows 1 and 8: checks the script on a CPU
 
 The 8B batch-1 profile (benchmarks/results/profile-2026-12-01-8b-b1-32k.json) shows XLA turning the one-row
 bf16 head with float32 output into a convert of the whole 1 GB weight to float32 (0.76 ms) and a float32 GEMV
@@ -56,13 +57,16 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     p.add_argument("--rows", default="1,7,8,56,64", help="comma-separated rows (batch x rows per sequence)")
     p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="--shape smoke --rows 1,8, a small bandwidth probe (CPU)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.shape, args.rows = "smoke", "1,8"
     dim, vocab = SHAPES[args.shape]
     rows_list = [int(r) for r in args.rows.split(",")]
     key_w, key_x = jax.random.split(jax.random.key(0))
     w = (jax.random.normal(key_w, (dim, vocab), jnp.float32) * dim**-0.5).astype(jnp.bfloat16)
     w64 = np.asarray(w, np.float64)
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
     records = []
     for rows in rows_list:
         x = jax.random.normal(jax.random.fold_in(key_x, rows), (rows, dim), jnp.float32).astype(jnp.bfloat16)
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
                   f"max |error| {error:.2e}", flush=True)
     print(f"copy {bandwidth['copy_bandwidth_gbps']:.0f} GB/s, read {bandwidth['read_bandwidth_gbps']:.0f} GB/s")
     meta = run_metadata()
-    save_results({"meta": meta, "shape": args.shape, "bandwidth": bandwidth, "records": records},
+    save_results({**meta, "shape": args.shape, "bandwidth": bandwidth, "records": records},
                  f"lm-head-{args.shape}-{meta['date'][:10]}.json", Path(args.out) if args.out else None)
     return 0
 

@@ -16,7 +16,8 @@ draft step). Each call runs COPIES products with different copies of the weight 
 L2 cache, so every product reads its weight from HBM; one product is shorter than the dispatch floor). Reported
 per product: ms, the bytes of weight it must read (values, scales, offsets), GB/s, its fraction of the device's
 read bandwidth measured in the same run (a large sum), and the speedup over bf16 weights at the same shape and
-XLA options. Results: benchmarks/results/quantized-gemm-<date>[-tag].json (and $OUT); prints a table.
+XLA options. Results: benchmarks/results/quantized-gemm-<date>[-tag].json or --out (--smoke: --out only), and $OUT;
+prints a table.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Settings:
 
 FULL = Settings(SHAPES, ROWS, 2**30, 2**30, 5, ("engine", "triton-any"), "bfloat16")
 # float32 on the CPU, whose XLA has no bf16 x bf16 -> f32 batched dot
-SMOKE = Settings({"o": (256, 256), "down": (512, 256)}, (1, 8), 2**22, 2**20, 2, ("xla-default",), "float32")
+SMOKE = Settings({"o": (256, 256), "down": (512, 256)}, (8,), 2**22, 2**20, 2, ("xla-default",), "float32")
 
 
 def compiled(fn, options: dict, *args):
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
                 r["speedup_vs_bf16"] = base["ms"] / r["ms"]
         doc = run_metadata(read_gb_per_s=read_gb_s, records=records,
                            complete=time.perf_counter() - started < args.budget_s)
-        save_results(doc, f"quantized-gemm-{stamp}.json", args.out or RESULTS)
+        save_results(doc, f"quantized-gemm-{stamp}.json", args.out or (None if args.smoke else RESULTS))
 
     for name, (k, n) in settings.shapes.items():
         for label, kind, group, formulation in WEIGHTS:

@@ -43,9 +43,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
-from benchmarks.random_model import NoTextTokenizer, random_cache_rows  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
-from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig, NSALayout  # noqa: E402
+from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, NoTextTokenizer, random_cache_rows  # noqa: E402
+from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig  # noqa: E402
 from models.decoder import init_params  # noqa: E402
 from vegas_jax import loop, tree_decode  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
@@ -58,13 +58,7 @@ NSA_1B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
     num_kv_heads=2, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
     tie_word_embeddings=True, attention="nsa", nsa=NSA_1B_LAYOUT)
-# --smoke: a tiny dense model seen as NSA (the view's part) and a tiny NSA model (NSA-1B's part), random weights.
-TINY_LAYOUT = NSALayout(16, 16, 16, 2, 16, forced_initial=1, forced_local=1)
-TINY = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-                   max_position_embeddings=1024, tie_word_embeddings=True)
 CLASSES = ("exact", "approximate")
-DRAFTERS = ("ngram", "self")
 
 
 def ssv_options(precision: str, drafter: str, args, new_tokens: int, context: int | None = None) -> GenerationOptions:
@@ -146,39 +140,36 @@ def agreement(tokens, reference) -> float:
     return float(np.mean(same)) if same else float("nan")
 
 
-def view_part(engine: Engine, prompts_of, args, new_tokens: int, records: list) -> dict:
+def view_part(engine: Engine, prompts_of, args, new_tokens: int, log: RecordLog) -> dict:
     """The view's records; returns the τ of each (precision, drafter) by batch, for the projections."""
     taus = {}
     for batch in args.batches:
         prompts = prompts_of(batch)
         base, reference = run(engine, prompts, GenerationOptions(max_new_tokens=new_tokens), args.repeats)
-        records.append({"part": "view", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0})
-        report(records[-1])
+        add(log, {"part": "view", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0})
         for precision in CLASSES:
-            for drafter in DRAFTERS:
+            for drafter in args.drafters:
                 record, tokens = run(engine, prompts, ssv_options(precision, drafter, args, new_tokens), args.repeats)
                 record |= {"part": "view", "method": "ssv",
                            "speedup_vs_ar": record["decode_tokens_per_s"] / base["decode_tokens_per_s"]}
                 if precision == "approximate":
                     record["greedy_agreement"] = agreement(tokens, reference)
-                records.append(record)
-                report(record)
+                add(log, record)
                 taus[batch, precision, drafter] = record["tau"]
     return taus
 
 
-def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, records: list) -> None:
+def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, log: RecordLog) -> None:
     context = args.nsa_1b_context
     for batch in args.nsa_1b_batches:
         prompts = [[1] * (context - new_tokens - 80)] * batch
         plain = GenerationOptions(max_new_tokens=new_tokens, max_model_len=context)
         base, _ = run(engine, prompts, plain, args.repeats, fill_cache=random_cache_rows)
-        records.append({"part": "nsa-1b", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0, "tau": 1.0,
-                        "projection": False})
-        report(records[-1])
+        add(log, {"part": "nsa-1b", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0, "tau": 1.0,
+                  "projection": False})
         view_batch = min(args.batches, key=lambda b: abs(b - batch))  # the view's τ at the nearest batch
         for precision in CLASSES:
-            for drafter in DRAFTERS:
+            for drafter in args.drafters:
                 options = ssv_options(precision, drafter, args, new_tokens, context)
                 record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_cache_rows)
                 tau = taus.get((view_batch, precision, drafter))
@@ -188,8 +179,12 @@ def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, records: list
                            "tau_on_random_weights": record["tau"], "decode_tokens_per_s": projected,
                            "decode_tokens_per_s_min": None, "decode_tokens_per_s_max": None,
                            "speedup_vs_ar": projected / base_speed}
-                records.append(record)
-                report(record)
+                add(log, record)
+
+
+def add(log: RecordLog, record: dict) -> None:
+    log.add(record)
+    report(record)
 
 
 def report(r: dict) -> None:
@@ -212,6 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=8192, help="prompt plus new tokens (SmolLM2's context: 8192)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="4x2")
+    p.add_argument("--drafters", default="ngram,self", help="the SSV drafters run in each class")
     p.add_argument("--approx-mode", default="s8w1r2", help="the approximate class's mode without a profile")
     p.add_argument("--ssv-profile", default=None, help="the planner chooses tree and mode from this profile")
     p.add_argument("--repeats", type=int, default=3)
@@ -224,14 +220,16 @@ def main(argv=None) -> int:
         args.batches, args.nsa_1b_batches, args.max_new_tokens, args.repeats = "8", "1", 64, 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.nsa_1b_batches = [int(b) for b in args.nsa_1b_batches.split(",")]
-    if args.smoke:
-        args.batches, args.nsa_1b_batches, args.repeats, args.nsa_1b_context = [2], [1], 1, 256
+    args.drafters = args.drafters.split(",")
+    if args.smoke:  # each configuration is a loop compilation of a minute on a CPU: the fewest that reach every path
+        args.batches, args.nsa_1b_batches, args.repeats, args.nsa_1b_context = [2], [1], 1, 160
+        args.drafters, args.tree = ["ngram"], "2x2"
         dense = LoadedModel(TINY, init_params(TINY, jnp.float32), NoTextTokenizer(), "random", "random")
-        view = Engine(dataclasses.replace(dense, config=with_attention(TINY, "nsa-view", TINY_LAYOUT)))
+        view = Engine(dataclasses.replace(dense, config=with_attention(TINY, "nsa-view", TINY_NSA_LAYOUT)))
         rng = np.random.default_rng(0)
         prompts_of = lambda batch: [rng.integers(0, TINY.vocab_size, 96).tolist() for _ in range(batch)]
-        nsa_config = dataclasses.replace(TINY, attention="nsa", nsa=TINY_LAYOUT)
-        new_tokens = 8
+        nsa_config = dataclasses.replace(TINY, attention="nsa", nsa=TINY_NSA_LAYOUT)
+        new_tokens = 6
     else:
         loaded = load_model(args.model, jnp.bfloat16)
         view = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
@@ -239,17 +237,16 @@ def main(argv=None) -> int:
         nsa_config = NSA_1B
         new_tokens = args.max_new_tokens
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
-    records: list = []
-    taus = view_part(view, prompts_of, args, new_tokens, records)
-    nsa_1b = Engine(LoadedModel(nsa_config, init_params(nsa_config, dtype), NoTextTokenizer(), "random", "random"))
-    nsa_1b_part(nsa_1b, args, new_tokens, taus, records)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     name = f"ssv-{'smoke' if args.smoke else 'quick' if args.quick else 'full'}-{stamp}{'-' + args.tag if args.tag else ''}.json"
-    save_results({**run_metadata(args={k: str(v) for k, v in vars(args).items()}), "records": records}, name,
-                 args.out)
+    log = RecordLog(run_metadata(args={k: str(v) for k, v in vars(args).items()}), name, args.out)
+    print(f"writing {args.out / name} after every record")
+    taus = view_part(view, prompts_of, args, new_tokens, log)
+    nsa_1b = Engine(LoadedModel(nsa_config, init_params(nsa_config, dtype), NoTextTokenizer(), "random", "random"))
+    nsa_1b_part(nsa_1b, args, new_tokens, taus, log)
+    log.finish()
     print(f"wrote {args.out / name}")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
+        args.rows, args.blocks, args.layers, args.repeats = "8", "64x64", 2, 1
     interpret = args.smoke
     shapes = SHAPES["smoke" if args.smoke else args.shapes]
     if args.matrices:

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         args.contexts, args.batches, args.trees, args.mode_trees = "4096,8192", "1,8", "2x1,4x1,3x2", "4x1,3x2"
     if args.smoke:
         args.model, args.contexts, args.batches, args.trees, args.modes, args.mode_trees, args.reps = (
-            "tiny", "128,256", "1,2", "2x1,2x2", "s8w1r1,s1w1r2", "2x2", 2)
+            "tiny", "256", "2", "2x2", "s2w1r2", "2x2", 1)  # one cell; s2w1r2 both shares spans and reuses
     backend = "interpret" if args.smoke else "pallas"
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     config, params = load(args.model, dtype)

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig, NSALayout, RopeScaling
 from models.decoder import init_params
 from vegas_jax.engine import Engine
 from vegas_jax.loading.bundle import LoadedModel
@@ -31,7 +31,14 @@ QWEN3_8B = ModelConfig(
     num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
     tie_word_embeddings=False, qk_norm=True,
 )
-SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B}
+# The scripts' --smoke runs on a CPU: a tiny dense model (seen as NSA through TINY_NSA_LAYOUT where they need one).
+TINY = ModelConfig(
+    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
+TINY_NSA_LAYOUT = NSALayout(16, 16, 16, 2, 16, forced_initial=1, forced_local=1)
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.1-8b": LLAMA31_8B, "qwen3-8b": QWEN3_8B, "tiny": TINY}
 
 
 class NoTextTokenizer:

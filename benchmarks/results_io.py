@@ -1,4 +1,5 @@
-"""Where benchmark results go: the JSON document to each folder asked for, plus $OUT when the device tool sets it."""
+"""Where benchmark results go: the JSON document to each folder asked for, plus $OUT when the device tool sets it;
+and a document saved after every record, so a run stopped by a time limit keeps what it measured."""
 
 from __future__ import annotations
 
@@ -12,10 +13,34 @@ import jax
 
 
 def save_results(doc: dict, name: str, *folders: Path | None) -> None:
-    destinations = [f for f in folders if f] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for folder in destinations:
+    """Writes doc to name in each folder (None: none) and $OUT, each file replaced whole (a temporary file, then
+    os.replace): a run killed while writing leaves the previous version, never half a document."""
+    named = [Path(f) for f in folders if f] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+    text = json.dumps(doc, indent=1, default=float)
+    for folder in dict.fromkeys(p.resolve() for p in named):  # each folder once
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(json.dumps(doc, indent=1, default=float))
+        partial = folder / f".{name}.{os.getpid()}.partial"
+        partial.write_text(text)
+        os.replace(partial, folder / name)
+
+
+class RecordLog:
+    """A results document of `meta` and a list of records under `key`, saved whole after every record with
+    "complete": false, and with "complete": true once finish() says the run did all it set out to."""
+
+    def __init__(self, meta: dict, name: str, *folders: Path | None, key: str = "records"):
+        self.meta, self.name, self.folders, self.key = meta, name, folders, key
+        self.records: list[dict] = []
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        self._save(complete=False)
+
+    def finish(self, complete: bool = True) -> None:
+        self._save(complete)
+
+    def _save(self, complete: bool) -> None:
+        save_results({**self.meta, self.key: self.records, "complete": complete}, self.name, *self.folders)
 
 
 def run_metadata(**extra) -> dict:

@@ -1,0 +1,176 @@
+"""Every GPU benchmark script's --smoke, run on the CPU in-process: the script runs end to end and what it saves
+is sane (records with the fields its docstring names, finite timings, kernels equal to their twins, Vegas equal to
+plain decoding). A script that crashes here would crash on its first GPU run, and device time is scarce.
+
+Each smoke writes to tmp_path (--out and $OUT); none may write into benchmarks/results/ (smoke records are not
+measurements)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def results_listing() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
+
+
+def run_smoke(script: str, tmp_path: Path, monkeypatch, *argv: str, expect_rc: int = 0) -> list[dict]:
+    """benchmarks/<script>.py's main(["--smoke", *argv]) with $OUT = tmp_path: the JSON documents it wrote."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    module = importlib.import_module(f"benchmarks.{script}")
+    before = results_listing()
+    assert module.main(["--smoke", *argv]) == expect_rc
+    assert results_listing() == before, f"{script} --smoke wrote into benchmarks/results/"
+    assert not list(tmp_path.glob(".*")), "a partial file was left behind"
+    docs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    assert docs, f"{script} --smoke wrote no JSON"
+    for doc in docs:
+        assert doc["device"] == "cpu" and doc["command"]
+    return docs
+
+
+def finite_positive(record: dict, *fields: str) -> None:
+    for field in fields:
+        value = record[field]
+        assert isinstance(value, float | int) and math.isfinite(value) and value > 0, (field, record)
+
+
+def has_fields(record: dict, *fields: str) -> None:
+    missing = [f for f in fields if f not in record]
+    assert not missing, (missing, record)
+
+
+def test_bench_kernels(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_kernels", tmp_path, monkeypatch)
+    kernels = {r["kernel"] for r in doc["records"]}
+    assert {"sparse_decode", "verify", "select_topk"} <= kernels
+    for r in doc["records"]:
+        assert r["correct"] and r["error"] is None, r
+        finite_positive(r, "time_ms")
+
+
+def test_bench_nsa_kernels(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_nsa_kernels", tmp_path, monkeypatch)
+    assert doc["failures"] == []
+    assert {"nsa-decode", "v0", "v1", "dense-tree"} <= {r["kernel"] for r in doc["records"]}
+    for r in doc["records"]:
+        has_fields(r, "kernel", "tree_nodes", "context", "batch", "bytes")
+        finite_positive(r, "time_ms", "gb_per_s")
+        assert r.get("max_abs_error", 0) <= 0.05, r  # the script's bf16 tolerance against the twin
+
+
+def test_bench_tree_attention(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_tree_attention", tmp_path, monkeypatch)
+    assert doc["failures"] == []
+    assert {r["impl"] for r in doc["records"]} >= {"pallas", "linear-causal"}
+    for r in doc["records"]:
+        finite_positive(r, "time_ms", "bytes")
+        assert r.get("max_abs_error", 0) <= 1e-2, r
+
+
+def test_bench_weight_only(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_weight_only", tmp_path, monkeypatch)
+    assert {(r["weights"], r["backend"]) for r in doc["records"]} == {
+        ("bf16", "xla"), ("int8", "xla"), ("int8", "pallas"), ("int4", "xla"), ("int4", "pallas")}
+    for r in doc["records"]:
+        assert "error" not in r, r
+        finite_positive(r, "ms", "weight_gb_per_s", "weight_bytes")
+
+
+def test_bench_quantized_gemm(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_quantized_gemm", tmp_path, monkeypatch)
+    assert doc["complete"] is True
+    for r in doc["records"]:
+        assert "error" not in r, r
+        finite_positive(r, "ms", "gb_per_s", "speedup_vs_bf16")
+
+
+def test_bench_lm_head(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_lm_head", tmp_path, monkeypatch)
+    assert {(r["variant"], r["rows"]) for r in doc["records"]} == {
+        (v, rows) for v in ("f32-out", "bf16-out", "decoder") for rows in (1, 8)}
+    for r in doc["records"]:
+        finite_positive(r, "ms", "weight_gb_per_s")
+        assert r["max_abs_error"] < 0.05, r  # bf16 inputs, float32 accumulation, against float64
+
+
+def test_bench_draft_precision(tmp_path, monkeypatch):
+    random, real = run_smoke("bench_draft_precision", tmp_path, monkeypatch)  # by name: -random.json, -real.json
+    assert real["records"][0]["model"].startswith("tiny (random weights, smoke)")
+    for doc in (real, random):
+        assert doc["complete"] is True
+        assert {r["draft_weights"] for r in doc["records"]} == {"bf16", "int8", "int4"}
+        for r in doc["records"]:
+            finite_positive(r, "ms_per_iteration", "plain_ms_per_step", "draft_ms_per_step")
+    for r in real["records"]:
+        assert r["identical_to_plain"] == [True] * r["batch"], r  # greedy Vegas is plain decoding
+        assert 1 <= r["tau"] <= r["gamma"] + 1
+    for r in random["records"]:
+        finite_positive(r, "verify_ms", "select_ms")
+        assert r["projection"]["tau"] == next(q["tau"] for q in real["records"]
+                                              if q["draft_weights"] == r["draft_weights"])
+
+
+def test_measure_approx_modes(tmp_path, monkeypatch, capsys):
+    (doc,) = run_smoke("measure_approx_modes", tmp_path, monkeypatch, "--out", str(tmp_path))
+    assert doc["complete"] is True
+    (record,) = doc["modes"]
+    assert record["mode"] == "s2w1r2"
+    assert 0 <= record["top1_agreement"] <= 1 and 0 <= record["greedy_agreement"] <= 1
+    finite_positive(record, "perplexity", "perplexity_exact")
+    assert record["scored_tokens"] == doc["new_tokens"] and record["greedy_equal_prefix"][0] <= doc["new_tokens"]
+    # progress: a line per text as it is scored, for the exact target and for the mode
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": text " in line] == [
+        "exact", "s2w1r2"]
+
+
+def test_profile_ssv(tmp_path, monkeypatch):
+    (doc,) = run_smoke("profile_ssv", tmp_path, monkeypatch)
+    from vegas_jax.planner import PROFILE_FORMAT
+
+    assert doc["format"] == PROFILE_FORMAT
+    assert {r["kernel"] for r in doc["kernels"]} == {
+        "linear", "nsa-decode", "refresh-decode", "reuse-decode", "tree-v1", "tree-v1-refresh", "tree-v1-reuse"}
+    for table in ("kernels", "passes", "drafts"):
+        for r in doc[table]:
+            finite_positive(r, "ms")
+    assert {r["mode"] for r in doc["passes"]} == {"exact", "s2w1r2"}
+    assert all(c["relative_error"] <= 1e-4 for c in doc["fused_kernel_checks"])
+
+
+def test_bench_ssv(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_ssv", tmp_path, monkeypatch, "--out", str(tmp_path))
+    assert doc["complete"] is True
+    records = doc["records"]
+    assert [(r["part"], r["method"], r["precision"]) for r in records] == [
+        (part, method, precision) for part in ("view", "nsa-1b")
+        for method, precision in (("nsa-ar", "exact"), ("ssv", "exact"), ("ssv", "approximate"))]
+    for r in records:
+        has_fields(r, "drafter", "approx_mode", "tree", "batch", "prompt_tokens", "decode_tokens_per_s",
+                   "speedup_vs_ar", "tau", "ms_per_iteration", "breakdown")
+        finite_positive(r, "decode_tokens_per_s", "speedup_vs_ar", "tau", "ms_per_iteration")
+        if r["method"] == "ssv":
+            finite_positive(r["breakdown"], "draft_ms", "verify_ms")
+    assert 0 <= records[2]["greedy_agreement"] <= 1
+    assert [r["projection"] for r in records[3:]] == [False, True, True]
+
+
+def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
+    """A run stopped after any record leaves a document with every record so far, marked incomplete."""
+    from benchmarks.results_io import RecordLog
+
+    monkeypatch.delenv("OUT", raising=False)
+    log = RecordLog({"device": "cpu"}, "r.json", tmp_path, None, key="modes")
+    read = lambda: json.loads((tmp_path / "r.json").read_text())  # noqa: E731
+    for i in range(3):
+        log.add({"i": i})
+        assert read() == {"device": "cpu", "modes": [{"i": j} for j in range(i + 1)], "complete": False}
+    log.finish()
+    assert read()["complete"] is True and len(read()["modes"]) == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the temporary file was renamed, not left
