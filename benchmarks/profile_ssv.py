@@ -18,10 +18,10 @@ Tables, per (batch, context) of the grid:
 - checks: the fused reuse kernel against its jnp twin on each (mode, batch, context), before it is timed;
 - drafts: the n-gram drafter's device work per tree shape, modelled as a match of the last two tokens against
   every position and the continuations of the best `branching` matches gathered (the drafter lives with the
-  loop; this is its cost's order, not its code).
+  loop; this is its cost's order, not its code); the self drafter's pass, composed per level with children as
+  the linear part at the level's width plus each layer's sink-and-window draft attention.
 - the same tree verification under each approximate mode for the --mode-trees shapes (the refresh layers' nodes
-  taking their anchors' blocks, the reuse layers' injected; both still derive each node's own selection in the
-  pass, as nsa_verify has no reuse path yet, so reuse is an upper bound there).
+  taking their anchors' blocks, the reuse layers' injected, whose own selection XLA then drops as unused).
 A pass's time is then linear + the sum over layers of their attention (refresh or reuse), and each passes record
 says so ("source": "composed"). JSON: benchmarks/results/ssv-profile-<model>-<date>.json (and $OUT).
 """
@@ -48,9 +48,10 @@ from models.attention import NewTokens  # noqa: E402
 from models.config import NSA_1B_LAYOUT, ModelConfig, NSALayout  # noqa: E402
 from models.decoder import forward, init_params  # noqa: E402
 from models.nsa_cache import NSACache, NSALayerCache, compressed_rows  # noqa: E402
-from pallas_kernels.nsa_verify import nsa_tree_verify  # noqa: E402
+from pallas_kernels.nsa_verify import ancestor_mask, nsa_tree_verify  # noqa: E402
 from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
+from vegas_jax.attention.nsa_tree import SinkWindowDraft  # noqa: E402
 from vegas_jax.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
 from vegas_jax.precision import ApproxMode  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
@@ -162,8 +163,7 @@ def check_fused(attention, new, position, cache, mode, batch, context) -> dict:
 def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, parents, backend, reps):
     """(refresh, reuse) ms of one layer's tree verification of mode's target (nsa_tree_verify with
     tree_reselect): a refresh layer's nodes take their anchors' blocks (the stored one for anchors before the
-    tree), a reuse layer's are injected. Both still derive every node's own selection in the pass (the tree
-    kernels have no reuse path yet), so the reuse time is an upper bound."""
+    tree), a reuse layer's are injected (its own selection unused, so not derived in the compiled pass)."""
     wide = mode.selection_layout(config.nsa)
     batch, rows = q.shape[:2]
     stored = jnp.broadcast_to(jnp.arange(wide.top_n, dtype=jnp.int32), (batch, config.num_kv_heads, wide.top_n))
@@ -179,6 +179,29 @@ def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, par
         return per_layer(lambda c: batched(q, c, k, v, gates, length, extra), caches, reps)
 
     return one("refresh"), one("reuse") if mode.refresh_every > 1 else one("refresh")
+
+
+def self_draft_ms(config, params, caches, linear, batch: int, context: int, parents: np.ndarray, dtype, key, reps: int):
+    """ms of the self drafter's pass over a tree (vegas_jax.drafters.SelfDrafter): one model pass per level with
+    children, over that level's nodes, each layer attending the sink block, NSA's window and the node's path
+    (vegas_jax.attention.nsa_tree.SinkWindowDraft); composed as the linear part at the level's width plus the
+    layers' draft attention. `linear` caches linear-part times by rows (filled here as needed)."""
+    ancestors = np.asarray(ancestor_mask(jnp.asarray(parents)))
+    depths = ancestors.sum(axis=1) - 1
+    has_children = np.isin(np.arange(len(parents)), parents)
+    base = jnp.full((batch,), context - 1, jnp.int32)
+    total = 0.0
+    for depth in range(int(depths.max())):
+        nodes = np.flatnonzero((depths == depth) & has_children)
+        if nodes.size not in linear:
+            linear[nodes.size] = linear_ms(config, params, batch, nodes.size, dtype, reps)
+        draft = SinkWindowDraft(base[:, None] + jnp.asarray(nodes)[None], base, jnp.asarray(ancestors[nodes]),
+                                config.nsa.select_block, config.nsa.window)
+        level = new_tokens(config, batch, nodes.size, dtype, key)
+        positions = jnp.broadcast_to(base[:, None] + depth, (batch, nodes.size))
+        attention = per_layer(lambda c: draft(0, level, positions, c)[0], caches, reps)
+        total += linear[nodes.size] + config.num_layers * attention
+    return total
 
 
 def ngram_draft_ms(batch: int, context: int, depth: int, branching: int, reps: int) -> float:
@@ -317,6 +340,9 @@ def main(argv=None) -> int:
                        ms=linear[rows] + layers * t_tree, source="composed")
                 record(drafts, drafter="ngram", nodes=rows - 1, batch=batch, context=context,
                        ms=ngram_draft_ms(batch, context, depth, branching, args.reps))
+                record(drafts, drafter="self", nodes=rows - 1, batch=batch, context=context,
+                       ms=self_draft_ms(config, params, caches, linear, batch, context, np.asarray(parents), dtype,
+                                        key, args.reps), source="composed")
                 if (depth, branching) not in mode_trees:
                     continue
                 for mode in modes:

@@ -194,3 +194,40 @@ def test_the_fused_reuse_kernel_lowers_to_triton_for_h200(kind, heads, kv_heads,
         spec((batch, kv_heads, top_n), jnp.int32), spec((batch,), jnp.int32),
         spec((batch, heads, 3), jnp.float32) if kind == "nsa" else None, layout=layout, kind=kind)
     assert "__gpu$xla.gpu.triton" in lowered
+
+
+@pytest.mark.parametrize("kind", ["nsa", "nsa-view"])
+def test_a_reuse_layer_derives_no_selection_in_tree_verification(kind):
+    """A reuse layer's tree verification attends its refresh layer's injected blocks, and the compiled program
+    keeps none of the derivation: no top-n over selection scores, and on the view (whose output has no compressed
+    branch) none of the compressed rows' products either. The refresh layer's program, for contrast, has both."""
+    import collections
+    import re
+
+    from pallas_kernels.nsa_verify import nsa_tree_verify
+    from vegas_jax.attention.nsa_approx import tree_reselect
+
+    mode = ApproxMode.from_name("s1w1r2")
+    wide = mode.selection_layout(KERNEL_LAYOUT)
+    parents, spec = (-1, 0, 0, 1, 2), jax.ShapeDtypeStruct
+    rows, capacity = len(parents), 256
+    cache = NSALayerCache(*[spec((capacity, KV_HEADS, DIM), jnp.float32)] * 2,
+                          *[spec((compressed_rows(KERNEL_LAYOUT, capacity), KV_HEADS, DIM), jnp.float32)] * 2)
+
+    def compiled_ops(reselect_of):
+        def verify(q, c, k, v, gates, length, injected):
+            return nsa_tree_verify(q, c, k, v, gates if kind == "nsa" else None, length, jnp.asarray(parents),
+                                   layout=wide, kind=kind, reselect=reselect_of(injected))
+        hlo = jax.jit(verify).lower(
+            spec((rows, HEADS, DIM), jnp.float32), cache, *[spec((rows, KV_HEADS, DIM), jnp.float32)] * 2,
+            spec((rows, HEADS, 3), jnp.float32), spec((), jnp.int32),
+            spec((rows, KV_HEADS, wide.top_n), jnp.int32)).compile().as_text()
+        return collections.Counter(re.findall(r'custom_call_target="(TopK)"|= \S+ (dot)\(', hlo))
+
+    refresh = compiled_ops(lambda injected: tree_reselect(mode))
+    reuse = compiled_ops(lambda injected: tree_reselect(mode, injected=injected))
+    assert refresh[("TopK", "")] > 0 and reuse[("TopK", "")] == 0
+    if kind == "nsa-view":
+        assert reuse[("", "dot")] < refresh[("", "dot")]
+    else:  # NSA's compressed branch is part of the output
+        assert reuse[("", "dot")] == refresh[("", "dot")]

@@ -28,11 +28,16 @@ def pass_ms(mode: str, rows: int, batch: int, context: int, tree_cost: float) ->
     return ms * tree_cost if rows > 1 else ms
 
 
-def profile_doc(tree_cost: float = 1.0) -> dict:
+def profile_doc(tree_cost: float = 1.0, self_draft_cost: float | None = None) -> dict:
+    """A profile of the synthetic device; with self_draft_cost, self drafts costing that many plain steps a node."""
     passes = [{"mode": m, "rows": r, "batch": b, "context": c, "ms": pass_ms(m, r, b, c, tree_cost)}
               for m in MODES for r in ROWS for b in BATCHES for c in CONTEXTS]
     drafts = [{"drafter": "ngram", "nodes": r - 1, "batch": b, "context": c, "ms": 0.2 + 0.01 * b + 1e-8 * b * c}
               for r in ROWS if r > 1 for b in BATCHES for c in CONTEXTS]
+    if self_draft_cost is not None:
+        drafts += [{"drafter": "self", "nodes": r - 1, "batch": b, "context": c,
+                    "ms": self_draft_cost * (r - 1) * pass_ms("exact", 1, b, c, 1.0)}
+                   for r in ROWS if r > 1 for b in BATCHES for c in CONTEXTS]
     distances = {m: {"top1_disagreement": d, "greedy_agreement": 1 - 2 * d} for m, (_, d) in MODES.items() if d}
     return {"format": "vegas-ssv-profile", "version": 1, "device": "synthetic", "passes": passes, "drafts": drafts,
             "distances": distances}
@@ -74,6 +79,19 @@ def test_with_useless_speculation_the_planner_decodes_plainly(tmp_path):
     assert all(p.tree is None and p.rows == 1 and p.tokens_per_step == 1 for p in plans)
     # At acceptance 0 a tree yields only its bonus token: plain decoding even where trees are cheap.
     assert all(useful.plan(length, batch, alpha=0.0).tree is None for length, batch in GRID)
+
+
+def test_the_planner_costs_trees_with_its_own_drafters_times(tmp_path):
+    """Self drafts cost a model pass a level: cheap ones leave trees worth it, drafts dearer than the plain steps
+    they could save leave plain decoding; the n-gram drafter's times never stand in for them."""
+    cheap = Planner(load_profile(write(tmp_path, profile_doc(self_draft_cost=0.01), "cheap.json")),
+                    parse_precision("exact"), drafter="self")
+    assert all(cheap.plan(length, batch).tree is not None for length, batch in GRID)
+    dear = Planner(load_profile(write(tmp_path, profile_doc(self_draft_cost=1.0), "dear.json")),
+                   parse_precision("exact"), drafter="self")
+    assert all(dear.plan(length, batch).tree is None for length, batch in GRID)
+    assert all(Planner(dear.profile, parse_precision("exact")).plan(length, batch).tree is not None
+               for length, batch in GRID)  # the same profile's n-gram drafts are cheap
 
 
 def test_the_prediction_is_the_fitted_cost_of_the_choice(tmp_path):
