@@ -242,9 +242,10 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
     for title, table in (("Serving (continuous batching, held-out prompts, tuned cells)", serve_table(records)),
                          ("Paper scale (random weights, timing only; tok/s marked PROJECTION multiply the measured "
                           "iteration time by the τ SmolLM2 reached, default cell; roofline: the bytes a step must "
-                          "read, weights and every cached row, over the read bandwidth of a jnp.sum over 4 GiB "
-                          "measured in the same process, which the GEMM and attention kernels can beat: hence "
-                          "fractions over 100 %)",
+                          "read, weights and every cached row, over the read bandwidth measured in the same "
+                          "process: records before 2026-12-02 a jnp.sum over 4 GiB, which the GEMM and attention "
+                          "kernels beat, hence fractions over 100 %; since then the faster of that sum and a "
+                          "matrix-vector product over the same bytes)",
                           scale_table(records, records if t.heldout_rows(records) else legacy)),
                          ("Peer: transformers `generate`, static cache, SDPA, same GGUF and prompts", peer_table(records))):
         out += [f"{title}:", "", table or "not yet measured", ""]
