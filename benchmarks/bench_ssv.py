@@ -6,9 +6,9 @@
 
 Two parts:
 - `view`: SmolLM2's NSA view (real weights, `--attention nsa-view`) on real prompts of benchmarks/prompts.py
-  (the standard library's text in the chat template, `--context` less the new tokens each), greedy: plain NSA decoding, then SSV
-  (draft trees, vegas_jax.tree_decode) with each drafter (ngram; self: the sink-and-window draft) in the exact class
-  and in the approximate class. The approximate class runs `--approx-mode` (pinned), or with `--ssv-profile` the
+  (the standard library's text in the chat template, `--context` less the new tokens each), greedy: plain NSA
+  decoding, then SSV (draft trees, vegas_jax.tree_decode) with each drafter (ngram; self: the sink-and-window
+  draft) in the exact class and in the approximate class. The approximate class runs `--approx-mode` (pinned), or with `--ssv-profile` the
   planner's choice (tree and mode); the exact class runs `--tree` (or the planner's tree with a profile).
   Approximate records carry greedy_agreement: the fraction of decoded positions equal to plain NSA decoding's.
 - `nsa-1b`: random weights of NSA-1B's shapes (16 layers, 32 / 2 heads, head dim 64, NSA-1B's layout) at
@@ -43,16 +43,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
-from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, NoTextTokenizer, random_cache_rows  # noqa: E402
+from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_cache_rows, random_engine, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
 from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig  # noqa: E402
-from models.decoder import init_params  # noqa: E402
 from vegas_jax import loop, tree_decode  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.drafters import make_drafter  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.loading.bundle import LoadedModel  # noqa: E402
 
 NSA_1B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
@@ -224,7 +222,7 @@ def main(argv=None) -> int:
     if args.smoke:  # each configuration is a loop compilation of a minute on a CPU: the fewest that reach every path
         args.batches, args.nsa_1b_batches, args.repeats, args.nsa_1b_context = [2], [1], 1, 160
         args.drafters, args.tree = ["ngram"], "2x2"
-        dense = LoadedModel(TINY, init_params(TINY, jnp.float32), NoTextTokenizer(), "random", "random")
+        dense = random_model(TINY, jnp.float32)
         view = Engine(dataclasses.replace(dense, config=with_attention(TINY, "nsa-view", TINY_NSA_LAYOUT)))
         rng = np.random.default_rng(0)
         prompts_of = lambda batch: [rng.integers(0, TINY.vocab_size, 96).tolist() for _ in range(batch)]
@@ -233,7 +231,8 @@ def main(argv=None) -> int:
     else:
         loaded = load_model(args.model, jnp.bfloat16)
         view = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
-        prompts_of = functools.partial(long_prompts, view.tokenizer, prompt_tokens=args.context - args.max_new_tokens)
+        prompts_of = functools.partial(long_prompts, view.tokenizer,
+                                       prompt_tokens=args.context - args.max_new_tokens)
         nsa_config = NSA_1B
         new_tokens = args.max_new_tokens
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
@@ -242,11 +241,12 @@ def main(argv=None) -> int:
     log = RecordLog(run_metadata(args={k: str(v) for k, v in vars(args).items()}), name, args.out)
     print(f"writing {args.out / name} after every record")
     taus = view_part(view, prompts_of, args, new_tokens, log)
-    nsa_1b = Engine(LoadedModel(nsa_config, init_params(nsa_config, dtype), NoTextTokenizer(), "random", "random"))
+    nsa_1b = random_engine(nsa_config, dtype)
     nsa_1b_part(nsa_1b, args, new_tokens, taus, log)
     log.finish()
     print(f"wrote {args.out / name}")
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -34,13 +34,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import stdlib_corpus  # noqa: E402
-from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, NoTextTokenizer  # noqa: E402
+from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
-from models.decoder import init_params  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.nsa_approx import greedy_decode, prefill_logits  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.loading.bundle import LoadedModel  # noqa: E402
 from vegas_jax.precision import EXACT_MODE, ApproxMode  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -77,7 +75,7 @@ def main(argv=None) -> int:
     gpu = jax.default_backend() == "gpu"
     if args.smoke:
         args.prompt_tokens, args.new_tokens, args.texts, args.modes = 96, 6, 1, "s2w1r2"
-        loaded = LoadedModel(TINY, init_params(TINY, jnp.float32), NoTextTokenizer(), "random", "random")
+        loaded = random_model(TINY, jnp.float32)
         config = with_attention(TINY, "nsa-view", TINY_NSA_LAYOUT)
     else:
         loaded = load_model(None, jnp.bfloat16 if gpu else jnp.float32)

@@ -51,8 +51,12 @@ class NoTextTokenizer:
         return ""
 
 
+def random_model(config: ModelConfig, dtype=jnp.bfloat16) -> LoadedModel:
+    return LoadedModel(config, init_params(config, dtype), NoTextTokenizer(), "random", "random")
+
+
 def random_engine(config: ModelConfig, dtype=jnp.bfloat16) -> Engine:
-    return Engine(LoadedModel(config, init_params(config, dtype), NoTextTokenizer(), "random", "random"))
+    return Engine(random_model(config, dtype))
 
 
 def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:

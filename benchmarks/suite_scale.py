@@ -133,7 +133,8 @@ def time_iterations(engine, batch: int, context: int, method: str, iterations: i
     jax.block_until_ready(state.output)
     wall = time.perf_counter() - t0
     ran = int(np.asarray(state.step)) - first
-    state, profile = _profile(functools.partial(started.decode, params, draft), state, first + iterations + PROFILED_ITERATIONS, everyone)
+    state, profile = _profile(functools.partial(started.decode, params, draft), state,
+                              first + iterations + PROFILED_ITERATIONS, everyone)
     budget = started.config.policy.budget.k_max if started.config.policy else 0
     return {
         "ms_per_iteration": 1e3 * wall / max(ran, 1),
