@@ -4,10 +4,12 @@ packed int4, with and without offsets, on fresh random inputs every run; a faili
 from __future__ import annotations
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.weight_only_matmul import dequantize, weight_only_matmul, weight_only_matmul_reference
+from h200_lowering import lower_for_h200
+from pallas_kernels.weight_only_matmul import _layout, dequantize, weight_only_matmul, weight_only_matmul_reference
 
 
 def numpy_weight(q, scale, offset, bits, group):
@@ -31,6 +33,7 @@ def numpy_weight(q, scale, offset, bits, group):
     (8, 32, True, 17, 2),
     (4, 64, True, 1, None),  # one row
     (4, 32, False, 8, 4),
+    (4, 64, True, 5, 2),  # the swapped kernel's ragged rows (bf16 activations), with offsets
 ])
 def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, splits):
     k, n = 256, 64
@@ -66,3 +69,16 @@ def test_bad_layouts_are_refused():
         weight_only_matmul(x, jnp.zeros((128, 32), jnp.uint8), jnp.ones((2, 32)), bits=4, group=64)
     with pytest.raises(ValueError, match="scale"):
         weight_only_matmul(x, jnp.zeros((128, 32), jnp.int8), jnp.ones((3, 32)), bits=8, group=64)
+
+
+@pytest.mark.parametrize("rows,layout", [(1, "vector"), (8, "swapped"), (32, "rows")])
+def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
+    """The kernels pass the Pallas Triton lowering's checks at a real draft shape (Llama-3.1-8B's fused gate/up,
+    int4 in groups of 128), one per layout the entry picks."""
+    k, n, group = 4096, 28672, 128
+    assert _layout(4, jnp.bfloat16, rows) == layout
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
+                          spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
+                          group=group)
+    assert f"weight_only_matmul_{layout}" in text

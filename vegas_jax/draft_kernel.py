@@ -21,7 +21,10 @@ from models.quantized import QuantizedWeight
 from pallas_kernels.weight_only_matmul import weight_only_matmul
 from vegas_jax.sharding import Placement
 
-MAX_BLOCK_K, MAX_BLOCK_N, MIN_BLOCK = 64, 128, 16  # the kernel's default blocks, and Triton's smallest dot
+# The largest blocks (block_k, block_n) tried, by whether x is one row: the fastest measured on the H200 at
+# Llama-3.1-8B's shapes (benchmarks/results/weight-only-2026-12-02-int4-variants.json); 16: Triton's smallest dot.
+MAX_BLOCKS = {True: (32, 256), False: (64, 128)}
+MIN_BLOCK = 16
 
 
 def with_kernel(draft_params, placement: Placement):
@@ -31,7 +34,7 @@ def with_kernel(draft_params, placement: Placement):
     product = functools.partial(_product, interpret=placement.interpret)
 
     def attach(w):
-        if not isinstance(w, QuantizedWeight) or _blocks(w) is None:
+        if not isinstance(w, QuantizedWeight) or _blocks(w, rows=2) is None:
             return w
         return dataclasses.replace(w, kernel=product)
 
@@ -45,12 +48,14 @@ def _largest_power_of_2_dividing(n: int, most: int) -> int:
     return block
 
 
-def _blocks(w: QuantizedWeight) -> tuple[int, int] | None:
-    """(block_k, block_n) that tile this weight for the kernel, or None."""
+def _blocks(w: QuantizedWeight, rows: int) -> tuple[int, int] | None:
+    """(block_k, block_n) that tile this weight for the kernel at `rows` rows of x, or None. Whether a weight
+    tiles does not depend on rows (both shrink to MIN_BLOCK)."""
     n = math.prod(w.values.shape[1:])
     rows_per_group = w.group_size // (2 if w.bits == 4 else 1)  # rows of the stored codes under one scale
-    block_k = _largest_power_of_2_dividing(rows_per_group, MAX_BLOCK_K)
-    block_n = _largest_power_of_2_dividing(n, MAX_BLOCK_N)
+    most_k, most_n = MAX_BLOCKS[rows == 1]
+    block_k = _largest_power_of_2_dividing(rows_per_group, most_k)
+    block_n = _largest_power_of_2_dividing(n, most_n)
     if rows_per_group % block_k or n % block_n:
         return None
     return block_k, block_n
@@ -58,7 +63,7 @@ def _blocks(w: QuantizedWeight) -> tuple[int, int] | None:
 
 def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool) -> jax.Array:
     """models.quantized's kernel signature: x [M, K] times the weight -> [M, prod(out)] in out_dtype."""
-    block_k, block_n = _blocks(w)
+    block_k, block_n = _blocks(w, x.shape[0])
     flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
     return weight_only_matmul(x, flat(w.values), flat(w.scale), flat(w.offset), bits=w.bits, group=w.group_size,
                               block_k=block_k, block_n=block_n, interpret=interpret, out_dtype=out_dtype)
