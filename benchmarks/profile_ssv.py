@@ -234,7 +234,8 @@ def merge(paths: list[str], distances: str | None) -> int:
     for key in ("model", "device", "dtype"):
         if len({d[key] for d in docs}) > 1:
             raise SystemExit(f"error: --merge: the profiles differ in {key}: {sorted({d[key] for d in docs})}")
-    merged = {**docs[-1], "merged_from": paths, "date": run_metadata()["date"]}
+    merged = {**docs[-1], "merged_from": paths, "date": run_metadata()["date"],
+              "complete": all(d.get("complete", True) for d in docs)}
     for table in ("kernels", "passes", "drafts"):
         merged[table] = [row for d in docs for row in d[table]]
     merged["distances"] = read_distances(distances) or next((d["distances"] for d in reversed(docs)
@@ -278,10 +279,20 @@ def main(argv=None) -> int:
     mode_trees = {tuple(int(x) for x in spec.split("x")) for spec in args.mode_trees.split(",")}
     placement, layers, key = Placement(backend=backend), config.num_layers, jax.random.PRNGKey(0)
     kernels, passes, drafts, checks = [], [], [], []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    meta = run_metadata(format=PROFILE_FORMAT, version=PROFILE_VERSION, model=args.model, config=config.to_dict(),
+                        dtype=str(jnp.dtype(dtype)), smoke=args.smoke)
+
+    def save(complete: bool):
+        """The profile so far, rewritten whole: a run stopped by a time limit keeps the cells it measured."""
+        doc = {**meta, "kernels": kernels, "passes": passes, "drafts": drafts,
+               "distances": read_distances(args.distances), "fused_kernel_checks": checks, "complete": complete}
+        save_results(doc, f"ssv-profile-{args.model}-{stamp}.json", None if args.smoke else RESULTS)
 
     def record(table, **fields):
         table.append(fields)
         print(json.dumps(fields), flush=True)
+        save(complete=False)
 
     for batch in batches:
         linear = {rows: linear_ms(config, params, batch, rows, dtype, args.reps)
@@ -355,12 +366,7 @@ def main(argv=None) -> int:
                     refreshing = sum(mode.refreshes(layer) for layer in range(layers))
                     record(passes, mode=mode.name(), rows=rows, batch=batch, context=context,
                            ms=linear[rows] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")
-    doc = run_metadata(format=PROFILE_FORMAT, version=PROFILE_VERSION, model=args.model,
-                       config=config.to_dict(), dtype=str(jnp.dtype(dtype)), kernels=kernels, passes=passes,
-                       drafts=drafts, distances=read_distances(args.distances), fused_kernel_checks=checks,
-                       smoke=args.smoke)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
-    save_results(doc, f"ssv-profile-{args.model}-{stamp}.json", None if args.smoke else RESULTS)
+    save(complete=True)
     return 0
 
 

@@ -134,7 +134,7 @@ def test_profile_ssv(tmp_path, monkeypatch):
     (doc,) = run_smoke("profile_ssv", tmp_path, monkeypatch)
     from vegas_jax.planner import PROFILE_FORMAT
 
-    assert doc["format"] == PROFILE_FORMAT
+    assert doc["format"] == PROFILE_FORMAT and doc["complete"] is True  # saved after every record, then complete
     assert {r["kernel"] for r in doc["kernels"]} == {
         "linear", "nsa-decode", "refresh-decode", "reuse-decode", "tree-v1", "tree-v1-refresh", "tree-v1-reuse"}
     for table in ("kernels", "passes", "drafts"):
