@@ -178,10 +178,14 @@ class Session:
             out.update(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__)
         return out
 
+    def recorded(self, fields: dict) -> dict | None:
+        """The log's record of `fields`, keyed as a record is written: the session's provenance (its model above
+        all) under the fields."""
+        return self.log.get(record_key({**self._provenance, **fields}))
+
     def measure(self, fields: dict, estimate_s: float, run) -> dict:
         """The log's record of `fields`, or run() measured now and appended (after checking the budget)."""
-        # Keyed as the record will be written: the session's provenance (its model above all) under the fields.
-        existing = self.log.get(record_key({**self._provenance, **fields}))
+        existing = self.recorded(fields)
         if existing is not None:
             return existing
         what = " ".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "method", "batch", "prompt_tokens",
@@ -220,14 +224,57 @@ def _cell_fields(method: str, cell: Cell) -> dict:
     return {"method": method, "gamma": cell.gamma, "sparse_ratio": cell.sparse_ratio, "knobs": dict(cell.knobs)}
 
 
+def _static_fields(stage: str, split: str, method: str, cell: Cell, batch: int, length: int,
+                   temperature: float) -> dict:
+    return {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length, "temperature": temperature,
+            **_cell_fields(method, cell)}
+
+
+# Loops compiled at once before a sweep's (or a held-out batch's) measurements. Compiling is most of the tuning
+# stage's time (13 s per speculative configuration against about 2 s of runs at 64 x 7.9K), and XLA compiles on
+# the host's cores without holding Python's lock, so a sweep's cells compile side by side on the H200 machine's
+# 16 cores; the measured runs stay one at a time.
+PARALLEL_COMPILES = 4
+
+
+def compile_ahead(session: Session, stage: str, split: str, configurations: list[tuple[str, Cell]], batch: int,
+                  length: int, temperature: float, new_tokens: int) -> dict[tuple[str, Cell], float]:
+    """Compiles the loops of these (method, cell) configurations concurrently (`Engine.start`: prefill and
+    bootstrap too, no decoding), skipping those the log has or this process compiled; returns each one's compile
+    seconds, for its record. Two threads may compile the same prefill program once each (it is shared by every
+    configuration of a batch and length); the engine keeps one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sampled = temperature > 0
+    todo = [(method, cell) for method, cell in configurations
+            if (method, cell, batch, length, sampled, False) not in session.compiled
+            and session.recorded(_static_fields(stage, split, method, cell, batch, length, temperature)) is None]
+    if len(todo) < 2:
+        return {}
+    rounds = -(-len(todo) // PARALLEL_COMPILES)
+    session.check_time(rounds * COMPILE_S["speculative"], f"compiling {len(todo)} configurations at {length} x {batch}")
+    prompts = session.prompts(split, batch, length).prompts
+    engine = session.engine
+
+    def start(configuration):
+        method, cell = configuration
+        options = options_for(session.preset, method, cell, length, new_tokens, temperature)
+        return engine.start(prompts, options).timings["compile_s"]
+
+    with ThreadPoolExecutor(PARALLEL_COMPILES) as pool:
+        seconds = dict(zip(todo, pool.map(start, todo)))
+    session.compiled.update((method, cell, batch, length, sampled, False) for method, cell in todo)
+    return seconds
+
+
 def measure_static(session: Session, stage: str, split: str, method: str, cell: Cell, batch: int, length: int,
                    temperature: float, *, new_tokens: int, repeats: int, extra: dict | None = None) -> dict:
-    """One static batch of the split's prompts: warm-up runs, then `repeats` measured runs of the same config."""
+    """One static batch of the split's prompts: warm-up runs, then `repeats` measured runs of the same config.
+    A loop compiled ahead (`compile_ahead`) reports its compile time through `extra`."""
     from benchmarks.bench_decode import first_differences, run_one
 
     prompts = session.prompts(split, batch, length)
-    fields = {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length, "temperature": temperature,
-              **_cell_fields(method, cell)}
+    fields = _static_fields(stage, split, method, cell, batch, length, temperature)
     sampled = temperature > 0
     runs_needed = session.preset.warmup + repeats
 
@@ -262,9 +309,12 @@ def tune(session: Session, length: int, batch: int) -> None:
             cells = next_cells(method, p.grid, rates_of(records))
             if not cells:
                 break
+            compiled = compile_ahead(session, "tune", "tuning", [(method, c) for c in cells], batch, length, 0.0,
+                                     p.tune_new_tokens)
             for cell in cells:
                 measure_static(session, "tune", "tuning", method, cell, batch, length, 0.0,
-                               new_tokens=p.tune_new_tokens, repeats=p.tune_repeats, extra={"tuned": False})
+                               new_tokens=p.tune_new_tokens, repeats=p.tune_repeats,
+                               extra={"tuned": False, **_compile_time(compiled, method, cell)})
 
 
 def tuned_cells(session: Session, length: int, batch: int) -> dict[str, Cell | None]:
@@ -283,22 +333,31 @@ def heldout(session: Session, length: int, batch: int) -> None:
     tuned = tuned_cells(session, length, batch)
     temperatures = [0.0] + ([SAMPLED_TEMPERATURE] if batch in p.sampled_batches else [])
     for temperature in temperatures:
-        measure = lambda method, cell, **extra: measure_static(  # noqa: E731
-            session, "heldout", "heldout", method, cell, batch, length, temperature, new_tokens=p.new_tokens,
-            repeats=p.repeats, extra={"tuned_at_batch": p.tuning_batch(batch), **extra})
-        measure("ar", Cell.default("ar"), tuned=True, default=True)
+        planned = [("ar", Cell.default("ar"), {"tuned": True, "default": True})]
         for method in SPECULATIVE:
             chosen, default = tuned[method], Cell.default(method)
             if chosen is None:
                 session.incomplete.append(f"{method} at {length} x {batch}: not tuned yet (--stage tune)")
                 continue
-            measure(method, chosen, tuned=True, default=chosen == default)
+            planned.append((method, chosen, {"tuned": True, "default": chosen == default}))
             if chosen != default and (temperature == 0 or p.sampled_defaults):
-                measure(method, default, tuned=False, default=True)
+                planned.append((method, default, {"tuned": False, "default": True}))
         if batch in p.ablation_batches and tuned["vegas"] is not None:
-            for method in ABLATIONS:
-                measure(method, tuned["vegas"], tuned=False, default=tuned["vegas"] == Cell.default("vegas"),
-                        at_cell_of="vegas")
+            vegas = tuned["vegas"]
+            planned += [(method, vegas, {"tuned": False, "default": vegas == Cell.default("vegas"),
+                                         "at_cell_of": "vegas"}) for method in ABLATIONS]
+        compiled = compile_ahead(session, "heldout", "heldout", [(m, c) for m, c, _ in planned], batch, length,
+                                 temperature, p.new_tokens)
+        for method, cell, extra in planned:
+            measure_static(session, "heldout", "heldout", method, cell, batch, length, temperature,
+                           new_tokens=p.new_tokens, repeats=p.repeats,
+                           extra={"tuned_at_batch": p.tuning_batch(batch), **extra,
+                                  **_compile_time(compiled, method, cell)})
+
+
+def _compile_time(compiled: dict, method: str, cell: Cell) -> dict:
+    """A record's compile_s when its loop was compiled ahead (its own warm-up then compiles nothing)."""
+    return {"compile_s": compiled[method, cell]} if (method, cell) in compiled else {}
 
 
 def fastest_baseline(session: Session, length: int, batch: int) -> str | None:

@@ -190,8 +190,14 @@ def stage_session(tmp_path, monkeypatch):
         return session.measure(fields, 1.0, run)
 
     session.runs = 0
+    session.ahead = []  # what compile_ahead was asked to compile, per call
+
+    def ahead(session, stage, split, configurations, batch, length, temperature, new_tokens):
+        session.ahead.append((stage, batch, temperature, configurations))
+        return {}
 
     monkeypatch.setattr(suite, "measure_static", fake)
+    monkeypatch.setattr(suite, "compile_ahead", ahead)
     return session
 
 
@@ -219,6 +225,11 @@ def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_sess
     ablations = [r for r in held if r.get("at_cell_of") == "vegas"]
     assert {r["method"] for r in ablations} == {"vegas-all", "last"}
     assert all(Cell.of(r) == chosen["vegas"] for r in ablations)
+    # Each tuning sweep's cells are offered to compile ahead together, as each held-out batch's configurations.
+    first_vegas_sweep = next(c for stage, _, _, c in session.ahead if stage == "tune" and c[0][0] == "vegas")
+    assert [cell.gamma for _, cell in first_vegas_sweep] == list(GRID.gammas)
+    offered = [c for stage, b, t, c in session.ahead if (stage, b, t) == ("heldout", 64, 0.0)][-1]
+    assert set(offered) == {(r["method"], Cell.of(r)) for r in held if r["batch"] == 64 and r["temperature"] == 0}
     sampled = {r["method"] for r in held if r["temperature"] == 0.7}
     assert sampled == {"ar", "vegas", "streaming", "quest", "retrieval", "vegas-all", "last"}  # tuned cells only
     # Batch 32 borrows batch 64's tuning: no tuning records of its own, the same cells, no sampled runs.
@@ -384,3 +395,34 @@ def test_estimate_prints_every_stage_and_runs_nothing(capsys, tmp_path):
     assert suite.main(["--preset", "quick", "--estimate", "--results", str(tmp_path / "log.jsonl")]) == 0
     out = capsys.readouterr().out
     assert all(stage in out for stage in suite.STAGES) and not (tmp_path / "log.jsonl").exists()
+
+
+def test_compile_ahead_compiles_each_loop_once_and_the_records_keep_its_time(tmp_path, monkeypatch):
+    """compile_ahead starts the configurations side by side on a real (tiny) engine; the measurements after it
+    compile nothing more, and their records carry the compile time it measured."""
+    import jax.numpy as jnp
+
+    from benchmarks.prompt_splits import PromptSet
+    from benchmarks.random_model import TINY as TINY_MODEL, random_model
+    from vegas_jax.engine import Engine
+
+    preset = dataclasses.replace(TINY, lengths=(48,), batches=(2,), borrowed_tuning=(), sampled_batches=(),
+                                 ablation_batches=(), serve=(), tune_new_tokens=4, new_tokens=4)
+    session = suite.Session(preset, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
+                            dtype="float32")
+    session._engine = Engine(random_model(TINY_MODEL, jnp.float32))
+    rng = np.random.default_rng(0)
+    prompts = PromptSet([rng.integers(0, TINY_MODEL.vocab_size, 48).tolist() for _ in range(2)],
+                        {"prompts_sha256": "test"})
+    monkeypatch.setattr(session, "prompts", lambda split, count, length: prompts)
+    configurations = [("vegas", Cell(4, 0.07)), ("vegas", Cell(6, 0.07)), ("streaming", Cell.default("streaming"))]
+    compiled = suite.compile_ahead(session, "tune", "tuning", configurations, 2, 48, 0.0, 4)
+    assert set(compiled) == set(configurations) and all(t > 0 for t in compiled.values())
+    before = len(session.engine._compiled)
+    for method, cell in configurations:
+        record = suite.measure_static(session, "tune", "tuning", method, cell, 2, 48, 0.0, new_tokens=4, repeats=1,
+                                      extra={"tuned": False, **suite._compile_time(compiled, method, cell)})
+        assert record["compile_s"] == compiled[method, cell]
+    assert len(session.engine._compiled) == before  # nothing compiled again
+    # Compiled or recorded configurations are not offered again.
+    assert suite.compile_ahead(session, "tune", "tuning", configurations, 2, 48, 0.0, 4) == {}
