@@ -175,3 +175,32 @@ def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
     log.finish()
     assert read()["complete"] is True and len(read()["modes"]) == 3
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the temporary file was renamed, not left
+
+
+def test_check_planner(tmp_path, monkeypatch):
+    """Every candidate the planner weighs is run, then the planner's own run; the summary compares them. The
+    profile is made up for the tiny view (what profile_ssv would measure there is tested above): the tree is
+    predicted cheaper per token than plain decoding, so the planner chooses it."""
+    points = [(batch, context) for batch in (1, 2) for context in (64, 128)]
+    passes = [{"mode": mode, "rows": rows, "batch": b, "context": c, "ms": ms * (1 + 0.01 * b * c / 64)}
+              for mode in ("exact", "s2w1r2") for rows, ms in ((1, 1.0), (2, 1.1)) for b, c in points]
+    drafts = [{"drafter": "self", "nodes": 1, "batch": b, "context": c, "ms": 0.3} for b, c in points]
+    profile = tmp_path / "profile" / "tiny.json"
+    profile.parent.mkdir()
+    profile.write_text(json.dumps({"format": "vegas-ssv-profile", "version": 1, "device": "cpu", "passes": passes,
+                                   "drafts": drafts, "distances": {"s2w1r2": {"top1_disagreement": 0.01}}}))
+    (doc,) = run_smoke("check_planner", tmp_path, monkeypatch, "--ssv-profile", str(profile), "--batch", "2",
+                       "--context", "102", "--max-new-tokens", "6", "--repeats", "1")
+    assert doc["complete"] is True
+    by_kind = {kind: [r for r in doc["records"] if r["kind"] == kind] for kind in ("candidate", "planner", "summary")}
+    labels = [r["label"] for r in by_kind["candidate"]]
+    assert sorted(labels) == sorted(["exact plain", "exact 1x1", "exact plain", "exact 1x1",
+                                     "s2w1r2 plain", "s2w1r2 1x1"])
+    for r in by_kind["candidate"] + by_kind["planner"]:
+        finite_positive(r, "decode_tokens_per_s", "predicted_ms_per_token", "tau")
+    assert [r["label"] for r in by_kind["planner"]] == ["exact 1x1", "exact 1x1"]  # both classes choose it
+    for summary in by_kind["summary"]:
+        assert summary["measured"] == summary["candidates"] and summary["left_by_budget"] == 0
+        best = max(r["decode_tokens_per_s"] for r in by_kind["candidate"] if r["precision"] == summary["precision"])
+        assert summary["best_tokens_per_s"] == best
+        assert summary["met"] == (summary["chosen_over_best"] >= 0.9)

@@ -1,0 +1,137 @@
+"""Is the SSV planner's choice within 10 % of the best? Every plan the planner weighs for a (prompt length, batch)
+and precision class (`Planner.candidates`: plain decoding of each allowed mode and each profiled tree, its drafter's
+passes) is run end to end and measured, then the run the planner chooses from the same profile; the target (issue
+21) is the chosen plan's measured tokens/s >= 0.9 x the best candidate's.
+
+    python benchmarks/check_planner.py --ssv-profile benchmarks/results/ssv-profile-smollm2-view-<date>.json \
+        [--batch 8] [--context 8192] [--max-new-tokens 64] [--precision exact,approximate] [--drafter self]
+        [--repeats 2] [--budget-s 480] [--smoke --ssv-profile P.json]
+
+SmolLM2's NSA view on real prompts (benchmarks/prompts.py), greedy; `--smoke`: a tiny random model's view on random
+prompts (CPU). Records, saved after each: `kind` candidate | planner, precision, mode, tree, drafter, predicted
+ms per token, measured decode tokens/s (median, min, max over --repeats), τ; then one `summary` record per class
+with the best candidate, the planner's choice and their ratio. Candidates are measured cheapest-predicted first,
+and a class stops taking new ones past --budget-s (its summary then says how many were left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_ssv import run  # noqa: E402
+from benchmarks.prompts import long_prompts  # noqa: E402
+from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
+from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from models.config import NSA_VIEW_LAYOUT  # noqa: E402
+from vegas_jax.attention.family import with_attention  # noqa: E402
+from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.loading import load_model  # noqa: E402
+from vegas_jax.planner import DEFAULT_ACCEPTANCE, Plan, Planner, load_profile  # noqa: E402
+from vegas_jax.precision import parse_precision  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+TARGET = 0.9  # the chosen plan's tokens/s over the best candidate's
+
+
+def plan_options(plan: Plan, precision: str, new_tokens: int) -> GenerationOptions:
+    """The options a run of this plan decodes with: what vegas_jax.ssv.resolve makes of the planner's choice."""
+    tree = None if plan.tree is None else f"{plan.tree[0]}x{plan.tree[1]}"
+    return GenerationOptions(max_new_tokens=new_tokens, precision=precision, draft_tree=tree,
+                             drafter=plan.drafter or "self", approx_mode=None if plan.mode == "exact" else plan.mode)
+
+
+def label(plan: Plan) -> str:
+    return f"{plan.mode} {'plain' if plan.tree is None else f'{plan.tree[0]}x{plan.tree[1]}'}"
+
+
+def check_class(engine: Engine, prompts, profile, precision: str, args, log: RecordLog, started: float) -> dict:
+    """The class's candidate records, the planner's run and the summary record."""
+    prompt_tokens, batch = max(len(p) for p in prompts), len(prompts)
+    planner = Planner(profile, parse_precision(precision), args.drafter)
+    candidates = sorted(planner.candidates(prompt_tokens, batch, DEFAULT_ACCEPTANCE), key=lambda p: p.ms_per_token)
+    measured, left = [], 0
+    for plan in candidates:
+        if time.perf_counter() - started > args.budget_s:
+            left += 1
+            continue
+        record, _ = run(engine, prompts, plan_options(plan, precision, args.max_new_tokens), args.repeats)
+        record = {"kind": "candidate", "label": label(plan), "predicted_ms_per_token": plan.ms_per_token, **record}
+        add(log, record)
+        measured.append(record)
+    chosen = planner.plan(prompt_tokens, batch, DEFAULT_ACCEPTANCE)
+    options = GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision, drafter=args.drafter,
+                                ssv_profile=args.ssv_profile)
+    record, _ = run(engine, prompts, options, args.repeats)
+    add(log, {"kind": "planner", "label": label(chosen), "predicted_ms_per_token": chosen.ms_per_token, **record})
+    best = max(measured, key=lambda r: r["decode_tokens_per_s"])
+    ratio = record["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+    summary = {"kind": "summary", "precision": precision, "batch": batch, "prompt_tokens": prompt_tokens,
+               "candidates": len(candidates), "measured": len(measured), "left_by_budget": left,
+               "best": best["label"], "best_tokens_per_s": best["decode_tokens_per_s"], "chosen": label(chosen),
+               "chosen_tokens_per_s": record["decode_tokens_per_s"], "chosen_over_best": ratio,
+               "target": TARGET, "met": bool(ratio >= TARGET) if not left else None}
+    add(log, summary)
+    return summary
+
+
+def add(log: RecordLog, record: dict) -> None:
+    log.add(record)
+    if record["kind"] == "summary":
+        verdict = {True: "met", False: "MISSED", None: "not all candidates measured"}[record["met"]]
+        print(f"{record['precision']}: planner {record['chosen']} {record['chosen_tokens_per_s']:.1f} tok/s, best "
+              f"{record['best']} {record['best_tokens_per_s']:.1f}: {record['chosen_over_best']:.3f} "
+              f"(target >= {TARGET}: {verdict})", flush=True)
+    else:
+        print(f"{record['kind']:9s} {record['label']:14s} predicted {record['predicted_ms_per_token']:.3f} ms/token, "
+              f"measured {record['decode_tokens_per_s']:.1f} tok/s, tau {record['tau']:.2f}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ssv-profile", required=True)
+    p.add_argument("--model", default=None, help="the dense model whose NSA view runs (default: SmolLM2)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=8192, help="prompt plus new tokens")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--precision", default="exact,approximate")
+    p.add_argument("--drafter", default="self")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=480.0, help="no new candidate is started past it")
+    p.add_argument("--smoke", action="store_true", help="a tiny random model's view (CPU); the profile must fit it")
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    profile = load_profile(args.ssv_profile)
+    if args.smoke:
+        dense = random_model(TINY, jnp.float32)
+        engine = Engine(dataclasses.replace(dense, config=with_attention(TINY, "nsa-view", TINY_NSA_LAYOUT)))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, TINY.vocab_size, args.context - args.max_new_tokens).tolist()
+                   for _ in range(args.batch)]
+    else:
+        loaded = load_model(args.model, jnp.bfloat16)
+        engine = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
+        prompts = long_prompts(engine.tokenizer, args.batch, prompt_tokens=args.context - args.max_new_tokens)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    name = f"planner-check-{'smoke-' if args.smoke else ''}{stamp}{'-' + args.tag if args.tag else ''}.json"
+    log = RecordLog(run_metadata(args={k: str(v) for k, v in vars(args).items()}), name,
+                    None if args.smoke else args.out)
+    summaries = [check_class(engine, prompts, profile, precision, args, log, started)
+                 for precision in args.precision.split(",")]
+    log.finish(complete=all(s["left_by_budget"] == 0 for s in summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
