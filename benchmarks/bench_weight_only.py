@@ -7,6 +7,13 @@ Each measurement chains one matmul per layer through `layers` distinct weights i
 weights together exceed the L2 cache, and the per-call dispatch cost is spread over the chain, as in a decode
 step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
 second against a device copy measured in the same run. Prints a table; writes JSON to $OUT (or --out).
+
+Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
+CUPTI), and JAX must not preallocate the GPU's memory (ncu saves and restores all of it around each replay):
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:weight_only \
+        --section SpeedOfLight --section WarpStateStats --section InstructionStats --section Occupancy \
+        python benchmarks/bench_weight_only.py --ncu --rows 1 --matrices gate_up --bits 4 --blocks 32x256
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -39,10 +45,11 @@ SHAPES = {
 }
 
 
-def time_chain_ms(fn, x, weights: list, repeats: int) -> float:
+def time_chain_ms(fn, x, weights: list, repeats: int, untraced: bool = False) -> float:
     """GPU ms per matmul of fn(x, weight) chained over every weight of the list (unrolled: a scan over stacked
     weights would slice, and copy, each one before the dot): the kernels' own durations from the profiler,
-    every kernel of the chain counted (padding, split sums), the median over repeats. Off the GPU, wall time."""
+    every kernel of the chain counted (padding, split sums), the median over repeats. Off the GPU, or
+    `untraced`, wall time."""
 
     @jax.jit
     def chain(x, weights):
@@ -55,7 +62,7 @@ def time_chain_ms(fn, x, weights: list, repeats: int) -> float:
     jax.block_until_ready(chain(x, weights))
     samples = []
     for _ in range(repeats):
-        if jax.default_backend() == "gpu":
+        if jax.default_backend() == "gpu" and not untraced:
             with tempfile.TemporaryDirectory() as log_dir:
                 with jax.profiler.trace(log_dir):
                     jax.block_until_ready(chain(x, weights))
@@ -101,11 +108,14 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    p.add_argument("--ncu", action="store_true", help="each configuration once, one layer, no profiler trace")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
         args.rows, args.blocks, args.layers, args.repeats = "8", "64x64", 2, 1
+    if args.ncu:
+        args.layers, args.repeats = 1, 1
     interpret = args.smoke
     shapes = SHAPES["smoke" if args.smoke else args.shapes]
     if args.matrices:
@@ -135,7 +145,7 @@ def main(argv=None) -> int:
                 record = {"matrix": name, "k": k, "n": n, "rows": m, "weights": weights_kind, "backend": backend,
                           "config": config, "weight_bytes": k * n * bits // 8}
                 try:
-                    ms = time_chain_ms(fn, x, w, args.repeats)
+                    ms = time_chain_ms(fn, x, w, args.repeats, untraced=args.ncu)
                     record |= {"ms": ms, "weight_gb_per_s": record["weight_bytes"] / ms / 1e6,
                                "fraction_of_copy_read": record["weight_bytes"] / ms / 1e6 / (bandwidth / 2)}
                 except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the run
