@@ -9,6 +9,7 @@ files give one error line naming the flag."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -134,3 +135,18 @@ def test_the_memory_plan_counts_the_approximate_cache_it_allocates(engine, ids):
     cache = jax.eval_shape(lambda: ApproxNSACache.create(engine.config, ApproxMode(4, 2, 2), plan["batch_rows"],
                                                          plan["cache_capacity"], jnp.float32))
     assert plan["bytes_per_device"]["kv_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+@pytest.mark.parametrize("precision, mode", [("exact", None), ("approximate", "s2w1r2")])
+def test_the_compiled_tree_loop_updates_the_kv_cache_in_place(engine, ids, precision, mode):
+    """No copy of a layer's K or V cache in the compiled SSV loop (XLA's optimized HLO): verification reads the
+    cache after writing the nodes' rows into it. Had it read the cache as it came, XLA would copy every layer's K
+    and V each iteration (it did: two copies per layer), a read and a write of the whole cache for nothing."""
+    options = GenerationOptions(max_new_tokens=NEW, draft_tree="3x2", drafter="self", precision=precision,
+                                approx_mode=mode)
+    started = engine.start(ids, options)
+    cache = started.state.cache
+    layer_k = (cache.nsa if hasattr(cache, "nsa") else cache).k[0]
+    shape = f"{jnp.dtype(layer_k.dtype).name.replace('float', 'f')}[{','.join(map(str, layer_k.shape))}]"
+    copied = re.findall(r"= (\S+) copy\(", started.decode.as_text())  # shapes as XLA spells them: f32[B,T,H,D]
+    assert copied and not [c for c in copied if c.startswith(shape)], (shape, sorted(set(copied)))

@@ -88,10 +88,14 @@ class NSATreeVerify:
                                    schedule=self.schedule, kernels=kernels_of(self.placement), return_blocks=True,
                                    reselect=reselect)
 
-        out, blocks = jax.vmap(one)(q, raw_rows(cache), k, v, new.gates, self.base, stored, injected)
+        # The nodes' rows are written first and the pass reads the written cache (it reads only rows before the
+        # root, and masks the rest by position, so the result is the same): had it read the cache as it came, XLA
+        # could not order the reads before the write and would copy every layer's K and V once an iteration.
         rows = self.base[:, None] + jnp.arange(len(self.parents))[None, :]
+        cache = write_tree_rows(cache, k, v, rows)
+        out, blocks = jax.vmap(one)(q, raw_rows(cache), k, v, new.gates, self.base, stored, injected)
         keep = self.return_blocks or mode is not None
-        return out, write_tree_rows(cache, k, v, rows), blocks if keep else None
+        return out, cache, blocks if keep else None
 
     def after_layer(self, layer: int, aux) -> "NSATreeVerify":
         """The next layer's attention: a refresh layer's selections carried on (models.decoder calls it)."""
