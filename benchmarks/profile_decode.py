@@ -3,6 +3,8 @@ and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas ker
 
     python benchmarks/profile_decode.py --batch 64 --prompt-tokens 7936 --methods ar,vegas [--model PATH.gguf]
 
+SSV on a dense model's NSA view: `--attention nsa-view --methods ar,ssv --draft-tree 4x2 --drafter self` (`ssv` is
+plain decoding with the draft tree; `--precision approximate --approx-mode s8w1r2` for the approximate class).
 Without --model the weights are random with SmolLM2-135M's shapes, or another model's (--shapes llama-3.1-8b;
 kernel times do not depend on the weights; how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
 iteration (the sum of kernel durations) against wall time per iteration (the gap is launch and host overhead),
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import gzip
 import json
@@ -33,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from models.config import NSA_VIEW_LAYOUT  # noqa: E402
+from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -123,6 +128,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=7936)
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--score-mode", default="logit")
+    p.add_argument("--attention", default="dense", choices=("dense", "nsa-view"), help="nsa-view: the NSA view")
+    p.add_argument("--draft-tree", default="4x2", help="the tree of method ssv")
+    p.add_argument("--drafter", default="self", help="method ssv's drafter")
+    p.add_argument("--precision", default="exact", help="method ssv's precision class")
+    p.add_argument("--approx-mode", default=None, help="method ssv's approximate mode")
     p.add_argument("--warmup", type=int, default=2, help="iterations run before the profiled ones")
     p.add_argument("--iterations", type=int, default=4, help="iterations profiled")
     p.add_argument("--top", type=int, default=25)
@@ -138,18 +148,27 @@ def main(argv=None) -> int:
         engine = random_engine(SHAPES[args.shapes])
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, engine.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
-    max_new = (args.warmup + args.iterations + 1) * (args.gamma + 1) + 1
+    if args.attention == "nsa-view":
+        engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, "nsa-view",
+                                                                                NSA_VIEW_LAYOUT)))
+    depth = max(args.gamma, int(args.draft_tree.split("x")[0]))
+    max_new = (args.warmup + args.iterations + 1) * (depth + 1) + 1
     results = {}
     hlo_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("."))
     for method in args.methods.split(","):
-        options = GenerationOptions(method=method, gamma=args.gamma, score_mode=args.score_mode,
-                                    max_new_tokens=max_new, max_model_len=args.prompt_tokens + max_new)
+        common = dict(max_new_tokens=max_new, max_model_len=args.prompt_tokens + max_new)
+        if method == "ssv":
+            options = GenerationOptions(method="ar", draft_tree=args.draft_tree, drafter=args.drafter,
+                                        precision=args.precision, approx_mode=args.approx_mode, **common)
+        else:
+            options = GenerationOptions(method=method, gamma=args.gamma, score_mode=args.score_mode, **common)
         hlo_path = hlo_dir / f"decode-{method}{'-' + args.tag if args.tag else ''}.hlo.txt.gz" if args.hlo else None
         if hlo_path:
             hlo_dir.mkdir(parents=True, exist_ok=True)
         results[method] = profile_method(engine, prompts, options, args.warmup, args.iterations, args.top, hlo_path)
 
     doc = run_metadata(weights=args.model or f"random ({args.shapes} shapes)", attention_backend=default_backend(),
+                       attention=args.attention, draft_tree=args.draft_tree, drafter=args.drafter,
                        xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
                        prompt_tokens=args.prompt_tokens, gamma=args.gamma, methods=results)
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
