@@ -239,10 +239,11 @@ PARALLEL_COMPILES = 4
 
 def compile_ahead(session: Session, stage: str, split: str, configurations: list[tuple[str, Cell]], batch: int,
                   length: int, temperature: float, new_tokens: int) -> dict[tuple[str, Cell], float]:
-    """Compiles the loops of these (method, cell) configurations concurrently (`Engine.start`: prefill and
-    bootstrap too, no decoding), skipping those the log has or this process compiled; returns each one's compile
-    seconds, for its record. Two threads may compile the same prefill program once each (it is shared by every
-    configuration of a batch and length); the engine keeps one."""
+    """Compiles the loops of these (method, cell) configurations (`Engine.start`: prefill and bootstrap too, no
+    decoding), skipping those the log has or this process compiled; returns each one's compile seconds, for its
+    record. The first compiles alone, so that the programs every configuration of a batch and length shares
+    (prefill) and the GEMM autotuning of their shapes are done once, undisturbed by other threads' work on the
+    GPU; the rest compile concurrently and find those in XLA's caches."""
     from concurrent.futures import ThreadPoolExecutor
 
     sampled = temperature > 0
@@ -251,7 +252,7 @@ def compile_ahead(session: Session, stage: str, split: str, configurations: list
             and session.recorded(_static_fields(stage, split, method, cell, batch, length, temperature)) is None]
     if len(todo) < 2:
         return {}
-    rounds = -(-len(todo) // PARALLEL_COMPILES)
+    rounds = 1 + -(-(len(todo) - 1) // PARALLEL_COMPILES)
     session.check_time(rounds * COMPILE_S["speculative"], f"compiling {len(todo)} configurations at {length} x {batch}")
     prompts = session.prompts(split, batch, length).prompts
     engine = session.engine
@@ -261,8 +262,9 @@ def compile_ahead(session: Session, stage: str, split: str, configurations: list
         options = options_for(session.preset, method, cell, length, new_tokens, temperature)
         return engine.start(prompts, options).timings["compile_s"]
 
+    seconds = {todo[0]: start(todo[0])}
     with ThreadPoolExecutor(PARALLEL_COMPILES) as pool:
-        seconds = dict(zip(todo, pool.map(start, todo)))
+        seconds |= dict(zip(todo[1:], pool.map(start, todo[1:])))
     session.compiled.update((method, cell, batch, length, sampled, False) for method, cell in todo)
     return seconds
 
