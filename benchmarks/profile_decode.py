@@ -41,6 +41,7 @@ from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
+from vegas_jax.tree import parse_tree  # noqa: E402
 
 _KINDS = (
     # The names pallas_kernels gives its pallas_calls.
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     if args.attention == "nsa-view":
         engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, "nsa-view",
                                                                                 NSA_VIEW_LAYOUT)))
-    depth = max(args.gamma, int(args.draft_tree.split("x")[0]))
+    depth = max(args.gamma, parse_tree(args.draft_tree).depth)
     max_new = (args.warmup + args.iterations + 1) * (depth + 1) + 1
     results = {}
     hlo_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("."))
