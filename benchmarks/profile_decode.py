@@ -2,6 +2,7 @@
 and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas kernel, XLA fusion, copy).
 
     python benchmarks/profile_decode.py --batch 64 --prompt-tokens 7936 --methods ar,vegas [--model PATH.gguf]
+    python benchmarks/profile_decode.py --shapes llama-3.1-8b --batch 1 --prompt-tokens 32768 --draft-weights int4
 
 SSV on a dense model's NSA view: `--attention nsa-view --methods ar,ssv --draft-tree 4x2 --drafter self` (`ssv` is
 plain decoding with the draft tree; `--precision approximate --approx-mode s8w1r2` for the approximate class).
@@ -45,7 +46,7 @@ from vegas_jax.tree import parse_tree  # noqa: E402
 
 _KINDS = (
     # The names pallas_kernels gives its pallas_calls.
-    ("pallas", re.compile(r"sparse_decode_attention|verify_attention|count_at_least|compact_selected")),
+    ("pallas", re.compile(r"sparse_decode_attention|verify_attention|count_at_least|compact_selected|weight_only")),
     ("gemm", re.compile(r"gemm|cutlass|cublas|sm90_|nvjet|matmul|dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )
@@ -129,6 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=7936)
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--score-mode", default="logit")
+    p.add_argument("--draft-weights", default="bf16", help="vegas's draft weights: bf16, int8 or int4")
     p.add_argument("--attention", default="dense", choices=("dense", "nsa-view"), help="nsa-view: the NSA view")
     p.add_argument("--draft-tree", default="4x2", help="the tree of method ssv")
     p.add_argument("--drafter", default="self", help="method ssv's drafter")
@@ -162,7 +164,8 @@ def main(argv=None) -> int:
             options = GenerationOptions(method="ar", draft_tree=args.draft_tree, drafter=args.drafter,
                                         precision=args.precision, approx_mode=args.approx_mode, **common)
         else:
-            options = GenerationOptions(method=method, gamma=args.gamma, score_mode=args.score_mode, **common)
+            options = GenerationOptions(method=method, gamma=args.gamma, score_mode=args.score_mode,
+                                        draft_weights=args.draft_weights if method == "vegas" else "bf16", **common)
         hlo_path = hlo_dir / f"decode-{method}{'-' + args.tag if args.tag else ''}.hlo.txt.gz" if args.hlo else None
         if hlo_path:
             hlo_dir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
 
     doc = run_metadata(weights=args.model or f"random ({args.shapes} shapes)", attention_backend=default_backend(),
                        attention=args.attention, draft_tree=args.draft_tree, drafter=args.drafter,
-                       xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
+                       draft_weights=args.draft_weights, xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
                        prompt_tokens=args.prompt_tokens, gamma=args.gamma, methods=results)
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
                  args.out)
