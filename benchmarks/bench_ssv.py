@@ -97,10 +97,12 @@ def breakdown(engine: Engine, started) -> dict:
             "verify_ms": timed(verify, params, state, cache, tokens)}
 
 
-def run(engine: Engine, prompts, options: GenerationOptions, repeats: int, fill_cache=None) -> tuple[dict, list]:
+def run(engine: Engine, prompts, options: GenerationOptions, repeats: int, fill_cache=None,
+        phases: bool = True) -> tuple[dict, list]:
     """Compile once, decode once untimed, then `repeats` timed times: the record's timing fields and the last
     run's tokens. (The first decode of a compiled loop also pays for its first execution: CUDA graph
-    instantiation, allocations; with 2 repeats it made up half of a median.)"""
+    instantiation, allocations; with 2 repeats it made up half of a median.) `phases`: also time the draft and
+    verification passes alone (`breakdown`; two more compilations)."""
     speeds, ms_iteration = [], []
     for attempt in range(repeats + 1):
         started = engine.start(prompts, options, fill_cache=fill_cache)
@@ -130,7 +132,7 @@ def run(engine: Engine, prompts, options: GenerationOptions, repeats: int, fill_
         "tau": float((iterations.sum() + accepted.sum()) / max(1, iterations.sum())),
         "compile_s": started.timings["compile_s"], "prefill_s": started.timings["prefill_s"],
     }
-    if engine.placement.mesh is None:
+    if phases and engine.placement.mesh is None:
         record["breakdown"] = breakdown(engine, engine.start(prompts, options, fill_cache=fill_cache))
     output = np.asarray(state.output)
     return record, [output[b, 1:generated[b]] for b in range(n)]

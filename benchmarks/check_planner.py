@@ -8,10 +8,13 @@ passes) is run end to end and measured, then the run the planner chooses from th
         [--repeats 2] [--budget-s 480] [--smoke --ssv-profile P.json]
 
 SmolLM2's NSA view on real prompts (benchmarks/prompts.py), greedy; `--smoke`: a tiny random model's view on random
-prompts (CPU). Records, saved after each: `kind` candidate | planner, precision, mode, tree, drafter, predicted
+prompts (CPU). Records, saved after each: `kind` planner | candidate, precision, mode, tree, drafter, predicted
 ms per token, measured decode tokens/s (median, min, max over --repeats), τ; then one `summary` record per class
-with the best candidate, the planner's choice and their ratio. Candidates are measured cheapest-predicted first,
-and a class stops taking new ones past --budget-s (its summary then says how many were left).
+with the best candidate, the planner's choice and their ratio. Per class the planner's run comes first, then the
+candidates cheapest-predicted first; none is started past --budget-s (the summary then says how many were left,
+and compares the choice with the best of those measured). A candidate compiles its own loop (about 100 s on the
+H200 at batch 8 x 8K), so the whole grid takes several device calls: `--resume P.json` continues the check that
+P.json saved, skipping the runs it holds, and saves into it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import sys
 import time
 from pathlib import Path
@@ -55,42 +59,55 @@ def label(plan: Plan) -> str:
 
 
 def check_class(engine: Engine, prompts, profile, precision: str, args, log: RecordLog, started: float) -> dict:
-    """The class's candidate records, the planner's run and the summary record."""
+    """The class's planner run and candidate records (those `log` already holds are kept, not rerun), then its
+    summary record."""
     prompt_tokens, batch = max(len(p) for p in prompts), len(prompts)
     planner = Planner(profile, parse_precision(precision), args.drafter)
-    candidates = sorted(planner.candidates(prompt_tokens, batch, DEFAULT_ACCEPTANCE), key=lambda p: p.ms_per_token)
-    measured, left = [], 0
-    for plan in candidates:
-        if time.perf_counter() - started > args.budget_s:
-            left += 1
-            continue
-        record, _ = run(engine, prompts, plan_options(plan, precision, args.max_new_tokens), args.repeats)
-        record = {"kind": "candidate", "label": label(plan), "predicted_ms_per_token": plan.ms_per_token, **record}
-        add(log, record)
-        measured.append(record)
+    done = {(r["kind"], r["label"]): r for r in log.records if r.get("precision") == precision}
     chosen = planner.plan(prompt_tokens, batch, DEFAULT_ACCEPTANCE)
     options = GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision, drafter=args.drafter,
                                 ssv_profile=args.ssv_profile)
-    record, _ = run(engine, prompts, options, args.repeats)
-    add(log, {"kind": "planner", "label": label(chosen), "predicted_ms_per_token": chosen.ms_per_token, **record})
-    best = max(measured, key=lambda r: r["decode_tokens_per_s"])
-    ratio = record["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+    planned = done.get(("planner", label(chosen))) or measure(engine, prompts, options, "planner", chosen, args, log)
+    candidates = sorted(planner.candidates(prompt_tokens, batch, DEFAULT_ACCEPTANCE), key=lambda p: p.ms_per_token)
+    measured, left = [], 0
+    for plan in candidates:
+        if ("candidate", label(plan)) in done:
+            measured.append(done[("candidate", label(plan))])
+        elif time.perf_counter() - started > args.budget_s:
+            left += 1
+        else:
+            options = plan_options(plan, precision, args.max_new_tokens)
+            measured.append(measure(engine, prompts, options, "candidate", plan, args, log))
     summary = {"kind": "summary", "precision": precision, "batch": batch, "prompt_tokens": prompt_tokens,
                "candidates": len(candidates), "measured": len(measured), "left_by_budget": left,
-               "best": best["label"], "best_tokens_per_s": best["decode_tokens_per_s"], "chosen": label(chosen),
-               "chosen_tokens_per_s": record["decode_tokens_per_s"], "chosen_over_best": ratio,
-               "target": TARGET, "met": bool(ratio >= TARGET) if not left else None}
+               "chosen": label(chosen), "chosen_tokens_per_s": planned["decode_tokens_per_s"], "target": TARGET}
+    if measured:
+        best = max(measured, key=lambda r: r["decode_tokens_per_s"])
+        ratio = planned["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+        summary |= {"best": best["label"], "best_tokens_per_s": best["decode_tokens_per_s"],
+                    "chosen_over_best": ratio, "met": bool(ratio >= TARGET) if not left else None}
+    else:
+        summary |= {"best": None, "best_tokens_per_s": None, "chosen_over_best": None, "met": None}
     add(log, summary)
     return summary
+
+
+def measure(engine: Engine, prompts, options: GenerationOptions, kind: str, plan: Plan, args, log: RecordLog) -> dict:
+    record, _ = run(engine, prompts, options, args.repeats, phases=False)
+    record = {"kind": kind, "label": label(plan), "predicted_ms_per_token": plan.ms_per_token, **record}
+    add(log, record)
+    return record
 
 
 def add(log: RecordLog, record: dict) -> None:
     log.add(record)
     if record["kind"] == "summary":
         verdict = {True: "met", False: "MISSED", None: "not all candidates measured"}[record["met"]]
-        print(f"{record['precision']}: planner {record['chosen']} {record['chosen_tokens_per_s']:.1f} tok/s, best "
-              f"{record['best']} {record['best_tokens_per_s']:.1f}: {record['chosen_over_best']:.3f} "
-              f"(target >= {TARGET}: {verdict})", flush=True)
+        best = "no candidate measured" if record["best"] is None else (
+            f"best measured {record['best']} {record['best_tokens_per_s']:.1f}: {record['chosen_over_best']:.3f}")
+        print(f"{record['precision']}: planner {record['chosen']} {record['chosen_tokens_per_s']:.1f} tok/s, {best} "
+              f"({record['measured']} of {record['candidates']} candidates; target >= {TARGET}: {verdict})",
+              flush=True)
     else:
         print(f"{record['kind']:9s} {record['label']:14s} predicted {record['predicted_ms_per_token']:.3f} ms/token, "
               f"measured {record['decode_tokens_per_s']:.1f} tok/s, tau {record['tau']:.2f}", flush=True)
@@ -106,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="exact,approximate")
     p.add_argument("--drafter", default="self")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--budget-s", type=float, default=480.0, help="no new candidate is started past it")
+    p.add_argument("--budget-s", type=float, default=480.0, help="no new run is started past it")
+    p.add_argument("--resume", type=Path, default=None, help="an unfinished check's JSON: continue it, into it")
     p.add_argument("--smoke", action="store_true", help="a tiny random model's view (CPU); the profile must fit it")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -123,14 +141,32 @@ def main(argv=None) -> int:
         loaded = load_model(args.model, jnp.bfloat16)
         engine = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
         prompts = long_prompts(engine.tokenizer, args.batch, prompt_tokens=args.context - args.max_new_tokens)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
-    name = f"planner-check-{'smoke-' if args.smoke else ''}{stamp}{'-' + args.tag if args.tag else ''}.json"
-    log = RecordLog(run_metadata(args={k: str(v) for k, v in vars(args).items()}), name,
-                    None if args.smoke else args.out)
+    meta = run_metadata(args={k: str(v) for k, v in vars(args).items() if k not in ("resume", "budget_s")})
+    if args.resume:
+        earlier = read_check(args.resume, meta["args"])
+        log = RecordLog(meta, args.resume.name, args.resume.parent)
+        log.records = [r for r in earlier["records"] if r["kind"] != "summary"]
+    else:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+        name = f"planner-check-{'smoke-' if args.smoke else ''}{stamp}{'-' + args.tag if args.tag else ''}.json"
+        log = RecordLog(meta, name, None if args.smoke else args.out)
     summaries = [check_class(engine, prompts, profile, precision, args, log, started)
                  for precision in args.precision.split(",")]
     log.finish(complete=all(s["left_by_budget"] == 0 for s in summaries))
     return 0
+
+
+def read_check(path: Path, args: dict) -> dict:
+    """The unfinished check at path, refused (one line naming it) unless it ran with the same arguments."""
+    try:
+        doc = json.loads(path.read_text())
+        differ = sorted(k for k, v in args.items() if k not in ("out", "tag") and doc["args"].get(k) != v)
+        doc["records"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: --resume {path}: not a planner check's JSON ({type(e).__name__}: {e})") from None
+    if differ:
+        raise SystemExit(f"error: --resume {path}: it ran with other arguments ({', '.join(differ)})")
+    return doc
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -178,9 +180,11 @@ def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
 
 
 def test_check_planner(tmp_path, monkeypatch):
-    """Every candidate the planner weighs is run, then the planner's own run; the summary compares them. The
-    profile is made up for the tiny view (what profile_ssv would measure there is tested above): the tree is
-    predicted cheaper per token than plain decoding, so the planner chooses it."""
+    """The planner's run first, then every candidate it weighs; the summary compares them. A check stopped by its
+    budget (0 s: the planner's runs alone) is finished by --resume without rerunning what it holds, and a resume
+    with other arguments is refused. The profile is made up for the tiny view (what profile_ssv would measure
+    there is tested above): the tree is predicted cheaper per token than plain decoding, so the planner chooses
+    it."""
     points = [(batch, context) for batch in (1, 2) for context in (64, 128)]
     passes = [{"mode": mode, "rows": rows, "batch": b, "context": c, "ms": ms * (1 + 0.01 * b * c / 64)}
               for mode in ("exact", "s2w1r2") for rows, ms in ((1, 1.0), (2, 1.1)) for b, c in points]
@@ -189,16 +193,30 @@ def test_check_planner(tmp_path, monkeypatch):
     profile.parent.mkdir()
     profile.write_text(json.dumps({"format": "vegas-ssv-profile", "version": 1, "device": "cpu", "passes": passes,
                                    "drafts": drafts, "distances": {"s2w1r2": {"top1_disagreement": 0.01}}}))
-    (doc,) = run_smoke("check_planner", tmp_path, monkeypatch, "--ssv-profile", str(profile), "--batch", "2",
-                       "--context", "102", "--max-new-tokens", "6", "--repeats", "1")
+    argv = ("--ssv-profile", str(profile), "--batch", "2", "--context", "102", "--max-new-tokens", "6",
+            "--repeats", "1")
+    (stopped,) = run_smoke("check_planner", tmp_path, monkeypatch, *argv, "--budget-s", "0")
+    assert stopped["complete"] is False
+    assert [(r["kind"], r["label"]) for r in stopped["records"] if r["kind"] != "summary"] == \
+        [("planner", "exact 1x1")] * 2  # both classes choose the tree
+    summaries = [r for r in stopped["records"] if r["kind"] == "summary"]
+    assert [(s["measured"], s["left_by_budget"], s["candidates"]) for s in summaries] == [(0, 2, 2), (0, 4, 4)]
+    assert all(s["best"] is None and s["met"] is None for s in summaries)
+    (path,) = tmp_path.glob("planner-check-*.json")
+    with pytest.raises(SystemExit, match="other arguments"):
+        importlib.import_module("benchmarks.check_planner").main(
+            ["--smoke", *argv[:3], "3", *argv[4:], "--resume", str(path)])
+
+    (doc,) = run_smoke("check_planner", tmp_path, monkeypatch, *argv, "--resume", str(path))
     assert doc["complete"] is True
     by_kind = {kind: [r for r in doc["records"] if r["kind"] == kind] for kind in ("candidate", "planner", "summary")}
+    assert by_kind["planner"] == [r for r in stopped["records"] if r["kind"] == "planner"]  # kept, not rerun
     labels = [r["label"] for r in by_kind["candidate"]]
     assert sorted(labels) == sorted(["exact plain", "exact 1x1", "exact plain", "exact 1x1",
                                      "s2w1r2 plain", "s2w1r2 1x1"])
     for r in by_kind["candidate"] + by_kind["planner"]:
         finite_positive(r, "decode_tokens_per_s", "predicted_ms_per_token", "tau")
-    assert [r["label"] for r in by_kind["planner"]] == ["exact 1x1", "exact 1x1"]  # both classes choose it
+    assert len(by_kind["summary"]) == 2
     for summary in by_kind["summary"]:
         assert summary["measured"] == summary["candidates"] and summary["left_by_budget"] == 0
         best = max(r["decode_tokens_per_s"] for r in by_kind["candidate"] if r["precision"] == summary["precision"])
