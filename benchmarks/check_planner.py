@@ -42,16 +42,10 @@ from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.planner import DEFAULT_ACCEPTANCE, Plan, Planner, load_profile  # noqa: E402
 from vegas_jax.precision import parse_precision  # noqa: E402
+from vegas_jax.ssv import with_plan  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGET = 0.9  # the chosen plan's tokens/s over the best candidate's
-
-
-def plan_options(plan: Plan, precision: str, new_tokens: int) -> GenerationOptions:
-    """The options a run of this plan decodes with: what vegas_jax.ssv.resolve makes of the planner's choice."""
-    tree = None if plan.tree is None else f"{plan.tree[0]}x{plan.tree[1]}"
-    return GenerationOptions(max_new_tokens=new_tokens, precision=precision, draft_tree=tree,
-                             drafter=plan.drafter or "self", approx_mode=None if plan.mode == "exact" else plan.mode)
 
 
 def label(plan: Plan) -> str:
@@ -76,7 +70,8 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
         elif time.perf_counter() - started > args.budget_s:
             left += 1
         else:
-            options = plan_options(plan, precision, args.max_new_tokens)
+            options = with_plan(GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision,
+                                                  drafter=args.drafter), plan)
             measured.append(measure(engine, prompts, options, "candidate", plan, args, log))
     summary = {"kind": "summary", "precision": precision, "batch": batch, "prompt_tokens": prompt_tokens,
                "candidates": len(candidates), "measured": len(measured), "left_by_budget": left,

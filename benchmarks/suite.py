@@ -113,7 +113,7 @@ class Session:
         self._engine = None
         self._tokenizer = None
         self._prompts: dict[tuple[str, int], PromptSet] = {}
-        self.compiled: set = set()  # (method, cell, batch, length, sampled, served) compiled in this process
+        self.compiled: set = set()  # loop_key()s of the loops this process compiled
         self.ar_tokens: dict = {}  # (split, batch, length) -> plain greedy tokens, to compare with
         self.incomplete: list[str] = []  # what could not run yet (untuned cells)
         self._provenance = {"code": git_commit(), "source_digest": source_digest(), "model": model_path}
@@ -205,12 +205,17 @@ class Session:
 
     def estimate(self, method: str, cell: Cell, batch: int, length: int, new_tokens: int, runs: int, *,
                  sampled: bool, served: bool = False) -> float:
-        key = (method, cell, batch, length, sampled, served)
-        compile_s = 0.0 if key in self.compiled else COMPILE_S["ar" if method == "ar" else "speculative"]
+        compiled = loop_key(method, cell, batch, length, sampled, served) in self.compiled
+        compile_s = 0.0 if compiled else COMPILE_S["ar" if method == "ar" else "speculative"]
         return compile_s + runs * run_s(batch, length, new_tokens) * (3 if served else 1)
 
 
 # ---- measurements of SmolLM2 ----------------------------------------------------------------------------------
+
+
+def loop_key(method: str, cell: Cell, batch: int, length: int, sampled: bool, served: bool = False) -> tuple:
+    """What tells one compiled decode loop from another within a session (Session.compiled)."""
+    return method, cell, batch, length, sampled, served
 
 
 def options_for(preset: Preset, method: str, cell: Cell, length: int, new_tokens: int, temperature: float):
@@ -248,7 +253,7 @@ def compile_ahead(session: Session, stage: str, split: str, configurations: list
 
     sampled = temperature > 0
     todo = [(method, cell) for method, cell in configurations
-            if (method, cell, batch, length, sampled, False) not in session.compiled
+            if loop_key(method, cell, batch, length, sampled) not in session.compiled
             and session.recorded(_static_fields(stage, split, method, cell, batch, length, temperature)) is None]
     if len(todo) < 2:
         return {}
@@ -265,7 +270,7 @@ def compile_ahead(session: Session, stage: str, split: str, configurations: list
     seconds = {todo[0]: start(todo[0])}
     with ThreadPoolExecutor(PARALLEL_COMPILES) as pool:
         seconds |= dict(zip(todo[1:], pool.map(start, todo[1:])))
-    session.compiled.update((method, cell, batch, length, sampled, False) for method, cell in todo)
+    session.compiled.update(loop_key(method, cell, batch, length, sampled) for method, cell in todo)
     return seconds
 
 
@@ -287,7 +292,7 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
         for _ in range(runs_needed):
             record, tokens = run_one(engine, prompts.prompts, options, False, 1)
             runs.append(record)
-        session.compiled.add((method, cell, batch, length, sampled, False))
+        session.compiled.add(loop_key(method, cell, batch, length, sampled))
         out = {**summarize_runs(runs[session.preset.warmup:]), "compile_s": runs[0]["compile_s"],
                "new_tokens": new_tokens, "prompts_sha256": prompts.provenance["prompts_sha256"], **(extra or {})}
         if method == "ar" and not sampled:
@@ -391,7 +396,7 @@ def serve(session: Session) -> None:
                 options = options_for(p, method, cell, case.prompt_tokens, p.new_tokens, 0.0)
                 runs = [run_served(session.engine, prompts.prompts, options, case.slots, None)[0]
                         for _ in range(p.warmup + p.repeats)]
-                session.compiled.add((method, cell, case.slots, case.prompt_tokens, False, True))
+                session.compiled.add(loop_key(method, cell, case.slots, case.prompt_tokens, False, served=True))
                 measured = runs[p.warmup:]
                 steady = [r["steady_decode_tokens_per_s"] for r in measured if r["steady_decode_tokens_per_s"]]
                 return {**summarize_runs(measured), "compile_s": runs[0]["compile_s"], "tuned": True,

@@ -19,7 +19,7 @@ import dataclasses
 
 from models.config import ModelConfig
 from vegas_jax.inputs import InputError
-from vegas_jax.planner import AcceptanceTracker, Planner, load_profile
+from vegas_jax.planner import AcceptanceTracker, Plan, Planner, load_profile
 from vegas_jax.precision import EXACT_MODE, ApproxMode, parse_precision
 
 
@@ -69,10 +69,14 @@ def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance:
                          "them", options.drafter, options.ssv_profile, ", ".join(drafters) or "none")
     plan = Planner(profile, precision, options.drafter).plan(max(prompt_lengths), len(prompt_lengths),
                                                               acceptance.alpha)
+    return with_plan(options, plan), plan
+
+
+def with_plan(options, plan: Plan):
+    """options with the plan's tree and mode (plain decoding: no tree, the default drafter)."""
     tree = None if plan.tree is None else f"{plan.tree[0]}x{plan.tree[1]}"
-    chosen = dataclasses.replace(options, draft_tree=tree, drafter=options.drafter if tree else "self",
-                                 approx_mode=None if plan.mode == "exact" else plan.mode)
-    return chosen, plan
+    return dataclasses.replace(options, draft_tree=tree, drafter=options.drafter if tree else "self",
+                               approx_mode=None if plan.mode == "exact" else plan.mode)
 
 
 def observe(acceptance: AcceptanceTracker, options, depth_histogram: list[int]) -> None:
