@@ -7,7 +7,10 @@ whole-pass times the planner fits, saved as a vegas-ssv-profile JSON.
     python benchmarks/profile_ssv.py --smoke                                  # tiny shapes, interpret mode (CPU)
     python benchmarks/profile_ssv.py --merge A.json B.json                    # runs split to fit a time limit
 
-Tables, per (batch, context) of the grid:
+Every time is GPU time, the summed durations of the kernels a table's program launches (profiler traces; off the
+GPU, wall time): a lone jitted call's wall time adds its dispatch, about 0.1 ms, which the loop's kernels do not pay
+(timed that way, the profile of 2026-12-02 put a plain step at 3.3x its measured time). Tables, per (batch,
+context) of the grid:
 - linear: one whole-model pass over `rows` new tokens per sequence with the attention left out (an attention that
   reads no cache), i.e. weights, MLP, norms and the LM head;
 - attention of one layer, the mean over 4 distinct layer caches run in sequence (one cache would sit in L2 at
@@ -43,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
-from benchmarks.suite_scale import median_seconds  # noqa: E402
+from benchmarks.suite_scale import gpu_seconds  # noqa: E402
 from models.attention import NewTokens  # noqa: E402
 from models.config import NSA_1B_LAYOUT, ModelConfig, NSALayout  # noqa: E402
 from models.decoder import forward, init_params  # noqa: E402
@@ -89,7 +92,7 @@ def load(name: str, dtype):
 
 
 def ms(fn, x, reps) -> float:
-    return median_seconds(fn, x, reps) * 1e3
+    return gpu_seconds(fn, x, reps) * 1e3
 
 
 def linear_ms(config, params, batch: int, rows: int, dtype, reps: int) -> float:
@@ -100,13 +103,15 @@ def linear_ms(config, params, batch: int, rows: int, dtype, reps: int) -> float:
     return ms(lambda p: run(p, tokens, positions, cache, NoAttention())[0], params, reps)
 
 
-def layer_caches(config, batch: int, context: int, dtype, key):
-    """CACHE_COPIES random layer caches of capacity context + 64 (room for a tree's rows)."""
+def layer_caches(config, batch: int, context: int, dtype, key) -> tuple[NSALayerCache, ...]:
+    """CACHE_COPIES random layer caches of capacity context + 64 (room for a tree's rows), separate arrays (slices
+    of one stacked array would be copied out, and the copies timed with the kernels)."""
     capacity = context + 64
     rows = compressed_rows(config.nsa, capacity)
-    shape = lambda n: (CACHE_COPIES, batch, n, config.num_kv_heads, config.head_dim)
-    keys = jax.random.split(key, 4)
-    return NSALayerCache(*(jax.random.normal(k, shape(n), dtype) for k, n in zip(keys, (capacity,) * 2 + (rows,) * 2)))
+    shape = lambda n: (batch, n, config.num_kv_heads, config.head_dim)
+    return tuple(NSALayerCache(*(jax.random.normal(k, shape(n), dtype)
+                                 for k, n in zip(jax.random.split(copy, 4), (capacity,) * 2 + (rows,) * 2)))
+                 for copy in jax.random.split(key, CACHE_COPIES))
 
 
 def new_tokens(config, batch: int, rows: int, dtype, key):
@@ -119,9 +124,8 @@ def new_tokens(config, batch: int, rows: int, dtype, key):
 
 def per_layer(call, caches, reps) -> float:
     """Mean ms of call(layer cache) over the distinct caches, run in sequence in one program."""
-    def all_copies(stack):
-        return sum(jnp.sum(call(jax.tree.map(lambda x: x[i], stack)).astype(jnp.float32))
-                   for i in range(CACHE_COPIES))
+    def all_copies(copies):
+        return sum(jnp.sum(call(cache).astype(jnp.float32)) for cache in copies)
     return ms(jax.jit(all_copies), caches, reps) / CACHE_COPIES
 
 
@@ -137,10 +141,6 @@ def full_tree_parents(depth: int, branching: int) -> np.ndarray:
                 nxt.append(len(parents) - 1)
         level = nxt
     return np.array(parents, np.int32)
-
-
-def first(caches):
-    return jax.tree.map(lambda x: x[0], caches)
 
 
 # Largest |kernel - jnp twin| / max |twin| accepted on the device (bf16 rounds probabilities and outputs).
@@ -281,7 +281,8 @@ def main(argv=None) -> int:
     kernels, passes, drafts, checks = [], [], [], []
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     meta = run_metadata(format=PROFILE_FORMAT, version=PROFILE_VERSION, model=args.model, config=config.to_dict(),
-                        dtype=str(jnp.dtype(dtype)), smoke=args.smoke)
+                        dtype=str(jnp.dtype(dtype)), smoke=args.smoke,
+                        timing="gpu kernel time" if jax.default_backend() == "gpu" else "wall time")
 
     def save(complete: bool):
         """The profile so far, rewritten whole: a run stopped by a time limit keeps the cells it measured."""
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
             for mode in modes:
                 attention = ApproxNSAAttention(config.nsa, mode, config.attention, placement)
                 width = mode.selection_layout(config.nsa).top_n
-                num_spans = -(-caches.k.shape[2] // mode.share_span) if mode.share_span > 1 else 1
+                num_spans = -(-caches[0].k.shape[1] // mode.share_span) if mode.share_span > 1 else 1
                 stored = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32),
                                           (batch, num_spans, config.num_kv_heads, width))  # each span's selection
                 carried = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, config.num_kv_heads, 1, width))
@@ -324,7 +325,7 @@ def main(argv=None) -> int:
                 following = refresh_at(at + 1) if mode.share_span > 1 else at_anchor
                 refresh = (at_anchor + (mode.share_span - 1) * following) / mode.share_span
                 reuse_attention = dataclasses.replace(attention, carried=carried)
-                checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(first(caches), stored),
+                checks.append(check_fused(reuse_attention, one, at, ApproxLayerCache(caches[0], stored),
                                           mode, batch, context))
                 reuse = per_layer(lambda c: reuse_attention(1, one, at, ApproxLayerCache(c, stored))[0], caches,
                                   args.reps) if mode.refresh_every > 1 else refresh

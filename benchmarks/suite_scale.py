@@ -45,6 +45,21 @@ def median_seconds(fn, x, reps: int = 10) -> float:
     return float(np.median(times))
 
 
+def gpu_seconds(fn, x, reps: int = 5) -> float:
+    """Mean GPU seconds of fn(x): the summed durations of the kernels it launches (the profiler's), over reps
+    calls after one untimed call. A lone jitted call's wall time adds its dispatch and sync (about 0.1 ms), which
+    the decode loop's kernels, run back to back in one CUDA graph, do not pay. Off the GPU: median wall seconds."""
+    if jax.default_backend() != "gpu":
+        return median_seconds(fn, x, reps)
+    jax.block_until_ready(fn(x))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(reps):
+                jax.block_until_ready(fn(x))
+        events = gpu_kernel_events(Path(log_dir))
+    return sum(e["dur"] for e in events) / 1e6 / reps
+
+
 def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> dict:
     """GB/s of two read-only passes over nbytes of bf16, a sum and a matrix-vector product (the read a decode
     step's GEMMs make; on the H200 it reads faster than the sum, which had put a plain step above 100 % of the
