@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,6 +123,8 @@ BAD_INPUT = {
                                                   ["--max-new-tokens", "--max-model-len"]),
     "max-new-tokens-not-a-number": (["--prompt", PROMPT, "--max-new-tokens", "12x"], ["--max-new-tokens", "12x"]),
     "unknown-flag": (["--prompt", PROMPT, "--gama", "3"], ["--gama"]),
+    "compile-cache-dir-is-a-file": (lambda tmp: ["--prompt", PROMPT, "--compile-cache-dir", str(_a_file(tmp))],
+                                    ["--compile-cache-dir", "plain-file", "cannot be used as a cache folder"]),
     "slots-0": (["--prompt", PROMPT, "--slots", "0"], ["--slots"]),
     "refill-over-slots": (["--prompt", PROMPT, "--slots", "2", "--refill", "3"], ["--refill", "--slots 2"]),
     "refill-without-slots": (["--prompt", PROMPT, "--refill", "1"], ["--refill", "--slots"]),
@@ -432,12 +436,23 @@ def test_converted_checkpoint_generates_the_same_tokens(capsys, tmp_path, refere
 # ---- the module entry point ------------------------------------------------------------------------------------
 
 
-def test_module_entry_point_and_exit_codes(reference):
+def test_module_entry_point_exit_codes_and_compile_cache(reference, tmp_path):
+    """`python -m vegas_jax.generate` prints the library's text; a second process given the first one's
+    --compile-cache-dir (here through $VEGAS_COMPILE_CACHE_DIR) reads every program from it, compiles none, and
+    prints the same text."""
     _, ref = reference
     cmd = [sys.executable, "-m", "vegas_jax.generate", *BASE]
-    ok = subprocess.run([*cmd, "--prompt", PROMPT], cwd=REPO, capture_output=True, text=True, timeout=120)
+    cache = tmp_path / "compile-cache"
+    ok = subprocess.run([*cmd, "--prompt", PROMPT, "--compile-cache-dir", str(cache)], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.endswith(f"\n{ref.text}\n")
+    written = re.search(rf"compile cache {re.escape(str(cache))}: 0 programs read from it, (\d+) compiled", ok.stderr)
+    assert written and int(written[1]) > 0 and len(list(cache.iterdir())) >= int(written[1]), ok.stderr
+    again = subprocess.run([*cmd, "--prompt", PROMPT], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "VEGAS_COMPILE_CACHE_DIR": str(cache)})
+    assert again.returncode == 0 and again.stdout == ok.stdout, again.stderr
+    assert f"compile cache {cache}: {written[1]} programs read from it, 0 compiled" in again.stderr
     bad = subprocess.run([*cmd, "--prompt", PROMPT, "--top-p", "0"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert (bad.returncode, bad.stderr) == (2, "error: --top-p must be in (0, 1], got 0.0\n")

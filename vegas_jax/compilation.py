@@ -1,12 +1,18 @@
 """How the engine compiles its loops: XLA options chosen for decoding, applied per compilation (not through the
-process-wide XLA_FLAGS, which belong to the user)."""
+process-wide XLA_FLAGS, which belong to the user); and, on request, JAX's persistent compilation cache, so that a
+new process finds the loops an earlier one compiled."""
 
 from __future__ import annotations
 
+import collections
+import os
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import jax
+
+from vegas_jax.inputs import InputError
 
 # A decode step's GEMMs are skinny (batch rows by the model width). On the H200 XLA's Triton GEMM emitter tiles
 # them worse than cuBLAS: with cuBLAS a Vegas iteration of SmolLM2 at batch 64 spends 0.95 ms less GPU time
@@ -53,3 +59,46 @@ def _after_every_process_compiled(name: str) -> None:
 
 BARRIER_TIMEOUT_S = 3600  # the slowest process's compilation of the largest loop, with a wide margin
 _barriers = 0  # every process compiles the same programs in the same order, so the counts agree
+
+
+# What JAX's persistent cache reports, counted since use_persistent_cache (jax.monitoring events).
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+_cache_counts: collections.Counter = collections.Counter()
+_cache_dir: Path | None = None
+
+
+def use_persistent_cache(directory: str | os.PathLike) -> Path:
+    """Compiled programs are written to and read from `directory` (made if missing), every program whatever its
+    compile time: a CLI run that finds the decode loop there skips its compilation (tens of seconds on a GPU for
+    a large model). InputError naming {compile_cache_dir} when the folder cannot be made or written. Process-wide
+    (JAX's own configuration); call it before the first compilation."""
+    global _cache_dir
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".vegas-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise InputError("{compile_cache_dir} {}: cannot be used as a cache folder: {}", str(directory),
+                         e.strerror or e) from None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if _cache_dir is None:
+        jax.monitoring.register_event_listener(_count_cache_event)
+    _cache_dir = path
+    return path
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event in _CACHE_EVENTS:
+        _cache_counts[_CACHE_EVENTS[event]] += 1
+
+
+def persistent_cache_report() -> dict | None:
+    """{dir, hits, misses} of the persistent cache since use_persistent_cache (None when not in use): a hit is a
+    program read from the folder instead of compiled."""
+    if _cache_dir is None:
+        return None
+    return {"dir": str(_cache_dir), "hits": _cache_counts["hits"], "misses": _cache_counts["misses"]}

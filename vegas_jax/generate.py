@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-times", action="store_true",
                    help="also time one iteration's draft, verify, accept and select phases (metrics.phase_ms)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--compile-cache-dir", default=os.environ.get("VEGAS_COMPILE_CACHE_DIR"),
+                   help="keep compiled programs in this folder (made if missing; JAX's persistent compilation "
+                        "cache), so a later run of the same shapes skips compiling (default: $VEGAS_COMPILE_CACHE_DIR, "
+                        "else none)")
     p.add_argument("--mesh", default=None,
                    help="run on a device mesh: data=D,model=M (D splits the batch, M each layer's heads and MLP; "
                         "D x M = all devices of all processes); default: one device")
@@ -520,6 +524,11 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         _init_distributed(args)
         import jax
 
+        if args.compile_cache_dir:
+            from vegas_jax.compilation import use_persistent_cache
+
+            use_persistent_cache(args.compile_cache_dir)
+
         # One process speaks for all: every process runs the same command on the global mesh.
         speaker = jax.process_index() == 0
         if not speaker:
@@ -604,6 +613,13 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
                 longest = max(len(p) for p in prompts) + options.max_new_tokens
                 print(slowdown_reason(jax.default_backend(), result.metrics["tau"], options.gamma, len(prompts),
                                       longest), file=sys.stderr)
+        from vegas_jax.compilation import persistent_cache_report
+
+        cache = persistent_cache_report()
+        if cache is not None:
+            out["compile_cache"] = cache
+            print(f"compile cache {cache['dir']}: {cache['hits']} programs read from it, {cache['misses']} compiled "
+                  "and written", file=sys.stderr)
         if args.output_json:
             _write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:
