@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import sys
 import time
@@ -53,21 +54,24 @@ def label(plan: Plan) -> str:
 
 
 def check_class(engine: Engine, prompts, profile, precision: str, args, log: RecordLog, started: float) -> dict:
-    """The class's planner run and candidate records (those `log` already holds are kept, not rerun), then its
-    summary record."""
+    """The class's planner run and candidate records (those `log` already holds are kept, not rerun; none is
+    started past the budget), then its summary record."""
     prompt_tokens, batch = max(len(p) for p in prompts), len(prompts)
     planner = Planner(profile, parse_precision(precision), args.drafter)
     done = {(r["kind"], r["label"]): r for r in log.records if r.get("precision") == precision}
+    in_budget = lambda: time.perf_counter() - started <= args.budget_s
     chosen = planner.plan(prompt_tokens, batch, DEFAULT_ACCEPTANCE)
-    options = GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision, drafter=args.drafter,
-                                ssv_profile=args.ssv_profile)
-    planned = done.get(("planner", label(chosen))) or measure(engine, prompts, options, "planner", chosen, args, log)
+    planned = done.get(("planner", label(chosen)))
+    if planned is None and in_budget():
+        options = GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision, drafter=args.drafter,
+                                    ssv_profile=args.ssv_profile)
+        planned = measure(engine, prompts, options, "planner", chosen, args, log)
     candidates = sorted(planner.candidates(prompt_tokens, batch, DEFAULT_ACCEPTANCE), key=lambda p: p.ms_per_token)
     measured, left = [], 0
     for plan in candidates:
         if ("candidate", label(plan)) in done:
             measured.append(done[("candidate", label(plan))])
-        elif time.perf_counter() - started > args.budget_s:
+        elif not in_budget():
             left += 1
         else:
             options = with_plan(GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision,
@@ -75,14 +79,15 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
             measured.append(measure(engine, prompts, options, "candidate", plan, args, log))
     summary = {"kind": "summary", "precision": precision, "batch": batch, "prompt_tokens": prompt_tokens,
                "candidates": len(candidates), "measured": len(measured), "left_by_budget": left,
-               "chosen": label(chosen), "chosen_tokens_per_s": planned["decode_tokens_per_s"], "target": TARGET}
+               "planner_measured": planned is not None, "chosen": label(chosen),
+               "chosen_tokens_per_s": planned and planned["decode_tokens_per_s"], "target": TARGET,
+               "best": None, "best_tokens_per_s": None, "chosen_over_best": None, "met": None}
     if measured:
         best = max(measured, key=lambda r: r["decode_tokens_per_s"])
-        ratio = planned["decode_tokens_per_s"] / best["decode_tokens_per_s"]
-        summary |= {"best": best["label"], "best_tokens_per_s": best["decode_tokens_per_s"],
-                    "chosen_over_best": ratio, "met": bool(ratio >= TARGET) if not left else None}
-    else:
-        summary |= {"best": None, "best_tokens_per_s": None, "chosen_over_best": None, "met": None}
+        summary |= {"best": best["label"], "best_tokens_per_s": best["decode_tokens_per_s"]}
+        if planned is not None:
+            ratio = planned["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+            summary |= {"chosen_over_best": ratio, "met": bool(ratio >= TARGET) if not left else None}
     add(log, summary)
     return summary
 
@@ -97,12 +102,13 @@ def measure(engine: Engine, prompts, options: GenerationOptions, kind: str, plan
 def add(log: RecordLog, record: dict) -> None:
     log.add(record)
     if record["kind"] == "summary":
-        verdict = {True: "met", False: "MISSED", None: "not all candidates measured"}[record["met"]]
-        best = "no candidate measured" if record["best"] is None else (
-            f"best measured {record['best']} {record['best_tokens_per_s']:.1f}: {record['chosen_over_best']:.3f}")
-        print(f"{record['precision']}: planner {record['chosen']} {record['chosen_tokens_per_s']:.1f} tok/s, {best} "
-              f"({record['measured']} of {record['candidates']} candidates; target >= {TARGET}: {verdict})",
-              flush=True)
+        verdict = {True: "met", False: "MISSED", None: "not all measured"}[record["met"]]
+        chosen = (f"{record['chosen_tokens_per_s']:.1f} tok/s" if record["planner_measured"] else "not run")
+        best = ("no candidate measured" if record["best"] is None
+                else f"best measured {record['best']} {record['best_tokens_per_s']:.1f}")
+        ratio = "" if record["chosen_over_best"] is None else f": {record['chosen_over_best']:.3f}"
+        print(f"{record['precision']}: planner {record['chosen']} {chosen}, {best}{ratio} ({record['measured']} of "
+              f"{record['candidates']} candidates; target >= {TARGET}: {verdict})", flush=True)
     else:
         print(f"{record['kind']:9s} {record['label']:14s} predicted {record['predicted_ms_per_token']:.3f} ms/token, "
               f"measured {record['decode_tokens_per_s']:.1f} tok/s, tau {record['tau']:.2f}", flush=True)
@@ -126,6 +132,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     started = time.perf_counter()
     profile = load_profile(args.ssv_profile)
+    meta = run_metadata(args={k: str(v) for k, v in vars(args).items() if k not in ("resume", "budget_s")},
+                        ssv_profile_sha256=hashlib.sha256(Path(args.ssv_profile).read_bytes()).hexdigest())
+    earlier = read_check(args.resume, meta) if args.resume else None
     if args.smoke:
         dense = random_model(TINY, jnp.float32)
         engine = Engine(dataclasses.replace(dense, config=with_attention(TINY, "nsa-view", TINY_NSA_LAYOUT)))
@@ -136,9 +145,7 @@ def main(argv=None) -> int:
         loaded = load_model(args.model, jnp.bfloat16)
         engine = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
         prompts = long_prompts(engine.tokenizer, args.batch, prompt_tokens=args.context - args.max_new_tokens)
-    meta = run_metadata(args={k: str(v) for k, v in vars(args).items() if k not in ("resume", "budget_s")})
-    if args.resume:
-        earlier = read_check(args.resume, meta["args"])
+    if earlier is not None:
         log = RecordLog(meta, args.resume.name, args.resume.parent)
         log.records = [r for r in earlier["records"] if r["kind"] != "summary"]
     else:
@@ -147,20 +154,24 @@ def main(argv=None) -> int:
         log = RecordLog(meta, name, None if args.smoke else args.out)
     summaries = [check_class(engine, prompts, profile, precision, args, log, started)
                  for precision in args.precision.split(",")]
-    log.finish(complete=all(s["left_by_budget"] == 0 for s in summaries))
+    log.finish(complete=all(s["left_by_budget"] == 0 and s["planner_measured"] for s in summaries))
     return 0
 
 
-def read_check(path: Path, args: dict) -> dict:
-    """The unfinished check at path, refused (one line naming it) unless it ran with the same arguments."""
+def read_check(path: Path, meta: dict) -> dict:
+    """The unfinished check at path, refused (one line naming it) unless it ran with the same arguments, profile
+    (by content), device and JAX."""
     try:
         doc = json.loads(path.read_text())
-        differ = sorted(k for k, v in args.items() if k not in ("out", "tag") and doc["args"].get(k) != v)
-        doc["records"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        for record in doc["records"]:
+            if record["kind"] != "summary":
+                record["label"], record["precision"], float(record["decode_tokens_per_s"])
+        differ = sorted(k for k, v in meta["args"].items() if k not in ("out", "tag") and doc["args"].get(k) != v)
+        differ += [k for k in ("ssv_profile_sha256", "device", "jax_version") if doc.get(k) != meta[k]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"error: --resume {path}: not a planner check's JSON ({type(e).__name__}: {e})") from None
     if differ:
-        raise SystemExit(f"error: --resume {path}: it ran with other arguments ({', '.join(differ)})")
+        raise SystemExit(f"error: --resume {path}: it ran with other arguments or elsewhere ({', '.join(differ)})")
     return doc
 
 

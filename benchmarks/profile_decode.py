@@ -46,7 +46,8 @@ from vegas_jax.tree import parse_tree  # noqa: E402
 
 _KINDS = (
     # The names pallas_kernels gives its pallas_calls.
-    ("pallas", re.compile(r"sparse_decode_attention|verify_attention|count_at_least|compact_selected|weight_only")),
+    ("pallas", re.compile(r"sparse_decode_attention|verify_attention|count_at_least|compact_selected|weight_only|nsa_|"
+                          r"tree_attention|split_selected")),
     ("gemm", re.compile(r"gemm|cutlass|cublas|sm90_|nvjet|matmul|dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=7936)
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--score-mode", default="logit")
-    p.add_argument("--draft-weights", default="bf16", help="vegas's draft weights: bf16, int8 or int4")
+    p.add_argument("--draft-weights", default="bf16", choices=("bf16", "int8", "int4"), help="vegas's draft weights")
     p.add_argument("--attention", default="dense", choices=("dense", "nsa-view"), help="nsa-view: the NSA view")
     p.add_argument("--draft-tree", default="4x2", help="the tree of method ssv")
     p.add_argument("--drafter", default="self", help="method ssv's drafter")

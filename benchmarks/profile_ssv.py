@@ -231,9 +231,10 @@ def merge(paths: list[str], distances: str | None) -> int:
     """One profile of several runs' tables (the same model, device and dtype), the distances of the last run that
     has them or of `distances`."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    for key in ("model", "device", "dtype"):
-        if len({d[key] for d in docs}) > 1:
-            raise SystemExit(f"error: --merge: the profiles differ in {key}: {sorted({d[key] for d in docs})}")
+    for key in ("model", "device", "dtype", "timing"):  # profiles before 2026-12-02 have no timing: wall time
+        values = {d.get(key, "wall time") for d in docs}
+        if len(values) > 1:
+            raise SystemExit(f"error: --merge: the profiles differ in {key}: {sorted(values)}")
     merged = {**docs[-1], "merged_from": paths, "date": run_metadata()["date"],
               "complete": all(d.get("complete", True) for d in docs)}
     for table in ("kernels", "passes", "drafts"):

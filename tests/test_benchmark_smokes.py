@@ -180,11 +180,10 @@ def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
 
 
 def test_check_planner(tmp_path, monkeypatch):
-    """The planner's run first, then every candidate it weighs; the summary compares them. A check stopped by its
-    budget (0 s: the planner's runs alone) is finished by --resume without rerunning what it holds, and a resume
-    with other arguments is refused. The profile is made up for the tiny view (what profile_ssv would measure
-    there is tested above): the tree is predicted cheaper per token than plain decoding, so the planner chooses
-    it."""
+    """The planner's run first, then every candidate it weighs; the summary compares them. No run starts past the
+    budget (0 s: none at all); --resume finishes a check, rerunning only what its file lacks, and refuses a file
+    made with other arguments. The profile is made up for the tiny view (what profile_ssv would measure there is
+    tested above): the tree is predicted cheaper per token than plain decoding, so the planner chooses it."""
     points = [(batch, context) for batch in (1, 2) for context in (64, 128)]
     passes = [{"mode": mode, "rows": rows, "batch": b, "context": c, "ms": ms * (1 + 0.01 * b * c / 64)}
               for mode in ("exact", "s2w1r2") for rows, ms in ((1, 1.0), (2, 1.1)) for b, c in points]
@@ -197,11 +196,10 @@ def test_check_planner(tmp_path, monkeypatch):
             "--repeats", "1")
     (stopped,) = run_smoke("check_planner", tmp_path, monkeypatch, *argv, "--budget-s", "0")
     assert stopped["complete"] is False
-    assert [(r["kind"], r["label"]) for r in stopped["records"] if r["kind"] != "summary"] == \
-        [("planner", "exact 1x1")] * 2  # both classes choose the tree
-    summaries = [r for r in stopped["records"] if r["kind"] == "summary"]
-    assert [(s["measured"], s["left_by_budget"], s["candidates"]) for s in summaries] == [(0, 2, 2), (0, 4, 4)]
-    assert all(s["best"] is None and s["met"] is None for s in summaries)
+    summaries = stopped["records"]
+    assert [(s["kind"], s["planner_measured"], s["measured"], s["left_by_budget"], s["candidates"])
+            for s in summaries] == [("summary", False, 0, 2, 2), ("summary", False, 0, 4, 4)]
+    assert all(s["best"] is None and s["met"] is None and s["chosen"] == "exact 1x1" for s in summaries)
     (path,) = tmp_path.glob("planner-check-*.json")
     with pytest.raises(SystemExit, match="other arguments"):
         importlib.import_module("benchmarks.check_planner").main(
@@ -210,7 +208,7 @@ def test_check_planner(tmp_path, monkeypatch):
     (doc,) = run_smoke("check_planner", tmp_path, monkeypatch, *argv, "--resume", str(path))
     assert doc["complete"] is True
     by_kind = {kind: [r for r in doc["records"] if r["kind"] == kind] for kind in ("candidate", "planner", "summary")}
-    assert by_kind["planner"] == [r for r in stopped["records"] if r["kind"] == "planner"]  # kept, not rerun
+    assert [r["label"] for r in by_kind["planner"]] == ["exact 1x1", "exact 1x1"]  # both classes choose the tree
     labels = [r["label"] for r in by_kind["candidate"]]
     assert sorted(labels) == sorted(["exact plain", "exact 1x1", "exact plain", "exact 1x1",
                                      "s2w1r2 plain", "s2w1r2 1x1"])
@@ -222,3 +220,10 @@ def test_check_planner(tmp_path, monkeypatch):
         best = max(r["decode_tokens_per_s"] for r in by_kind["candidate"] if r["precision"] == summary["precision"])
         assert summary["best_tokens_per_s"] == best
         assert summary["met"] == (summary["chosen_over_best"] >= 0.9)
+
+    # A check that lost its last record (a call ended mid-run): only that one runs again.
+    kept = [r for r in doc["records"] if r["kind"] != "summary"][:-1]
+    path.write_text(json.dumps({**doc, "records": kept, "complete": False}))
+    (resumed,) = run_smoke("check_planner", tmp_path, monkeypatch, *argv, "--resume", str(path))
+    runs = [r for r in resumed["records"] if r["kind"] != "summary"]
+    assert resumed["complete"] is True and runs[:-1] == kept and len(runs) == len(kept) + 1

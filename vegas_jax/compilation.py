@@ -67,11 +67,12 @@ _cache_counts: collections.Counter = collections.Counter()
 _cache_dir: Path | None = None
 
 
-def use_persistent_cache(directory: str | os.PathLike) -> Path:
+def use_persistent_cache(directory: str | os.PathLike, source: str = "{compile_cache_dir}") -> Path:
     """Compiled programs are written to and read from `directory` (made if missing), every program whatever its
-    compile time: a CLI run that finds the decode loop there skips its compilation (tens of seconds on a GPU for
-    a large model). InputError naming {compile_cache_dir} when the folder cannot be made or written. Process-wide
-    (JAX's own configuration); call it before the first compilation."""
+    compile time or size: a CLI run that finds the decode loop there skips its compilation (tens of seconds on a
+    GPU for a large model). InputError naming `source` (the flag, or the variable it came from) when the folder
+    cannot be made or written. Process-wide (JAX's own configuration, fixed once JAX has compiled with it): a
+    second call naming another folder is an error."""
     global _cache_dir
     path = Path(directory).expanduser()
     try:
@@ -79,14 +80,19 @@ def use_persistent_cache(directory: str | os.PathLike) -> Path:
         probe = path / f".vegas-write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
-    except OSError as e:
-        raise InputError("{compile_cache_dir} {}: cannot be used as a cache folder: {}", str(directory),
-                         e.strerror or e) from None
+    except (OSError, ValueError) as e:
+        raise InputError(source + " {}: cannot be used as a cache folder: {}", str(directory),
+                         getattr(e, "strerror", None) or e) from None
+    if _cache_dir is not None:
+        if path.resolve() != _cache_dir.resolve():
+            raise InputError(source + " {}: this process already keeps its compiled programs in {}", str(directory),
+                             str(_cache_dir))
+        return _cache_dir
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if _cache_dir is None:
-        jax.monitoring.register_event_listener(_count_cache_event)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size limit (0 is JAX's default)
+    jax.monitoring.register_event_listener(_count_cache_event)
     _cache_dir = path
     return path
 

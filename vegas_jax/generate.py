@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-times", action="store_true",
                    help="also time one iteration's draft, verify, accept and select phases (metrics.phase_ms)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--compile-cache-dir", default=os.environ.get("VEGAS_COMPILE_CACHE_DIR"),
+    p.add_argument("--compile-cache-dir", default=None,
                    help="keep compiled programs in this folder (made if missing; JAX's persistent compilation "
                         "cache), so a later run of the same shapes skips compiling (default: $VEGAS_COMPILE_CACHE_DIR, "
                         "else none)")
@@ -190,6 +190,8 @@ def _init_distributed(args) -> None:
 
         jax.distributed.initialize()
 
+
+COMPILE_CACHE_VARIABLE = "VEGAS_COMPILE_CACHE_DIR"  # --compile-cache-dir's default
 
 # Variables by which jax.distributed.initialize() finds its cluster (SLURM, Open MPI, JAX's own).
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
@@ -524,10 +526,13 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         _init_distributed(args)
         import jax
 
-        if args.compile_cache_dir:
+        cache_dir, source = args.compile_cache_dir, "{compile_cache_dir}"
+        if cache_dir is None and os.environ.get(COMPILE_CACHE_VARIABLE):
+            cache_dir, source = os.environ[COMPILE_CACHE_VARIABLE], COMPILE_CACHE_VARIABLE
+        if cache_dir:
             from vegas_jax.compilation import use_persistent_cache
 
-            use_persistent_cache(args.compile_cache_dir)
+            use_persistent_cache(cache_dir, source)
 
         # One process speaks for all: every process runs the same command on the global mesh.
         speaker = jax.process_index() == 0
