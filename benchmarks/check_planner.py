@@ -50,7 +50,7 @@ TARGET = 0.9  # the chosen plan's tokens/s over the best candidate's
 
 
 def label(plan: Plan) -> str:
-    return f"{plan.mode} {'plain' if plan.tree is None else f'{plan.tree[0]}x{plan.tree[1]}'}"
+    return f"{plan.mode} {plan.tree_spec or 'plain'}"
 
 
 def check_class(engine: Engine, prompts, profile, precision: str, args, log: RecordLog, started: float) -> dict:

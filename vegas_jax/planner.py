@@ -195,9 +195,14 @@ class Plan:
     def ms_per_token(self) -> float:
         return self.ms_per_step / self.tokens_per_step
 
+    @property
+    def tree_spec(self) -> str | None:
+        """The tree as --draft-tree spells it ("DEPTHxBRANCHING"), None for plain decoding."""
+        return None if self.tree is None else f"{self.tree[0]}x{self.tree[1]}"
+
     def report(self, measured_ms_per_token: float | None = None) -> dict:
         """The choice and its predicted time per token (and the measured one, and their ratio, when given)."""
-        doc = {"mode": self.mode, "tree": None if self.tree is None else f"{self.tree[0]}x{self.tree[1]}",
+        doc = {"mode": self.mode, "tree": self.tree_spec,
                "drafter": self.drafter, "rows": self.rows, "refresh_every": self.refresh_every,
                "predicted_tokens_per_step": self.tokens_per_step, "predicted_ms_per_step": self.ms_per_step,
                "predicted_ms_per_token": self.ms_per_token}

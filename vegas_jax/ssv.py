@@ -74,7 +74,7 @@ def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance:
 
 def with_plan(options, plan: Plan):
     """options with the plan's tree and mode (plain decoding: no tree, the default drafter)."""
-    tree = None if plan.tree is None else f"{plan.tree[0]}x{plan.tree[1]}"
+    tree = plan.tree_spec
     return dataclasses.replace(options, draft_tree=tree, drafter=options.drafter if tree else "self",
                                approx_mode=None if plan.mode == "exact" else plan.mode)
 
