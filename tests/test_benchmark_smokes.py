@@ -182,7 +182,7 @@ def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
 def test_check_planner(tmp_path, monkeypatch):
     """The planner's run first, then every candidate it weighs; the summary compares them. No run starts past the
     budget (0 s: none at all); --resume finishes a check, rerunning only what its file lacks, and refuses a file
-    made with other arguments. The profile is made up for the tiny view (what profile_ssv would measure there is
+    made with other arguments; a plan two classes share runs once; --measured reuses another profile's check. The profile is made up for the tiny view (what profile_ssv would measure there is
     tested above): the tree is predicted cheaper per token than plain decoding, so the planner chooses it."""
     points = [(batch, context) for batch in (1, 2) for context in (64, 128)]
     passes = [{"mode": mode, "rows": rows, "batch": b, "context": c, "ms": ms * (1 + 0.01 * b * c / 64)}
@@ -212,6 +212,13 @@ def test_check_planner(tmp_path, monkeypatch):
     labels = [r["label"] for r in by_kind["candidate"]]
     assert sorted(labels) == sorted(["exact plain", "exact 1x1", "exact plain", "exact 1x1",
                                      "s2w1r2 plain", "s2w1r2 1x1"])
+    # The approximate class's exact plans are the exact class's runs, filed again, not run again.
+    by_plan = {(r["precision"], r["label"]): r for r in by_kind["candidate"]}
+    for plan in ("exact plain", "exact 1x1"):
+        again = by_plan[("approximate", plan)]
+        assert again["measured_as"] == "exact" and "measured_as" not in by_plan[("exact", plan)]
+        assert again["decode_tokens_per_s"] == by_plan[("exact", plan)]["decode_tokens_per_s"]
+    assert [r.get("measured_as") for r in by_kind["planner"]] == [None, None]  # the classes weigh other grids
     for r in by_kind["candidate"] + by_kind["planner"]:
         finite_positive(r, "decode_tokens_per_s", "predicted_ms_per_token", "tau")
     assert len(by_kind["summary"]) == 2
@@ -227,3 +234,21 @@ def test_check_planner(tmp_path, monkeypatch):
     (resumed,) = run_smoke("check_planner", tmp_path, monkeypatch, *argv, "--resume", str(path))
     runs = [r for r in resumed["records"] if r["kind"] != "summary"]
     assert resumed["complete"] is True and runs[:-1] == kept and len(runs) == len(kept) + 1
+
+    # Another profile (plain decoding now predicted cheaper) reuses every candidate run: only the planner runs.
+    slow = tmp_path / "profile" / "slow-drafts.json"
+    slow.write_text(json.dumps({**json.loads(profile.read_text()),
+                                "drafts": [{**d, "ms": 50.0} for d in drafts]}))
+    other = ("--ssv-profile", str(slow), *argv[2:])
+    path = path.rename(tmp_path / "profile" / path.name)  # out of $OUT, where the new check writes
+    (again,) = run_smoke("check_planner", tmp_path, monkeypatch, *other, "--measured", str(path), "--budget-s", "0")
+    fresh = [r for r in again["records"] if r["kind"] != "summary" and "measured_in" not in r]
+    assert fresh == []  # a budget of 0 s runs nothing, yet every candidate is there
+    assert all(s["measured"] == s["candidates"] and not s["planner_measured"] and s["chosen"].endswith("plain")
+               for s in again["records"] if s["kind"] == "summary")
+    reused = {(r["precision"], r["label"]): r for r in again["records"] if r["kind"] == "candidate"}
+    assert reused[("exact", "exact 1x1")]["predicted_ms_per_token"] > by_plan[("exact", "exact 1x1")][
+        "predicted_ms_per_token"]
+    with pytest.raises(SystemExit, match="--measured .*other arguments"):
+        importlib.import_module("benchmarks.check_planner").main(
+            ["--smoke", *other[:3], "3", *other[4:], "--measured", str(path)])
