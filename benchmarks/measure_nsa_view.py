@@ -2,7 +2,7 @@
 held-out real text (Python standard-library source, benchmarks.prompts) through the engine's scoring path, and
 greedy agreement (tokens equal before the first difference, and in all) over --new-tokens generated tokens.
 
-    python benchmarks/measure_nsa_view.py --prompt-tokens 8192 --new-tokens 256     # the GPU run
+    python benchmarks/measure_nsa_view.py --prompt-tokens 7936 --new-tokens 256     # the GPU run (8K in all)
     python benchmarks/measure_nsa_view.py --prompt-tokens 1024 --new-tokens 64      # a CPU run
 
 The view differs from dense only past what its blocks cover (16 blocks of 16 plus a 128-token window), so
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--texts", type=int, default=4, help="held-out texts scored (and prompts generated from)")
     args = parser.parse_args(argv)
     loaded = load_model(None)
+    if args.prompt_tokens + args.new_tokens > loaded.config.max_position_embeddings:
+        parser.error(f"--prompt-tokens {args.prompt_tokens} plus --new-tokens {args.new_tokens} is more than the "
+                     f"model's context of {loaded.config.max_position_embeddings}")
     dense = Engine(loaded)
     view = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view")))
     span = args.prompt_tokens + args.new_tokens

@@ -5,13 +5,18 @@ the exact target, from the same cost model:
     python benchmarks/plan_ssv.py --ssv-profile benchmarks/results/ssv-profile-smollm2-view-<date>.json \
         --prompt-tokens 4096,8192 --batches 1,8,32 --acceptance 0.6
 
-JSON: benchmarks/results/ssv-plans-<date>.json (and $OUT). Predictions only: the measured side comes from the loop.
+JSON: benchmarks/results/ssv-plans-<date>.json (and $OUT). Predictions only, unless `--against CHECK.json` (a
+benchmarks/check_planner.py result, from any profile): then, at that check's prompt length, batch and drafter, every
+candidate it measured is listed with this profile's predicted and the check's measured milliseconds per token
+(one step's time over the tokens it yields, the batch's sequences together), and the plan chosen here is looked up
+among them: a new profile is judged on measurements already made, on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--acceptance", type=float, default=DEFAULT_ACCEPTANCE, help="per-token alpha")
     parser.add_argument("--tolerance", type=float, default=None, help="the approximate class's tolerance")
     parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--against", type=Path, default=None, metavar="CHECK.json",
+                        help="a planner check's measurements to set the predictions beside")
     args = parser.parse_args(argv)
     try:
         profile = load_profile(args.ssv_profile)
@@ -40,6 +47,8 @@ def main(argv=None) -> int:
     except InputError as e:
         print("error: " + e.render(lambda name: "--" + name.replace("_", "-")), file=sys.stderr)
         return 2
+    if args.against is not None:
+        return against_check(profile, classes, args)
     records = []
     for length in (int(x) for x in args.prompt_tokens.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
@@ -61,6 +70,46 @@ def main(argv=None) -> int:
                        drafter=args.drafter, plans=records)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     save_results(doc, f"ssv-plans-{stamp}.json", RESULTS)
+    return 0
+
+
+def against_check(profile, classes, args) -> int:
+    try:
+        check = json.loads(args.against.read_text())
+        runs = [r for r in check["records"] if r["kind"] == "candidate"]
+        batch, length = runs[0]["batch"], runs[0]["prompt_tokens"]
+        drafter = check["args"]["drafter"]
+        measured = {(r["precision"], r["label"]): 1e3 * batch / r["decode_tokens_per_s"] for r in runs}
+    except (OSError, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as e:
+        print(f"error: --against {args.against}: not a planner check's JSON ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
+    records = []
+    for precision in classes:
+        planner = Planner(profile, precision, drafter)
+        chosen = planner.plan(length, batch, args.acceptance)
+        label = lambda plan: f"{plan.mode} {plan.tree_spec or 'plain'}"  # noqa: E731  check_planner's labels
+        rows = [dict(label=label(c), predicted_ms_per_token=c.ms_per_token,
+                     measured_ms_per_token=measured.get((precision.name, label(c))))
+                for c in sorted(planner.candidates(length, batch, args.acceptance), key=lambda c: c.ms_per_token)]
+        for row in rows:
+            row["predicted_over_measured"] = (row["measured_ms_per_token"] and
+                                              row["predicted_ms_per_token"] / row["measured_ms_per_token"])
+            print(f"{precision.name:11s} {row['label']:14s} predicted {row['predicted_ms_per_token']:7.3f}  measured "
+                  + (f"{row['measured_ms_per_token']:7.3f}  ratio {row['predicted_over_measured']:.2f}"
+                     if row["measured_ms_per_token"] else "      -"))
+        timed = [r["measured_ms_per_token"] for r in rows if r["measured_ms_per_token"]]
+        mine = measured.get((precision.name, label(chosen)))
+        record = dict(precision=precision.name, prompt_tokens=length, batch=batch, chosen=label(chosen),
+                      candidates=rows, measured=len(timed),
+                      chosen_over_best=mine and min(timed) / mine)
+        records.append(record)
+        print(f"{precision.name}: chooses {record['chosen']}"
+              + (f", {record['chosen_over_best']:.3f} of the best measured" if mine else ", not measured in the check"))
+    doc = run_metadata(profile=args.ssv_profile, profile_device=profile.device, against=str(args.against),
+                       acceptance=args.acceptance, drafter=drafter, comparisons=records)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    save_results(doc, f"ssv-plans-against-{stamp}.json", RESULTS)
     return 0
 
 

@@ -18,7 +18,6 @@ import pytest
 from models.quantized import dequantize
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.loading import load_model
-from vegas_jax.selection import POLICIES
 
 pytestmark = pytest.mark.slow
 GREEDY_CASES = {c["kind"]: c for c in json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "greedy.json").read_text())}

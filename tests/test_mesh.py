@@ -150,7 +150,6 @@ def scenario_tiny() -> dict:
     mesh_scored = engines["data=2,model=4"].score(batch, continuations, batch_size=4, prefill_chunk=32)
     out["score_identical"] = [bool(np.allclose(a.logprobs, b.logprobs, atol=1e-5)) and a.greedy == b.greedy
                               for a, b in zip(one_scored, mesh_scored)]
-    import jax.numpy as jnp
 
     # The int4 drafts made on one device and moved to the mesh with the model (LoadedModel.on_mesh) are the ones
     # made on the mesh, array for array and shard for shard.

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from vegas_jax.inputs import InputError
-from vegas_jax.planner import AcceptanceTracker, Planner, expected_tokens, load_profile, tree_nodes
+from vegas_jax.planner import DEFAULT_ACCEPTANCE, AcceptanceTracker, Planner, expected_tokens, load_profile, tree_nodes
 from vegas_jax.precision import ApproxMode, parse_precision
 
 BATCHES, CONTEXTS = (1, 8, 32), (1024, 8192, 32768)
@@ -187,3 +187,37 @@ def test_plan_ssv_reports_a_bad_profile_in_one_error_line(tmp_path, capsys):
     assert plan_ssv.main(["--ssv-profile", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --ssv-profile {path}: not a vegas-ssv-profile")
+
+
+def test_plan_ssv_sets_a_profiles_predictions_beside_a_checks_measurements(tmp_path, monkeypatch, capsys):
+    """Every candidate the check measured gets this profile's prediction and the check's time per token; the
+    plan chosen here is looked up among them. The made-up check measured each plan at twice its prediction,
+    except the one predicted dearest, measured ten times faster than that, which the comparison must name as the best."""
+    from benchmarks import plan_ssv
+
+    monkeypatch.setattr(plan_ssv, "RESULTS", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    profile = load_profile(write(tmp_path, profile_doc()))
+    batch, length = 8, 8000
+    planner = Planner(profile, parse_precision("exact"), "ngram")
+    plans = sorted(planner.candidates(length, batch, DEFAULT_ACCEPTANCE), key=lambda c: c.ms_per_token)
+    label = lambda c: f"{c.mode} {c.tree_spec or 'plain'}"  # noqa: E731
+    fast = plans[-1]
+    runs = [{"kind": "candidate", "precision": "exact", "label": label(c), "batch": batch, "prompt_tokens": length,
+             "decode_tokens_per_s": 1e3 * batch / (2 * c.ms_per_token) * (10 if c is fast else 1)} for c in plans]
+    check = write(tmp_path, {"args": {"drafter": "ngram"}, "records": runs}, "check.json")
+    assert plan_ssv.main(["--ssv-profile", str(tmp_path / "profile.json"), "--against", str(check)]) == 0
+    (saved,) = tmp_path.glob("ssv-plans-against-*.json")
+    exact, approximate = json.loads(saved.read_text())["comparisons"]
+    assert exact["chosen"] == label(planner.plan(length, batch, DEFAULT_ACCEPTANCE)) and exact["measured"] == len(plans)
+    ratios = {r["label"]: r["predicted_over_measured"] for r in exact["candidates"]}
+    assert ratios == pytest.approx({label(c): 0.5 * (10 if c is fast else 1) for c in plans})
+    chosen_ms = 2 * planner.plan(length, batch, DEFAULT_ACCEPTANCE).ms_per_token
+    assert 2 * fast.ms_per_token / 10 < chosen_ms  # so the dearest-predicted plan is the best measured
+    assert exact["chosen_over_best"] == pytest.approx(2 * fast.ms_per_token / 10 / chosen_ms)
+    assert approximate["measured"] == 0 and approximate["chosen_over_best"] is None  # the check ran exact only
+
+    capsys.readouterr()
+    assert plan_ssv.main(["--ssv-profile", str(tmp_path / "profile.json"), "--against", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --against {tmp_path}: not a planner check's JSON")
