@@ -21,7 +21,10 @@ Every kernel's output is checked first (nsa-decode against nsa_decode_reference,
 V0, bf16 tolerance 0.05); a kernel that fails to run or to match goes to `failures` with its error and the run
 goes on, exiting 1 at the end. Per record: kernel, tree_nodes, context, batch, time_ms (median), max_abs_error, bytes (K/V rows the schedule reads: selected
 or union blocks, compressed rows, window), gb_per_s, copy_gb_per_s (benchmarks.suite_scale.measure_bandwidth),
-union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT).
+union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT), saved after every record
+(`"complete": false` until the run ends, so a run cut short by a call's limit keeps what it measured), and with
+matplotlib (pip install -e '.[bench]') a PNG beside it: V0's time over V1's (the fastest Pallas impl of each)
+against tree size, per context and batch, beside the ideal ratio T n / |U| and the 3x target.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E402
 from models.config import NSA_1B_LAYOUT  # noqa: E402
 from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
@@ -96,7 +99,14 @@ def main(argv=None) -> int:
     interpret = args.smoke
     kernels = "interpret" if interpret else "pallas"
     bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
-    records, failures = [], []
+    failures = []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    name = f"nsa-kernels-{stamp}"
+    # `failures` is the document's own list: every save carries the failures so far.
+    log = RecordLog(run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
+                                 noise=args.noise, bandwidth=bandwidth, failures=failures),
+                    name + ".json", None if args.smoke else RESULTS)
+    records = log.records
     key = jax.random.PRNGKey(0)
 
     def timed(record: dict, fn, arg, want=None, tolerance=0.05):
@@ -117,7 +127,7 @@ def main(argv=None) -> int:
             return None
         record |= dict(time_ms=seconds * 1e3, gb_per_s=record["bytes"] / seconds / 1e9,
                        copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
-        records.append(record)
+        log.add(record)
         return got
 
     for context in contexts:
@@ -164,11 +174,57 @@ def main(argv=None) -> int:
                            bytes=batch * 2 * context * KV_HEADS * DIM * 2, union_blocks=None, overlap=None),
                       dense, cache)
                 print(records[-6:], flush=True)
-    doc = run_metadata(layout=LAYOUT.__dict__, shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM),
-                       noise=args.noise, bandwidth=bandwidth, records=records, failures=failures)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
-    save_results(doc, f"nsa-kernels-{stamp}.json", None if args.smoke else RESULTS)
+    log.finish()
+    if not args.smoke:
+        try:
+            plot(records, RESULTS / (name + ".png"))
+        except ImportError:
+            print("matplotlib is not installed: no figure (pip install -e '.[bench]')", file=sys.stderr)
     return 1 if failures else 0
+
+
+def v0_over_v1(records: list[dict]) -> dict:
+    """{(context, batch): [(tree_nodes, V0 time / V1 time, ideal ratio)]}, each schedule at its fastest Pallas
+    impl."""
+    best = {}
+    for r in records:
+        if r["kernel"] in ("v0", "v1") and r["impl"] != "xla":
+            k = (r["context"], r["batch"], r["tree_nodes"], r["kernel"])
+            if k not in best or r["time_ms"] < best[k]["time_ms"]:
+                best[k] = r
+    points = {}
+    for (context, batch, nodes, kernel), r in sorted(best.items()):
+        if kernel == "v1" and (context, batch, nodes, "v0") in best:
+            v0 = best[(context, batch, nodes, "v0")]["time_ms"]
+            points.setdefault((context, batch), []).append((nodes, v0 / r["time_ms"], r["ideal_ratio"]))
+    return points
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib  # the optional [bench] dependency, needed only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = v0_over_v1(records)
+    contexts = sorted({c for c, _ in points})
+    if not contexts:
+        return
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for (c, batch), rows in points.items():
+            if c == context:
+                nodes, ratio, ideal = zip(*rows)
+                line, = ax.plot(nodes, ratio, marker="o", label=f"batch {batch}")
+                ax.plot(nodes, ideal, linestyle=":", color=line.get_color())
+        ax.axhline(3, color="grey", linestyle="--", label="target 3x")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree nodes")
+        ax.set_ylabel("V0 time / V1 time (dotted: ideal T n / |U|)")
+        ax.set_title(f"NSA-1B shapes, context {context // 1024}K")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _ints(text: str) -> list[int]:

@@ -65,6 +65,16 @@ def test_bench_nsa_kernels(tmp_path, monkeypatch):
         has_fields(r, "kernel", "tree_nodes", "context", "batch", "bytes")
         finite_positive(r, "time_ms", "gb_per_s")
         assert r.get("max_abs_error", 0) <= 0.05, r  # the script's bf16 tolerance against the twin
+    assert doc["complete"] is True
+    # The figure's numbers: V0's time over V1's at each measured tree size, the fastest Pallas impl of each.
+    module = importlib.import_module("benchmarks.bench_nsa_kernels")
+    ((where, points),) = module.v0_over_v1(doc["records"]).items()
+    fastest = lambda kernel: min(r["time_ms"] for r in doc["records"]  # noqa: E731
+                                 if r["kernel"] == kernel and r["impl"] != "xla")
+    assert points == [(4, pytest.approx(fastest("v0") / fastest("v1")), points[0][2])] and where == (512, 1)
+    pytest.importorskip("matplotlib")
+    module.plot(doc["records"], tmp_path / "figure.png")
+    assert (tmp_path / "figure.png").stat().st_size > 0
 
 
 def test_bench_tree_attention(tmp_path, monkeypatch):
