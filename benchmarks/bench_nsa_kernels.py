@@ -6,6 +6,7 @@
                                                      # compilations; run it in pieces with the flags below
     python benchmarks/bench_nsa_kernels.py --contexts 131072 --batches 1,8 --trees 64
     python benchmarks/bench_nsa_kernels.py --smoke   # 512 tokens, kernels in interpret mode: checks the script
+    python benchmarks/bench_nsa_kernels.py --plot A.json B.json --figure F.png   # one figure of several pieces
 
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
 tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -89,7 +91,15 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=_ints, default=None, help="comma-separated, e.g. 32768,131072")
     parser.add_argument("--batches", type=_ints, default=None)
     parser.add_argument("--trees", type=_ints, default=None, help="tree sizes (nodes, at most 64)")
+    parser.add_argument("--plot", nargs="+", type=Path, default=None, metavar="RESULTS.json",
+                        help="draw the figure of these saved runs (pieces of one grid) into --figure, and stop")
+    parser.add_argument("--figure", type=Path, default=None, help="with --plot: the PNG to write")
     args = parser.parse_args(argv)
+    if args.plot:
+        if args.figure is None:
+            parser.error("--plot needs --figure PATH.png")
+        plot([r for path in args.plot for r in json.loads(path.read_text())["records"]], args.figure)
+        return 0
     contexts = [32768] if args.quick else [8192, 32768, 65536, 131072]
     batches = [1, 8] if args.quick else [1, 4, 8, 16, 64]
     trees = [16, 64] if args.quick else [4, 8, 16, 32, 64]
@@ -216,7 +226,7 @@ def plot(records: list[dict], path: Path) -> None:
             if c == context:
                 nodes, ratio, ideal = zip(*rows)
                 line, = ax.plot(nodes, ratio, marker="o", label=f"batch {batch}")
-                ax.plot(nodes, ideal, linestyle=":", color=line.get_color())
+                ax.plot(nodes, ideal, linestyle=":", marker="x", color=line.get_color())
         ax.axhline(3, color="grey", linestyle="--", label="target 3x")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tree nodes")
