@@ -52,10 +52,6 @@ RESULTS = Path(__file__).parent / "results"
 TARGET = 0.9  # the chosen plan's tokens/s over the best candidate's
 
 
-def label(plan: Plan) -> str:
-    return f"{plan.mode} {plan.tree_spec or 'plain'}"
-
-
 def check_class(engine: Engine, prompts, profile, precision: str, args, log: RecordLog, started: float,
                 measured_before: list) -> dict:
     """The class's planner run and candidate records, then its summary record. A run already measured is not run
@@ -67,8 +63,8 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
     in_budget = lambda: time.perf_counter() - started <= args.budget_s
     chosen = planner.plan(prompt_tokens, batch, DEFAULT_ACCEPTANCE)
     candidates = sorted(planner.candidates(prompt_tokens, batch, DEFAULT_ACCEPTANCE), key=lambda p: p.ms_per_token)
-    grid = sorted(label(plan) for plan in candidates)
-    planned = next((r for r in log.records if r["kind"] == "planner" and r["label"] == label(chosen)
+    grid = sorted(plan.label for plan in candidates)
+    planned = next((r for r in log.records if r["kind"] == "planner" and r["label"] == chosen.label
                     and (r["precision"] == precision or r.get("grid") == grid)), None)
     if planned is not None and planned["precision"] != precision:
         planned = reuse(log, planned, precision, chosen)
@@ -78,10 +74,10 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
         planned = measure(engine, prompts, options, "planner", chosen, precision, args, log, grid=grid)
     measured, left = [], 0
     for plan in candidates:
-        earlier = [r for r in log.records if r["kind"] == "candidate" and r["label"] == label(plan)]
+        earlier = [r for r in log.records if r["kind"] == "candidate" and r["label"] == plan.label]
         mine = next((r for r in earlier if r["precision"] == precision), None)
         other = next(iter(earlier), None) or next(
-            (r for r in measured_before if r["kind"] == "candidate" and r["label"] == label(plan)), None)
+            (r for r in measured_before if r["kind"] == "candidate" and r["label"] == plan.label), None)
         if mine is not None:
             measured.append(mine)
         elif other is not None:
@@ -94,7 +90,7 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
             measured.append(measure(engine, prompts, options, "candidate", plan, precision, args, log))
     summary = {"kind": "summary", "precision": precision, "batch": batch, "prompt_tokens": prompt_tokens,
                "candidates": len(candidates), "measured": len(measured), "left_by_budget": left,
-               "planner_measured": planned is not None, "chosen": label(chosen),
+               "planner_measured": planned is not None, "chosen": chosen.label,
                "chosen_tokens_per_s": planned and planned["decode_tokens_per_s"], "target": TARGET,
                "best": None, "best_tokens_per_s": None, "chosen_over_best": None, "met": None}
     if measured:
@@ -110,7 +106,7 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
 def measure(engine: Engine, prompts, options: GenerationOptions, kind: str, plan: Plan, precision: str, args,
             log: RecordLog, **extra) -> dict:
     record, _ = run(engine, prompts, options, args.repeats, phases=False)
-    record = {"kind": kind, "label": label(plan), "predicted_ms_per_token": plan.ms_per_token, **record,
+    record = {"kind": kind, "label": plan.label, "predicted_ms_per_token": plan.ms_per_token, **record,
               "precision": precision, **extra}
     add(log, record)
     return record
@@ -200,9 +196,9 @@ def read_check(path: Path, meta: dict, flag: str, same_profile: bool = True) -> 
             if record["kind"] != "summary":
                 record["label"], record["precision"], float(record["decode_tokens_per_s"])
         ignored = ("out", "tag") if same_profile else ("out", "tag", "ssv_profile")
+        where = ("ssv_profile_sha256", "device", "jax_version") if same_profile else ("device", "jax_version")
         differ = sorted(k for k, v in meta["args"].items() if k not in ignored and doc["args"].get(k) != v)
-        differ += [k for k in ("ssv_profile_sha256", "device", "jax_version")[0 if same_profile else 1:]
-                   if doc.get(k) != meta[k]]
+        differ += [k for k in where if doc.get(k) != meta[k]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"error: {flag} {path}: not a planner check's JSON ({type(e).__name__}: {e})") from None
     if differ:

@@ -88,19 +88,15 @@ def against_check(profile, classes, args) -> int:
     for precision in classes:
         planner = Planner(profile, precision, drafter)
         chosen = planner.plan(length, batch, args.acceptance)
-        label = lambda plan: f"{plan.mode} {plan.tree_spec or 'plain'}"  # noqa: E731  check_planner's labels
-        rows = [dict(label=label(c), predicted_ms_per_token=c.ms_per_token,
-                     measured_ms_per_token=measured.get((precision.name, label(c))))
+        rows = [{"label": c.label, **c.report(measured.get((precision.name, c.label)))}
                 for c in sorted(planner.candidates(length, batch, args.acceptance), key=lambda c: c.ms_per_token)]
         for row in rows:
-            row["predicted_over_measured"] = (row["measured_ms_per_token"] and
-                                              row["predicted_ms_per_token"] / row["measured_ms_per_token"])
             print(f"{precision.name:11s} {row['label']:14s} predicted {row['predicted_ms_per_token']:7.3f}  measured "
-                  + (f"{row['measured_ms_per_token']:7.3f}  ratio {row['predicted_over_measured']:.2f}"
-                     if row["measured_ms_per_token"] else "      -"))
-        timed = [r["measured_ms_per_token"] for r in rows if r["measured_ms_per_token"]]
-        mine = measured.get((precision.name, label(chosen)))
-        record = dict(precision=precision.name, prompt_tokens=length, batch=batch, chosen=label(chosen),
+                  + (f"{row['measured_ms_per_token']:7.3f}  measured / predicted {row['measured_over_predicted']:.2f}"
+                     if "measured_ms_per_token" in row else "      -"))
+        timed = [r["measured_ms_per_token"] for r in rows if "measured_ms_per_token" in r]
+        mine = measured.get((precision.name, chosen.label))
+        record = dict(precision=precision.name, prompt_tokens=length, batch=batch, chosen=chosen.label,
                       candidates=rows, measured=len(timed),
                       chosen_over_best=mine and min(timed) / mine)
         records.append(record)

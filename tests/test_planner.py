@@ -210,8 +210,8 @@ def test_plan_ssv_sets_a_profiles_predictions_beside_a_checks_measurements(tmp_p
     (saved,) = tmp_path.glob("ssv-plans-against-*.json")
     exact, approximate = json.loads(saved.read_text())["comparisons"]
     assert exact["chosen"] == label(planner.plan(length, batch, DEFAULT_ACCEPTANCE)) and exact["measured"] == len(plans)
-    ratios = {r["label"]: r["predicted_over_measured"] for r in exact["candidates"]}
-    assert ratios == pytest.approx({label(c): 0.5 * (10 if c is fast else 1) for c in plans})
+    ratios = {r["label"]: r["measured_over_predicted"] for r in exact["candidates"]}
+    assert ratios == pytest.approx({label(c): 2 / (10 if c is fast else 1) for c in plans})
     chosen_ms = 2 * planner.plan(length, batch, DEFAULT_ACCEPTANCE).ms_per_token
     assert 2 * fast.ms_per_token / 10 < chosen_ms  # so the dearest-predicted plan is the best measured
     assert exact["chosen_over_best"] == pytest.approx(2 * fast.ms_per_token / 10 / chosen_ms)

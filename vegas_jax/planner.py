@@ -200,6 +200,11 @@ class Plan:
         """The tree as --draft-tree spells it ("DEPTHxBRANCHING"), None for plain decoding."""
         return None if self.tree is None else f"{self.tree[0]}x{self.tree[1]}"
 
+    @property
+    def label(self) -> str:
+        """The plan in a few words, "<mode> <DEPTHxBRANCHING | plain>": how the benchmarks file its runs."""
+        return f"{self.mode} {self.tree_spec or 'plain'}"
+
     def report(self, measured_ms_per_token: float | None = None) -> dict:
         """The choice and its predicted time per token (and the measured one, and their ratio, when given)."""
         doc = {"mode": self.mode, "tree": self.tree_spec,
