@@ -42,7 +42,7 @@ from benchmarks.prompt_splits import PromptSet, split_prompts  # noqa: E402
 from benchmarks.suite_presets import (  # noqa: E402
     ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, Preset, describe_costs, run_s,
 )
-from benchmarks.suite_records import RecordLog, record_key  # noqa: E402
+from benchmarks.suite_records import RecordLog, key_fields_differing, record_key  # noqa: E402
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
 
 STAGES = ("tune", "heldout", "serve", "scale", "peer")
@@ -106,7 +106,7 @@ class Session:
     starts JAX on the GPU, whose allocator would take most of its memory). `dtype` "auto" is resolved when the
     model loads (bfloat16 on GPU, float32 on CPU)."""
 
-    def __init__(self, preset: Preset, log: RecordLog, budget_s: float, model_path: str, dtype: str):
+    def __init__(self, preset: Preset, log: RecordLog, budget_s: float, model_path: str | None, dtype: str):
         self.preset, self.log, self.budget_s = preset, log, budget_s
         self.model_path, self.dtype = model_path, dtype
         self.started = time.perf_counter()
@@ -195,6 +195,12 @@ class Session:
         result = run()
         # What the measurement says of itself (the peer's device, the scale runs' dtype) wins over the session's.
         record = {**self.provenance(result), **fields, **result, "seconds": time.perf_counter() - t0}
+        # A result that changed a key field would be filed under another key than the one looked up above, and
+        # every later call would measure it again instead of resuming.
+        changed = key_fields_differing(record, {**self._provenance, **fields})
+        if changed:
+            raise ValueError(f"{what}: its result sets {', '.join(changed)}, which key its record: put them in the "
+                             f"fields it is measured under")
         self.log.append(record)
         shown = {k: record.get(k) for k in ("decode_tokens_per_s", "tau", "ms_per_iteration", "roofline_fraction")
                  if record.get(k) is not None}
@@ -513,7 +519,8 @@ def main(argv=None) -> int:
         return 0
     from vegas_jax.loading.gguf import embedded_smollm2_path
 
-    model_path = args.model or str(embedded_smollm2_path())
+    # The scale stage builds random weights of its own shapes: only the other stages need the GGUF.
+    model_path = args.model or (str(embedded_smollm2_path()) if set(stages) - {"scale"} else None)
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
     log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None)

@@ -32,6 +32,11 @@ def record_key(record: dict) -> str:
     return json.dumps([_canonical(record.get(field)) for field in KEY_FIELDS])
 
 
+def key_fields_differing(a: dict, b: dict) -> list[str]:
+    """The key fields on which two records differ (none: record_key(a) == record_key(b))."""
+    return [f for f in KEY_FIELDS if _canonical(a.get(f)) != _canonical(b.get(f))]
+
+
 class RecordLog:
     """Records in a JSON Lines file, read at creation; `append` writes one and copies the log to `mirror` (the
     device tool's $OUT, so that what a call measured comes back even if a later one is cut short)."""

@@ -134,7 +134,7 @@ def _profile(decode, state, limit: int, everyone) -> tuple[object, dict]:
 
 def time_iterations(engine, batch: int, context: int, method: str, iterations: int) -> dict:
     """ms per iteration of `method` (a plain step for ar) on a random cache of `context` rows, and its profile."""
-    gamma = 0 if method == "ar" else GenerationOptions.gamma
+    gamma, sparse_ratio = scale_cell(method)
     max_new = (1 + WARMUP_ITERATIONS + iterations + PROFILED_ITERATIONS) * (gamma + 1) + 1
     options = GenerationOptions(method=method, max_new_tokens=max_new, max_model_len=context)
     prompts = [[1] * (context - max_new)] * batch
@@ -156,7 +156,7 @@ def time_iterations(engine, batch: int, context: int, method: str, iterations: i
         "iterations": ran,
         "length": context - max_new,
         "gamma": gamma,
-        "sparse_ratio": options.sparse_ratio if gamma else None,
+        "sparse_ratio": sparse_ratio,
         "draft_budget_tokens": budget,
         "compile_s": started.timings["compile_s"],
         "profile": profile,
@@ -198,8 +198,14 @@ def run_scale(session, preset: Preset) -> None:
 
 
 def _fields(model: str, context: int, batch: int, method: str) -> dict:
+    gamma, sparse_ratio = scale_cell(method)
     return {"stage": "scale", "model": model, "context": context, "batch": batch, "method": method,
-            "weights": "random", "dtype": "bfloat16"}
+            "gamma": gamma, "sparse_ratio": sparse_ratio, "weights": "random", "dtype": "bfloat16"}
+
+
+def scale_cell(method: str) -> tuple[int, float | None]:
+    """(γ, sparse ratio) a scale case runs at: plain decoding's, or the engine's defaults."""
+    return (0, None) if method == "ar" else (GenerationOptions.gamma, GenerationOptions.sparse_ratio)
 
 
 def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, method, iterations) -> dict:

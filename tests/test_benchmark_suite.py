@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import report, suite
+from benchmarks import report, suite, suite_scale
 from benchmarks import suite_tables as tables
 from benchmarks.prompt_splits import chat_frame, heldout_files, split_files, split_prompts, stdlib_root
 from benchmarks.prompts import QUESTION, stdlib_files
 from benchmarks.suite_presets import PRESETS, Preset, ServeCase
-from benchmarks.suite_records import RecordLog, read_records, record_key
+from benchmarks.suite_records import RecordLog, key_fields_differing, read_records, record_key
 from benchmarks.random_model import random_cache_rows
 from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterations
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
@@ -303,6 +303,19 @@ def test_the_scale_stage_times_the_iterations_it_asked_for(method):
     assert gamma == (0 if method == "ar" else GenerationOptions.gamma)
     assert 0 < timing["length"] and timing["length"] + timing["iterations"] * (gamma + 1) < 256
     assert (timing["draft_budget_tokens"] > 0) == (method != "ar")
+    # What the timing says of its cell is what the case's record is keyed by, so a resumed call finds the record.
+    fields = suite_scale._fields("tiny", 256, 2, method)
+    assert key_fields_differing({**fields, **timing}, fields) == []
+
+
+def test_a_result_that_changes_its_records_key_is_refused(stage_session):
+    """Filed under another key than the one looked up, the record would be measured again by every resumed call."""
+    fields = {"stage": "scale", "model": "none", "method": "vegas", "batch": 1, "context": 256}
+    with pytest.raises(ValueError, match="sets gamma, sparse_ratio"):
+        stage_session.measure(fields, 1.0, lambda: {"gamma": 6, "sparse_ratio": 0.07, "ms_per_iteration": 1.0})
+    record = stage_session.measure({**fields, "gamma": 6, "sparse_ratio": 0.07}, 1.0,
+                                   lambda: {"gamma": 6, "sparse_ratio": 0.07, "ms_per_iteration": 1.0})
+    assert stage_session.measure({**fields, "gamma": 6, "sparse_ratio": 0.07}, 1.0, pytest.fail) is record
 
 
 # ---- the report --------------------------------------------------------------------------------------------
