@@ -66,9 +66,10 @@ def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
 def random_cache_rows(cache):
     """Engine.start's fill_cache for timing: every float array of the cache standard normal (what prefill would
     leave, for the cost of reading it), index arrays kept. The generator is XLA's RngBitGenerator: threefry over an
-    8B model's 32K-row cache took minutes to compile on the H200. One array at a time, each donated: filling the
-    whole cache in one program held a cache-sized temporary (81 GiB peak for 48 GiB of data at Llama-3.1-8B
-    shapes, batch 8 x 32K on the H200), so batch 16 x 32K and batch 4 x 128K ran out of memory."""
+    8B model's 32K-row cache took minutes to compile on the H200. Each array is written over in place: jit drops
+    an argument its result does not read, and with it the donation, so the filled cache used to be a second copy
+    beside the zeroed one the engine still held (81 GiB peak for 48 GiB of data at Llama-3.1-8B shapes, batch
+    8 x 32K, on the H200), and batch 16 x 32K and batch 4 x 128K ran out of memory."""
     leaves, tree = jax.tree.flatten(cache)
     keys = jax.random.split(jax.random.key(0, impl="unsafe_rbg"), len(leaves))
     return jax.tree.unflatten(tree, [_normal_in_place(k, x) if jnp.issubdtype(x.dtype, jnp.floating) else x
@@ -81,6 +82,7 @@ def _normal_in_place(key, x):
 
 @functools.lru_cache(maxsize=None)
 def _normal_filler(sharding):
-    """x's shape of standard normals, written over x (donated) and laid out as x was: one program per layout,
-    compiled once per shape."""
-    return jax.jit(lambda key, x: jax.random.normal(key, x.shape, x.dtype), donate_argnums=1, out_shardings=sharding)
+    """x's shape of standard normals, written over x (donated, and kept although unread, so that the donation
+    holds) and laid out as x was: one program per layout, compiled once per shape."""
+    return jax.jit(lambda key, x: jax.random.normal(key, x.shape, x.dtype), donate_argnums=1, keep_unused=True,
+                   out_shardings=sharding)

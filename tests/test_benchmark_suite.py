@@ -293,6 +293,19 @@ def test_a_start_with_fill_cache_decodes_from_the_filled_cache_without_prefill()
     assert float(jnp.abs(filled.k[0]).min()) > 0  # random rows, not the zeros prefill would have replaced
 
 
+def test_random_cache_rows_writes_over_the_cache_it_is_given():
+    """The fill takes each float array's buffer for its own result (donated and aliased), so a filled cache costs
+    no second copy of the cache; the index arrays are kept as they are."""
+    cache = tiny_engine(layers=2).start(prompts((40,), 64), dataclasses.replace(GREEDY, max_new_tokens=2)).state.cache
+    leaves = jax.tree.leaves(cache)
+    floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+    kept = [x for x in leaves if not jnp.issubdtype(x.dtype, jnp.floating)]
+    filled = random_cache_rows(cache)
+    assert floats and all(x.is_deleted() for x in floats)
+    assert all(not x.is_deleted() for x in kept)
+    assert all(float(jnp.abs(x).min()) > 0 for x in jax.tree.leaves(filled) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
 @pytest.mark.parametrize("method", ["ar", "vegas"])
 def test_the_scale_stage_times_the_iterations_it_asked_for(method):
     """The scale stage's timing drives the compiled loop as the engine compiled it (its arguments, the draft
