@@ -245,7 +245,9 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
                           "read, weights and every cached row, over the read bandwidth measured in the same "
                           "process: records before 2026-12-02 a jnp.sum over 4 GiB, which the GEMM and attention "
                           "kernels beat, hence fractions over 100 %; since then the faster of that sum and a "
-                          "matrix-vector product over the same bytes)",
+                          "matrix-vector product over the same bytes, each a lone call timed by wall time, which "
+                          "still left some over 100 %; records with `bandwidth_timer` time them as GPU kernel "
+                          "time)",
                           scale_table(records, records if t.heldout_rows(records) else legacy)),
                          ("Peer: transformers `generate`, static cache, SDPA, same GGUF and prompts", peer_table(records))):
         out += [f"{title}:", "", table or "not yet measured", ""]
