@@ -45,6 +45,8 @@ from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.tree import parse_tree  # noqa: E402
 
 _KINDS = (
+    # NCCL's kernels (a mesh's reductions): before "gemm", which their names can match.
+    ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter", re.I)),
     # The names pallas_kernels gives its pallas_calls.
     ("pallas", re.compile(r"sparse_decode_attention|verify_attention|count_at_least|compact_selected|weight_only|nsa_|"
                           r"tree_attention|split_selected")),

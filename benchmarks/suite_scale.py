@@ -143,6 +143,7 @@ def time_iterations(engine, batch: int, context: int, method: str, iterations: i
     options = GenerationOptions(method=method, max_new_tokens=max_new, max_model_len=context)
     prompts = [[1] * (context - max_new)] * batch
     started = engine.start(prompts, options, fill_cache=random_cache_rows)
+    held = bytes_in_use_per_device()  # the parameters and the run's state: what the run holds on each device
     params, draft, everyone = engine.model.params, started.draft_params, jnp.int32(batch)
     state = started.decode(params, draft, started.state, jnp.int32(WARMUP_ITERATIONS), everyone)
     jax.block_until_ready(state.output)
@@ -163,8 +164,15 @@ def time_iterations(engine, batch: int, context: int, method: str, iterations: i
         "sparse_ratio": sparse_ratio,
         "draft_budget_tokens": budget,
         "compile_s": started.timings["compile_s"],
+        "bytes_in_use_per_device": held,
         "profile": profile,
     }
+
+
+def bytes_in_use_per_device() -> list[int] | None:
+    """Bytes each local device holds now (None where the backend keeps no statistics, as a CPU's)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    return None if any(s is None for s in stats) else [int(s["bytes_in_use"]) for s in stats]
 
 
 def fits(engine, batch: int, context: int, method: str) -> str | None:

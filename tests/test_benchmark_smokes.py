@@ -263,3 +263,36 @@ def test_check_planner(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--measured .*other arguments"):
         importlib.import_module("benchmarks.check_planner").main(
             ["--smoke", *other[:3], "3", *other[4:], "--measured", str(path)])
+
+
+def test_bench_mesh(tmp_path):
+    """On two CPU devices (its own process: the suite's sees one): one device, model=2 and data=2 timed, the
+    score reduction timed where there is a model axis, data=2's greedy Vegas equal to one device's; a mesh that
+    does not cover the devices is one error line naming --meshes."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", OUT="")
+    script = [sys.executable, str(RESULTS.parent / "bench_mesh.py")]
+    bad = subprocess.run([*script, "--meshes", "data=4"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --meshes: mesh data=4,model=1: 4 devices, but 2 are available (cpu)"]
+    run = subprocess.run([*script, "--smoke", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (saved,) = tmp_path.glob("mesh-*-smoke.json")
+    doc = json.loads(saved.read_text())
+    assert doc["complete"] is True and doc["devices"] == 2 and doc["device"] == "cpu"
+    timing = [r for r in doc["records"] if r["part"] == "timing"]
+    assert {(r["mesh"], r["method"]) for r in timing} == {(m, k) for m in ("one", "model=2", "data=2")
+                                                         for k in ("ar", "vegas")}
+    for r in timing:
+        has_fields(r, "mesh", "gpus", "model", "batch", "context", "method", "projected")
+        finite_positive(r, "ms_per_iteration", "plain_ms_per_step", "decode_tokens_per_s", "planned_bytes_per_gpu")
+        assert r["projected"] == (r["method"] == "vegas") and r["gpus"] == (1 if r["mesh"] == "one" else 2)
+        assert (r["speedup_vs_one_gpu"] is None) == (r["mesh"] == "one")
+        assert ("score_reduction_ms" in r) == (r["method"] == "vegas")
+        assert (r.get("score_reduction_ms", 0) > 0) == (r["mesh"] == "model=2" and r["method"] == "vegas")
+    (identity,) = [r for r in doc["records"] if r["part"] == "identity"]
+    assert identity["mesh"] == "data=2" and identity["identical"] == [True] * identity["batch"]
