@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from vegas_jax.engine import METHOD_KNOBS, GenerationOptions
+from vegas_jax.options import METHOD_KNOBS, GenerationOptions
 
 DEFAULT_GAMMA = GenerationOptions.gamma
 DEFAULT_RATIO = GenerationOptions.sparse_ratio

@@ -21,13 +21,13 @@ from pathlib import Path
 from vegas_jax import inputs, stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
 from vegas_jax.engine import (
-    METHODS,
     Engine,
     GenerationOptions,
     GenerationResult,
     InputError,
     check_serving,
 )
+from vegas_jax.options import METHODS
 
 DTYPES = ("auto", "bfloat16", "float32")
 # Decode runs in device calls of about this long (Engine.stream's seconds_per_call): a SIGINT is answered, and

@@ -30,6 +30,7 @@ from models.logical_axes import BATCH, Axes, axes_of
 from vegas_jax import inputs
 from vegas_jax.attention.family import family_of
 from vegas_jax.inputs import InputError
+from vegas_jax.options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 # Each chunk's logits, their log-softmax and a temporary of XLA's: the chunk shrinks so that these stay under this
 # many bytes (float32 [rows, chunk, vocabulary], three of them) whatever the batch and vocabulary.
 SCORE_LOGIT_BYTES = 2**31
-CAPACITY_ALIGN = 128
 TOKEN_AXES = Axes(BATCH, None)  # every [rows, chunk] array of a scoring step
 
 
