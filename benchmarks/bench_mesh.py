@@ -123,20 +123,18 @@ def identity_part(args, log: RecordLog) -> None:
     from vegas_jax.loading import load_model
 
     if args.smoke:
-        base = random_model(SHAPES["tiny"], jnp.float32)
+        single, source = random_model(SHAPES["tiny"], jnp.float32), "tiny (random weights, smoke)"
         rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, base.config.vocab_size, args.real_prompt_tokens).tolist()
+        prompts = [rng.integers(0, single.config.vocab_size, args.real_prompt_tokens).tolist()
                    for _ in range(args.real_prompts)]
-        loaded, source = (lambda mesh: base if mesh is None else base.on_mesh(mesh)), "tiny (random weights, smoke)"
     else:
-        loaded = lambda mesh: load_model(args.real_model, jnp.float32, mesh)  # noqa: E731
-        source = f"{Path(args.real_model).name} (float32)"
-        prompts = split_prompts(loaded(None).tokenizer, "heldout", args.real_prompts, args.real_prompt_tokens).prompts
+        single, source = load_model(args.real_model, jnp.float32), f"{Path(args.real_model).name} (float32)"
+        prompts = split_prompts(single.tokenizer, "heldout", args.real_prompts, args.real_prompt_tokens).prompts
     options = GenerationOptions(method="vegas", max_new_tokens=args.real_new_tokens,
                                 max_model_len=args.real_prompt_tokens + args.real_new_tokens)
-    one = [r.tokens for r in Engine(loaded(None)).generate(prompts, options).requests]
+    one = [r.tokens for r in Engine(single).generate(prompts, options).requests]
     for name in (m for m in args.meshes if parse_mesh(m)[DATA] > 1):
-        tokens = [r.tokens for r in Engine(loaded(mesh_of(name))).generate(prompts, options).requests]
+        tokens = [r.tokens for r in Engine(single.on_mesh(mesh_of(name))).generate(prompts, options).requests]
         parted = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else
                        min(len(x), len(y))) for x, y in zip(one, tokens)]
         log.add({"part": "identity", "mesh": name, "gpus": gpus_of(mesh_of(name)), "model": source, "method": "vegas",
