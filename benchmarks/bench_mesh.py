@@ -18,7 +18,8 @@ Identity (--real-model, the GGUF in float32): greedy Vegas on each mesh with a d
 --real-prompts held-out prompts of --real-prompt-tokens tokens (benchmarks/prompt_splits.py): the tokens must be
 the same, each request's first differing position is recorded otherwise.
 
-Records carry mesh ("one", "model=2", ...), gpus, model, batch, context, method, decode_tokens_per_s. Saved after
+Records carry mesh ("one", "model=2", ...), gpus, model, batch, context, method, decode_tokens_per_s. No
+configuration starts after --budget-s seconds (default 480: the device tool ends a command at 10 minutes). Saved after
 every record (benchmarks/results/mesh-<date>[-tag].json, or --out, and $OUT; --smoke: --out and $OUT only). A
 table is printed at the end. --smoke: tiny random shapes in float32 on the CPU's devices (it needs two:
 XLA_FLAGS above), meshes model=2 and data=2, identity on the tiny model's random prompts.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -73,6 +75,11 @@ def score_reduction_ms(mesh, layers: int, batch: int, capacity: int) -> float:
     return 1e3 * gpu_seconds(mean, partials) / (gpus_of(mesh) if jax.default_backend() == "gpu" else 1)
 
 
+def over_budget(args) -> bool:
+    """Past --budget-s: no configuration starts (the device tool ends a command at 10 minutes)."""
+    return time.perf_counter() - args.started > args.budget_s
+
+
 def timing_part(args, log: RecordLog) -> None:
     config = SHAPES[args.shapes]
     base = random_model(config, args.dtype)
@@ -82,6 +89,8 @@ def timing_part(args, log: RecordLog) -> None:
         for batch in args.batches:
             plain_ms = None
             for method in METHODS:
+                if over_budget(args):
+                    return
                 record = {"part": "timing", "mesh": name, "gpus": gpus_of(mesh), "model": args.shapes,
                           "weights": "random", "batch": batch, "context": args.context, "method": method}
                 options = GenerationOptions(method=method, max_new_tokens=64, max_model_len=args.context)
@@ -134,6 +143,8 @@ def identity_part(args, log: RecordLog) -> None:
                                 max_model_len=args.real_prompt_tokens + args.real_new_tokens)
     one = [r.tokens for r in Engine(single).generate(prompts, options).requests]
     for name in (m for m in args.meshes if parse_mesh(m)[DATA] > 1):
+        if over_budget(args):
+            return
         tokens = [r.tokens for r in Engine(single.on_mesh(mesh_of(name))).generate(prompts, options).requests]
         parted = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else
                        min(len(x), len(y))) for x, y in zip(one, tokens)]
@@ -171,10 +182,12 @@ def main(argv=None) -> int:
     p.add_argument("--real-prompts", type=int, default=8)
     p.add_argument("--real-prompt-tokens", default=4096, type=token_count)
     p.add_argument("--real-new-tokens", type=int, default=64)
+    p.add_argument("--budget-s", type=float, default=480.0, help="start no configuration after this many seconds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in float32 on a CPU with two devices")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    args.started = time.perf_counter()
     args.meshes = [m.strip() for m in args.meshes.split(";") if m.strip()]
     try:
         for name in args.meshes:
@@ -190,11 +203,13 @@ def main(argv=None) -> int:
     name = f"mesh-{date}{'-' + args.tag if args.tag else ''}{'-smoke' if args.smoke else ''}.json"
     log = RecordLog(run_metadata(devices=jax.device_count(), smoke=args.smoke), name,
                     args.out or (None if args.smoke else RESULTS))
-    timing_part(args, log)
-    if args.real_model or args.smoke:
+    if args.real_model or args.smoke:  # first: a correctness check of a minute, before the budget goes to timing
         identity_part(args, log)
-    log.finish()
+    timing_part(args, log)
+    log.finish(complete=not over_budget(args))
     print_table(log.records)
+    if over_budget(args):
+        print(f"stopped by --budget-s {args.budget_s:g}: the document says \"complete\": false")
     return 0
 
 

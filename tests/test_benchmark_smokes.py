@@ -296,3 +296,10 @@ def test_bench_mesh(tmp_path):
         assert (r.get("score_reduction_ms", 0) > 0) == (r["mesh"] == "model=2" and r["method"] == "vegas")
     (identity,) = [r for r in doc["records"] if r["part"] == "identity"]
     assert identity["mesh"] == "data=2" and identity["identical"] == [True] * identity["batch"]
+    # Past its budget it starts nothing more and says the document is incomplete.
+    cut = subprocess.run([*script, "--smoke", "--budget-s", "0", "--out", str(tmp_path / "cut")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    (saved,) = (tmp_path / "cut").glob("mesh-*-smoke.json")
+    assert json.loads(saved.read_text()) | {"date": None, "command": None} == {
+        **doc, "records": [], "complete": False, "date": None, "command": None}
