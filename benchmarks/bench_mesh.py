@@ -62,6 +62,12 @@ def gpus_of(mesh) -> int:
     return 1 if mesh is None else mesh.devices.size
 
 
+def per_gpu(gpu_ms: float, mesh) -> float:
+    """GPU time summed over a mesh's GPUs (the profiler's, which sees each GPU's kernels) as one GPU's share; on a
+    CPU, timings are wall time already."""
+    return gpu_ms / gpus_of(mesh) if jax.default_backend() == "gpu" else gpu_ms
+
+
 def score_reduction_ms(mesh, layers: int, batch: int, capacity: int) -> float:
     """GPU ms of one mean across `model` of every layer's scores, float32 [layers, batch, capacity] split over
     `data` (Placement.mean_over_model's collective), per GPU. 0 without a model axis."""
@@ -72,7 +78,7 @@ def score_reduction_ms(mesh, layers: int, batch: int, capacity: int) -> float:
     partials = jax.device_put(jnp.ones((model, layers, batch, capacity), jnp.float32), NamedSharding(mesh, spec))
     mean = jax.jit(jax.shard_map(lambda s: jax.lax.psum(s, MODEL) / model, mesh=mesh, in_specs=spec,
                                  out_specs=PartitionSpec(None, None, DATA, None)))
-    return 1e3 * gpu_seconds(mean, partials) / (gpus_of(mesh) if jax.default_backend() == "gpu" else 1)
+    return per_gpu(1e3 * gpu_seconds(mean, partials), mesh)
 
 
 def over_budget(args) -> bool:
@@ -113,8 +119,7 @@ def timing_part(args, log: RecordLog) -> None:
                     decode_tokens_per_s=batch * tau / (ms / 1e3), projected=method != "ar",
                     tau_assumed=None if method == "ar" else tau,
                     speedup_vs_one_gpu=one[0]["ms_per_iteration"] / ms if one else None,
-                    collective_ms_per_iteration_per_gpu=collective / (gpus_of(mesh) if jax.default_backend() == "gpu"
-                                                                     else 1),
+                    collective_ms_per_iteration_per_gpu=per_gpu(collective, mesh),
                     planned_bytes_per_gpu=plan["bytes_per_device"]["total"],
                     **{k: timing[k] for k in ("iterations", "length", "gamma", "sparse_ratio", "draft_budget_tokens",
                                              "bytes_in_use_per_device", "compile_s", "profile")})
@@ -145,10 +150,11 @@ def identity_part(args, log: RecordLog) -> None:
     for name in (m for m in args.meshes if parse_mesh(m)[DATA] > 1):
         if over_budget(args):
             return
-        tokens = [r.tokens for r in Engine(single.on_mesh(mesh_of(name))).generate(prompts, options).requests]
+        mesh = mesh_of(name)
+        tokens = [r.tokens for r in Engine(single.on_mesh(mesh)).generate(prompts, options).requests]
         parted = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else
                        min(len(x), len(y))) for x, y in zip(one, tokens)]
-        log.add({"part": "identity", "mesh": name, "gpus": gpus_of(mesh_of(name)), "model": source, "method": "vegas",
+        log.add({"part": "identity", "mesh": name, "gpus": gpus_of(mesh), "model": source, "method": "vegas",
                  "batch": len(prompts), "prompt_tokens": args.real_prompt_tokens, "new_tokens": args.real_new_tokens,
                  "dtype": "float32", "identical": [p is None for p in parted], "first_difference": parted})
         print(f"{name}: {sum(p is None for p in parted)} of {len(parted)} requests identical to one GPU", flush=True)
