@@ -1,12 +1,14 @@
 """Weight-only quantized GEMMs at decode shapes: bf16 weights, XLA's int8 / int4 path (convert then dot, scale
 after), and the Pallas kernel (pallas_kernels/weight_only_matmul.py) over its block sizes.
 
-    python benchmarks/bench_weight_only.py [--rows 1,8,16,64] [--shapes llama8b] [--smoke]
+    python benchmarks/bench_weight_only.py [--rows 1,8,16,64] [--shapes llama8b] [--integer-dot] [--smoke]
 
 Each measurement chains one matmul per layer through `layers` distinct weights inside one jitted program (the
 weights together exceed the L2 cache, and the per-call dispatch cost is spread over the chain, as in a decode
 step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
-second against a device copy measured in the same run. Prints a table; writes JSON to $OUT (or --out).
+second against a device copy measured in the same run. --integer-dot adds, for int8 at one row, the kernel's
+integer path (backend "pallas-integer": x quantized to int8, PTX dp4a), an approximation of the product that a
+draft could use. Prints a table; writes JSON to $OUT (or --out).
 
 Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
 CUPTI), and JAX must not preallocate the GPU's memory (ncu saves and restores all of it around each replay):
@@ -107,13 +109,16 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=128, help="int4 scale group along K (int8: per output channel)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--integer-dot", action="store_true",
+                   help="int8 at one row: also x quantized per --x-group and multiplied in integers (dp4a)")
+    p.add_argument("--x-group", type=int, default=128, help="--integer-dot: x's quantization group along K")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--ncu", action="store_true", help="each configuration once, one layer, no profiler trace")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
-        args.rows, args.blocks, args.layers, args.repeats = "8", "64x64", 2, 1
+        args.rows, args.blocks, args.layers, args.repeats = ("1" if args.integer_dot else "8"), "64x64", 2, 1
     if args.ncu:
         args.layers, args.repeats = 1, 1
     interpret = args.smoke
@@ -141,6 +146,10 @@ def main(argv=None) -> int:
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
                                            num_warps=warps, num_stages=stages, interpret=interpret)
                     variants.append((f"int{bits}", "pallas", bits, fn, w, f"{bk}x{bn}/w{warps}s{stages}"))
+                    if args.integer_dot and bits == 8 and m == 1 and args.x_group % bk == 0:
+                        variants.append((f"int{bits}", "pallas-integer", bits,
+                                         functools.partial(fn, integer_dot=True, x_group=args.x_group), w,
+                                         f"{bk}x{bn}/w{warps}s{stages}"))
             for weights_kind, backend, bits, fn, w, config in variants:
                 record = {"matrix": name, "k": k, "n": n, "rows": m, "weights": weights_kind, "backend": backend,
                           "config": config, "weight_bytes": k * n * bits // 8}

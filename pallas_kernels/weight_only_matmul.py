@@ -15,7 +15,9 @@ XLA keeps the int → bf16 convert out of its GEMMs at these shapes and reads no
 (split-K, so that narrow matrices still occupy every SM); a K block lies inside one scale group, so a block's
 partial product is scaled once: x_blk @ (q_blk * s + o) = (x_blk @ q_blk) * s + rowsum(x_blk) * o. The
 split partials are summed in float32 outside the kernel. Three kernels share that scheme (`_layout`): one row of x
-without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot with the weight tile second.
+without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot with the weight tile second. A fourth,
+asked for by `integer_dot`, multiplies int8 codes by one row of x quantized to int8, in integers (PTX dp4a): an
+approximation of the product (x's quantization error, about 1 % of the output), for drafts, not yet their default.
 """
 
 from __future__ import annotations
@@ -134,6 +136,59 @@ def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bit
     o_ref[...] = (jnp.sum(acc, axis=0) + offsets)[None, :]
 
 
+def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, o_ref, *, group: int, x_group: int, block_k: int,
+                                blocks_per_split: int, interpret: bool):
+    """int8 codes times one row of x in integers: x quantized to int8 per `x_group` positions along K (xw_ref
+    [1, K / 4] int32, four consecutive codes a word, byte j holding position 4r + j; xs_ref [1, K / x_group] their
+    scales), and each program's weight rows gathered four at a time (rows k0 + j, k0 + 4 + j, ... by strided loads)
+    into words of the same layout, so that PTX dp4a sums four byte products an instruction into an int32. A K block
+    lies in one weight group and one x group: its integer sums are scaled once per column. The weight's storage is
+    unchanged. Tried against the float vector kernel on the H200 with words stored ahead (2026-12-02,
+    benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster; this form, which builds the
+    words in the kernel, is measured by benchmarks/bench_weight_only.py --integer-dot."""
+    split = pl.program_id(1)
+    dot4 = _dp4a_emulated if interpret else _dp4a
+    words_per_block = block_k // 4
+
+    def body(i, acc):
+        k0 = (split * blocks_per_split + i) * block_k
+        words = jnp.zeros((words_per_block, o_ref.shape[1]), jnp.int32)
+        for j in range(4):
+            codes = q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32)
+            words = words | ((codes & 0xFF) << (8 * j))
+        x_words = jnp.broadcast_to(xw_ref[0, pl.ds(k0 // 4, words_per_block)][:, None], words.shape)
+        sums = jnp.sum(dot4(words, x_words, jnp.zeros_like(words)), axis=0)
+        return acc + sums.astype(jnp.float32) * (xs_ref[0, k0 // x_group] * scale_ref[k0 // group, :].astype(jnp.float32))
+
+    o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((o_ref.shape[1],), jnp.float32))[None, :]
+
+
+def _dp4a(a, b, c):
+    """c + the four signed byte products of int32 words a and b, summed: PTX dp4a.s32.s32, one instruction."""
+    (out,) = plt.elementwise_inline_asm("dp4a.s32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
+                                        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return out
+
+
+def _dp4a_emulated(a, b, c):
+    """_dp4a in integer arithmetic (interpret mode has no PTX): byte j sign-extended by shifting it to the top."""
+    for j in range(4):
+        c = c + ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+    return c
+
+
+def quantize_rows_int8(x, x_group: int):
+    """x [M, K] -> (int32 [M, K / 4] of int8 codes, four consecutive positions a word, byte j holding position 4r + j;
+    float32 [M, K / x_group] scales): symmetric, code = round(x / scale), scale = max |x| / 127 per group."""
+    m, k = x.shape
+    grouped = x.astype(jnp.float32).reshape(m, k // x_group, x_group)
+    absmax = jnp.max(jnp.abs(grouped), axis=-1)
+    scales = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    codes = jnp.clip(jnp.round(grouped / scales[..., None]), -127, 127).astype(jnp.int32).reshape(m, k // 4, 4)
+    words = functools.reduce(jnp.bitwise_or, [(codes[..., j] & 0xFF) << (8 * j) for j in range(4)])
+    return words, scales
+
+
 def weight_only_swapped_kernel(xt_ref, q_ref, scale_ref, offset_ref, o_ref, *, group: int, block_k: int,
                                blocks_per_split: int):
     """int4 at a few rows: the product transposed, out^T [block_n, R] = w^T [block_n, K] @ x^T [K, R], so that the
@@ -173,13 +228,19 @@ def default_splits(column_blocks: int, k_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group", "block_k", "block_n", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "out_dtype"))
+                                             "num_stages", "interpret", "out_dtype", "integer_dot", "x_group"))
 def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block_k: int = 64, block_n: int = 128,
                        num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                       interpret: bool = False, out_dtype=None):
+                       interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
-    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None)."""
+    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (int8, one
+    row, no offset): x quantized to int8 per x_group positions and multiplied in integers
+    (weight_only_integer_kernel), an approximation of x @ w within x's quantization error."""
     m, k = x.shape
+    if integer_dot and (bits != 8 or m != 1 or offset is not None or k % x_group):
+        raise ValueError(f"integer_dot multiplies one row by symmetric int8 codes in x groups dividing K; got "
+                         f"{bits} bits, {m} rows, {'an' if offset is not None else 'no'} offset, K = {k}, "
+                         f"x_group {x_group}")
     rows_of_q = k if bits == 8 else k // 2
     if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
         raise ValueError(f"q {q.shape} ({q.dtype}) is not a {bits}-bit weight for K = {k}")
@@ -188,8 +249,10 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
                          f"[K / group, N] = [{k // group}, {n}]")
     rows_per_group = group if bits == 8 else group // 2  # rows of q under one scale
-    block_k = min(block_k, rows_per_group, rows_of_q)
+    block_k = min(block_k, rows_per_group, rows_of_q, x_group if integer_dot else rows_of_q)
     check_power_of_2("block_k", block_k, 16)
+    if integer_dot and x_group % block_k:
+        raise ValueError(f"x_group {x_group} does not tile into blocks of {block_k}")
     check_power_of_2("block_n", block_n, 16)
     if rows_per_group % block_k or rows_of_q % block_k or n % block_n:
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into blocks of {block_k} x {block_n}")
@@ -197,7 +260,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     splits = num_splits or default_splits(n // block_n, k_blocks)
     if k_blocks % splits:
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
-    layout = _layout(bits, x.dtype, m)
+    layout = "integer" if integer_dot else _layout(bits, x.dtype, m)
     blocks_per_split = k_blocks // splits
     column = lambda j, s: (0, j)
     in_specs = [pl.BlockSpec((rows_of_q, block_n), column), pl.BlockSpec((k // group, block_n), column)]
@@ -205,27 +268,32 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     if offset is not None:
         in_specs.append(pl.BlockSpec((k // group, block_n), column))
         args.append(offset)
-    if layout == "swapped":
-        xs = jnp.zeros((k, _MIN_ROWS), x.dtype).at[:, :m].set(x.T)
+    if layout == "integer":
+        xs = quantize_rows_int8(x, x_group)
+        kernel = functools.partial(weight_only_integer_kernel, group=group, x_group=x_group, block_k=block_k,
+                                   blocks_per_split=blocks_per_split, interpret=interpret)
+        out_block, out_index, out_shape = (None, 1, block_n), lambda j, s: (s, 0, j), (splits, 1, n)
+    elif layout == "swapped":
+        xs = (jnp.zeros((k, _MIN_ROWS), x.dtype).at[:, :m].set(x.T),)
         kernel = functools.partial(weight_only_swapped_kernel, group=group, block_k=block_k,
                                    blocks_per_split=blocks_per_split)
         out_block, out_index, out_shape = (None, block_n, _MIN_ROWS), lambda j, s: (s, j, 0), (splits, n, _MIN_ROWS)
     else:
         rows = 1 if layout == "vector" else max(_MIN_ROWS, next_power_of_2(m))
-        xs = x if layout == "vector" else jnp.zeros((rows, k), x.dtype).at[:m].set(x)
+        xs = (x if layout == "vector" else jnp.zeros((rows, k), x.dtype).at[:m].set(x),)
         body = weight_only_vector_kernel if layout == "vector" else weight_only_matmul_kernel
         kernel = functools.partial(body, bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
         out_block, out_index, out_shape = (None, rows, block_n), lambda j, s: (s, 0, j), (splits, rows, n)
     partial = pl.pallas_call(
-        kernel if offset is not None else _without_offset(kernel),
+        kernel if offset is not None or layout == "integer" else _without_offset(kernel),
         grid=(n // block_n, splits),
-        in_specs=[pl.BlockSpec(xs.shape, lambda j, s: (0, 0))] + in_specs,
+        in_specs=[pl.BlockSpec(a.shape, lambda j, s: (0, 0)) for a in xs] + in_specs,
         out_specs=pl.BlockSpec(out_block, out_index),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"weight_only_matmul_{layout}",
-    )(xs, *args)
+    )(*xs, *args)
     total = partial.sum(axis=0)
     return (total[:, :m].T if layout == "swapped" else total[:m]).astype(out_dtype or x.dtype)
 

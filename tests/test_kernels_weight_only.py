@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 from h200_lowering import lower_for_h200
-from pallas_kernels.weight_only_matmul import _layout, dequantize, weight_only_matmul, weight_only_matmul_reference
+from pallas_kernels.weight_only_matmul import (
+    _dp4a_emulated, _layout, dequantize, quantize_rows_int8, weight_only_matmul, weight_only_matmul_reference,
+)
 
 
 def numpy_weight(q, scale, offset, bits, group):
@@ -82,3 +84,67 @@ def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
                           spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
                           group=group)
     assert f"weight_only_matmul_{layout}" in text
+
+
+# ---- the integer dot (int8 codes, one row of x quantized to int8) --------------------------------------------
+
+
+def numpy_int8_rows(x, x_group):
+    """x's int8 codes and scales by the definition (symmetric, max |x| / 127 per group), float64."""
+    grouped = np.asarray(x, np.float64).reshape(x.shape[0], -1, x_group)
+    scales = np.abs(grouped).max(-1) / 127
+    scales = np.where(scales > 0, scales, 1.0)
+    codes = np.clip(np.round(grouped / scales[..., None]), -127, 127)
+    return codes.reshape(x.shape), scales
+
+
+def test_the_emulated_dp4a_sums_four_signed_byte_products(rng):
+    a, b, c = (rng.integers(-2**31, 2**31, 4096).astype(np.int32) for _ in range(3))
+    signed_bytes = lambda w: w.view(np.int8).reshape(-1, 4).astype(np.int64)  # little-endian: byte j of each word
+    expected = (c.astype(np.int64) + (signed_bytes(a) * signed_bytes(b)).sum(-1) + 2**31) % 2**32 - 2**31
+    np.testing.assert_array_equal(np.asarray(_dp4a_emulated(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))),
+                                  expected)
+
+
+@pytest.mark.parametrize("group,x_group,splits", [(256, 128, None), (256, 64, 2), (32, 64, 4)])
+def test_integer_dot_matches_float64_of_the_quantized_row(rng, group, x_group, splits):
+    """The kernel (interpret mode, dp4a emulated) against float64 numpy of the int8 row it defines: exact integer
+    sums, scaled once a block; and within x's quantization error of the exact product."""
+    k, n = 256, 64
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    x = rng.normal(size=(1, k)).astype(np.float32)
+    codes, scales = numpy_int8_rows(x, x_group)
+    words, got_scales = quantize_rows_int8(jnp.asarray(x), x_group)
+    np.testing.assert_allclose(np.asarray(got_scales), scales, rtol=1e-6)
+    unpacked = np.asarray(words).view(np.int8).reshape(1, k)  # byte j of word r is position 4r + j
+    np.testing.assert_array_equal(unpacked, codes)
+    w = numpy_weight(q, scale, None, 8, group)
+    x_rows = codes * np.repeat(scales, x_group, axis=1)
+    expected = x_rows @ w
+    got = np.asarray(weight_only_matmul(jnp.asarray(x), jnp.asarray(q), scale, bits=8, group=group, block_k=32,
+                                        block_n=32, num_splits=splits, interpret=True, integer_dot=True,
+                                        x_group=x_group), np.float64)
+    bound = 1e-5 * (np.abs(x_rows) @ np.abs(w))  # float32 scaling of exact integer sums
+    assert np.all(np.abs(got - expected) <= bound)
+    exact = np.asarray(x, np.float64) @ w
+    assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+def test_integer_dot_refuses_what_it_does_not_multiply():
+    x, q8, ones = jnp.ones((1, 128), jnp.float32), jnp.zeros((128, 32), jnp.int8), jnp.ones((1, 32))
+    for bad in [dict(x=jnp.ones((2, 128))), dict(bits=4, q=jnp.zeros((64, 32), jnp.uint8)), dict(offset=ones),
+                dict(x_group=96)]:
+        args = dict(x=x, q=q8, scale=ones, offset=None, bits=8, group=128) | bad
+        with pytest.raises(ValueError, match="integer_dot"):
+            weight_only_matmul(args.pop("x"), args.pop("q"), args.pop("scale"), args.pop("offset"), **args,
+                               integer_dot=True, interpret=True)
+
+
+def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
+    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up (int8 per output channel, one row)."""
+    k, n = 4096, 28672
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), spec((k, n), jnp.int8),
+                          spec((1, n), jnp.bfloat16), bits=8, group=k, block_k=32, block_n=256, integer_dot=True)
+    assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
