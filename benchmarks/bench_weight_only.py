@@ -7,8 +7,8 @@ Each measurement chains one matmul per layer through `layers` distinct weights i
 weights together exceed the L2 cache, and the per-call dispatch cost is spread over the chain, as in a decode
 step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
 second against a device copy measured in the same run. --integer-dot adds, for int8 at one row, the kernel's
-integer path (backend "pallas-integer": x quantized to int8, PTX dp4a), an approximation of the product that a
-draft could use. Prints a table; writes JSON to $OUT (or --out).
+integer path (x quantized to int8, PTX dp4a), an approximation of the product that a draft could use, on the codes
+as stored (backend "pallas-integer") and packed four rows a word (pack_int8_words, "pallas-integer-words"). Prints a table; writes JSON to $OUT (or --out).
 
 Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
 CUPTI), and JAX must not preallocate the GPU's memory (ncu saves and restores all of it around each replay):
@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
-from pallas_kernels.weight_only_matmul import weight_only_matmul, weight_only_matmul_reference  # noqa: E402
+from pallas_kernels.weight_only_matmul import (  # noqa: E402
+    pack_int8_words, weight_only_matmul, weight_only_matmul_reference,
+)
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
 SHAPES = {
@@ -140,6 +142,7 @@ def main(argv=None) -> int:
             for bits in (int(b) for b in args.bits.split(",")):
                 group = k if bits == 8 else args.group
                 w = [quantized(kk, k, n, bits, group) for kk in keys]
+                words = [(pack_int8_words(q), scale, offset) for q, scale, offset in w] if bits == 8 else None
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
                 for (bk, bn), warps, stages in ((b, int(wp), int(st)) for b in blocks for wp in args.warps.split(",")
                                                 for st in args.stages.split(",")):
@@ -147,9 +150,9 @@ def main(argv=None) -> int:
                                            num_warps=warps, num_stages=stages, interpret=interpret)
                     variants.append((f"int{bits}", "pallas", bits, fn, w, f"{bk}x{bn}/w{warps}s{stages}"))
                     if args.integer_dot and bits == 8 and m == 1 and args.x_group % bk == 0:
-                        variants.append((f"int{bits}", "pallas-integer", bits,
-                                         functools.partial(fn, integer_dot=True, x_group=args.x_group), w,
-                                         f"{bk}x{bn}/w{warps}s{stages}"))
+                        integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
+                        variants += [(f"int{bits}", backend, bits, integer, codes, f"{bk}x{bn}/w{warps}s{stages}")
+                                     for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))]
             for weights_kind, backend, bits, fn, w, config in variants:
                 record = {"matrix": name, "k": k, "n": n, "rows": m, "weights": weights_kind, "backend": backend,
                           "config": config, "weight_bytes": k * n * bits // 8}

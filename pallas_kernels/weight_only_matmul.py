@@ -142,20 +142,24 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, o_ref, *, group
     [1, K / 4] int32, four consecutive codes a word, byte j holding position 4r + j; xs_ref [1, K / x_group] their
     scales), and each program's weight rows gathered four at a time (rows k0 + j, k0 + 4 + j, ... by strided loads)
     into words of the same layout, so that PTX dp4a sums four byte products an instruction into an int32. A K block
-    lies in one weight group and one x group: its integer sums are scaled once per column. The weight's storage is
-    unchanged. Tried against the float vector kernel on the H200 with words stored ahead (2026-12-02,
-    benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster; this form, which builds the
-    words in the kernel, is measured by benchmarks/bench_weight_only.py --integer-dot."""
+    lies in one weight group and one x group: its integer sums are scaled once per column. The codes are int8 [K, bn]
+    as stored for the other kernels (words built from strided loads), or int32 [K / 4, bn] already in words
+    (pack_int8_words: one load a word). Tried against the float vector kernel on the H200 with words stored ahead
+    (2026-12-02, benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster; both forms
+    here are measured by benchmarks/bench_weight_only.py --integer-dot."""
     split = pl.program_id(1)
     dot4 = _dp4a_emulated if interpret else _dp4a
     words_per_block = block_k // 4
 
     def body(i, acc):
         k0 = (split * blocks_per_split + i) * block_k
-        words = jnp.zeros((words_per_block, o_ref.shape[1]), jnp.int32)
-        for j in range(4):
-            codes = q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32)
-            words = words | ((codes & 0xFF) << (8 * j))
+        if q_ref.dtype == jnp.int32:  # stored as words (pack_int8_words)
+            words = q_ref[pl.ds(k0 // 4, words_per_block), :]
+        else:
+            words = jnp.zeros((words_per_block, o_ref.shape[1]), jnp.int32)
+            for j in range(4):
+                codes = q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32)
+                words = words | ((codes & 0xFF) << (8 * j))
         x_words = jnp.broadcast_to(xw_ref[0, pl.ds(k0 // 4, words_per_block)][:, None], words.shape)
         sums = jnp.sum(dot4(words, x_words, jnp.zeros_like(words)), axis=0)
         return acc + sums.astype(jnp.float32) * (xs_ref[0, k0 // x_group] * scale_ref[k0 // group, :].astype(jnp.float32))
@@ -175,6 +179,13 @@ def _dp4a_emulated(a, b, c):
     for j in range(4):
         c = c + ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
     return c
+
+
+def pack_int8_words(q):
+    """int8 codes [K, N] -> int32 [K / 4, N]: byte j of word (r, n) is q[4r + j, n] (the integer kernel's words)."""
+    k, n = q.shape
+    codes = q.astype(jnp.int32).reshape(k // 4, 4, n)
+    return functools.reduce(jnp.bitwise_or, [(codes[:, j] & 0xFF) << (8 * j) for j in range(4)])
 
 
 def quantize_rows_int8(x, x_group: int):
@@ -241,22 +252,26 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         raise ValueError(f"integer_dot multiplies one row by symmetric int8 codes in x groups dividing K; got "
                          f"{bits} bits, {m} rows, {'an' if offset is not None else 'no'} offset, K = {k}, "
                          f"x_group {x_group}")
-    rows_of_q = k if bits == 8 else k // 2
+    stored_words = q.dtype == jnp.int32  # int8 codes four rows a word (pack_int8_words): the integer path's own
+    if stored_words and not integer_dot:
+        raise ValueError("int8 codes stored as words (int32) are multiplied by integer_dot only")
+    rows_of_q = k // 4 if stored_words else k if bits == 8 else k // 2
     if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
         raise ValueError(f"q {q.shape} ({q.dtype}) is not a {bits}-bit weight for K = {k}")
+    block_rows = k if bits == 8 else k // 2  # what block_k counts: positions for int8, byte rows for int4
     n = q.shape[1]
     if scale.shape != (k // group, n) or k % group or (offset is not None and offset.shape != scale.shape):
         raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
                          f"[K / group, N] = [{k // group}, {n}]")
     rows_per_group = group if bits == 8 else group // 2  # rows of q under one scale
-    block_k = min(block_k, rows_per_group, rows_of_q, x_group if integer_dot else rows_of_q)
+    block_k = min(block_k, rows_per_group, block_rows, x_group if integer_dot else block_rows)
     check_power_of_2("block_k", block_k, 16)
     if integer_dot and x_group % block_k:
         raise ValueError(f"x_group {x_group} does not tile into blocks of {block_k}")
     check_power_of_2("block_n", block_n, 16)
-    if rows_per_group % block_k or rows_of_q % block_k or n % block_n:
+    if rows_per_group % block_k or block_rows % block_k or n % block_n:
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into blocks of {block_k} x {block_n}")
-    k_blocks = rows_of_q // block_k
+    k_blocks = block_rows // block_k
     splits = num_splits or default_splits(n // block_n, k_blocks)
     if k_blocks % splits:
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")

@@ -99,7 +99,8 @@ def test_bench_weight_only(tmp_path, monkeypatch):
 def test_bench_weight_only_integer_dot(tmp_path, monkeypatch):
     (doc,) = run_smoke("bench_weight_only", tmp_path, monkeypatch, "--integer-dot", "--bits", "8", "--x-group", "64")
     assert {(r["rows"], r["weights"], r["backend"]) for r in doc["records"]} == {
-        (1, "bf16", "xla"), (1, "int8", "xla"), (1, "int8", "pallas"), (1, "int8", "pallas-integer")}
+        (1, "bf16", "xla"), (1, "int8", "xla"), (1, "int8", "pallas"), (1, "int8", "pallas-integer"),
+        (1, "int8", "pallas-integer-words")}
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "weight_gb_per_s", "weight_bytes")

@@ -10,7 +10,8 @@ import pytest
 
 from h200_lowering import lower_for_h200
 from pallas_kernels.weight_only_matmul import (
-    _dp4a_emulated, _layout, dequantize, quantize_rows_int8, weight_only_matmul, weight_only_matmul_reference,
+    _dp4a_emulated, _layout, dequantize, pack_int8_words, quantize_rows_int8, weight_only_matmul,
+    weight_only_matmul_reference,
 )
 
 
@@ -106,10 +107,12 @@ def test_the_emulated_dp4a_sums_four_signed_byte_products(rng):
                                   expected)
 
 
+@pytest.mark.parametrize("stored_words", [False, True])
 @pytest.mark.parametrize("group,x_group,splits", [(256, 128, None), (256, 64, 2), (32, 64, 4)])
-def test_integer_dot_matches_float64_of_the_quantized_row(rng, group, x_group, splits):
-    """The kernel (interpret mode, dp4a emulated) against float64 numpy of the int8 row it defines: exact integer
-    sums, scaled once a block; and within x's quantization error of the exact product."""
+def test_integer_dot_matches_float64_of_the_quantized_row(rng, group, x_group, splits, stored_words):
+    """The kernel (interpret mode, dp4a emulated), on codes as stored for the other kernels or packed in words,
+    against float64 numpy of the int8 row it defines: exact integer sums, scaled once a block; and within x's
+    quantization error of the exact product."""
     k, n = 256, 64
     q = rng.integers(-127, 128, (k, n)).astype(np.int8)
     scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
@@ -122,7 +125,12 @@ def test_integer_dot_matches_float64_of_the_quantized_row(rng, group, x_group, s
     w = numpy_weight(q, scale, None, 8, group)
     x_rows = codes * np.repeat(scales, x_group, axis=1)
     expected = x_rows @ w
-    got = np.asarray(weight_only_matmul(jnp.asarray(x), jnp.asarray(q), scale, bits=8, group=group, block_k=32,
+    codes_in = jnp.asarray(q)
+    if stored_words:
+        codes_in = pack_int8_words(codes_in)
+        np.testing.assert_array_equal(np.asarray(codes_in).view(np.int8).reshape(k // 4, n, 4).transpose(0, 2, 1)
+                                      .reshape(k, n), q)  # byte j of word (r, n) is q[4r + j, n]
+    got = np.asarray(weight_only_matmul(jnp.asarray(x), codes_in, scale, bits=8, group=group, block_k=32,
                                         block_n=32, num_splits=splits, interpret=True, integer_dot=True,
                                         x_group=x_group), np.float64)
     bound = 1e-5 * (np.abs(x_rows) @ np.abs(w))  # float32 scaling of exact integer sums
@@ -133,6 +141,8 @@ def test_integer_dot_matches_float64_of_the_quantized_row(rng, group, x_group, s
 
 def test_integer_dot_refuses_what_it_does_not_multiply():
     x, q8, ones = jnp.ones((1, 128), jnp.float32), jnp.zeros((128, 32), jnp.int8), jnp.ones((1, 32))
+    with pytest.raises(ValueError, match="integer_dot only"):
+        weight_only_matmul(x, jnp.zeros((32, 32), jnp.int32), ones, bits=8, group=128, interpret=True)
     for bad in [dict(x=jnp.ones((2, 128))), dict(bits=4, q=jnp.zeros((64, 32), jnp.uint8)), dict(offset=ones),
                 dict(x_group=96)]:
         args = dict(x=x, q=q8, scale=ones, offset=None, bits=8, group=128) | bad
@@ -145,6 +155,7 @@ def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
     """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up (int8 per output channel, one row)."""
     k, n = 4096, 28672
     spec = jax.ShapeDtypeStruct
-    text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), spec((k, n), jnp.int8),
-                          spec((1, n), jnp.bfloat16), bits=8, group=k, block_k=32, block_n=256, integer_dot=True)
-    assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
+    for codes in (spec((k, n), jnp.int8), spec((k // 4, n), jnp.int32)):  # as stored, and in words
+        text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, spec((1, n), jnp.bfloat16),
+                              bits=8, group=k, block_k=32, block_n=256, integer_dot=True)
+        assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
