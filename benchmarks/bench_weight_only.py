@@ -8,7 +8,8 @@ weights together exceed the L2 cache, and the per-call dispatch cost is spread o
 step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
 second against a device copy measured in the same run. --integer-dot adds, for int8 at one row, the kernel's
 integer path (x quantized to int8, PTX dp4a), an approximation of the product that a draft could use, on the codes
-as stored (backend "pallas-integer") and packed four rows a word (pack_int8_words, "pallas-integer-words"). Prints a table; writes JSON to $OUT (or --out).
+as stored (backend "pallas-integer") and packed four rows a word (pack_int8_words, "pallas-integer-words").
+Prints a table; writes JSON to $OUT (or --out).
 
 Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
 CUPTI), and JAX must not preallocate the GPU's memory (ncu saves and restores all of it around each replay):

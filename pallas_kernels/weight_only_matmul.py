@@ -156,13 +156,11 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, o_ref, *, group
         if q_ref.dtype == jnp.int32:  # stored as words (pack_int8_words)
             words = q_ref[pl.ds(k0 // 4, words_per_block), :]
         else:
-            words = jnp.zeros((words_per_block, o_ref.shape[1]), jnp.int32)
-            for j in range(4):
-                codes = q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32)
-                words = words | ((codes & 0xFF) << (8 * j))
+            words = _words([q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32) for j in range(4)])
         x_words = jnp.broadcast_to(xw_ref[0, pl.ds(k0 // 4, words_per_block)][:, None], words.shape)
         sums = jnp.sum(dot4(words, x_words, jnp.zeros_like(words)), axis=0)
-        return acc + sums.astype(jnp.float32) * (xs_ref[0, k0 // x_group] * scale_ref[k0 // group, :].astype(jnp.float32))
+        scale = xs_ref[0, k0 // x_group] * scale_ref[k0 // group, :].astype(jnp.float32)
+        return acc + sums.astype(jnp.float32) * scale
 
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((o_ref.shape[1],), jnp.float32))[None, :]
 
@@ -181,11 +179,16 @@ def _dp4a_emulated(a, b, c):
     return c
 
 
+def _words(codes):
+    """Four int32 arrays of int8 codes -> one int32 array of words, byte j holding codes[j]."""
+    return functools.reduce(jnp.bitwise_or, [(c & 0xFF) << (8 * j) for j, c in enumerate(codes)])
+
+
 def pack_int8_words(q):
     """int8 codes [K, N] -> int32 [K / 4, N]: byte j of word (r, n) is q[4r + j, n] (the integer kernel's words)."""
     k, n = q.shape
     codes = q.astype(jnp.int32).reshape(k // 4, 4, n)
-    return functools.reduce(jnp.bitwise_or, [(codes[:, j] & 0xFF) << (8 * j) for j in range(4)])
+    return _words([codes[:, j] for j in range(4)])
 
 
 def quantize_rows_int8(x, x_group: int):
@@ -196,8 +199,7 @@ def quantize_rows_int8(x, x_group: int):
     absmax = jnp.max(jnp.abs(grouped), axis=-1)
     scales = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     codes = jnp.clip(jnp.round(grouped / scales[..., None]), -127, 127).astype(jnp.int32).reshape(m, k // 4, 4)
-    words = functools.reduce(jnp.bitwise_or, [(codes[..., j] & 0xFF) << (8 * j) for j in range(4)])
-    return words, scales
+    return _words([codes[..., j] for j in range(4)]), scales
 
 
 def weight_only_swapped_kernel(xt_ref, q_ref, scale_ref, offset_ref, o_ref, *, group: int, block_k: int,
