@@ -506,7 +506,8 @@ class Engine:
 
         `fill_cache`, for timing at shapes too large to prefill often (an 8B model at 128K): a function from the
         allocated, zeroed cache to the cache to decode from, run instead of prefill. Its rows stand for the
-        prompts' keys and values, so the tokens that follow mean nothing; only their cost does."""
+        prompts' keys and values, so the tokens that follow mean nothing; only their cost does. The cache it is
+        given is its own: where it writes over that cache's buffers (donates them), no second cache is allocated."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
         options, config, capacity, summary = self._fitted_plan(ids, options)  # refuses what cannot fit first
