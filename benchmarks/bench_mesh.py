@@ -45,7 +45,7 @@ from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, time_iterations  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions, InputError  # noqa: E402
 from vegas_jax.generate import token_count  # noqa: E402
-from vegas_jax.sharding import DATA, MODEL, make_mesh, parse_mesh  # noqa: E402
+from vegas_jax.sharding import DATA, MODEL, Placement, make_mesh, parse_mesh  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("ar", "vegas")
@@ -70,13 +70,14 @@ def per_gpu(gpu_ms: float, mesh) -> float:
 
 def score_reduction_ms(mesh, layers: int, batch: int, capacity: int) -> float:
     """GPU ms of one mean across `model` of every layer's scores, float32 [layers, batch, capacity] split over
-    `data` (Placement.mean_over_model's collective), per GPU. 0 without a model axis."""
-    model = mesh.shape[MODEL] if mesh is not None else 1
+    `data` (the loop's collective, Placement.mean_over_model), per GPU. 0 without a model axis."""
+    placement = Placement(mesh=mesh)
+    model = placement.model_shards
     if model == 1:
         return 0.0
     spec = PartitionSpec(MODEL, None, DATA, None)  # each model shard holds its own heads' partial mean
     partials = jax.device_put(jnp.ones((model, layers, batch, capacity), jnp.float32), NamedSharding(mesh, spec))
-    mean = jax.jit(jax.shard_map(lambda s: jax.lax.psum(s, MODEL) / model, mesh=mesh, in_specs=spec,
+    mean = jax.jit(jax.shard_map(placement.mean_over_model, mesh=mesh, in_specs=spec,
                                  out_specs=PartitionSpec(None, None, DATA, None)))
     return per_gpu(1e3 * gpu_seconds(mean, partials), mesh)
 

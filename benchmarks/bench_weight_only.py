@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             for bits in (int(b) for b in args.bits.split(",")):
                 group = k if bits == 8 else args.group
                 w = [quantized(kk, k, n, bits, group) for kk in keys]
-                words = [(pack_int8_words(q), scale, offset) for q, scale, offset in w] if bits == 8 else None
+                words = ([(pack_int8_words(q), scale, offset) for q, scale, offset in w]
+                         if args.integer_dot and bits == 8 else None)
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
                 for (bk, bn), warps, stages in ((b, int(wp), int(st)) for b in blocks for wp in args.warps.split(",")
                                                 for st in args.stages.split(",")):
