@@ -517,10 +517,13 @@ def main(argv=None) -> int:
     print(describe_costs(preset, stages), flush=True)
     if args.estimate:
         return 0
-    from vegas_jax.loading.gguf import embedded_smollm2_path
+    # The scale stage builds random weights of its own shapes: only the other stages need the GGUF (and the gguf
+    # package, which a machine running only the scale stage may lack).
+    model_path = args.model
+    if model_path is None and set(stages) - {"scale"}:
+        from vegas_jax.loading.gguf import embedded_smollm2_path
 
-    # The scale stage builds random weights of its own shapes: only the other stages need the GGUF.
-    model_path = args.model or (str(embedded_smollm2_path()) if set(stages) - {"scale"} else None)
+        model_path = str(embedded_smollm2_path())
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
     log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None)

@@ -88,8 +88,12 @@ class RecordLog:
 
 
 def read_records(paths: list[Path]) -> list[dict]:
-    """The records of several logs, a later file's record replacing an earlier one's of the same key."""
+    """The records of several logs, one per key: the latest measured (two presets' logs can hold the same
+    measurement, and which file is read last says nothing about which has the later code)."""
     merged: dict[str, dict] = {}
     for path in paths:
-        merged.update((record_key(r), r) for r in RecordLog(path).records)
+        for r in RecordLog(path).records:
+            key = record_key(r)
+            if key not in merged or r.get("date", "") >= merged[key].get("date", ""):
+                merged[key] = r
     return list(merged.values())

@@ -27,8 +27,16 @@ def heldout_rows(records, *, temperature: float | None = None, tuned: bool | Non
 
 
 def scale_rows(records) -> list[dict]:
-    rows = [r for r in records if r.get("stage") == "scale" and r.get("fits")]
-    return sorted(rows, key=lambda r: (r["model"], r["context"], r["batch"], r["method"] != "ar", r["method"]))
+    """The scale stage's measured records, one per (model, context, batch, method): the latest, since several
+    presets' logs measure the same case and a later record has the later code and bandwidth probe."""
+    latest = {}
+    for r in records:
+        if r.get("stage") == "scale" and r.get("fits"):
+            case = (r["model"], r["context"], r["batch"], r["method"])
+            if case not in latest or r["date"] > latest[case]["date"]:
+                latest[case] = r
+    return sorted(latest.values(), key=lambda r: (r["model"], r["context"], r["batch"], r["method"] != "ar",
+                                                  r["method"]))
 
 
 def plain_rate(records, r: dict) -> float | None:

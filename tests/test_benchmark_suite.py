@@ -49,11 +49,14 @@ def test_log_appends_rereads_and_skips_by_key(tmp_path):
     assert record_key({**a, "knobs": {"stream_sinks": 16}, "method": "streaming"}) in again
     assert [r["method"] for r in again.find(stage="heldout", sparse_ratio=0.07000000001)] == ["vegas", "streaming"]
     assert (mirror / "suite.jsonl").read_text() == path.read_text().rsplit("\n", 1)[0] + "\n"
-    # Several logs: a later file's record of the same key wins.
+    # Several logs: of two records of the same key, the one measured later wins, whichever file is read last.
     other = tmp_path / "later.jsonl"
-    RecordLog(other).append({**a, "decode_tokens_per_s": 5.0})
-    rates = {r["method"]: r["decode_tokens_per_s"] for r in read_records([path, other])}
-    assert rates == {"vegas": 5.0, "streaming": 90.0}
+    RecordLog(other).append({**a, "decode_tokens_per_s": 5.0, "date": "2026-12-02T18:00:00+00:00"})
+    earlier = tmp_path / "earlier.jsonl"
+    RecordLog(earlier).append({**a, "decode_tokens_per_s": 7.0, "date": "2026-12-01T18:00:00+00:00"})
+    for order in ([path, other, earlier], [earlier, path, other]):
+        rates = {r["method"]: r["decode_tokens_per_s"] for r in read_records(order)}
+        assert rates == {"vegas": 5.0, "streaming": 90.0}
 
 
 # ---- prompt splits -------------------------------------------------------------------------------------------
@@ -344,10 +347,10 @@ def _held(method, batch, rate_, tau=6.0, *, tuned=True, default=False, temperatu
             "device": "NVIDIA H200", "jax_version": "0.11.2", "code": "abc1234", **extra}
 
 
-def _scale(model, batch, method, ms, fraction=None, steps=None):
+def _scale(model, batch, method, ms, fraction=None, steps=None, date="2026-12-02T00:00:00+00:00"):
     return {"stage": "scale", "model": model, "context": 32768, "batch": batch, "method": method, "fits": True,
             "ms_per_iteration": ms, "roofline_fraction": fraction, "plain_steps_per_iteration": steps,
-            "read_bandwidth_gbps": 4000.0}
+            "read_bandwidth_gbps": 4000.0, "date": date}
 
 
 FIXTURE = [
@@ -371,6 +374,16 @@ def test_targets_from_records_met_missed_and_not_yet_measured():
     assert all(x.status == "not yet measured" for x in tables.targets([]))
     # Only batch 64 measured, and Vegas 1.2x there: met.
     assert tables.targets([r for r in FIXTURE if r.get("batch") == 64])[0].status == "met"
+
+
+def test_a_case_measured_twice_is_reported_from_its_latest_record():
+    # The quick preset's log holds an earlier record of a case the paper preset measured again (later code, another
+    # bandwidth probe); whichever log comes first, the tables and targets take the later record.
+    earlier = _scale("llama-3.1-8b", 8, "ar", 11.0, fraction=1.04, date="2026-12-01T00:00:00+00:00")
+    for records in ([earlier] + FIXTURE, FIXTURE + [earlier]):
+        (row,) = [r for r in tables.scale_rows(records) if r["batch"] == 8 and r["method"] == "ar"]
+        assert row["roofline_fraction"] == 0.86
+        assert tables.targets(records)[2].result == "llama-3.1-8b 86 %"
 
 
 def test_projection_uses_smollm2_tau_at_the_default_cell():
