@@ -50,7 +50,13 @@ from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.phases import time_phases  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PRECISIONS = ("bf16", "int8", "int4")
+PRECISIONS = ("bf16", "int8", "int4", "int8-a8", "int4-a8")  # -a8: int8 activations (GenerationOptions)
+
+
+def draft_fields(precision: str) -> dict:
+    """GenerationOptions' draft fields of a --precisions entry: weights, and activations after -a8."""
+    weights, _, activations = precision.partition("-a")
+    return {"draft_weights": weights, "draft_activations": "int8" if activations == "8" else "bf16"}
 GAMMA = 6
 WARM_ITERATIONS, TIMED_ITERATIONS = 2, 8  # random part: iterations per configuration
 
@@ -107,12 +113,12 @@ def real_part(args, recorder: Recorder) -> dict[str, float]:
         for _ in range(2):  # the second run is reported: the first pays for allocations
             plain = engine.generate(prompts, base, steps_per_call=None)
         plain_ms = 1e3 * plain.metrics["decode_s"] / loop_iterations(plain)
-        runs = [(p, GAMMA) for p in PRECISIONS] + ([(p, "auto") for p in PRECISIONS] if args.auto else [])
+        runs = [(p, GAMMA) for p in args.precisions] + ([(p, "auto") for p in args.precisions] if args.auto else [])
         draft_ms = {}  # per precision, from its fixed-γ run
         for precision, gamma in runs:
             if recorder.over_budget():
                 return taus
-            options = dataclasses.replace(base, method="vegas", gamma=gamma, draft_weights=precision,
+            options = dataclasses.replace(base, method="vegas", gamma=gamma, **draft_fields(precision),
                                           gamma_max=GAMMA if gamma == "auto" else None)
             result = None
             for _ in range(2):
@@ -122,7 +128,7 @@ def real_part(args, recorder: Recorder) -> dict[str, float]:
                 draft_ms[precision] = time_phases(engine, engine.start(prompts, options))["draft_ms"] / GAMMA
             record = {
                 "model": model, "batch": args.real_batch, "context": prompt_tokens,
-                "draft_weights": precision, "gamma": gamma, "tau": m["tau"],
+                **draft_fields(precision), "precision": precision, "gamma": gamma, "tau": m["tau"],
                 "acceptance_by_position": m["acceptance_by_position"],
                 "ms_per_iteration": 1e3 * m["decode_s"] / loop_iterations(result),
                 "plain_ms_per_step": plain_ms, "draft_ms_per_step": draft_ms.get(precision),
@@ -165,7 +171,7 @@ def random_part(args, recorder: Recorder, taus: dict[str, float]) -> None:
                     return
                 prompts = [[1] * (context - args.random_new_tokens - GAMMA - 1)] * batch
                 base = GenerationOptions(max_new_tokens=args.random_new_tokens, max_model_len=context)
-                vegas = lambda p: dataclasses.replace(base, method="vegas", gamma=GAMMA, draft_weights=p)  # noqa: E731
+                vegas = lambda p: dataclasses.replace(base, method="vegas", gamma=GAMMA, **draft_fields(p))  # noqa: E731
                 shape = {"model": f"{model_name} (random weights, timing only)", "batch": batch, "context": context}
                 try:  # the largest run of this configuration must fit before anything is allocated
                     engine.plan(prompts, vegas("int8"))
@@ -173,13 +179,14 @@ def random_part(args, recorder: Recorder, taus: dict[str, float]) -> None:
                     recorder.add({**shape, "skipped": str(e)})
                     continue
                 plain_ms, _ = timed_iterations(engine, engine.start(prompts, base, fill_cache=_as_allocated))
-                for precision in PRECISIONS:
-                    # One precision's copies at a time: the plan above counted one.
-                    for other in set(engine.model.drafts) - {precision}:
-                        del engine.model.drafts[other]
+                for precision in args.precisions:
                     options = vegas(precision)
+                    # One precision's copies at a time: the plan above counted one.
+                    for other in set(engine.model.drafts) - {options.draft_weights}:
+                        del engine.model.drafts[other]
                     ms, _ = timed_iterations(engine, engine.start(prompts, options, fill_cache=_as_allocated))
-                    record = {**shape, "draft_weights": precision, "gamma": GAMMA, "ms_per_iteration": ms,
+                    record = {**shape, **draft_fields(precision), "precision": precision, "gamma": GAMMA,
+                              "ms_per_iteration": ms,
                               "plain_ms_per_step": plain_ms, "iteration_over_plain_step": ms / plain_ms}
                     if not args.no_phases:
                         phases = time_phases(engine, engine.start(prompts, options, fill_cache=_as_allocated))
@@ -209,7 +216,8 @@ def auto_record(engine: Engine, prompts, options: GenerationOptions, fixed: dict
     auto = dataclasses.replace(options, gamma="auto", gamma_max=GAMMA, draft_cost=costs[0], verify_cost=costs[1])
     ms, state = timed_iterations(engine, engine.start(prompts, auto, fill_cache=_as_allocated))
     chosen = np.asarray(state.gamma_control.chosen).tolist()
-    return {**shape, "draft_weights": options.draft_weights, "gamma": "auto", "ms_per_iteration": ms,
+    return {**shape, "draft_weights": options.draft_weights, "draft_activations": options.draft_activations,
+            "precision": fixed["precision"], "gamma": "auto", "ms_per_iteration": ms,
             "plain_ms_per_step": plain, "auto_over_plain_step": ms / plain, "gamma_costs": costs,
             "gamma_chosen_histogram": chosen}
 
@@ -218,11 +226,12 @@ def taus_from(path: Path | None) -> dict[str, float]:
     if path is None:
         return {}
     doc = json.loads(path.read_text())
-    return {r["draft_weights"]: r["tau"] for r in doc["records"] if r.get("gamma") == GAMMA and "tau" in r}
+    return {r.get("precision", r["draft_weights"]): r["tau"] for r in doc["records"]
+            if r.get("gamma") == GAMMA and "tau" in r}
 
 
 def print_table(records: list[dict]) -> None:
-    print(f"\n{'model':42} {'batch':>5} {'context':>7} {'draft':>5} {'gamma':>5} {'tau':>5} {'iter ms':>8} "
+    print(f"\n{'model':42} {'batch':>5} {'context':>7} {'draft':>7} {'gamma':>5} {'tau':>5} {'iter ms':>8} "
           f"{'plain ms':>8} {'draft ms':>8} {'iter/plain':>10} {'projection':>10}")
     for r in records:
         if "skipped" in r:
@@ -231,7 +240,7 @@ def print_table(records: list[dict]) -> None:
         iteration = r.get("ms_per_iteration", r.get("ms_per_token_step"))
         projected = r.get("projection", {}).get("speedup_vs_plain")
         fmt = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
-        print(f"{r['model']:42} {r['batch']:>5} {r['context']:>7} {r['draft_weights']:>5} {str(r['gamma']):>5} "
+        print(f"{r['model']:42} {r['batch']:>5} {r['context']:>7} {r.get('precision', r['draft_weights']):>7} {str(r['gamma']):>5} "
               f"{fmt(r.get('tau'), '5.2f')} {fmt(iteration, '8.2f')} {fmt(r['plain_ms_per_step'], '8.2f')} "
               f"{fmt(r.get('draft_ms_per_step'), '8.3f')} {fmt(iteration / r['plain_ms_per_step'], '10.2f')} "
               f"{fmt(projected, '9.2f') + ('x' if projected else ''):>10}")
@@ -250,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="32K,128K")
     p.add_argument("--random-new-tokens", type=int, default=32)
     p.add_argument("--tau-from", type=Path, default=None, help="random part's projections: a real part's JSON")
+    p.add_argument("--precisions", default="bf16,int8,int4",
+                   help=f"comma-separated, of {', '.join(PRECISIONS)} (-a8: int8 activations)")
     p.add_argument("--auto", action="store_true", help="also --gamma auto")
     p.add_argument("--no-phases", action="store_true", help="random part: skip the draft phase timing")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in float32: checks the script on a CPU")
@@ -257,6 +268,10 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    args.precisions = args.precisions.split(",")
+    if set(args.precisions) - set(PRECISIONS):
+        print(f"error: --precisions {','.join(args.precisions)}: choose from {', '.join(PRECISIONS)}", file=sys.stderr)
+        return 2
     args.prompt_tokens = [token_count(t) for t in args.prompt_tokens.split(",")]
     args.models = args.models.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]

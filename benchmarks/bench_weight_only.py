@@ -6,9 +6,9 @@ after), and the Pallas kernel (pallas_kernels/weight_only_matmul.py) over its bl
 Each measurement chains one matmul per layer through `layers` distinct weights inside one jitted program (the
 weights together exceed the L2 cache, and the per-call dispatch cost is spread over the chain, as in a decode
 step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
-second against a device copy measured in the same run. --integer-dot adds, for int8 at one row, the kernel's
+second against a device copy measured in the same run. --integer-dot adds, at one row, the kernel's
 integer path (x quantized to int8, PTX dp4a), an approximation of the product that a draft could use, on the codes
-as stored (backend "pallas-integer") and packed four rows a word (pack_int8_words, "pallas-integer-words").
+as stored (backend "pallas-integer") and packed four rows a word (pack_code_words, "pallas-integer-words").
 Prints a table; writes JSON to $OUT (or --out).
 
 Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
@@ -40,7 +40,7 @@ from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, measure_bandwidth, median_seconds  # noqa: E402
 from pallas_kernels.weight_only_matmul import (  # noqa: E402
-    pack_int8_words, weight_only_matmul, weight_only_matmul_reference,
+    pack_code_words, weight_only_matmul, weight_only_matmul_reference,
 )
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
@@ -146,15 +146,16 @@ def main(argv=None) -> int:
             for bits in (int(b) for b in args.bits.split(",")):
                 group = k if bits == 8 else args.group
                 w = [quantized(kk, k, n, bits, group) for kk in keys]
-                words = ([(pack_int8_words(q), scale, offset) for q, scale, offset in w]
-                         if args.integer_dot and bits == 8 else None)
+                # The integer path takes one row, in x groups of whole weight groups (int4) or dividing K.
+                integer_dot = args.integer_dot and m == 1 and (bits == 8 or args.x_group % group == 0)
+                words = [(pack_code_words(q), scale, offset) for q, scale, offset in w] if integer_dot else None
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
                 for (bk, bn), warps, stages in ((b, int(wp), int(st)) for b in blocks for wp in args.warps.split(",")
                                                 for st in args.stages.split(",")):
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
                                            num_warps=warps, num_stages=stages, interpret=interpret)
                     variants.append((f"int{bits}", "pallas", bits, fn, w, f"{bk}x{bn}/w{warps}s{stages}"))
-                    if args.integer_dot and bits == 8 and m == 1 and args.x_group % bk == 0:
+                    if integer_dot and args.x_group % bk == 0:
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
                         variants += [(f"int{bits}", backend, bits, integer, codes, f"{bk}x{bn}/w{warps}s{stages}")
                                      for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))]

@@ -16,8 +16,9 @@ XLA keeps the int → bf16 convert out of its GEMMs at these shapes and reads no
 partial product is scaled once: x_blk @ (q_blk * s + o) = (x_blk @ q_blk) * s + rowsum(x_blk) * o. The
 split partials are summed in float32 outside the kernel. Three kernels share that scheme (`_layout`): one row of x
 without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot with the weight tile second. A fourth,
-asked for by `integer_dot`, multiplies int8 codes by one row of x quantized to int8, in integers (PTX dp4a): an
-approximation of the product (x's quantization error, about 1 % of the output), for drafts, not yet their default.
+asked for by `integer_dot`, multiplies int8 or int4 codes by one row of x quantized to int8, in integers (PTX
+dp4a): an approximation of the product (x's quantization error, about 1 % of the output), for drafts that ask for
+int8 activations.
 """
 
 from __future__ import annotations
@@ -136,31 +137,46 @@ def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bit
     o_ref[...] = (jnp.sum(acc, axis=0) + offsets)[None, :]
 
 
-def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, o_ref, *, group: int, x_group: int, block_k: int,
-                                blocks_per_split: int, interpret: bool):
-    """int8 codes times one row of x in integers: x quantized to int8 per `x_group` positions along K (xw_ref
+def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int,
+                               x_group: int, block_k: int, blocks_per_split: int, interpret: bool):
+    """Integer codes times one row of x in integers: x quantized to int8 per `x_group` positions along K (xw_ref
     [1, K / 4] int32, four consecutive codes a word, byte j holding position 4r + j; xs_ref [1, K / x_group] their
-    scales), and each program's weight rows gathered four at a time (rows k0 + j, k0 + 4 + j, ... by strided loads)
-    into words of the same layout, so that PTX dp4a sums four byte products an instruction into an int32. A K block
-    lies in one weight group and one x group: its integer sums are scaled once per column. The codes are int8 [K, bn]
-    as stored for the other kernels (words built from strided loads), or int32 [K / 4, bn] already in words
-    (pack_int8_words: one load a word). Tried against the float vector kernel on the H200 with words stored ahead
-    (2026-12-02, benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster; both forms
-    here are measured by benchmarks/bench_weight_only.py --integer-dot."""
+    scales), and each program's rows of codes gathered four at a time (rows k0 + j, k0 + 4 + j, ... by strided
+    loads) into words of the same layout, so that PTX dp4a sums four byte products an instruction into an int32.
+    int8: a word's four codes against four positions of x. int4: a word of four byte rows holds, in its low nibbles,
+    four consecutive positions of the first half of a scale group and, in its high nibbles, the four half a group
+    later (the split-half layout), so two masks make two words of values 0..15 and two dp4a take them against the
+    two runs of x. A block lies in one weight group and one x group: its integer sums are scaled once per column,
+    and an offset enters as (sum of the block's x codes) x offset, so the product is exactly that of the quantized
+    row. The codes come as stored for the other kernels (words built from strided loads), or as int32 words already
+    (pack_code_words: one load a word). Tried against the float vector kernel on the H200 with words stored ahead
+    (2026-12-02, benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster, int4 1.3-2.1x;
+    benchmarks/bench_weight_only.py --integer-dot measures both forms here."""
     split = pl.program_id(1)
     dot4 = _dp4a_emulated if interpret else _dp4a
     words_per_block = block_k // 4
 
     def body(i, acc):
         k0 = (split * blocks_per_split + i) * block_k
-        if q_ref.dtype == jnp.int32:  # stored as words (pack_int8_words)
+        if q_ref.dtype == jnp.int32:  # stored as words (pack_code_words)
             words = q_ref[pl.ds(k0 // 4, words_per_block), :]
         else:
             words = _words([q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32) for j in range(4)])
-        x_words = jnp.broadcast_to(xw_ref[0, pl.ds(k0 // 4, words_per_block)][:, None], words.shape)
-        sums = jnp.sum(dot4(words, x_words, jnp.zeros_like(words)), axis=0)
-        scale = xs_ref[0, k0 // x_group] * scale_ref[k0 // group, :].astype(jnp.float32)
-        return acc + sums.astype(jnp.float32) * scale
+        low_rows, high_rows, g = _rows_of_x(bits, group, k0)
+        x_runs = [xw_ref[0, pl.ds(low_rows // 4, words_per_block)]]
+        if bits == 8:
+            products = dot4(words, jnp.broadcast_to(x_runs[0][:, None], words.shape), jnp.zeros_like(words))
+        else:
+            x_runs.append(xw_ref[0, pl.ds(high_rows // 4, words_per_block)])
+            low, high = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
+            products = dot4(low, jnp.broadcast_to(x_runs[0][:, None], words.shape), jnp.zeros_like(words))
+            products = dot4(high, jnp.broadcast_to(x_runs[1][:, None], words.shape), products)
+        partial = jnp.sum(products, axis=0).astype(jnp.float32) * scale_ref[g, :].astype(jnp.float32)
+        if offset_ref is not None:
+            ones = jnp.full((words_per_block,), 0x01010101, jnp.int32)
+            x_sum = sum(jnp.sum(dot4(run, ones, jnp.zeros_like(run))) for run in x_runs)
+            partial += x_sum.astype(jnp.float32) * offset_ref[g, :].astype(jnp.float32)
+        return acc + xs_ref[0, low_rows // x_group] * partial
 
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((o_ref.shape[1],), jnp.float32))[None, :]
 
@@ -184,21 +200,30 @@ def _words(codes):
     return functools.reduce(jnp.bitwise_or, [(c & 0xFF) << (8 * j) for j, c in enumerate(codes)])
 
 
-def pack_int8_words(q):
-    """int8 codes [K, N] -> int32 [K / 4, N]: byte j of word (r, n) is q[4r + j, n] (the integer kernel's words)."""
-    k, n = q.shape
-    codes = q.astype(jnp.int32).reshape(k // 4, 4, n)
+def pack_code_words(q):
+    """Codes [R, N] as stored (int8, or uint8 bytes of two int4 nibbles) -> int32 [R / 4, N]: byte j of word (r, n)
+    is q[4r + j, n] (the integer kernel's words)."""
+    r, n = q.shape
+    codes = q.astype(jnp.int32).reshape(r // 4, 4, n)
     return _words([codes[:, j] for j in range(4)])
 
 
-def quantize_rows_int8(x, x_group: int):
-    """x [M, K] -> (int32 [M, K / 4] of int8 codes, four consecutive positions a word, byte j holding position 4r + j;
-    float32 [M, K / x_group] scales): symmetric, code = round(x / scale), scale = max |x| / 127 per group."""
+def int8_rows(x, x_group: int):
+    """x [M, K] -> (int32 [M, K] codes in -127..127, float32 [M, K / x_group] scales): symmetric, code = round(x /
+    scale), scale = max |x| / 127 per group. The integer path's numerics: codes x scales is the row it multiplies."""
     m, k = x.shape
     grouped = x.astype(jnp.float32).reshape(m, k // x_group, x_group)
     absmax = jnp.max(jnp.abs(grouped), axis=-1)
     scales = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    codes = jnp.clip(jnp.round(grouped / scales[..., None]), -127, 127).astype(jnp.int32).reshape(m, k // 4, 4)
+    codes = jnp.clip(jnp.round(grouped / scales[..., None]), -127, 127).astype(jnp.int32)
+    return codes.reshape(m, k), scales
+
+
+def quantize_rows_int8(x, x_group: int):
+    """x [M, K] -> int8_rows's codes as int32 [M, K / 4], four consecutive positions a word (byte j holding position
+    4r + j), and its scales."""
+    codes, scales = int8_rows(x, x_group)
+    codes = codes.reshape(x.shape[0], -1, 4)
     return _words([codes[..., j] for j in range(4)]), scales
 
 
@@ -246,21 +271,20 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
                        num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
                        interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
-    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (int8, one
-    row, no offset): x quantized to int8 per x_group positions and multiplied in integers
-    (weight_only_integer_kernel), an approximation of x @ w within x's quantization error."""
+    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (one row):
+    x quantized to int8 per x_group positions and multiplied in integers (weight_only_integer_kernel), the exact
+    product of that quantized row, an approximation of x @ w within x's quantization error."""
     m, k = x.shape
-    if integer_dot and (bits != 8 or m != 1 or offset is not None or k % x_group):
-        raise ValueError(f"integer_dot multiplies one row by symmetric int8 codes in x groups dividing K; got "
-                         f"{bits} bits, {m} rows, {'an' if offset is not None else 'no'} offset, K = {k}, "
-                         f"x_group {x_group}")
-    stored_words = q.dtype == jnp.int32  # int8 codes four rows a word (pack_int8_words): the integer path's own
+    if integer_dot and (m != 1 or k % x_group or (bits == 4 and x_group % group)):
+        raise ValueError(f"integer_dot multiplies one row quantized in x groups dividing K (int4: whole weight "
+                         f"groups); got {m} rows, K = {k}, x_group {x_group}, {bits}-bit group {group}")
+    stored_words = q.dtype == jnp.int32  # codes four rows a word (pack_code_words): the integer path's own
     if stored_words and not integer_dot:
-        raise ValueError("int8 codes stored as words (int32) are multiplied by integer_dot only")
-    rows_of_q = k // 4 if stored_words else k if bits == 8 else k // 2
+        raise ValueError("codes stored as words (int32) are multiplied by integer_dot only")
+    block_rows = k if bits == 8 else k // 2  # rows of the codes, what block_k counts: positions (int8), bytes (int4)
+    rows_of_q = block_rows // 4 if stored_words else block_rows
     if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
         raise ValueError(f"q {q.shape} ({q.dtype}) is not a {bits}-bit weight for K = {k}")
-    block_rows = k if bits == 8 else k // 2  # what block_k counts: positions for int8, byte rows for int4
     n = q.shape[1]
     if scale.shape != (k // group, n) or k % group or (offset is not None and offset.shape != scale.shape):
         raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
@@ -287,8 +311,8 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         args.append(offset)
     if layout == "integer":
         xs = quantize_rows_int8(x, x_group)
-        kernel = functools.partial(weight_only_integer_kernel, group=group, x_group=x_group, block_k=block_k,
-                                   blocks_per_split=blocks_per_split, interpret=interpret)
+        kernel = functools.partial(weight_only_integer_kernel, bits=bits, group=group, x_group=x_group,
+                                   block_k=block_k, blocks_per_split=blocks_per_split, interpret=interpret)
         out_block, out_index, out_shape = (None, 1, block_n), lambda j, s: (s, 0, j), (splits, 1, n)
     elif layout == "swapped":
         xs = (jnp.zeros((k, _MIN_ROWS), x.dtype).at[:, :m].set(x.T),)
@@ -302,7 +326,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         kernel = functools.partial(body, bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
         out_block, out_index, out_shape = (None, rows, block_n), lambda j, s: (s, 0, j), (splits, rows, n)
     partial = pl.pallas_call(
-        kernel if offset is not None or layout == "integer" else _without_offset(kernel),
+        kernel if offset is not None else _without_offset(kernel),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec(a.shape, lambda j, s: (0, 0)) for a in xs] + in_specs,
         out_specs=pl.BlockSpec(out_block, out_index),
@@ -329,8 +353,9 @@ def _layout(bits: int, dtype, rows: int) -> str:
 
 
 def _without_offset(kernel):
-    def call(x_ref, q_ref, scale_ref, o_ref):
-        return kernel(x_ref, q_ref, scale_ref, None, o_ref)
+    def call(*refs):  # the x refs (one, or the integer kernel's codes and scales), q, scale, out
+        *inputs, scale_ref, o_ref = refs
+        return kernel(*inputs, scale_ref, None, o_ref)
     return call
 
 

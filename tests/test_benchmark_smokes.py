@@ -97,10 +97,11 @@ def test_bench_weight_only(tmp_path, monkeypatch):
 
 
 def test_bench_weight_only_integer_dot(tmp_path, monkeypatch):
-    (doc,) = run_smoke("bench_weight_only", tmp_path, monkeypatch, "--integer-dot", "--bits", "8", "--x-group", "64")
-    assert {(r["rows"], r["weights"], r["backend"]) for r in doc["records"]} == {
-        (1, "bf16", "xla"), (1, "int8", "xla"), (1, "int8", "pallas"), (1, "int8", "pallas-integer"),
-        (1, "int8", "pallas-integer-words")}
+    (doc,) = run_smoke("bench_weight_only", tmp_path, monkeypatch, "--integer-dot", "--bits", "8,4", "--group", "32",
+                       "--x-group", "64")
+    assert {(r["rows"], r["weights"], r["backend"]) for r in doc["records"]} == {(1, "bf16", "xla")} | {
+        (1, f"int{bits}", backend) for bits in (8, 4)
+        for backend in ("xla", "pallas", "pallas-integer", "pallas-integer-words")}
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "weight_gb_per_s", "weight_bytes")
@@ -124,11 +125,13 @@ def test_bench_lm_head(tmp_path, monkeypatch):
 
 
 def test_bench_draft_precision(tmp_path, monkeypatch):
-    random, real = run_smoke("bench_draft_precision", tmp_path, monkeypatch)  # by name: -random.json, -real.json
+    random, real = run_smoke("bench_draft_precision", tmp_path, monkeypatch, "--precisions",
+                             "bf16,int8,int4-a8")  # by name: -random.json, -real.json
     assert real["records"][0]["model"].startswith("tiny (random weights, smoke)")
     for doc in (real, random):
         assert doc["complete"] is True
-        assert {r["draft_weights"] for r in doc["records"]} == {"bf16", "int8", "int4"}
+        assert [(r["precision"], r["draft_weights"], r["draft_activations"]) for r in doc["records"]] == [
+            ("bf16", "bf16", "bf16"), ("int8", "int8", "bf16"), ("int4-a8", "int4", "int8")]
         for r in doc["records"]:
             finite_positive(r, "ms_per_iteration", "plain_ms_per_step", "draft_ms_per_step")
     for r in real["records"]:
@@ -136,8 +139,7 @@ def test_bench_draft_precision(tmp_path, monkeypatch):
         assert 1 <= r["tau"] <= r["gamma"] + 1
     for r in random["records"]:
         finite_positive(r, "verify_ms", "select_ms")
-        assert r["projection"]["tau"] == next(q["tau"] for q in real["records"]
-                                              if q["draft_weights"] == r["draft_weights"])
+        assert r["projection"]["tau"] == next(q["tau"] for q in real["records"] if q["precision"] == r["precision"])
 
 
 def test_measure_approx_modes(tmp_path, monkeypatch, capsys):

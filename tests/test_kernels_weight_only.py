@@ -10,7 +10,7 @@ import pytest
 
 from h200_lowering import lower_for_h200
 from pallas_kernels.weight_only_matmul import (
-    _dp4a_emulated, _layout, dequantize, pack_int8_words, quantize_rows_int8, weight_only_matmul,
+    _dp4a_emulated, _layout, dequantize, pack_code_words, quantize_rows_int8, weight_only_matmul,
     weight_only_matmul_reference,
 )
 
@@ -87,7 +87,7 @@ def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
     assert f"weight_only_matmul_{layout}" in text
 
 
-# ---- the integer dot (int8 codes, one row of x quantized to int8) --------------------------------------------
+# ---- the integer dot (int8 or int4 codes, one row of x quantized to int8)-----------------------------------------
 
 
 def numpy_int8_rows(x, x_group):
@@ -108,29 +108,40 @@ def test_the_emulated_dp4a_sums_four_signed_byte_products(rng):
 
 
 @pytest.mark.parametrize("stored_words", [False, True])
-@pytest.mark.parametrize("group,x_group,splits", [(256, 128, None), (256, 64, 2), (32, 64, 4)])
-def test_integer_dot_matches_float64_of_the_quantized_row(rng, group, x_group, splits, stored_words):
+@pytest.mark.parametrize("bits,group,x_group,with_offset,splits", [
+    (8, 256, 128, False, None),  # per output channel
+    (8, 256, 64, True, 2),
+    (8, 32, 64, False, 4),
+    (4, 32, 64, True, 2),  # GGUF's Q4_1 groups: two weight groups in an x group
+    (4, 64, 64, False, None),
+    (4, 128, 128, True, 4),
+])
+def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_group, with_offset, splits,
+                                                          stored_words):
     """The kernel (interpret mode, dp4a emulated), on codes as stored for the other kernels or packed in words,
-    against float64 numpy of the int8 row it defines: exact integer sums, scaled once a block; and within x's
-    quantization error of the exact product."""
+    against float64 numpy of the int8 row it defines: exact integer sums, scaled once a block (the offset by the
+    block's sum of x); and within x's quantization error of the exact product."""
     k, n = 256, 64
-    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    rows = k if bits == 8 else k // 2
+    q = (rng.integers(-127, 128, (rows, n)).astype(np.int8) if bits == 8
+         else rng.integers(0, 256, (rows, n)).astype(np.uint8))
     scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    offset = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if with_offset else None
     x = rng.normal(size=(1, k)).astype(np.float32)
     codes, scales = numpy_int8_rows(x, x_group)
     words, got_scales = quantize_rows_int8(jnp.asarray(x), x_group)
     np.testing.assert_allclose(np.asarray(got_scales), scales, rtol=1e-6)
     unpacked = np.asarray(words).view(np.int8).reshape(1, k)  # byte j of word r is position 4r + j
     np.testing.assert_array_equal(unpacked, codes)
-    w = numpy_weight(q, scale, None, 8, group)
+    w = numpy_weight(q, scale, offset, bits, group)
     x_rows = codes * np.repeat(scales, x_group, axis=1)
     expected = x_rows @ w
     codes_in = jnp.asarray(q)
     if stored_words:
-        codes_in = pack_int8_words(codes_in)
-        np.testing.assert_array_equal(np.asarray(codes_in).view(np.int8).reshape(k // 4, n, 4).transpose(0, 2, 1)
-                                      .reshape(k, n), q)  # byte j of word (r, n) is q[4r + j, n]
-    got = np.asarray(weight_only_matmul(jnp.asarray(x), codes_in, scale, bits=8, group=group, block_k=32,
+        codes_in = pack_code_words(codes_in)
+        np.testing.assert_array_equal(np.asarray(codes_in).view(q.dtype).reshape(rows // 4, n, 4)
+                                      .transpose(0, 2, 1).reshape(rows, n), q)  # byte j of word (r, n): q[4r + j, n]
+    got = np.asarray(weight_only_matmul(jnp.asarray(x), codes_in, scale, offset, bits=bits, group=group, block_k=16,
                                         block_n=32, num_splits=splits, interpret=True, integer_dot=True,
                                         x_group=x_group), np.float64)
     bound = 1e-5 * (np.abs(x_rows) @ np.abs(w))  # float32 scaling of exact integer sums
@@ -143,8 +154,8 @@ def test_integer_dot_refuses_what_it_does_not_multiply():
     x, q8, ones = jnp.ones((1, 128), jnp.float32), jnp.zeros((128, 32), jnp.int8), jnp.ones((1, 32))
     with pytest.raises(ValueError, match="integer_dot only"):
         weight_only_matmul(x, jnp.zeros((32, 32), jnp.int32), ones, bits=8, group=128, interpret=True)
-    for bad in [dict(x=jnp.ones((2, 128))), dict(bits=4, q=jnp.zeros((64, 32), jnp.uint8)), dict(offset=ones),
-                dict(x_group=96)]:
+    for bad in [dict(x=jnp.ones((2, 128))), dict(x_group=96),  # int4: an x group of whole weight groups
+                dict(bits=4, q=jnp.zeros((64, 32), jnp.uint8), group=64, scale=jnp.ones((2, 32)), x_group=32)]:
         args = dict(x=x, q=q8, scale=ones, offset=None, bits=8, group=128) | bad
         with pytest.raises(ValueError, match="integer_dot"):
             weight_only_matmul(args.pop("x"), args.pop("q"), args.pop("scale"), args.pop("offset"), **args,
@@ -152,10 +163,14 @@ def test_integer_dot_refuses_what_it_does_not_multiply():
 
 
 def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
-    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up (int8 per output channel, one row)."""
+    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up, one row: int8 per output channel, and
+    int4 in GGUF's Q4_1 groups of 32 with offsets."""
     k, n = 4096, 28672
     spec = jax.ShapeDtypeStruct
-    for codes in (spec((k, n), jnp.int8), spec((k // 4, n), jnp.int32)):  # as stored, and in words
-        text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, spec((1, n), jnp.bfloat16),
-                              bits=8, group=k, block_k=32, block_n=256, integer_dot=True)
-        assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
+    for bits, rows, dtype, group in ((8, k, jnp.int8, k), (4, k // 2, jnp.uint8, 32)):
+        scales = spec((k // group, n), jnp.bfloat16)
+        offset = scales if bits == 4 else None
+        for codes in (spec((rows, n), dtype), spec((rows // 4, n), jnp.int32)):  # as stored, and in words
+            text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, scales, offset, bits=bits,
+                                  group=group, block_k=16 if bits == 4 else 32, block_n=256, integer_dot=True)
+            assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text

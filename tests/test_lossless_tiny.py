@@ -18,6 +18,8 @@ from models.kv_cache import KVCache
 from models.quantized import QuantizedWeight
 from vegas_jax import adaptive_gamma
 from vegas_jax.attention.dense import DenseAttention
+from pallas_kernels.weight_only_matmul import weight_only_matmul
+from vegas_jax import draft_kernel
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
@@ -119,24 +121,54 @@ def test_greedy_speculative_equals_plain(greedy_setup, method, score_mode):
     assert 0 < result.metrics["acceptance_rate"] < 1
 
 
-@pytest.mark.parametrize("method,draft_weights", [("vegas", "bf16"), ("streaming", "int4"), ("quest", "bf16")])
-def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, monkeypatch):
+@pytest.mark.parametrize("method,draft_weights,draft_activations", [
+    ("vegas", "bf16", "bf16"), ("streaming", "int4", "bf16"), ("quest", "bf16", "bf16"),
+    ("vegas", "int8", "int8"),  # int8 activations at three rows: the rounded rows through the float kernel
+])
+def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, draft_activations, monkeypatch):
     """The Pallas kernels (interpret mode on CPU) in the loop: sparse draft attention, verification with score
-    collection and radix top-k selection, and (streaming's drafts, int4 weights) the weight-only matmul of the
-    draft pass, still token-for-token plain greedy decoding."""
+    collection and radix top-k selection, and (quantized drafts) the weight-only matmul of the draft pass, with
+    x rounded to int8 where asked, still token-for-token plain greedy decoding, with and without kernels."""
     engine, batch, plain = greedy_setup
-    options = dataclasses.replace(GREEDY, method=method, draft_weights=draft_weights)
+    options = dataclasses.replace(GREEDY, method=method, draft_weights=draft_weights,
+                                  draft_activations=draft_activations)
     reference = engine.generate(batch, options)
+    assert [r.tokens for r in reference.requests] == [r.tokens for r in plain.requests]
     monkeypatch.setenv("VEGAS_KERNELS", "interpret")
     result = engine.generate(batch, options)
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
     if draft_weights != "bf16":  # every quantized weight of this model went through the kernel
-        attached = with_kernel(engine.model.drafts[draft_weights], Placement(backend="interpret"))
+        attached = with_kernel(engine.model.drafts[draft_weights], Placement(backend="interpret"),
+                               draft_activations)
         weights = jax.tree.leaves(attached, is_leaf=lambda x: isinstance(x, QuantizedWeight))
         assert len(weights) == 9 and all(w.kernel is not None for w in weights)  # 2 layers x 4, and the LM head
     # Same selections and drafts up to float rounding: a kernel attending the wrong keys (say, missing the new
     # token) would still be lossless, but would draft worse than the jnp path.
     assert result.metrics["tau"] == pytest.approx(reference.metrics["tau"], rel=0.02)
+
+
+@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
+def test_int8_activations_at_one_row_multiply_in_integers_and_equal_plain(draft_weights, monkeypatch):
+    """One sequence: each draft product is one row, which the kernel's integer path multiplies (spied on at
+    trace time); greedy output still equals plain decoding's, token for token."""
+    engine = tiny_engine()
+    batch = prompts([45], engine.config.vocab_size)
+    plain = engine.generate(batch, GREEDY)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["integer_dot"])
+        return weight_only_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(draft_kernel, "weight_only_matmul", spy)
+    monkeypatch.setenv("VEGAS_KERNELS", "interpret")
+    options = dataclasses.replace(GREEDY, method="vegas", draft_weights=draft_weights, draft_activations="int8")
+    result = engine.generate(batch, options)
+    assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
+    assert calls and all(calls)
+    # Drafts as good as with the activations unrounded (a product of the wrong rows would draft worse).
+    unrounded = engine.generate(batch, dataclasses.replace(options, draft_activations="bf16"))
+    assert result.metrics["tau"] >= 0.9 * unrounded.metrics["tau"]
 
 
 def test_kernel_prefill_fills_the_cache_as_the_jnp_path(monkeypatch):

@@ -151,6 +151,39 @@ def test_the_kernel_product_against_float64(rng, kind, groups, in_shape, out):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def numpy_int8_activations(x: np.ndarray, x_group: int) -> np.ndarray:
+    """x [M, K] rounded to int8 per group of positions by the definition (symmetric, max |x| / 127), float64."""
+    grouped = x.astype(np.float64).reshape(x.shape[0], -1, x_group)
+    scale = np.abs(grouped).max(-1, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0)
+    return (np.clip(np.round(grouped / scale), -127, 127) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("kind,groups,in_shape,out", PRODUCT_CASES)
+def test_int8_activations_multiply_the_rounded_rows(rng, kind, groups, in_shape, out, rows, backend):
+    """Draft products with int8 activations: the kernel's integer path (one row), the kernel on rounded rows
+    (five), XLA's product on rounded rows (no kernels), each against float64 of the rows rounded by definition
+    (groups of 64 or 128 positions: the largest dividing K in whole int4 groups)."""
+    k = int(np.prod(in_shape))
+    w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))
+    (w,) = jax.tree.leaves(with_kernel([w], Placement(backend=backend), "int8"),
+                           is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    x = rng.standard_normal((rows,) + in_shape).astype(np.float32)
+    got = np.asarray(quantized_matmul(jnp.asarray(x), w, jnp.float32))
+    want = float64_product(numpy_int8_activations(x.reshape(rows, k), 128 if k % 128 == 0 else 64), ints, w)
+    np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = float64_product(x.reshape(rows, k), ints, w)
+    assert 1e-4 < np.abs(got.reshape(rows, -1) - exact).max() / np.abs(exact).max() < 0.02  # rounded, and closely
+
+
+def test_int8_activations_need_a_group_that_divides_k():
+    w, _ = _random_weight(np.random.default_rng(0), "int8", 48, (16,), 1, 1)
+    with pytest.raises(ValueError, match="no group of 128, 64, 32 positions divides K = 48"):
+        with_kernel([w], Placement(backend="reference"), "int8")
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_engine(vocab=96, layers=1, weight_scale=1.0, tied=True)

@@ -249,12 +249,14 @@ def test_sampled_joint_distribution_is_exact(runs, exact, method, setting, seeds
     assert p_value > P_VALUE_OK, f"p = {p_value:.2e}"
 
 
-# int4 drafts (groups, with offsets) and adaptive γ with fixed costs, whose choices here are γ 3 (the prior's good
-# drafts), then 1 twice (positions 2 and 3 hold no drafts and count as rejected), then 0 (a plain step).
-QUANTIZED_AUTO = dict(draft_weights="int4", gamma="auto", gamma_max=GAMMA, draft_cost=0.3, verify_cost=1.0)
+# int4 drafts (groups, with offsets) multiplying int8-rounded activations, and adaptive γ with fixed costs, whose
+# choices here are γ 3 (the prior's good drafts), then 1 twice (positions 2 and 3 hold no drafts and count as
+# rejected), then 0 (a plain step).
+QUANTIZED_AUTO = dict(draft_weights="int4", draft_activations="int8", gamma="auto", gamma_max=GAMMA, draft_cost=0.3,
+                      verify_cost=1.0)
 
 
-def test_int4_drafts_and_auto_gamma_keep_the_distribution(model, exact):
+def test_int4_drafts_int8_activations_and_auto_gamma_keep_the_distribution(model, exact):
     engine, prompt, _ = model
     counts, _, result = sample(engine, prompt, dataclasses.replace(options("vegas", "t1.0-k3-p0.9"),
                                                                    **QUANTIZED_AUTO), 10_000)

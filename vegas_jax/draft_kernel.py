@@ -7,6 +7,11 @@ and reads no fewer bytes than for bf16 weights (on the H200, 4096 x 6144 at rows
 (models.quantized.QuantizedWeight.kernel), which models.quantized.quantized_matmul then calls; weights it does not
 tile (an output width that is no multiple of 16, such as a 4-token vocabulary) keep XLA's product. On a mesh it
 runs inside the program on each device's shard, whose groups are whole (models.draft_weights).
+
+With int8 activations (GenerationOptions.draft_activations) every draft product first rounds its rows of x to int8
+per group of positions (pallas_kernels.weight_only_matmul.int8_rows): at one row the kernel then multiplies in
+integers (its integer_dot path, PTX dp4a), at more rows, or without kernels, the rounded rows go through the float
+product. The drafts' numerics are the same either way, up to float rounding; verification keeps the output exact.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import math
 
 import jax
 
-from models.quantized import QuantizedWeight
-from pallas_kernels.weight_only_matmul import weight_only_matmul
+from models.quantized import QuantizedWeight, quantized_matmul
+from pallas_kernels.weight_only_matmul import int8_rows, weight_only_matmul
 from vegas_jax.sharding import Placement
 
 # The largest blocks (block_k, block_n) tried, by whether x is one row: the fastest measured on the H200 at
@@ -27,18 +32,40 @@ MAX_BLOCKS = {True: (32, 256), False: (64, 128)}
 MIN_BLOCK = 16
 
 
-def with_kernel(draft_params, placement: Placement):
-    """The draft tree with the kernel as the product of every weight it tiles (unchanged without kernels)."""
-    if draft_params is None or not placement.uses_kernels:
+ACTIVATIONS = ("bf16", "int8")  # what a draft product multiplies: x as computed, or x rounded to int8 per group
+X_GROUPS = (128, 64, 32)  # int8 activations' group along K: the largest that divides K (and, int4, holds groups)
+
+
+def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
+    """The draft tree with the kernel as the product of every weight it tiles (unchanged without kernels), and with
+    int8 activations, every weight's product rounding x first."""
+    if draft_params is None or (not placement.uses_kernels and activations == "bf16"):
         return draft_params
-    product = functools.partial(_product, interpret=placement.interpret)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"draft activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
 
     def attach(w):
-        if not isinstance(w, QuantizedWeight) or _blocks(w, rows=2) is None:
+        if not isinstance(w, QuantizedWeight):
             return w
+        x_group = None if activations == "bf16" else int8_group(w)
+        tiled = placement.uses_kernels and _blocks(w, rows=2) is not None
+        if not tiled and x_group is None:
+            return w
+        product = (functools.partial(_product, interpret=placement.interpret, x_group=x_group) if tiled
+                   else functools.partial(_xla_product, x_group=x_group))
         return dataclasses.replace(w, kernel=product)
 
     return jax.tree.map(attach, draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def int8_group(w: QuantizedWeight) -> int:
+    """The group of positions along K that int8 activations share a scale over, for this weight."""
+    k = w.input_size
+    fits = [g for g in X_GROUPS if k % g == 0 and (w.bits == 8 or g % w.group_size == 0)]
+    if not fits:
+        raise ValueError(f"int8 activations: no group of {', '.join(map(str, X_GROUPS))} positions divides K = {k}"
+                         + (f" in whole weight groups of {w.group_size}" if w.bits == 4 else ""))
+    return fits[0]
 
 
 def _largest_power_of_2_dividing(n: int, most: int) -> int:
@@ -61,9 +88,28 @@ def _blocks(w: QuantizedWeight, rows: int) -> tuple[int, int] | None:
     return block_k, block_n
 
 
-def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool) -> jax.Array:
+def _rounded(x: jax.Array, x_group: int | None) -> jax.Array:
+    """x's rows as int8 activations see them (int8_rows' codes times scales), in x's dtype; x without a group."""
+    if x_group is None:
+        return x
+    codes, scales = int8_rows(x, x_group)
+    return (codes.reshape(x.shape[0], -1, x_group) * scales[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_group: int | None) -> jax.Array:
     """models.quantized's kernel signature: x [M, K] times the weight -> [M, prod(out)] in out_dtype."""
+    integer_dot = x_group is not None and x.shape[0] == 1
     block_k, block_n = _blocks(w, x.shape[0])
+    if integer_dot and w.bits == 8:
+        block_k = min(block_k, x_group)
     flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
-    return weight_only_matmul(x, flat(w.values), flat(w.scale), flat(w.offset), bits=w.bits, group=w.group_size,
-                              block_k=block_k, block_n=block_n, interpret=interpret, out_dtype=out_dtype)
+    return weight_only_matmul(x if integer_dot else _rounded(x, x_group), flat(w.values), flat(w.scale),
+                              flat(w.offset), bits=w.bits, group=w.group_size, block_k=block_k, block_n=block_n,
+                              interpret=interpret, out_dtype=out_dtype, integer_dot=integer_dot,
+                              x_group=x_group or 128)
+
+
+def _xla_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, x_group: int) -> jax.Array:
+    """XLA's product (models.quantized) of the rounded rows, for weights the kernel does not multiply."""
+    flat = dataclasses.replace(w, kernel=None, in_ndim=1)  # x comes as [M, K]
+    return quantized_matmul(_rounded(x, x_group), flat, out_dtype).reshape(x.shape[0], -1)

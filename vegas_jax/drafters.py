@@ -70,7 +70,8 @@ class SelfDrafter:
     def propose(self, params, draft_params, state, keys, config, num_drafts) -> Proposal:
         tree = config.tree
         batch, committed = state.committed.shape[0], state.committed
-        weights = params if draft_params is None else overlay(params, with_kernel(draft_params, config.placement))
+        weights = params if draft_params is None else overlay(
+            params, with_kernel(draft_params, config.placement, config.draft_activations))
         prefix = None  # an NSA model's self draft reads no selection (its family's draft attention)
         if config.policy is not None:
             selection = state.selection  # a finished sequence reads no selected rows (as in loop.draft)

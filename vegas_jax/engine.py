@@ -332,6 +332,7 @@ class Engine:
         width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
                                  options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
+                                 draft_activations=options.draft_activations if gamma else "bf16",
                                  adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter,
                                  mode=ssv.approx_mode_of(options))
 
@@ -835,6 +836,7 @@ class Engine:
         metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
         metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
         metrics["draft_weights"] = options.draft_weights if gamma else None
+        metrics["draft_activations"] = options.draft_activations if gamma else None
         metrics["draft_tree"] = options.draft_tree
         metrics["drafter"] = options.drafter if options.draft_tree else None
         metrics.update(gamma_report or {})

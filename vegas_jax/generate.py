@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-weights", default=GenerationOptions.draft_weights,
                    help="what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 (groups); "
                         "verification always reads the model's weights")
+    p.add_argument("--draft-activations", default=GenerationOptions.draft_activations,
+                   help="what the drafts' quantized products multiply (with --draft-weights int8 or int4): bf16, or "
+                        "int8 (x rounded to int8 per group; on the GPU one row multiplies in integers)")
     p.add_argument("--draft-tree", default=None,
                    help="verify a draft tree DEPTHxBRANCHING (e.g. 4x2; 6x1 is a chain; at most 64 nodes) instead of "
                         "a chain of --gamma drafts")

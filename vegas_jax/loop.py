@@ -53,6 +53,7 @@ class DecodeConfig:
     placement: Placement = Placement()  # attention backend and mesh
     logprobs: int | None = None  # log-probabilities of the emitted tokens and this many alternatives; None: off
     draft_weights: str = "bf16"  # what the drafts read: bf16 (the model's weights) | int8 | int4 (draft_params)
+    draft_activations: str = "bf16"  # what their quantized products multiply: bf16 | int8 (vegas_jax.draft_kernel)
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
     # A draft tree (vegas_jax.tree_decode) in place of the chain of γ drafts; γ is then its depth.
     tree: TreeShape | None = None
@@ -319,7 +320,8 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
     gamma, batch = config.gamma, state.committed.shape[0]
     if (draft_params is None) != (config.draft_weights == "bf16"):
         raise ValueError(f"draft weights {config.draft_weights} need their copies (draft_params) and bf16 none")
-    weights = params if draft_params is None else overlay(params, with_kernel(draft_params, config.placement))
+    weights = params if draft_params is None else overlay(
+        params, with_kernel(draft_params, config.placement, config.draft_activations))
     # A finished sequence's drafts are discarded: with no selected rows its draft attention reads only the few
     # recent ones, which makes the iterations where the batch waits for its slowest sequences cheaper.
     selection = state.selection

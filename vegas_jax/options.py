@@ -11,6 +11,7 @@ from typing import Any
 from models.quantized import PRECISIONS
 from vegas_jax import adaptive_gamma, inputs, ssv, stops
 from vegas_jax.attention.verify import SCORE_MODES
+from vegas_jax.draft_kernel import ACTIVATIONS
 from vegas_jax.drafters import DRAFTERS
 from vegas_jax.inputs import InputError
 from vegas_jax.selection import POLICIES
@@ -65,6 +66,9 @@ class GenerationOptions:
     # Each generated token's log-probability and this many most likely alternatives (vegas_jax.logprobs).
     logprobs: int | None = None
     draft_weights: str = "bf16"  # bf16 (the model's own weights), int8 or int4 (models.draft_weights)
+    # What the drafts' quantized products multiply: bf16 (x as computed) or int8 (x rounded to int8 per group of
+    # positions, multiplied in integers at one row where kernels run; vegas_jax.draft_kernel).
+    draft_activations: str = "bf16"
     gamma_max: int | None = None  # with gamma "auto": the most drafts of an iteration (default 8)
     # With gamma "auto", the cost model in plain steps: one draft step, and the fixed part of a speculative
     # iteration (its verification, score collection and selection). Both or neither; None: timed at the start.
@@ -134,6 +138,11 @@ class GenerationOptions:
             (bool(self.stop) or not self.include_stop, "{include_stop} has no effect without {stop}"),
             (self.draft_weights in PRECISIONS, "{draft_weights} must be one of {}, got {!r}", ", ".join(PRECISIONS),
              self.draft_weights),
+            (self.draft_activations in ACTIVATIONS, "{draft_activations} must be one of {}, got {!r}",
+             ", ".join(ACTIVATIONS), self.draft_activations),
+            (self.draft_activations == "bf16" or self.draft_weights != "bf16",
+             "{draft_activations} {} multiplies quantized draft weights: give {draft_weights} int8 or int4",
+             self.draft_activations),
             (self.draft_weights == "bf16" or (self.method != "ar" and self.gamma != 0),
              "{draft_weights} {} has no effect without drafts ({method} {}, {gamma} {})", self.draft_weights,
              self.method, self.gamma),
@@ -227,7 +236,7 @@ class GenerationOptions:
         """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them, no
         planner (a pinned approximate mode stays: plain decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
-                                   gamma_max=None, draft_cost=None, verify_cost=None, draft_tree=None,
+                                   draft_activations="bf16", gamma_max=None, draft_cost=None, verify_cost=None, draft_tree=None,
                                    drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
