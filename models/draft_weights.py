@@ -18,6 +18,7 @@ groups), and groups of the scales split with it where it is split (row-parallel 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -128,7 +129,8 @@ def weight_axes(name: str, weight: QuantizedWeight) -> QuantizedWeight:
         raise ValueError(f"{name}: only the outermost contracted axis may be split")
     group_axis = k_axis if weight.scale.shape[0] > 1 else None  # one group (per channel): whole on every device
     offset = None if weight.offset is None else Axes(group_axis, *out_axes)
-    return QuantizedWeight(Axes(k_axis, *out_axes), Axes(group_axis, *out_axes), offset, weight.in_ndim)
+    return dataclasses.replace(weight, values=Axes(k_axis, *out_axes), scale=Axes(group_axis, *out_axes),
+                               offset=offset, kernel=None)
 
 
 def draft_axes(tree: dict) -> dict:

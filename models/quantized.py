@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 PRECISIONS = ("bf16", "int8", "int4")  # bf16: the model's own (unquantized) weights
@@ -39,20 +40,23 @@ INT8_MAX, INT4_LEVELS = 127, 15
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    values: jax.Array  # int8 codes [K, *out], or int4 codes packed as uint8 [K / 2, *out]
+    values: jax.Array  # int8 codes [K, *out], or int4 codes packed as uint8 [K / 2, *out]; or those in words
     scale: jax.Array  # [G, *out]
     offset: jax.Array | None  # [G, *out], or None (symmetric)
     in_ndim: int = dataclasses.field(default=1, metadata=dict(static=True))  # leading axes of W contracted
     # kernel(x [M, K], weight, preferred_element_type) -> [M, prod(out)]: the product in place of XLA's.
     kernel: Callable | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Codes of this width held four rows an int32 word ([rows / 4, *out], byte j of word r holding row 4r + j: the
+    # layout the weight-only kernel's integer path reads in one load; in_words), or None: one row a byte.
+    word_bits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def bits(self) -> int:
-        return 4 if self.values.dtype == jnp.uint8 else 8
+        return self.word_bits or (4 if self.values.dtype == jnp.uint8 else 8)
 
     @property
     def input_size(self) -> int:
-        return self.values.shape[0] * (2 if self.bits == 4 else 1)
+        return self.values.shape[0] * (4 if self.word_bits else 1) * (2 if self.bits == 4 else 1)
 
     @property
     def groups(self) -> int:
@@ -81,8 +85,28 @@ def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
     return jnp.concatenate([p & 0x0F, p >> 4], axis=1).reshape((half * 2,) + out)
 
 
+def in_words(w: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with its codes four rows a word (QuantizedWeight.word_bits)."""
+    if w.word_bits:
+        return w
+    rows, out = w.values.shape[0], w.values.shape[1:]
+    grouped = jnp.moveaxis(w.values.reshape((rows // 4, 4) + out), 1, -1)  # [rows / 4, *out, 4]
+    return dataclasses.replace(w, values=lax.bitcast_convert_type(grouped, jnp.int32), word_bits=w.bits)
+
+
+def in_bytes(w: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with its codes one row a byte (in_words undone)."""
+    if not w.word_bits:
+        return w
+    codes = lax.bitcast_convert_type(w.values, jnp.uint8 if w.bits == 4 else jnp.int8)  # [rows / 4, *out, 4]
+    rows = w.values.shape[0] * 4
+    return dataclasses.replace(w, values=jnp.moveaxis(codes, -1, 1).reshape((rows,) + w.values.shape[1:]),
+                               word_bits=None)
+
+
 def integer_codes(w: QuantizedWeight) -> jax.Array:
     """The integer codes [K, *out] (int4 unpacked), int32 for int4."""
+    w = in_bytes(w)
     return unpack_int4(w.values, w.group_size) if w.bits == 4 else w.values
 
 

@@ -149,16 +149,17 @@ def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, draft_act
 
 @pytest.mark.parametrize("draft_weights", ["int8", "int4"])
 def test_int8_activations_at_one_row_multiply_in_integers_and_equal_plain(draft_weights, monkeypatch):
-    """One sequence: each draft product is one row, which the kernel's integer path multiplies (spied on at
-    trace time); greedy output still equals plain decoding's, token for token."""
+    """One sequence: each draft product is one row, which the kernel's integer path multiplies on codes held in
+    words (spied on at trace time); greedy output still equals plain decoding's, token for token, and again with
+    the activations unrounded (the codes back in bytes for the float kernel)."""
     engine = tiny_engine()
     batch = prompts([45], engine.config.vocab_size)
     plain = engine.generate(batch, GREEDY)
     calls = []
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs["integer_dot"])
-        return weight_only_matmul(*args, **kwargs)
+    def spy(x, q, *args, **kwargs):
+        calls.append(kwargs["integer_dot"] and q.dtype == jnp.int32)  # the codes in words (codes_in_words)
+        return weight_only_matmul(x, q, *args, **kwargs)
 
     monkeypatch.setattr(draft_kernel, "weight_only_matmul", spy)
     monkeypatch.setenv("VEGAS_KERNELS", "interpret")

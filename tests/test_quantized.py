@@ -19,6 +19,8 @@ from models.quantized import (
     FORMULATIONS,
     QuantizedWeight,
     dequantize,
+    in_bytes,
+    in_words,
     integer_codes,
     overlay,
     pack_int4,
@@ -28,7 +30,8 @@ from models.quantized import (
 )
 from tests.test_lossless_tiny import tiny_engine
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.draft_kernel import with_kernel
+from pallas_kernels.weight_only_matmul import pack_code_words
+from vegas_jax.draft_kernel import codes_in_words, with_kernel
 from vegas_jax.engine import GenerationOptions
 from vegas_jax.memory import draft_per_device
 from vegas_jax.sharding import Placement
@@ -151,6 +154,23 @@ def test_the_kernel_product_against_float64(rng, kind, groups, in_shape, out):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("kind,groups,in_shape,out", PRODUCT_CASES)
+def test_codes_in_words_are_the_kernels_words_and_multiply_alike(rng, kind, groups, in_shape, out):
+    k = int(np.prod(in_shape))
+    w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))
+    words = in_words(w)
+    assert (words.bits, words.input_size, words.group_size, words.values.dtype) == (w.bits, k, w.group_size,
+                                                                                   jnp.int32)
+    flat = lambda a: np.asarray(a).reshape(a.shape[0], -1)  # noqa: E731
+    np.testing.assert_array_equal(flat(words.values), np.asarray(pack_code_words(jnp.asarray(flat(w.values)))))
+    back = in_bytes(words)
+    assert back.word_bits is None and back.values.dtype == w.values.dtype
+    np.testing.assert_array_equal(np.asarray(back.values), np.asarray(w.values))
+    x = rng.standard_normal((3,) + in_shape).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(jnp.asarray(x), words)),
+                               float64_product(x.reshape(3, k), ints, w).reshape((3,) + out), rtol=1e-5, atol=1e-4)
+
+
 def numpy_int8_activations(x: np.ndarray, x_group: int) -> np.ndarray:
     """x [M, K] rounded to int8 per group of positions by the definition (symmetric, max |x| / 127), float64."""
     grouped = x.astype(np.float64).reshape(x.shape[0], -1, x_group)
@@ -159,16 +179,19 @@ def numpy_int8_activations(x: np.ndarray, x_group: int) -> np.ndarray:
     return (np.clip(np.round(grouped / scale), -127, 127) * scale).reshape(x.shape)
 
 
-@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("backend,words", [("interpret", False), ("interpret", True), ("reference", False)])
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("kind,groups,in_shape,out", PRODUCT_CASES)
-def test_int8_activations_multiply_the_rounded_rows(rng, kind, groups, in_shape, out, rows, backend):
-    """Draft products with int8 activations: the kernel's integer path (one row), the kernel on rounded rows
-    (five), XLA's product on rounded rows (no kernels), each against float64 of the rows rounded by definition
-    (groups of 64 or 128 positions: the largest dividing K in whole int4 groups)."""
+def test_int8_activations_multiply_the_rounded_rows(rng, kind, groups, in_shape, out, rows, backend, words):
+    """Draft products with int8 activations: the kernel's integer path (one row, codes as stored or in words), the
+    kernel on rounded rows (five), XLA's product on rounded rows (no kernels), each against float64 of the rows
+    rounded by definition (groups of 64 or 128 positions: the largest dividing K in whole int4 groups)."""
     k = int(np.prod(in_shape))
     w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))
-    (w,) = jax.tree.leaves(with_kernel([w], Placement(backend=backend), "int8"),
+    tree = codes_in_words([w]) if words else [w]
+    assert jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, QuantizedWeight))[0].word_bits == (w.bits if words
+                                                                                                    else None)
+    (w,) = jax.tree.leaves(with_kernel(tree, Placement(backend=backend), "int8"),
                            is_leaf=lambda a: isinstance(a, QuantizedWeight))
     x = rng.standard_normal((rows,) + in_shape).astype(np.float32)
     got = np.asarray(quantized_matmul(jnp.asarray(x), w, jnp.float32))

@@ -12,6 +12,10 @@ With int8 activations (GenerationOptions.draft_activations) every draft product 
 per group of positions (pallas_kernels.weight_only_matmul.int8_rows): at one row the kernel then multiplies in
 integers (its integer_dot path, PTX dp4a), at more rows, or without kernels, the rounded rows go through the float
 product. The drafts' numerics are the same either way, up to float rounding; verification keeps the output exact.
+Where kernels run, the engine asks for the draft codes four rows a word (`codes_in_words`: one load a word, where
+codes as stored take four strided loads; on the H200 at Llama-3.1-8B's shapes a layer's int4 products took 65 us
+against 80, and the float kernel's 90, benchmarks/results/weight-only-2026-12-02-s24-integer-int4.json). At more
+than one row those are unpacked to bytes for the float kernel, every step: int8 activations are for one sequence.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 
 import jax
 
-from models.quantized import QuantizedWeight, quantized_matmul
+from models.quantized import QuantizedWeight, in_bytes, in_words, quantized_matmul
 from pallas_kernels.weight_only_matmul import int8_rows, weight_only_matmul
 from vegas_jax.sharding import Placement
 
@@ -56,6 +60,31 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
         return dataclasses.replace(w, kernel=product)
 
     return jax.tree.map(attach, draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def codes_in_words(draft_params):
+    """The draft tree with the codes of every weight the integer kernel multiplies four rows a word (its layout;
+    the others as they were). Made beside the tree it is given: both are held until that one is dropped."""
+    def pack(w):
+        if not isinstance(w, QuantizedWeight) or _blocks(w, rows=1) is None or w.values.shape[0] % 4:
+            return w
+        try:
+            int8_group(w)
+        except ValueError:
+            return w
+        return in_words(w)
+
+    return _map_weights(pack, draft_params)
+
+
+def codes_in_bytes(draft_params):
+    """codes_in_words undone."""
+    return _map_weights(in_bytes, draft_params)
+
+
+def _map_weights(fn, tree):
+    return jax.tree.map(lambda w: fn(w) if isinstance(w, QuantizedWeight) else w, tree,
+                        is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def int8_group(w: QuantizedWeight) -> int:
@@ -99,6 +128,8 @@ def _rounded(x: jax.Array, x_group: int | None) -> jax.Array:
 def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_group: int | None) -> jax.Array:
     """models.quantized's kernel signature: x [M, K] times the weight -> [M, prod(out)] in out_dtype."""
     integer_dot = x_group is not None and x.shape[0] == 1
+    if not integer_dot:
+        w = in_bytes(w)  # the float kernels read one row a byte
     block_k, block_n = _blocks(w, x.shape[0])
     if integer_dot and w.bits == 8:
         block_k = min(block_k, x_group)
@@ -111,5 +142,5 @@ def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_
 
 def _xla_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, x_group: int) -> jax.Array:
     """XLA's product (models.quantized) of the rounded rows, for weights the kernel does not multiply."""
-    flat = dataclasses.replace(w, kernel=None, in_ndim=1)  # x comes as [M, K]
+    flat = dataclasses.replace(w, kernel=None, in_ndim=1)  # x comes as [M, K] (codes in words: integer_codes reads)
     return quantized_matmul(_rounded(x, x_group), flat, out_dtype).reshape(x.shape[0], -1)

@@ -294,9 +294,12 @@ class Engine:
             return "the model's own weights"
         return self.model.draft_sources.get(precision, "made at the first run that reads them")
 
-    def _draft_params(self, precision: str):
+    def _draft_params(self, config: loop.DecodeConfig):
+        """The draft tree config's drafts read: codes in words where its kernels multiply int8 activations."""
+        precision = config.draft_weights
+        words = config.draft_activations == "int8" and config.placement.uses_kernels
         try:
-            return self.model.draft_params(precision)
+            return self.model.draft_params(precision, words)
         except draft_weights.DraftWeightsError as e:
             raise InputError("{draft_weights} {}: {}", precision, e) from None
 
@@ -513,7 +516,7 @@ class Engine:
         options = GenerationOptions.check(options)
         options, config, capacity, summary = self._fitted_plan(ids, options)  # refuses what cannot fit first
         timings = {}
-        draft_params = self._draft_params(config.draft_weights)
+        draft_params = self._draft_params(config)
         state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
                               progress=progress, fill_cache=fill_cache)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
@@ -636,7 +639,7 @@ class Engine:
 
         # An empty batch: every slot finished, so the first admissions fill it.
         state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
-        draft_params = self._draft_params(config.draft_weights)
+        draft_params = self._draft_params(config)
         decode = self._compile_decode(config, state, draft_params, timings)
         tuner = self._gamma_tuner(config, options, slots, capacity)
 

@@ -46,23 +46,28 @@ class LoadedModel:
     # Per precision, where its draft weights came from (for the CLI's report).
     draft_sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def draft_params(self, precision: str):
+    def draft_params(self, precision: str, words: bool = False):
         """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
         use and kept: from a GGUF file's own blocks where they have that precision, else quantized from the
-        parameters. DraftWeightsError when the shapes admit no such draft."""
+        parameters. DraftWeightsError when the shapes admit no such draft. `words`: the codes the integer kernel
+        multiplies held four rows a word (vegas_jax.draft_kernel.in_words), in place of the bytes (one copy kept)."""
         if precision == "bf16":
             return None
-        if precision not in self.drafts:
-            if self.format == "gguf":
-                from vegas_jax.loading.gguf import gguf_draft
+        from vegas_jax.draft_kernel import codes_in_bytes, codes_in_words
 
-                self.drafts[precision], self.draft_sources[precision] = gguf_draft(self, precision)
-            else:
-                from vegas_jax.loading.placing import quantize_draft
+        if precision in self.drafts:
+            self.drafts[precision] = (codes_in_words if words else codes_in_bytes)(self.drafts[precision])
+            return self.drafts[precision]
+        if self.format == "gguf":
+            from vegas_jax.loading.gguf import gguf_draft
 
-                self.drafts[precision] = quantize_draft(self.params, self.config, precision, self.mesh)
-                self.draft_sources[precision] = f"quantized from the {self.params['embed'].dtype} weights"
-        return self.drafts[precision]
+            self.drafts[precision], self.draft_sources[precision] = gguf_draft(self, precision)
+        else:
+            from vegas_jax.loading.placing import quantize_draft
+
+            self.drafts[precision] = quantize_draft(self.params, self.config, precision, self.mesh)
+            self.draft_sources[precision] = f"quantized from the {self.params['embed'].dtype} weights"
+        return self.draft_params(precision, words)
 
     @property
     def model_shards(self) -> int:

@@ -3,6 +3,7 @@ slice (`Placement.put`), so no loader holds the whole model on the host or on on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -123,8 +124,8 @@ def relayout_draft(tree: dict, config: ModelConfig, from_shards: int, mesh=None)
             sharding = placement.sharding(x_axes)
             return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
 
-        return QuantizedWeight(one(w.values, axes.values), one(w.scale, axes.scale), one(w.offset, axes.offset),
-                               w.in_ndim)
+        return dataclasses.replace(w, values=one(w.values, axes.values), scale=one(w.scale, axes.scale),
+                                   offset=one(w.offset, axes.offset))
 
     return {
         "layers": {i: {n: move(n, w) for n, w in layer.items()} for i, layer in tree["layers"].items()},
