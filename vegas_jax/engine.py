@@ -294,10 +294,11 @@ class Engine:
             return "the model's own weights"
         return self.model.draft_sources.get(precision, "made at the first run that reads them")
 
-    def _draft_params(self, config: loop.DecodeConfig):
-        """The draft tree config's drafts read: codes in words where its kernels multiply int8 activations."""
+    def _draft_params(self, config: loop.DecodeConfig, rows: int):
+        """The draft tree config's drafts read over `rows` batch rows: codes in words where its kernels multiply
+        int8 activations one row at a time (at more rows the float kernel reads bytes; vegas_jax.draft_kernel)."""
         precision = config.draft_weights
-        words = config.draft_activations == "int8" and config.placement.uses_kernels
+        words = config.draft_activations == "int8" and config.placement.uses_kernels and rows == 1
         try:
             return self.model.draft_params(precision, words)
         except draft_weights.DraftWeightsError as e:
@@ -516,8 +517,9 @@ class Engine:
         options = GenerationOptions.check(options)
         options, config, capacity, summary = self._fitted_plan(ids, options)  # refuses what cannot fit first
         timings = {}
-        draft_params = self._draft_params(config)
-        state = self._prefill(ids, options, config, capacity, timings, rows=self._batch_rows(len(ids)),
+        rows = self._batch_rows(len(ids))
+        draft_params = self._draft_params(config, rows)
+        state = self._prefill(ids, options, config, capacity, timings, rows=rows,
                               progress=progress, fill_cache=fill_cache)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = self._with_control(config, state, -1, options.given_costs)
@@ -639,7 +641,7 @@ class Engine:
 
         # An empty batch: every slot finished, so the first admissions fill it.
         state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
-        draft_params = self._draft_params(config)
+        draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
         tuner = self._gamma_tuner(config, options, slots, capacity)
 
