@@ -6,9 +6,10 @@ after), and the Pallas kernel (pallas_kernels/weight_only_matmul.py) over its bl
 Each measurement chains one matmul per layer through `layers` distinct weights inside one jitted program (the
 weights together exceed the L2 cache, and the per-call dispatch cost is spread over the chain, as in a decode
 step), and reports the GPU time per matmul (kernel durations from the profiler) and the weight bytes read per
-second against a device copy measured in the same run. --integer-dot adds, at one row, the kernel's
-integer path (x quantized to int8, PTX dp4a), an approximation of the product that a draft could use, on the codes
-as stored (backend "pallas-integer") and packed four rows a word (pack_code_words, "pallas-integer-words").
+second against a device copy measured in the same run. --integer-dot adds, at up to 16 rows, the kernel's integer
+path (x quantized to int8; one row PTX dp4a, more an int8 tensor-core dot), an approximation of the product that a
+draft could use, on the codes as stored (backend "pallas-integer") and, at one row, packed four rows a word
+(pack_code_words, "pallas-integer-words").
 Prints a table; writes JSON to $OUT (or --out).
 
 Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
-        args.rows, args.blocks, args.layers, args.repeats = ("1" if args.integer_dot else "8"), "64x64", 2, 1
+        args.rows, args.blocks, args.layers, args.repeats = ("1,4" if args.integer_dot else "8"), "64x64", 2, 1
     if args.ncu:
         args.layers, args.repeats = 1, 1
     interpret = args.smoke
@@ -146,9 +147,10 @@ def main(argv=None) -> int:
             for bits in (int(b) for b in args.bits.split(",")):
                 group = k if bits == 8 else args.group
                 w = [quantized(kk, k, n, bits, group) for kk in keys]
-                # The integer path takes one row, in x groups of whole weight groups (int4) or dividing K.
-                integer_dot = args.integer_dot and m == 1 and (bits == 8 or args.x_group % group == 0)
-                words = [(pack_code_words(q), scale, offset) for q, scale, offset in w] if integer_dot else None
+                # The integer path takes up to 16 rows (words: one), in x groups of whole weight groups (int4).
+                integer_dot = args.integer_dot and m <= 16 and (bits == 8 or args.x_group % group == 0)
+                words = ([(pack_code_words(q), scale, offset) for q, scale, offset in w] if integer_dot and m == 1
+                         else None)
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
                 for (bk, bn), warps, stages in ((b, int(wp), int(st)) for b in blocks for wp in args.warps.split(",")
                                                 for st in args.stages.split(",")):
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
                     if integer_dot and args.x_group % bk == 0:
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
                         variants += [(f"int{bits}", backend, bits, integer, codes, f"{bk}x{bn}/w{warps}s{stages}")
-                                     for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))]
+                                     for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))
+                                     if codes is not None]
             for weights_kind, backend, bits, fn, w, config in variants:
                 record = {"matrix": name, "k": k, "n": n, "rows": m, "weights": weights_kind, "backend": backend,
                           "config": config, "weight_bytes": k * n * bits // 8}

@@ -181,6 +181,36 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_r
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((o_ref.shape[1],), jnp.float32))[None, :]
 
 
+def weight_only_integer_rows_kernel(xq_ref, xs_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int,
+                                    x_group: int, block_k: int, blocks_per_split: int):
+    """weight_only_integer_kernel for 2-16 rows, on the tensor cores: the rows' int8 codes (xq_ref [16, K], padded
+    rows zero; xs_ref [16, K / x_group] their scales) times each block's codes as an int8 tile (int4: the two nibble
+    tiles masked into bytes, no float conversion), a dot with an int32 accumulator, scaled once a block per row and
+    column. dp4a per row would multiply the one-row kernel's instructions by the rows. Not measured yet on the GPU
+    (benchmarks/bench_weight_only.py --integer-dot at rows > 1); drafts do not use it yet."""
+    split = pl.program_id(1)
+
+    def body(i, acc):
+        k0 = (split * blocks_per_split + i) * block_k
+        q = q_ref[pl.ds(k0, block_k), :]
+        low_rows, high_rows, g = _rows_of_x(bits, group, k0)
+        x_runs = [xq_ref[:, pl.ds(low_rows, block_k)]]
+        if bits == 8:
+            tiles = [q]
+        else:
+            x_runs.append(xq_ref[:, pl.ds(high_rows, block_k)])
+            tiles = [(q & 0xF).astype(jnp.int8), (q >> 4).astype(jnp.int8)]
+        sums = sum(jnp.dot(run, tile, preferred_element_type=jnp.int32) for run, tile in zip(x_runs, tiles))
+        partial = sums.astype(jnp.float32) * scale_ref[g, :].astype(jnp.float32)[None, :]
+        if offset_ref is not None:
+            x_sum = sum(jnp.sum(run.astype(jnp.int32), axis=1) for run in x_runs)
+            partial += x_sum.astype(jnp.float32)[:, None] * offset_ref[g, :].astype(jnp.float32)[None, :]
+        x_scale = xs_ref[:, pl.ds(low_rows // x_group, 1)]  # [16, 1]: a block lies in one x group
+        return acc + x_scale * partial
+
+    o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
 def _dp4a(a, b, c):
     """c + the four signed byte products of int32 words a and b, summed: PTX dp4a.s32.s32, one instruction."""
     (out,) = plt.elementwise_inline_asm("dp4a.s32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
@@ -271,16 +301,17 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
                        num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
                        interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
-    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (one row):
-    x quantized to int8 per x_group positions and multiplied in integers (weight_only_integer_kernel), the exact
-    product of that quantized row, an approximation of x @ w within x's quantization error."""
+    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (1-16
+    rows): x quantized to int8 per x_group positions and multiplied in integers (one row: weight_only_integer_kernel;
+    more: weight_only_integer_rows_kernel), the exact product of those quantized rows, an approximation of x @ w
+    within x's quantization error."""
     m, k = x.shape
-    if integer_dot and (m != 1 or k % x_group or (bits == 4 and x_group % group)):
-        raise ValueError(f"integer_dot multiplies one row quantized in x groups dividing K (int4: whole weight "
-                         f"groups); got {m} rows, K = {k}, x_group {x_group}, {bits}-bit group {group}")
-    stored_words = q.dtype == jnp.int32  # codes four rows a word (pack_code_words): the integer path's own
-    if stored_words and not integer_dot:
-        raise ValueError("codes stored as words (int32) are multiplied by integer_dot only")
+    if integer_dot and (m > _MIN_ROWS or k % x_group or (bits == 4 and x_group % group)):
+        raise ValueError(f"integer_dot multiplies up to {_MIN_ROWS} rows quantized in x groups dividing K (int4: "
+                         f"whole weight groups); got {m} rows, K = {k}, x_group {x_group}, {bits}-bit group {group}")
+    stored_words = q.dtype == jnp.int32  # codes four rows a word (pack_code_words): the one-row integer path's own
+    if stored_words and not (integer_dot and m == 1):
+        raise ValueError("codes stored as words (int32) are multiplied by integer_dot at one row only")
     block_rows = k if bits == 8 else k // 2  # rows of the codes, what block_k counts: positions (int8), bytes (int4)
     rows_of_q = block_rows // 4 if stored_words else block_rows
     if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
@@ -301,7 +332,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     splits = num_splits or default_splits(n // block_n, k_blocks)
     if k_blocks % splits:
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
-    layout = "integer" if integer_dot else _layout(bits, x.dtype, m)
+    layout = ("integer" if m == 1 else "integer_rows") if integer_dot else _layout(bits, x.dtype, m)
     blocks_per_split = k_blocks // splits
     column = lambda j, s: (0, j)
     in_specs = [pl.BlockSpec((rows_of_q, block_n), column), pl.BlockSpec((k // group, block_n), column)]
@@ -314,6 +345,14 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         kernel = functools.partial(weight_only_integer_kernel, bits=bits, group=group, x_group=x_group,
                                    block_k=block_k, blocks_per_split=blocks_per_split, interpret=interpret)
         out_block, out_index, out_shape = (None, 1, block_n), lambda j, s: (s, 0, j), (splits, 1, n)
+    elif layout == "integer_rows":
+        codes, scales = int8_rows(x, x_group)
+        xs = (jnp.zeros((_MIN_ROWS, k), jnp.int8).at[:m].set(codes.astype(jnp.int8)),
+              jnp.ones((_MIN_ROWS, k // x_group), jnp.float32).at[:m].set(scales))
+        kernel = functools.partial(weight_only_integer_rows_kernel, bits=bits, group=group, x_group=x_group,
+                                   block_k=block_k, blocks_per_split=blocks_per_split)
+        out_block, out_index = (None, _MIN_ROWS, block_n), lambda j, s: (s, 0, j)
+        out_shape = (splits, _MIN_ROWS, n)
     elif layout == "swapped":
         xs = (jnp.zeros((k, _MIN_ROWS), x.dtype).at[:, :m].set(x.T),)
         kernel = functools.partial(weight_only_swapped_kernel, group=group, block_k=block_k,

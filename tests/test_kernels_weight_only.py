@@ -107,7 +107,7 @@ def test_the_emulated_dp4a_sums_four_signed_byte_products(rng):
                                   expected)
 
 
-@pytest.mark.parametrize("stored_words", [False, True])
+@pytest.mark.parametrize("m,stored_words", [(1, False), (1, True), (5, False)])  # words: one row only
 @pytest.mark.parametrize("bits,group,x_group,with_offset,splits", [
     (8, 256, 128, False, None),  # per output channel
     (8, 256, 64, True, 2),
@@ -116,22 +116,22 @@ def test_the_emulated_dp4a_sums_four_signed_byte_products(rng):
     (4, 64, 64, False, None),
     (4, 128, 128, True, 4),
 ])
-def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_group, with_offset, splits,
+def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_group, with_offset, splits, m,
                                                           stored_words):
-    """The kernel (interpret mode, dp4a emulated), on codes as stored for the other kernels or packed in words,
-    against float64 numpy of the int8 row it defines: exact integer sums, scaled once a block (the offset by the
-    block's sum of x); and within x's quantization error of the exact product."""
+    """The kernel (interpret mode; one row: dp4a emulated, on codes as stored for the other kernels or packed in
+    words; five rows: the int8 dot) against float64 numpy of the int8 rows it defines: exact integer sums, scaled
+    once a block (the offset by the block's sum of x); and within x's quantization error of the exact product."""
     k, n = 256, 64
     rows = k if bits == 8 else k // 2
     q = (rng.integers(-127, 128, (rows, n)).astype(np.int8) if bits == 8
          else rng.integers(0, 256, (rows, n)).astype(np.uint8))
     scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
     offset = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if with_offset else None
-    x = rng.normal(size=(1, k)).astype(np.float32)
+    x = rng.normal(size=(m, k)).astype(np.float32)
     codes, scales = numpy_int8_rows(x, x_group)
     words, got_scales = quantize_rows_int8(jnp.asarray(x), x_group)
     np.testing.assert_allclose(np.asarray(got_scales), scales, rtol=1e-6)
-    unpacked = np.asarray(words).view(np.int8).reshape(1, k)  # byte j of word r is position 4r + j
+    unpacked = np.asarray(words).view(np.int8).reshape(m, k)  # byte j of word r is position 4r + j
     np.testing.assert_array_equal(unpacked, codes)
     w = numpy_weight(q, scale, offset, bits, group)
     x_rows = codes * np.repeat(scales, x_group, axis=1)
@@ -144,6 +144,7 @@ def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_gr
     got = np.asarray(weight_only_matmul(jnp.asarray(x), codes_in, scale, offset, bits=bits, group=group, block_k=16,
                                         block_n=32, num_splits=splits, interpret=True, integer_dot=True,
                                         x_group=x_group), np.float64)
+    assert got.shape == (m, n)
     bound = 1e-5 * (np.abs(x_rows) @ np.abs(w))  # float32 scaling of exact integer sums
     assert np.all(np.abs(got - expected) <= bound)
     exact = np.asarray(x, np.float64) @ w
@@ -152,9 +153,11 @@ def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_gr
 
 def test_integer_dot_refuses_what_it_does_not_multiply():
     x, q8, ones = jnp.ones((1, 128), jnp.float32), jnp.zeros((128, 32), jnp.int8), jnp.ones((1, 32))
-    with pytest.raises(ValueError, match="integer_dot only"):
-        weight_only_matmul(x, jnp.zeros((32, 32), jnp.int32), ones, bits=8, group=128, interpret=True)
-    for bad in [dict(x=jnp.ones((2, 128))), dict(x_group=96),  # int4: an x group of whole weight groups
+    for rows, integer_dot in ((1, False), (2, True)):
+        with pytest.raises(ValueError, match="integer_dot at one row only"):
+            weight_only_matmul(jnp.ones((rows, 128)), jnp.zeros((32, 32), jnp.int32), ones, bits=8, group=128,
+                               interpret=True, integer_dot=integer_dot)
+    for bad in [dict(x=jnp.ones((17, 128))), dict(x_group=96),  # int4: an x group of whole weight groups
                 dict(bits=4, q=jnp.zeros((64, 32), jnp.uint8), group=64, scale=jnp.ones((2, 32)), x_group=32)]:
         args = dict(x=x, q=q8, scale=ones, offset=None, bits=8, group=128) | bad
         with pytest.raises(ValueError, match="integer_dot"):
@@ -174,3 +177,7 @@ def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
             text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, scales, offset, bits=bits,
                                   group=group, block_k=16 if bits == 4 else 32, block_n=256, integer_dot=True)
             assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
+        # Eight rows: the int8 dot (codes as stored).
+        text = lower_for_h200(weight_only_matmul, spec((8, k), jnp.bfloat16), spec((rows, n), dtype), scales, offset,
+                              bits=bits, group=group, block_k=64, block_n=128, integer_dot=True)
+        assert "weight_only_matmul_integer_rows" in text
