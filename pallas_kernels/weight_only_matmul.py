@@ -16,9 +16,9 @@ XLA keeps the int → bf16 convert out of its GEMMs at these shapes and reads no
 partial product is scaled once: x_blk @ (q_blk * s + o) = (x_blk @ q_blk) * s + rowsum(x_blk) * o. The
 split partials are summed in float32 outside the kernel. Three kernels share that scheme (`_layout`): one row of x
 without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot with the weight tile second. A fourth,
-asked for by `integer_dot`, multiplies int8 or int4 codes by one row of x quantized to int8, in integers (PTX
-dp4a): an approximation of the product (x's quantization error, about 1 % of the output), for drafts that ask for
-int8 activations.
+asked for by `integer_dot`, multiplies int8 or int4 codes by rows of x quantized to int8, in integers (one row: PTX
+dp4a; 2-16 rows: an int8 tensor-core dot): an approximation of the product (x's quantization error, about 1 % of
+the output), for drafts that ask for int8 activations.
 """
 
 from __future__ import annotations
