@@ -30,6 +30,16 @@ def numpy_weight(q, scale, offset, bits, group):
     return w
 
 
+def random_weight(rng, bits, group, with_offset, k, n, lowest_int8=-128):
+    """(codes as the kernel stores them: int8 [K, N] or int4 bytes [K / 2, N]; scales; offsets or None)."""
+    rows = k if bits == 8 else k // 2
+    q = (rng.integers(lowest_int8, 128, (rows, n)).astype(np.int8) if bits == 8
+         else rng.integers(0, 256, (rows, n)).astype(np.uint8))
+    scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    offset = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if with_offset else None
+    return q, scale, offset
+
+
 @pytest.mark.parametrize("bits,group,with_offset,m,splits", [
     (8, 256, False, 3, None),  # per output channel
     (8, 256, True, 1, 2),  # one row: the kernel without a dot
@@ -40,11 +50,7 @@ def numpy_weight(q, scale, offset, bits, group):
 ])
 def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, splits):
     k, n = 256, 64
-    rows = k if bits == 8 else k // 2
-    q = (rng.integers(-128, 128, (rows, n)).astype(np.int8) if bits == 8
-         else rng.integers(0, 256, (rows, n)).astype(np.uint8))
-    scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
-    offset = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if with_offset else None
+    q, scale, offset = random_weight(rng, bits, group, with_offset, k, n)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     w = numpy_weight(q, scale, offset, bits, group)
     expected = np.asarray(x, np.float64) @ w
@@ -123,10 +129,7 @@ def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_gr
     once a block (the offset by the block's sum of x); and within x's quantization error of the exact product."""
     k, n = 256, 64
     rows = k if bits == 8 else k // 2
-    q = (rng.integers(-127, 128, (rows, n)).astype(np.int8) if bits == 8
-         else rng.integers(0, 256, (rows, n)).astype(np.uint8))
-    scale = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
-    offset = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if with_offset else None
+    q, scale, offset = random_weight(rng, bits, group, with_offset, k, n, lowest_int8=-127)  # symmetric int8
     x = rng.normal(size=(m, k)).astype(np.float32)
     codes, scales = numpy_int8_rows(x, x_group)
     words, got_scales = quantize_rows_int8(jnp.asarray(x), x_group)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from models import draft_weights
-from models.decoder import forward
+from models.decoder import forward, init_params
 from models.kv_cache import KVCache
 from models.quantized import (
     FORMULATIONS,
@@ -28,11 +28,13 @@ from models.quantized import (
     quantize_int8,
     quantized_matmul,
 )
+from pallas_kernels.weight_only_matmul import pack_code_words
 from tests.test_lossless_tiny import tiny_engine
 from vegas_jax.attention.dense import DenseAttention
-from pallas_kernels.weight_only_matmul import pack_code_words
 from vegas_jax.draft_kernel import codes_in_words, with_kernel
-from vegas_jax.engine import GenerationOptions
+from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.inputs import InputError
+from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.memory import draft_per_device
 from vegas_jax.sharding import Placement
 
@@ -205,6 +207,13 @@ def test_int8_activations_need_a_group_that_divides_k():
     w, _ = _random_weight(np.random.default_rng(0), "int8", 48, (16,), 1, 1)
     with pytest.raises(ValueError, match="no group of 128, 64, 32 positions divides K = 48"):
         with_kernel([w], Placement(backend="reference"), "int8")
+    # A model with such a width is refused by the plan, before anything is allocated or traced.
+    base = tiny_engine()
+    config = dataclasses.replace(base.config, hidden_size=48, num_heads=3, num_kv_heads=1)
+    engine = Engine(LoadedModel(config, init_params(config, jnp.float32, 0), base.tokenizer, "random", "random"))
+    options = GenerationOptions(method="vegas", draft_weights="int8", draft_activations="int8", max_new_tokens=4)
+    with pytest.raises(InputError, match="draft_activations.* int8: .*no group of 128, 64, 32 positions divides K = 48"):
+        engine.plan([[1, 2, 3]], options)
 
 
 @pytest.fixture(scope="module")

@@ -67,12 +67,9 @@ def codes_in_words(draft_params):
     """The draft tree with the codes of every weight the integer kernel multiplies four rows a word (its layout;
     the others as they were). Made beside the tree it is given: both are held until that one is dropped."""
     def pack(w):
-        if not isinstance(w, QuantizedWeight) or _blocks(w, rows=1) is None or w.values.shape[0] % 4:
+        if _blocks(w, rows=1) is None or w.values.shape[0] % 4:
             return w
-        try:
-            int8_group(w)
-        except ValueError:
-            return w
+        int8_group(w)  # the integer path's condition (Engine's plan has refused a model that fails it)
         return in_words(w)
 
     return _map_weights(pack, draft_params)
@@ -83,13 +80,21 @@ def codes_in_bytes(draft_params):
     return _map_weights(in_bytes, draft_params)
 
 
+def check_int8_activations(draft_params) -> None:
+    """ValueError (int8_group's) when a weight of the draft tree admits no group for int8 activations."""
+    for w in jax.tree.leaves(draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if isinstance(w, QuantizedWeight):
+            int8_group(w)
+
+
 def _map_weights(fn, tree):
     return jax.tree.map(lambda w: fn(w) if isinstance(w, QuantizedWeight) else w, tree,
                         is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def int8_group(w: QuantizedWeight) -> int:
-    """The group of positions along K that int8 activations share a scale over, for this weight."""
+    """The group of positions along K that int8 activations share a scale over, for this weight; ValueError where
+    no group fits."""
     k = w.input_size
     fits = [g for g in X_GROUPS if k % g == 0 and (w.bits == 8 or g % w.group_size == 0)]
     if not fits:
@@ -131,9 +136,7 @@ def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_
     integer_dot = x_group is not None and x.shape[0] == 1
     if not integer_dot:
         w = in_bytes(w)  # the float kernels read one row a byte
-    block_k, block_n = _blocks(w, x.shape[0])
-    if integer_dot and w.bits == 8:
-        block_k = min(block_k, x_group)
+    block_k, block_n = _blocks(w, x.shape[0])  # the kernel takes block_k down to x_group for its integer path
     flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
     return weight_only_matmul(x if integer_dot else _rounded(x, x_group), flat(w.values), flat(w.scale),
                               flat(w.offset), bits=w.bits, group=w.group_size, block_k=block_k, block_n=block_n,

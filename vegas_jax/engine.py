@@ -23,7 +23,7 @@ from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import adaptive_gamma, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
+from vegas_jax import adaptive_gamma, draft_kernel, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.inputs import InputError
@@ -242,8 +242,14 @@ class Engine:
         batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
         p = self.placement
         precision = config.draft_weights
+        draft = self._draft_shapes(precision)
+        if config.draft_activations == "int8":
+            try:
+                draft_kernel.check_int8_activations(draft)
+            except ValueError as e:
+                raise InputError("{draft_activations} int8: {}", e) from None
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
-                                   draft=self._draft_shapes(precision),
+                                   draft=draft,
                                    gamma=config.verify_rows - 1,
                                    k_max=config.policy.budget.k_max if config.policy else 0,
                                    policy=options.method, quest_page=options.quest_page,

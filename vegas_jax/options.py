@@ -236,8 +236,8 @@ class GenerationOptions:
         """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them, no
         planner (a pinned approximate mode stays: plain decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
-                                   draft_activations="bf16", gamma_max=None, draft_cost=None, verify_cost=None, draft_tree=None,
-                                   drafter=GenerationOptions.drafter, ssv_profile=None)
+                                   draft_activations="bf16", gamma_max=None, draft_cost=None, verify_cost=None,
+                                   draft_tree=None, drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
     def given_costs(self) -> tuple[float, float] | None:

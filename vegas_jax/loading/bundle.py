@@ -50,7 +50,8 @@ class LoadedModel:
         """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
         use and kept: from a GGUF file's own blocks where they have that precision, else quantized from the
         parameters. DraftWeightsError when the shapes admit no such draft. `words`: the codes the integer kernel
-        multiplies held four rows a word (vegas_jax.draft_kernel.in_words), in place of the bytes (one copy kept)."""
+        multiplies held four rows a word (vegas_jax.draft_kernel.codes_in_words), in place of the bytes (one copy
+        kept)."""
         if precision == "bf16":
             return None
         from vegas_jax.draft_kernel import codes_in_bytes, codes_in_words
