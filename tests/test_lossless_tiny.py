@@ -172,6 +172,30 @@ def test_int8_activations_at_one_row_multiply_in_integers_and_equal_plain(draft_
     assert result.metrics["tau"] >= 0.9 * unrounded.metrics["tau"]
 
 
+@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
+def test_int8_activations_at_a_few_rows_take_the_faster_kernel_and_equal_plain(draft_weights, monkeypatch):
+    """Three sequences: each draft product is three rows, which the kernel multiplies in integers (the int8 tensor-core
+    dot) for int4 codes and in floats on the rounded rows for int8 codes (the faster of the two for each on the
+    H200; the LM head is int8 in both trees), always on codes in bytes (spied on at trace time); greedy output
+    equals plain decoding's."""
+    engine = tiny_engine()
+    batch = prompts([45, 30, 52], engine.config.vocab_size)
+    plain = engine.generate(batch, GREEDY)
+    calls = []
+
+    def spy(x, q, *args, **kwargs):
+        calls.append((x.shape[0], kwargs["bits"], kwargs["integer_dot"], q.dtype == jnp.int32))
+        return weight_only_matmul(x, q, *args, **kwargs)
+
+    monkeypatch.setattr(draft_kernel, "weight_only_matmul", spy)
+    monkeypatch.setenv("VEGAS_KERNELS", "interpret")
+    options = dataclasses.replace(GREEDY, method="vegas", draft_weights=draft_weights, draft_activations="int8")
+    result = engine.generate(batch, options)
+    assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
+    layers = {(3, 4, True, False)} if draft_weights == "int4" else set()
+    assert set(calls) == layers | {(3, 8, False, False)}
+
+
 def test_kernel_prefill_fills_the_cache_as_the_jnp_path(monkeypatch):
     """Prefill through the verification kernel (interpret mode): chunks of 96 tokens are 192 query rows per KV
     head, two row blocks, in a cache of 256 rows (250 tokens + γ + 1) that the last chunk (positions 192-287) runs

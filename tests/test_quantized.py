@@ -185,8 +185,9 @@ def numpy_int8_activations(x: np.ndarray, x_group: int) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("kind,groups,in_shape,out", PRODUCT_CASES)
 def test_int8_activations_multiply_the_rounded_rows(rng, kind, groups, in_shape, out, rows, backend, words):
-    """Draft products with int8 activations: the kernel's integer path (one row, codes as stored or in words), the
-    kernel on rounded rows (five), XLA's product on rounded rows (no kernels), each against float64 of the rows
+    """Draft products with int8 activations: the kernel's integer paths (one row, codes as stored or in words; five
+    rows of int4 codes), the float kernel on rounded rows (five rows of int8 codes), XLA's product on rounded rows
+    (no kernels), each against float64 of the rows
     rounded by definition (groups of 64 or 128 positions: the largest dividing K in whole int4 groups)."""
     k = int(np.prod(in_shape))
     w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))

@@ -10,8 +10,11 @@ runs inside the program on each device's shard, whose groups are whole (models.d
 
 With int8 activations (GenerationOptions.draft_activations) every draft product first rounds its rows of x to int8
 per group of positions (pallas_kernels.weight_only_matmul.int8_rows): at one row the kernel then multiplies in
-integers (its integer_dot path, PTX dp4a), at more rows, or without kernels, the rounded rows go through the float
-product. The drafts' numerics are the same either way, up to float rounding; verification keeps the output exact.
+integers (its integer_dot path, PTX dp4a), int4 codes at 2-16 rows too (an int8 tensor-core dot: on the H200 at
+Llama-3.1-8B's shapes a layer's four products at 2-16 rows took 106-109 us against the float kernel's 130-134 and
+bf16 cuBLAS's 113-119; int8 codes there took 118-121 against the float kernel's 108-112, so they keep it,
+benchmarks/results/weight-only-2026-12-02-rows.json); otherwise, or without kernels, the rounded rows go through
+the float product. The drafts' numerics are the same either way, up to float rounding; verification keeps the output exact.
 Where kernels run and a batch has one row, the engine asks for the draft codes four rows a word (`codes_in_words`:
 one load a word, where codes as stored take four strided loads; on the H200 at Llama-3.1-8B's shapes a layer's int4
 products took 65 us against 80, and the float kernel's 90, benchmarks/results/weight-only-2026-12-02-s24-integer-
@@ -31,10 +34,11 @@ from models.quantized import QuantizedWeight, in_bytes, in_words, quantized_matm
 from pallas_kernels.weight_only_matmul import int8_rows, weight_only_matmul
 from vegas_jax.sharding import Placement
 
-# The largest blocks (block_k, block_n) tried, by whether x is one row: the fastest measured on the H200 at
-# Llama-3.1-8B's shapes (benchmarks/results/weight-only-2026-12-02-int4-variants.json); 16: Triton's smallest dot.
-MAX_BLOCKS = {True: (32, 256), False: (64, 128)}
+# The largest blocks (block_k, block_n) tried, by path: the fastest measured on the H200 at Llama-3.1-8B's shapes
+# (benchmarks/results/weight-only-2026-12-02-int4-variants.json, -rows.json); 16: Triton's smallest dot.
+MAX_BLOCKS = {"one row": (32, 256), "rows": (64, 128), "integer rows": (64, 256)}
 MIN_BLOCK = 16
+INTEGER_ROWS = 16  # the most rows the integer dot multiplies (pallas_kernels.weight_only_matmul)
 
 
 ACTIVATIONS = ("bf16", "int8")  # what a draft product multiplies: x as computed, or x rounded to int8 per group
@@ -53,7 +57,7 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
         if not isinstance(w, QuantizedWeight):
             return w
         x_group = None if activations == "bf16" else int8_group(w)
-        tiled = placement.uses_kernels and _blocks(w, rows=2) is not None
+        tiled = placement.uses_kernels and _blocks(w, "rows") is not None
         if not tiled and x_group is None:
             return w
         product = (functools.partial(_product, interpret=placement.interpret, x_group=x_group) if tiled
@@ -67,7 +71,7 @@ def codes_in_words(draft_params):
     """The draft tree with the codes of every weight the integer kernel multiplies four rows a word (its layout;
     the others as they were). Made beside the tree it is given: both are held until that one is dropped."""
     def pack(w):
-        if _blocks(w, rows=1) is None or w.values.shape[0] % 4:
+        if _blocks(w, "one row") is None or w.values.shape[0] % 4:
             return w
         int8_group(w)  # the integer path's condition (Engine's plan has refused a model that fails it)
         return in_words(w)
@@ -110,12 +114,12 @@ def _largest_power_of_2_dividing(n: int, most: int) -> int:
     return block
 
 
-def _blocks(w: QuantizedWeight, rows: int) -> tuple[int, int] | None:
-    """(block_k, block_n) that tile this weight for the kernel at `rows` rows of x, or None. Whether a weight
-    tiles does not depend on rows (both shrink to MIN_BLOCK)."""
+def _blocks(w: QuantizedWeight, path: str) -> tuple[int, int] | None:
+    """(block_k, block_n) that tile this weight for the kernel's path (a key of MAX_BLOCKS), or None. Whether a
+    weight tiles does not depend on the path (every block shrinks to MIN_BLOCK)."""
     n = math.prod(w.values.shape[1:])
     rows_per_group = w.group_size // (2 if w.bits == 4 else 1)  # rows of the stored codes under one scale
-    most_k, most_n = MAX_BLOCKS[rows == 1]
+    most_k, most_n = MAX_BLOCKS[path]
     block_k = _largest_power_of_2_dividing(rows_per_group, most_k)
     block_n = _largest_power_of_2_dividing(n, most_n)
     if rows_per_group % block_k or n % block_n:
@@ -133,10 +137,12 @@ def _rounded(x: jax.Array, x_group: int | None) -> jax.Array:
 
 def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_group: int | None) -> jax.Array:
     """models.quantized's kernel signature: x [M, K] times the weight -> [M, prod(out)] in out_dtype."""
-    integer_dot = x_group is not None and x.shape[0] == 1
-    if not integer_dot:
-        w = in_bytes(w)  # the float kernels read one row a byte
-    block_k, block_n = _blocks(w, x.shape[0])  # the kernel takes block_k down to x_group for its integer path
+    rows = x.shape[0]
+    integer_dot = x_group is not None and (rows == 1 or (w.bits == 4 and rows <= INTEGER_ROWS))
+    if rows > 1 or not integer_dot:
+        w = in_bytes(w)  # only the one-row integer path reads words
+    path = "one row" if rows == 1 else "integer rows" if integer_dot else "rows"
+    block_k, block_n = _blocks(w, path)  # the kernel takes block_k down to x_group for its integer path
     flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
     return weight_only_matmul(x if integer_dot else _rounded(x, x_group), flat(w.values), flat(w.scale),
                               flat(w.offset), bits=w.bits, group=w.group_size, block_k=block_k, block_n=block_n,
