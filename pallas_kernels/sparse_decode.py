@@ -63,8 +63,9 @@ def sparse_decode_kernel(
     sin_ref,  # [D]
     k_ref,  # [T, D] one KV head's keys
     v_ref,  # [T, D]
-    indices_ref,  # [K_max] selected rows
-    count_ref,  # [] valid entries of indices
+    indices_ref,  # [L, K_max] every layer's selected rows
+    count_ref,  # [L] valid entries of each layer's indices
+    layer_ref,  # [] the layer whose selection this launch reads
     recent_start_ref,  # []
     position_ref,  # [] the new token's row: the recent range is [recent_start, position]
     o_ref,  # [block_h, D] this split's unnormalised output
@@ -83,7 +84,8 @@ def sparse_decode_kernel(
     head_dim = qkv_ref.shape[1]
     kv_head = pl.program_id(0)
     split = pl.program_id(1)
-    count = count_ref[()]
+    layer = layer_ref[()]
+    count = count_ref[layer]
     recent_start = recent_start_ref[()]
     position = position_ref[()]
     # Cached keys only: the new token's row is written by this launch, so it is attended from its own K/V.
@@ -111,7 +113,7 @@ def sparse_decode_kernel(
         key = block_start(block) + jnp.arange(block_k)
         listed = key < count
         in_split = key < split_end
-        listed_rows = plt.load(indices_ref.at[pl.ds(block_start(block), block_k)], mask=listed, other=0)
+        listed_rows = plt.load(indices_ref.at[layer, pl.ds(block_start(block), block_k)], mask=listed, other=0)
         rows = jnp.where(listed, listed_rows, recent_start + key - count)
         # Lanes past the split read row 0 instead of being masked (interpret mode cannot discharge a masked
         # row gather); they all hit the same cached line and are masked out of the softmax below.
@@ -163,10 +165,10 @@ def sparse_decode_unbatched(
     v_cache,  # [T, H_kv, D]
     indices,  # [L, K_max] the selections of every layer
     count,  # [L]
+    layer,  # [] int32
     recent_start,  # []
     position,  # []
     *,
-    layer: int,
     sm_scale: float,
     block_k: int,
     num_splits: int,
@@ -199,9 +201,12 @@ def sparse_decode_unbatched(
             whole(head_dim),
             head_rows,
             head_rows,
-            # The layer's row of the stacked selections, picked by the block index: no sliced copy.
-            pl.BlockSpec((None, k_max), lambda h, s: (layer, 0)),
-            pl.BlockSpec((None,), lambda h, s: (layer,)),
+            # Every layer's selections, of which the kernel reads the layer's row: no sliced copy, and the layer
+            # an operand, so that one program serves every layer (a static layer made as many Triton kernels to
+            # lower and compile as the model has layers).
+            whole(*indices.shape),
+            whole(*count.shape),
+            scalar,
             scalar,
             scalar,
         ],
@@ -211,7 +216,7 @@ def sparse_decode_unbatched(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_decode_attention",
-    )(qkv, rope_cos.astype(jnp.float32), rope_sin.astype(jnp.float32), k_cache, v_cache, indices, count,
+    )(qkv, rope_cos.astype(jnp.float32), rope_sin.astype(jnp.float32), k_cache, v_cache, indices, count, layer,
       recent_start, position)
     out = combine_splits(o[:, :, :group], l[:, :, :group], m[:, :, :group])
     return out.reshape(num_q_heads, head_dim).astype(qkv.dtype), k_cache, v_cache
@@ -247,10 +252,6 @@ def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, blo
     return block_k, max(1, min(wanted, _MAX_SPLITS, pl.cdiv(k_max, block_k)))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("layer", "sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
-)
 def sparse_decode_attention(
     qkv: jax.Array,  # [B, H_q + 2 H_kv, D] the new token's query, key and value heads, before RoPE
     rope_cos: jax.Array,  # [B, D] float32 RoPE tables at the new token's position (models.attention.rope_tables)
@@ -277,12 +278,28 @@ def sparse_decode_attention(
     Sequence b attends to rows `indices[b, :counts[b]]` (distinct, all < recent_start[b]; entries past counts[b]
     are never read), rows `[recent_start[b], position[b])`, and the new token, whose rotated key and value are
     stored at row position[b] (dropped if position[b] >= T). With `layer`, indices and counts are every layer's
-    (stacked, as the decode loop keeps them) and the kernel reads layer `layer`'s directly.
+    (stacked, as the decode loop keeps them) and the kernel reads layer `layer`'s directly; every layer's call is
+    one traced, lowered and compiled program.
     Returns (out [B, H_q, D] in qkv's dtype, k_cache, v_cache); accumulation is float32.
 
     block_k: keys per inner step (power of two >= 16). num_splits: split-K parallelism per (sequence, KV head).
     None for either: see default_launch. num_warps, num_stages: Triton launch parameters.
     """
+    if layer is None:
+        indices, counts, layer = indices[None], counts[None], 0
+    if not 0 <= layer < indices.shape[0]:
+        raise ValueError(f"layer {layer} out of range for {indices.shape[0]} stacked selections")
+    return _sparse_decode_attention(
+        qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, jnp.int32(layer), recent_start, position,
+        sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"))
+def _sparse_decode_attention(qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, layer, recent_start,
+                             position, *, sm_scale, block_k, num_splits, num_warps, num_stages, interpret):
+    """sparse_decode_attention on stacked selections [L, B, K_max], the layer an int32 operand."""
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or qkv.ndim != 3 or k_cache.shape[0] != qkv.shape[0]:
         raise ValueError(f"caches must both be [B, T, H_kv, D] and qkv [B, H_q + 2 H_kv, D]; got {k_cache.shape}, "
                          f"{v_cache.shape}, qkv {qkv.shape}")
@@ -300,20 +317,15 @@ def sparse_decode_attention(
     for name, value in (("recent_start", recent_start), ("position", position)):
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {value.shape}")
-    if layer is None:
-        indices, counts, layer = indices[None], counts[None], 0
     if indices.ndim != 3 or indices.shape[1] != batch or counts.shape != indices.shape[:2]:
         raise ValueError(f"indices must be [B, K_max] (or [L, B, K_max] with layer), counts [B] ([L, B]); got "
-                         f"{indices.shape} and {counts.shape}")
-    if not 0 <= layer < indices.shape[0]:
-        raise ValueError(f"layer {layer} out of range for {indices.shape[0]} stacked selections")
+                         f"{indices.shape[1:]} and {counts.shape[1:]} (stacked: {indices.shape}, {counts.shape})")
     if block_k is None or num_splits is None:
         block_k, auto_splits = default_launch(batch, k_cache.shape[2], indices.shape[2], head_dim, block_k)
         num_splits = num_splits or auto_splits
     check_power_of_2("block_k", block_k, 16)
     inner = functools.partial(
         sparse_decode_unbatched,
-        layer=layer,
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         block_k=block_k,
         num_splits=num_splits,
@@ -322,9 +334,9 @@ def sparse_decode_attention(
         interpret=interpret,
     )
     as_int32 = lambda x: x.astype(jnp.int32)
-    return jax.vmap(inner, in_axes=(0, 0, 0, 0, 0, 1, 1, 0, 0))(
-        qkv, rope_cos, rope_sin, k_cache, v_cache, as_int32(indices), as_int32(counts), as_int32(recent_start),
-        as_int32(position),
+    return jax.vmap(inner, in_axes=(0, 0, 0, 0, 0, 1, 1, None, 0, 0))(
+        qkv, rope_cos, rope_sin, k_cache, v_cache, as_int32(indices), as_int32(counts), layer,
+        as_int32(recent_start), as_int32(position),
     )
 
 

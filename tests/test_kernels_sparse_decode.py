@@ -8,6 +8,8 @@ too, so reading any of them shows up as NaN in the output.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,16 +211,26 @@ def test_rejects_non_power_of_two_head_dim(rng):
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (3, 3, 64)], ids=["qwen3_8b", "smollm2"])
 def test_lowers_to_triton_for_h200(kv_heads, group, head_dim):
+    """Three layers' calls, as the decoder makes them: one kernel program, traced and lowered once and called three
+    times (a program per layer made the decode loop's compilation lower and compile a Triton kernel per layer)."""
     batch, capacity, k_max = 2, 32768, 2294
     spec = jax.ShapeDtypeStruct
+
+    def three_layers(qkv, cos, sin, k, v, indices, counts, starts, positions):
+        outs = []
+        for layer in (0, 14, 29):
+            out, k, v = sparse_decode_attention(qkv, cos, sin, k, v, indices, counts, starts, positions, layer=layer)
+            outs.append(out)
+        return outs, k, v
+
     lowered = lower_for_h200(
-        sparse_decode_attention,
+        jax.jit(three_layers),
         spec((batch, (group + 2) * kv_heads, head_dim), jnp.bfloat16),
         *[spec((batch, head_dim), jnp.float32)] * 2,
         *[spec((batch, capacity, kv_heads, head_dim), jnp.bfloat16)] * 2,
         spec((30, batch, k_max), jnp.int32),
         spec((30, batch), jnp.int32),
         *[spec((batch,), jnp.int32)] * 2,
-        layer=29,
     )
-    assert "__gpu$xla.gpu.triton" in lowered
+    assert lowered.count("__gpu$xla.gpu.triton") == 1
+    assert len(re.findall(r"call @_sparse_decode_attention\b", lowered)) == 3
