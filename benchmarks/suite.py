@@ -241,11 +241,13 @@ def _static_fields(stage: str, split: str, method: str, cell: Cell, batch: int, 
             **_cell_fields(method, cell)}
 
 
-# Loops compiled at once before a sweep's (or a held-out batch's) measurements. Compiling is most of the tuning
-# stage's time (13 s per speculative configuration against about 2 s of runs at 64 x 7.9K), and XLA compiles on
-# the host's cores without holding Python's lock, so a sweep's cells compile side by side on the H200 machine's
-# 16 cores; the measured runs stay one at a time.
-PARALLEL_COMPILES = 4
+# Loops compiled at once before a round of sweeps' (or a held-out batch's) measurements. Compiling is most of the
+# tuning stage's time (about 10 s per speculative configuration against about 2 s of runs at 64 x 7.9K), and XLA
+# compiles on the host's cores without holding Python's lock, so a round's cells compile side by side on the H200
+# machine's 16 cores; the measured runs stay one at a time. On the H200 at 64 x 7.9K (random SmolLM2 weights),
+# configurations compiled in 8.8 s one at a time, 4.1 s each four at a time and 3.5 s eight at a time (tracing and
+# lowering hold the lock); every thread's Engine.start holds a cache, 12 GB there, hence six.
+PARALLEL_COMPILES = 6
 
 
 def compile_ahead(session: Session, stage: str, split: str, configurations: list[tuple[str, Cell]], batch: int,
@@ -314,20 +316,22 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
 
 
 def tune(session: Session, length: int, batch: int) -> None:
+    """Every method's search, side by side: each round takes the current sweep of every method not done (the
+    searches are independent), so that a round's compilations fill the threads (`compile_ahead`)."""
     p = session.preset
-    for method in ("ar",) + SPECULATIVE:
-        while True:
+    while True:
+        todo = []
+        for method in ("ar",) + SPECULATIVE:
             records = session.log.find(stage="tune", split="tuning", method=method, batch=batch,
                                        prompt_tokens=length, temperature=0.0)
-            cells = next_cells(method, p.grid, rates_of(records))
-            if not cells:
-                break
-            compiled = compile_ahead(session, "tune", "tuning", [(method, c) for c in cells], batch, length, 0.0,
-                                     p.tune_new_tokens)
-            for cell in cells:
-                measure_static(session, "tune", "tuning", method, cell, batch, length, 0.0,
-                               new_tokens=p.tune_new_tokens, repeats=p.tune_repeats,
-                               extra={"tuned": False, **_compile_time(compiled, method, cell)})
+            todo += [(method, cell) for cell in next_cells(method, p.grid, rates_of(records))]
+        if not todo:
+            return
+        compiled = compile_ahead(session, "tune", "tuning", todo, batch, length, 0.0, p.tune_new_tokens)
+        for method, cell in todo:
+            measure_static(session, "tune", "tuning", method, cell, batch, length, 0.0,
+                           new_tokens=p.tune_new_tokens, repeats=p.tune_repeats,
+                           extra={"tuned": False, **_compile_time(compiled, method, cell)})
 
 
 def tuned_cells(session: Session, length: int, batch: int) -> dict[str, Cell | None]:

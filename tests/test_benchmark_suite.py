@@ -228,9 +228,12 @@ def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_sess
     ablations = [r for r in held if r.get("at_cell_of") == "vegas"]
     assert {r["method"] for r in ablations} == {"vegas-all", "last"}
     assert all(Cell.of(r) == chosen["vegas"] for r in ablations)
-    # Each tuning sweep's cells are offered to compile ahead together, as each held-out batch's configurations.
-    first_vegas_sweep = next(c for stage, _, _, c in session.ahead if stage == "tune" and c[0][0] == "vegas")
-    assert [cell.gamma for _, cell in first_vegas_sweep] == list(GRID.gammas)
+    # Each round's sweeps, every method's, are offered to compile ahead together (the first: plain decoding and
+    # every method's γ sweep), as each held-out batch's configurations.
+    first_round = next(c for stage, _, _, c in session.ahead if stage == "tune")
+    assert first_round[0] == ("ar", Cell.default("ar"))
+    for method in ("vegas", "streaming", "quest", "retrieval"):
+        assert [cell.gamma for m, cell in first_round if m == method] == list(GRID.gammas)
     offered = [c for stage, b, t, c in session.ahead if (stage, b, t) == ("heldout", 64, 0.0)][-1]
     assert set(offered) == {(r["method"], Cell.of(r)) for r in held if r["batch"] == 64 and r["temperature"] == 0}
     sampled = {r["method"] for r in held if r["temperature"] == 0.7}
