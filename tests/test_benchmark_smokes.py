@@ -316,3 +316,13 @@ def test_bench_mesh(tmp_path):
     (saved,) = (tmp_path / "cut").glob("mesh-*-smoke.json")
     assert json.loads(saved.read_text()) | {"date": None, "command": None} == {
         **doc, "records": [], "complete": False, "date": None, "command": None}
+
+
+def test_bench_compile(tmp_path, monkeypatch):
+    (doc,) = run_smoke("bench_compile", tmp_path, monkeypatch)
+    assert [r["how"] for r in doc["records"]] == ["first", "serial", "2 threads"] and doc["complete"]
+    for r in doc["records"]:
+        finite_positive(r, "wall_s", "lower_s", "compile_s")
+        programs = {p["program"] for p in r["programs"]}
+        assert "decode" in programs and "bootstrap" in programs, programs
+    assert "prefill_chunk" in {p["program"] for p in doc["records"][0]["programs"]}  # compiled once, first
