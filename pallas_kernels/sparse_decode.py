@@ -179,7 +179,6 @@ def sparse_decode_unbatched(
     num_heads, head_dim = qkv.shape
     capacity, num_kv_heads, _ = k_cache.shape
     num_q_heads = num_heads - 2 * num_kv_heads
-    k_max = indices.shape[1]
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
     kernel = functools.partial(

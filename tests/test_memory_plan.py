@@ -90,7 +90,7 @@ def test_dry_run_plan_counts_quantized_draft_weights():
     linear = parts["params"] // 4 - sum(np.prod(s) for s in _unquantized_shapes(fixture))  # values quantized
     assert linear / 2 < parts["draft_weights"] < linear  # half a byte a value, plus scales and offsets
     assert parts["total"] == (parts["params"] + parts["draft_weights"] + parts["decode_state"]
-                              + parts["largest_step_buffers"] + parts["joining_group"])
+                              + parts["largest_step_buffers"] + parts["joining_group"] + parts["kept_prefill"])
 
 
 def _unquantized_shapes(fixture: Path):

@@ -30,6 +30,7 @@ from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.logprobs import TokenLogprob, host_list
 from vegas_jax.planner import AcceptanceTracker
+from vegas_jax.prefill_reuse import PrefillReuse
 from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions
 from vegas_jax.selection import Budget, make_policy
@@ -233,7 +234,7 @@ class Engine:
         does not fit."""
         return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill)[3]
 
-    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None):
+    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None, kept_prefill: bool = False):
         """(the options the run decodes with (vegas_jax.ssv's choice made), loop configuration, cache capacity,
         `plan`'s summary) once the run is known to fit its devices."""
         options, ssv_plan = ssv.resolve(options, self.config, [len(p) for p in prompt_ids], self._acceptance)
@@ -259,7 +260,7 @@ class Engine:
                                    prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
                                                                      options, p),
                                    refill=None if slots is None else self._batch_rows(check_serving(slots, refill)),
-                                   approx_mode=config.mode)
+                                   approx_mode=config.mode, kept_prefill=kept_prefill)
         memory.check_fits(estimate, p)
         return options, config, capacity, {
             "ssv_plan": None if ssv_plan is None else ssv_plan.report(),
@@ -454,21 +455,31 @@ class Engine:
         return self._compiled[key](*host)
 
     def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
-                 fill_cache=None):
+                 fill_cache=None, reuse_prefill: PrefillReuse | None = None):
         """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
         length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s. With `fill_cache` (`start`'s), that function makes the cache instead of prefill."""
+        prefill_s. With `fill_cache` (`start`'s), that function makes the cache instead of prefill; with
+        `reuse_prefill`, the cache it keeps for these prompts and this layout, if any (timings' prefill_reused),
+        and otherwise it keeps this prefill's."""
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
         chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
         timings["prefill_chunk"] = chunk
-        spans = [] if fill_cache else prefill_spans(max(lens) - 1, chunk)
+        state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
+        reuse_key = kept = None
+        if reuse_prefill is not None and fill_cache is None:
+            reuse_key = PrefillReuse.key(ids, state.cache, model=id(self.model), placement=placement,
+                                         mode=config.mode, chunk=chunk, first_request=first_request)
+            kept = reuse_prefill.fill(reuse_key, state.cache)
+            if kept is not None:
+                state = dataclasses.replace(state, cache=kept)
+        timings["prefill_reused"] = kept is not None
+        spans = [] if fill_cache or kept is not None else prefill_spans(max(lens) - 1, chunk)
         width = spans[-1][0] + spans[-1][1] if spans else 0
         tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache)
+        for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache, a kept prefill)
             tokens[i, : len(p) - 1] = p[:-1]
-        state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         t0 = time.perf_counter()
         p_axes, cache_axes, state_axes = param_axes(params), axes_of(state.cache), axes_of(state)
         prefill = {}
@@ -491,6 +502,8 @@ class Engine:
             cache = prefill[size](params, cache, chunk_tokens, placement.put(positions, loop.PREFILL_TOKENS_AXES))
             if progress:
                 progress("prefill", step + 1, len(spans))
+        if reuse_key is not None and kept is None:
+            reuse_prefill.keep(reuse_key, cache)
         state = bootstrap(params, dataclasses.replace(state, cache=cache))
         jax.block_until_ready(state.output)
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
@@ -510,7 +523,8 @@ class Engine:
         return decode
 
     def start(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None, progress=None,
-              fill_cache: Callable[[KVCache], KVCache] | None = None) -> Started:
+              fill_cache: Callable[[KVCache], KVCache] | None = None,
+              reuse_prefill: PrefillReuse | None = None) -> Started:
         """Validates, compiles, prefills and runs the bootstrap step: the state the decode loop starts from (also
         for tools, such as benchmarks, that time parts of an iteration themselves). A request whose logits are
         not finite already is done there (`DecodeState.nonfinite`).
@@ -518,15 +532,21 @@ class Engine:
         `fill_cache`, for timing at shapes too large to prefill often (an 8B model at 128K): a function from the
         allocated, zeroed cache to the cache to decode from, run instead of prefill. Its rows stand for the
         prompts' keys and values, so the tokens that follow mean nothing; only their cost does. The cache it is
-        given is its own: where it writes over that cache's buffers (donates them), no second cache is allocated."""
+        given is its own: where it writes over that cache's buffers (donates them), no second cache is allocated.
+
+        `reuse_prefill` (a `PrefillReuse`, vegas_jax.prefill_reuse): runs over the same prompts, whatever their
+        method and settings, start from the cache the first one's prefill left (copied; timings' prefill_reused
+        says whether this run did), and decode exactly as after their own prefill. Its kept cache is counted in
+        the memory plan."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        options, config, capacity, summary = self._fitted_plan(ids, options)  # refuses what cannot fit first
+        options, config, capacity, summary = self._fitted_plan(  # refuses what cannot fit first
+            ids, options, kept_prefill=reuse_prefill is not None and fill_cache is None)
         timings = {}
         rows = self._batch_rows(len(ids))
         draft_params = self._draft_params(config, rows)
         state = self._prefill(ids, options, config, capacity, timings, rows=rows,
-                              progress=progress, fill_cache=fill_cache)
+                              progress=progress, fill_cache=fill_cache, reuse_prefill=reuse_prefill)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = self._with_control(config, state, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)

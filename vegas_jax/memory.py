@@ -56,9 +56,9 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
              refill: int | None, penalties: bool = False, logprobs: int | None = None,
              stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16,
-             approx_mode: ApproxMode = EXACT_MODE) -> dict:
+             approx_mode: ApproxMode = EXACT_MODE, kept_prefill: bool = False) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
-    bf16 drafts."""
+    bf16 drafts. kept_prefill: a copy of the cache is held besides (vegas_jax.prefill_reuse)."""
     dtype = np.dtype(params["embed"].dtype).itemsize
     rows = batch // placement.data_shards
     kv_heads = config.num_kv_heads // placement.model_shards
@@ -99,9 +99,10 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
         "decode_state": state,
         "largest_step_buffers": max(logits + scores, prefill),
         "joining_group": joining,
+        "kept_prefill": rows * cache_row if kept_prefill else 0,
     }
     parts["total"] = (parts["params"] + parts["draft_weights"] + parts["decode_state"] + parts["largest_step_buffers"]
-                      + joining)
+                      + joining + parts["kept_prefill"])
     return parts
 
 
@@ -124,9 +125,10 @@ def check_fits(parts: dict, placement: Placement) -> None:
         gib = lambda key: f"{parts[key] / _GIB:.2f}"
         raise InputError(
             "{max_model_len} / {slots} / {mesh}: this run needs {} GiB per device (params {}, draft weights {}, KV "
-            "cache {}, decode state {}, step buffers {}) but a device has {:.2f} GiB ({}, {} % usable): shorten the "
-            "context, run fewer sequences at once, or spread them over more devices",
+            "cache {}, decode state {}, step buffers {}{}) but a device has {:.2f} GiB ({}, {} % usable): shorten "
+            "the context, run fewer sequences at once, or spread them over more devices",
             gib("total"), gib("params"), gib("draft_weights"), gib("kv_cache"), gib("decode_state"),
             gib("largest_step_buffers"),
+            f", a kept prefill {gib('kept_prefill')}" if parts.get("kept_prefill") else "",
             limit / _GIB, source, math.floor(MARGIN * 100),
         )
