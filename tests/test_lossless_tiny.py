@@ -147,39 +147,16 @@ def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, draft_act
     assert result.metrics["tau"] == pytest.approx(reference.metrics["tau"], rel=0.02)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("draft_weights", ["int8", "int4"])
-def test_int8_activations_at_one_row_multiply_in_integers_and_equal_plain(draft_weights, monkeypatch):
-    """One sequence: each draft product is one row, which the kernel's integer path multiplies on codes held in
-    words (spied on at trace time); greedy output still equals plain decoding's, token for token, and again with
-    the activations unrounded (the codes back in bytes for the float kernel)."""
+def test_int8_activations_take_the_integer_kernels_and_equal_plain(draft_weights, rows, monkeypatch):
+    """Each draft product is `rows` rows (the batch), and the kernel path is the faster one measured on the H200
+    (spied on at trace time): one row, every product in integers on codes held in words; three rows, int4 codes in
+    integers (the int8 tensor-core dot) and int8 codes (the LM head's in both trees) in floats on the rounded rows,
+    codes in bytes. Greedy output equals plain decoding's, token for token, and drafts are as good as with the
+    activations unrounded (a product of the wrong rows would draft worse)."""
     engine = tiny_engine()
-    batch = prompts([45], engine.config.vocab_size)
-    plain = engine.generate(batch, GREEDY)
-    calls = []
-
-    def spy(x, q, *args, **kwargs):
-        calls.append(kwargs["integer_dot"] and q.dtype == jnp.int32)  # the codes in words (codes_in_words)
-        return weight_only_matmul(x, q, *args, **kwargs)
-
-    monkeypatch.setattr(draft_kernel, "weight_only_matmul", spy)
-    monkeypatch.setenv("VEGAS_KERNELS", "interpret")
-    options = dataclasses.replace(GREEDY, method="vegas", draft_weights=draft_weights, draft_activations="int8")
-    result = engine.generate(batch, options)
-    assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
-    assert calls and all(calls)
-    # Drafts as good as with the activations unrounded (a product of the wrong rows would draft worse).
-    unrounded = engine.generate(batch, dataclasses.replace(options, draft_activations="bf16"))
-    assert result.metrics["tau"] >= 0.9 * unrounded.metrics["tau"]
-
-
-@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
-def test_int8_activations_at_a_few_rows_take_the_faster_kernel_and_equal_plain(draft_weights, monkeypatch):
-    """Three sequences: each draft product is three rows, which the kernel multiplies in integers (the int8 tensor-core
-    dot) for int4 codes and in floats on the rounded rows for int8 codes (the faster of the two for each on the
-    H200; the LM head is int8 in both trees), always on codes in bytes (spied on at trace time); greedy output
-    equals plain decoding's."""
-    engine = tiny_engine()
-    batch = prompts([45, 30, 52], engine.config.vocab_size)
+    batch = prompts([45, 30, 52][:rows], engine.config.vocab_size)
     plain = engine.generate(batch, GREEDY)
     calls = []
 
@@ -192,8 +169,13 @@ def test_int8_activations_at_a_few_rows_take_the_faster_kernel_and_equal_plain(d
     options = dataclasses.replace(GREEDY, method="vegas", draft_weights=draft_weights, draft_activations="int8")
     result = engine.generate(batch, options)
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
-    layers = {(3, 4, True, False)} if draft_weights == "int4" else set()
-    assert set(calls) == layers | {(3, 8, False, False)}
+    bits = int(draft_weights[3:])
+    if rows == 1:
+        assert set(calls) == {(1, bits, True, True), (1, 8, True, True)}
+    else:
+        assert set(calls) == {(3, bits, bits == 4, False), (3, 8, False, False)}
+    unrounded = engine.generate(batch, dataclasses.replace(options, draft_activations="bf16"))
+    assert result.metrics["tau"] >= 0.9 * unrounded.metrics["tau"]
 
 
 def test_kernel_prefill_fills_the_cache_as_the_jnp_path(monkeypatch):
