@@ -1,20 +1,7 @@
-import atexit
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
-
-# The suite compiles the same programs many times over (an engine per test, xdist workers, scenario subprocesses):
-# JAX's persistent cache, named in the environment that the workers and subprocesses inherit, compiles each once
-# per run (lossless_tiny and continuous_batching took 146 s with it against 176 s without, on 2 cores). A fresh
-# folder each run, removed at its end by the process that made it: nothing carries over between runs.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="vegas-tests-jax-cache-")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 
 @pytest.fixture
