@@ -379,10 +379,11 @@ def test_json_is_never_half_written(monkeypatch, tmp_path):
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
 
 
-def test_sigint_stops_a_cli_run_within_a_second_or_so(tmp_path):
+def test_sigint_stops_a_cli_run_within_seconds(tmp_path):
     """A real SIGINT to `python -m vegas_jax.generate` once it prints tokens: 64 requests x 2,000 tokens (the
     fixture without its stop tokens, which this random model emits within a few hundred) would decode for 15 s or
-    more. Exit 130 within a few seconds, one line, and a JSON of what it generated."""
+    more. Exit 130 with no request finished, within seconds (10 allowed: a loaded 2-core CI machine finishes the
+    decode call under way first), one line, and a JSON of what it generated."""
     model = Path(shutil.copytree(FIXTURE, tmp_path / "no-eos"))
     no_stop = {"tokenizer_config.json": {"eos_token": None}, "generation_config.json": {"eos_token_id": []}}
     for name, change in no_stop.items():
@@ -407,7 +408,7 @@ def test_sigint_stops_a_cli_run_within_a_second_or_so(tmp_path):
     lines = err.splitlines()
     assert lines[0].startswith("config: ") and lines[1].startswith("loaded ")
     assert lines[2:] == [f"interrupted (SIGINT): 0 of 64 requests finished, written to {path}"]
-    assert elapsed < 5
+    assert elapsed < 10
     doc = json.loads(path.read_text())
     assert doc["interrupted"] is True and {r["status"] for r in doc["requests"]} == {"interrupted"}
     lengths = {len(r["tokens"]) for r in doc["requests"]}
