@@ -5,6 +5,7 @@ sizes by benchmarks/bench_weight_only.py.
 
     python benchmarks/bench_quantized_gemm.py                 # the engine's XLA options and Triton GEMMs
     python benchmarks/bench_quantized_gemm.py --variants xla-default --shapes o,down --rows 1,8
+    python benchmarks/bench_quantized_gemm.py --kinds bf16,s4 --variants engine,xla-default,triton-any --rows 1,8
     python benchmarks/bench_quantized_gemm.py --smoke         # tiny shapes: checks this script on a CPU
 
 A run stops starting measurements after --budget-s seconds (default 480, so that one command stays under the
@@ -37,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
-from models.quantized import FORMULATIONS, quantize_int4, quantize_int8, quantized_matmul  # noqa: E402
+from models.quantized import FORMULATIONS, integer_codes, quantize_int4, quantize_int8, quantized_matmul  # noqa: E402
 from models.quantized import nbytes  # noqa: E402
 from vegas_jax.compilation import GPU_COMPILER_OPTIONS  # noqa: E402
 
@@ -54,6 +55,9 @@ WEIGHTS = [
     ("int4 g128 grouped", "int4", 128, "grouped"),
     ("int4 g128 dequantized", "int4", 128, "dequantized"),
     ("int4 g32 grouped (GGUF Q4_1)", "int4", 32, "grouped"),
+    # XLA's own int4 type (stored two a byte on the GPU), dequantized in one expression that a Triton GEMM may take
+    # into its operand loads (variants xla-default, triton-any): the path a Pallas kernel would have to beat
+    ("int4 g128 native s4", "s4", 128, None),
 ]
 
 
@@ -105,13 +109,30 @@ def make_weights(kind: str, group: int | None, k: int, n: int, copies: int, key,
             out.append(w)
         elif kind == "int8":
             out.append(jax.jit(quantize_int8)(w))
+        elif kind == "s4":
+            out.append(jax.jit(native_int4)(jax.jit(quantize_int4, static_argnums=1)(w, group)))
         else:
             out.append(jax.jit(quantize_int4, static_argnums=1)(w, group))
     return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
 
 
+def native_int4(w):
+    """An int4 weight's codes 0..15 as XLA's signed int4 (code - 8), the offset moved to match: the same weight."""
+    codes = (integer_codes(w) - 8).astype(jnp.int4)
+    return {"values": codes, "scale": w.scale, "offset": w.offset + 8 * w.scale}
+
+
+def native_int4_product(x, w):
+    k, n = w["values"].shape
+    groups = w["scale"].shape[0]
+    grouped = w["values"].astype(x.dtype).reshape(groups, k // groups, n)
+    full = grouped * w["scale"][:, None].astype(x.dtype) + w["offset"][:, None].astype(x.dtype)
+    return jnp.dot(x, full.reshape(k, n), preferred_element_type=jnp.float32)
+
+
 def weight_bytes(weights, copies: int) -> int:
-    return sum(nbytes(x) for x in jax.tree.leaves(weights)) // copies
+    """Bytes of one copy on the device (int4 two a byte, as XLA stores it on the GPU)."""
+    return sum(nbytes(x) // (2 if x.dtype == jnp.int4 else 1) for x in jax.tree.leaves(weights)) // copies
 
 
 def product(kind: str, formulation: str | None, copies: int):
@@ -120,6 +141,8 @@ def product(kind: str, formulation: str | None, copies: int):
     def one(x, w):
         if kind == "bf16":
             return jnp.dot(x, w, preferred_element_type=jnp.float32)
+        if kind == "s4":
+            return native_int4_product(x, w)
         return quantized_matmul(x, w, jnp.float32, formulation)
 
     def run(x, weights):
@@ -137,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--rows", default=None, help="comma-separated rows (default 1,8,16,64)")
+    p.add_argument("--kinds", default=None,
+                   help=f"comma-separated weight kinds, of {', '.join(dict.fromkeys(k for _, k, *_ in WEIGHTS))} "
+                        "(default all)")
     p.add_argument("--budget-s", type=float, default=480.0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
@@ -149,6 +175,9 @@ def main(argv=None) -> int:
     if args.rows:
         settings = dataclasses.replace(settings, rows=tuple(int(r) for r in args.rows.split(",")))
     assert set(FORMULATIONS) >= {f for *_, f in WEIGHTS if f}
+    kinds = args.kinds.split(",") if args.kinds else [k for _, k, *_ in WEIGHTS]
+    if unknown := set(kinds) - {k for _, k, *_ in WEIGHTS}:
+        p.error(f"--kinds {args.kinds}: unknown {', '.join(sorted(unknown))}")
     started = time.perf_counter()
     stamp = datetime.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
 
@@ -168,7 +197,7 @@ def main(argv=None) -> int:
         save_results(doc, f"quantized-gemm-{stamp}.json", args.out or (None if args.smoke else RESULTS))
 
     for name, (k, n) in settings.shapes.items():
-        for label, kind, group, formulation in WEIGHTS:
+        for label, kind, group, formulation in (w for w in WEIGHTS if w[1] in kinds):
             if time.perf_counter() - started > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping", flush=True)
                 break

@@ -114,6 +114,25 @@ def test_bench_quantized_gemm(tmp_path, monkeypatch):
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "gb_per_s", "speedup_vs_bf16")
+    native = [r for r in doc["records"] if r["weights"] == "int4 g128 native s4"]
+    packed = {(r["shape"], r["rows"]): r for r in doc["records"] if r["weights"] == "int4 g128 grouped"}
+    assert native and all(r["weight_bytes"] == packed[r["shape"], r["rows"]]["weight_bytes"] for r in native)
+
+
+def test_native_int4_is_the_same_weight():
+    """The benchmark's XLA int4 form of an int4 weight multiplies as the weight's float64 definition."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.bench_quantized_gemm import native_int4, native_int4_product
+    from models.quantized import dequantize, quantize_int4
+
+    w = quantize_int4(jax.random.normal(jax.random.key(0), (256, 48)), 128)
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    want = x.astype(np.float64) @ np.asarray(dequantize(w), np.float64)
+    got = np.asarray(native_int4_product(jnp.asarray(x), native_int4(w)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_bench_lm_head(tmp_path, monkeypatch):
