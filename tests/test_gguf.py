@@ -22,7 +22,7 @@ from models.decoder import forward
 from models.kv_cache import KVCache
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.loading import gguf_blocks
-from vegas_jax.loading.bundle import CheckpointError
+from vegas_jax.loading import CheckpointError
 from vegas_jax.loading.gguf import SUPPORTED_TYPES, dequantize, embedded_smollm2_path, load_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "smollm2"

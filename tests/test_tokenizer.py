@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 from tokenizers import processors
 
-from vegas_jax.loading.bundle import CheckpointError
+from vegas_jax.loading import CheckpointError
 from vegas_jax.loading.gguf import embedded_smollm2_path
 from vegas_jax.tokenizer import Tokenizer
 

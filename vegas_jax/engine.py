@@ -23,7 +23,8 @@ from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import adaptive_gamma, draft_kernel, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
+from vegas_jax import (adaptive_gamma, decode_loop, draft_kernel, inputs, loop, memory, penalties, sampling, scoring,
+                       ssv, stops)
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.inputs import InputError
@@ -88,7 +89,7 @@ class Started:
     # After prefill and the bootstrap step; on a mesh with a data axis the batch is padded to a multiple of its
     # size with rows that never generate (rows len(prompt_ids) on).
     state: loop.DecodeState
-    # compiled loop.decode(params, draft_params, state, step_limit, finished_limit) over global arrays
+    # compiled decode_loop.decode(params, draft_params, state, step_limit, finished_limit) over global arrays
     decode: Callable
     timings: dict
     draft_params: Any = None  # what the drafts read besides the parameters (None: nothing; int8 / int4 copies)
@@ -516,7 +517,7 @@ class Engine:
         state_axes = axes_of(state)
         draft_axes = None if draft_params is None else draft_weights.draft_axes(draft_params)
         args = (self.model.params, draft_params, state, np.int32(0), np.int32(0))
-        decode = self._compile("decode", loop.decode, *args, donate=(2,), layout=config.placement,
+        decode = self._compile("decode", decode_loop.decode, *args, donate=(2,), layout=config.placement,
                                in_axes=(param_axes(self.model.params), draft_axes, state_axes, Axes(), Axes()),
                                out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0

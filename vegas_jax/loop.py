@@ -1,6 +1,7 @@
-"""The decode loop: chunked prefill, a bootstrap step, then one jitted `lax.while_loop` whose iteration drafts γ
-tokens with sparse attention, verifies them in one full-attention pass, accepts a prefix, and selects the next
-draft's KV. With γ = 0 the iteration is exactly plain autoregressive decoding (no drafts, no selection).
+"""The decode loop's state and phases: chunked prefill, a bootstrap step, then the iterations of one jitted
+`lax.while_loop` (vegas_jax.decode_loop), each of which drafts γ tokens with sparse attention, verifies them in
+one full-attention pass, accepts a prefix, and selects the next draft's KV. With γ = 0 the iteration is exactly
+plain autoregressive decoding (no drafts, no selection).
 
 Every verified position's logits are processed as plain decoding would process them after that position's own
 prefix: penalties (vegas_jax.penalties) count the drafts before the row on top of the emitted tokens, in the draft
@@ -380,31 +381,6 @@ def select(state: DecodeState, verified: DecodeState, scores, accepted, config: 
     return dataclasses.replace(verified, selection=selection, policy_state=policy_state)
 
 
-def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
-    """One draft -> verify -> accept -> select round for every unfinished sequence; with adaptive γ, of the
-    number of drafts the control chooses (0: a plain step); with a draft tree, vegas_jax.tree_decode's."""
-    if config.tree is not None:
-        from vegas_jax import tree_decode  # it builds on this module's phases
-
-        return tree_decode.iteration(params, draft_params, state, config)
-    if not config.adaptive_gamma:
-        return _iteration(params, draft_params, state, config, config.gamma)
-    control = state.gamma_control
-    owed = jnp.where(state.done, 0, state.max_new - state.num_generated - 1)
-    g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)))
-    # Every device takes the same branch: g comes from statistics that every device holds alike.
-    after = jax.lax.cond(
-        g > 0,
-        lambda s: _iteration(params, draft_params, s, config, g),
-        lambda s: _iteration(params, None, s, config.plain(), 0),
-        state,
-    )
-    pooled = lambda counts: config.placement.sum_over_data(jnp.sum(counts, axis=0)).astype(jnp.float32)  # noqa: E731
-    drafted = pooled(after.metrics.drafted - state.metrics.drafted)
-    accepted = pooled(after.metrics.accepted - state.metrics.accepted)
-    return dataclasses.replace(after, gamma_control=adaptive_gamma.update(control, g, drafted, accepted))
-
-
 def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
     """[B] the drafts of this iteration that count: never past the tokens still owed (the bonus token always
     comes on top of the accepted drafts), nor past `most_drafts` (adaptive γ's g: positions from g on hold no
@@ -412,8 +388,9 @@ def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
     return jnp.clip(state.max_new - state.num_generated - 1, 0, most_drafts)
 
 
-def _iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts) -> DecodeState:
-    """`iteration` with at most `most_drafts` drafts (γ, or adaptive γ's traced g)."""
+def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts) -> DecodeState:
+    """One draft -> verify -> accept -> select round for every unfinished sequence, with at most `most_drafts`
+    drafts (γ, or adaptive γ's traced g; 0 and no draft params: a plain step)."""
     gamma = config.gamma
     active = ~state.done
     num_drafts = counted_drafts(state, most_drafts)
@@ -467,22 +444,6 @@ def conclude(state: DecodeState, config: DecodeConfig, *, cache, drafts, accepte
     if config.policy is None:
         return verified
     return select(state, verified, scores, last_row, config)
-
-
-def decode(
-    params, draft_params, state: DecodeState, step_limit: jax.Array, finished_limit: jax.Array, *,
-    config: DecodeConfig
-) -> DecodeState:
-    """Iterates until `finished_limit` sequences are done (the batch size: all of them) or `step_limit` iterations
-    have run in total. Streaming runs the loop in slices of steps; continuous batching returns as soon as enough
-    slots have finished to admit new requests; a plain call passes limits it never reaches before the end. On a
-    mesh every data shard counts the whole batch's finished sequences, so all of them run the same iterations."""
-
-    def cond(s: DecodeState):
-        finished = config.placement.sum_over_data(jnp.sum(s.done, dtype=jnp.int32))
-        return (finished < finished_limit) & (s.step < step_limit)
-
-    return jax.lax.while_loop(cond, lambda s: iteration(params, draft_params, s, config=config), state)
 
 
 def admit(running: DecodeState, joining: DecodeState, slots: jax.Array, *, config: DecodeConfig) -> DecodeState:

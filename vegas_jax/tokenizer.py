@@ -20,7 +20,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from models.config import UnsupportedModelError
-from vegas_jax.loading.bundle import CheckpointError, read_json_object
+from vegas_jax.loading.checkpoint_files import CheckpointError, read_json_object
 
 if TYPE_CHECKING:
     import gguf

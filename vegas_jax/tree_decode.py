@@ -98,7 +98,7 @@ def accept_sampled(key, tree, tokens, counted, target_probs, draft_probs):
 
 
 def iteration(params, draft_params, state, config):
-    """One draft-tree round for every unfinished sequence (loop._iteration's tree twin)."""
+    """One draft-tree round for every unfinished sequence (loop.chain_iteration's tree twin)."""
     tree, drafter = config.tree, make_drafter(config.drafter)
     num_drafts = loop.counted_drafts(state, tree.depth)  # the deepest path that may count
     keys = loop.step_keys(state.keys, loop.request_step(state), tree.depth + 2)

@@ -10,7 +10,8 @@ from models.config import UnsupportedModelError
 from models.draft_weights import DraftWeightsError
 from models.quantized import PRECISIONS
 from vegas_jax.inputs import InputError
-from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.loading.checkpoint_files import CheckpointError
 
 # Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
 CAUSE_CHARS = 400

@@ -3,31 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from vegas_jax.tokenizer import Tokenizer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or inconsistent; the message names the file at fault."""
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A checkpoint's JSON file as a dict; any problem is a CheckpointError naming the file."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: does not hold a JSON object")
-    return data
 
 
 @dataclasses.dataclass
@@ -45,6 +26,9 @@ class LoadedModel:
     drafts: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Per precision, where its draft weights came from (for the CLI's report).
     draft_sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The loader's way to make a precision's draft tree from the checkpoint's own quantized blocks, returning it and
+    # where it came from (a GGUF file's); None: drafts are quantized from the parameters.
+    native_drafts: Callable[["LoadedModel", str], tuple[Any, str]] | None = None
 
     def draft_params(self, precision: str, words: bool = False):
         """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
@@ -59,10 +43,8 @@ class LoadedModel:
         if precision in self.drafts:
             self.drafts[precision] = (codes_in_words if words else codes_in_bytes)(self.drafts[precision])
             return self.drafts[precision]
-        if self.format == "gguf":
-            from vegas_jax.loading.gguf import gguf_draft
-
-            self.drafts[precision], self.draft_sources[precision] = gguf_draft(self, precision)
+        if self.native_drafts is not None:
+            self.drafts[precision], self.draft_sources[precision] = self.native_drafts(self, precision)
         else:
             from vegas_jax.loading.placing import quantize_draft
 

@@ -25,7 +25,8 @@ from models import draft_weights
 from models.decoder import checkpoint_param_shapes, fused_head_order
 from models.quantized import QuantizedWeight
 from vegas_jax.loading import gguf_blocks
-from vegas_jax.loading.bundle import CheckpointError, LoadedModel
+from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.loading.checkpoint_files import CheckpointError
 from vegas_jax.loading.placing import ParamPlacer, place_quantized, quantize_draft
 from vegas_jax.tokenizer import Tokenizer
 
@@ -75,7 +76,7 @@ def load_gguf(path: str | Path, dtype=jnp.bfloat16, mesh=None, draft: str | None
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only {config.vocab_size} rows"
         )
     return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path), format="gguf", mesh=mesh,
-                       drafts=drafts, draft_sources=sources)
+                       drafts=drafts, draft_sources=sources, native_drafts=gguf_draft)
 
 
 def dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:

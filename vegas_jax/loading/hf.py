@@ -20,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig, UnsupportedModelError
 from models.decoder import checkpoint_param_shapes
-from vegas_jax.loading.bundle import CheckpointError, LoadedModel, read_json_object
+from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.loading.checkpoint_files import CheckpointError, read_json_object
 from vegas_jax.loading.placing import ParamPlacer
 from vegas_jax.tokenizer import Tokenizer
 

@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 from models.config import ModelConfig, UnsupportedModelError
 from models.decoder import axes_of_param, param_shapes
 from models.logical_axes import HEADS
-from vegas_jax.loading.bundle import CheckpointError, LoadedModel, read_json_object
+from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.loading.checkpoint_files import CheckpointError, read_json_object
 from vegas_jax.loading.placing import relayout
 from vegas_jax.sharding import Placement, check_model_fits
 from vegas_jax.tokenizer import Tokenizer

@@ -1,0 +1,52 @@
+"""The compiled decode loop: one `lax.while_loop` of iterations of the configured kind. A chain of γ drafts
+(vegas_jax.loop.chain_iteration); with adaptive γ a chain of the g drafts chosen for that iteration, g = 0 being a
+plain step (vegas_jax.adaptive_gamma); or a draft tree (vegas_jax.tree_decode). Trees build on the chain's phases,
+so the choice between them is made here, above both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from vegas_jax import adaptive_gamma, tree_decode
+from vegas_jax.loop import DecodeConfig, DecodeState, chain_iteration
+
+
+def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
+    """One draft -> verify -> accept -> select round for every unfinished sequence."""
+    if config.tree is not None:
+        return tree_decode.iteration(params, draft_params, state, config)
+    if not config.adaptive_gamma:
+        return chain_iteration(params, draft_params, state, config, config.gamma)
+    control = state.gamma_control
+    owed = jnp.where(state.done, 0, state.max_new - state.num_generated - 1)
+    g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)))
+    # Every device takes the same branch: g comes from statistics that every device holds alike.
+    after = jax.lax.cond(
+        g > 0,
+        lambda s: chain_iteration(params, draft_params, s, config, g),
+        lambda s: chain_iteration(params, None, s, config.plain(), 0),
+        state,
+    )
+    pooled = lambda counts: config.placement.sum_over_data(jnp.sum(counts, axis=0)).astype(jnp.float32)  # noqa: E731
+    drafted = pooled(after.metrics.drafted - state.metrics.drafted)
+    accepted = pooled(after.metrics.accepted - state.metrics.accepted)
+    return dataclasses.replace(after, gamma_control=adaptive_gamma.update(control, g, drafted, accepted))
+
+
+def decode(
+    params, draft_params, state: DecodeState, step_limit: jax.Array, finished_limit: jax.Array, *,
+    config: DecodeConfig
+) -> DecodeState:
+    """Iterates until `finished_limit` sequences are done (the batch size: all of them) or `step_limit` iterations
+    have run in total. Streaming runs the loop in slices of steps; continuous batching returns as soon as enough
+    slots have finished to admit new requests; a plain call passes limits it never reaches before the end. On a
+    mesh every data shard counts the whole batch's finished sequences, so all of them run the same iterations."""
+
+    def cond(s: DecodeState):
+        finished = config.placement.sum_over_data(jnp.sum(s.done, dtype=jnp.int32))
+        return (finished < finished_limit) & (s.step < step_limit)
+
+    return jax.lax.while_loop(cond, lambda s: iteration(params, draft_params, s, config=config), state)
