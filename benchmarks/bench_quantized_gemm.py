@@ -59,6 +59,7 @@ WEIGHTS = [
     # into its operand loads (variants xla-default, triton-any): the path a Pallas kernel would have to beat
     ("int4 g128 native s4", "s4", 128, None),
 ]
+KINDS = tuple(dict.fromkeys(kind for _, kind, *_ in WEIGHTS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +132,7 @@ def native_int4_product(x, w):
 
 
 def weight_bytes(weights, copies: int) -> int:
-    """Bytes of one copy on the device (int4 two a byte, as XLA stores it on the GPU)."""
-    return sum(nbytes(x) // (2 if x.dtype == jnp.int4 else 1) for x in jax.tree.leaves(weights)) // copies
+    return sum(nbytes(x) for x in jax.tree.leaves(weights)) // copies
 
 
 def product(kind: str, formulation: str | None, copies: int):
@@ -161,8 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--rows", default=None, help="comma-separated rows (default 1,8,16,64)")
     p.add_argument("--kinds", default=None,
-                   help=f"comma-separated weight kinds, of {', '.join(dict.fromkeys(k for _, k, *_ in WEIGHTS))} "
-                        "(default all)")
+                   help=f"comma-separated weight kinds, of {', '.join(KINDS)} (default all)")
     p.add_argument("--budget-s", type=float, default=480.0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
@@ -175,8 +174,8 @@ def main(argv=None) -> int:
     if args.rows:
         settings = dataclasses.replace(settings, rows=tuple(int(r) for r in args.rows.split(",")))
     assert set(FORMULATIONS) >= {f for *_, f in WEIGHTS if f}
-    kinds = args.kinds.split(",") if args.kinds else [k for _, k, *_ in WEIGHTS]
-    if unknown := set(kinds) - {k for _, k, *_ in WEIGHTS}:
+    kinds = args.kinds.split(",") if args.kinds else KINDS
+    if unknown := set(kinds) - set(KINDS):
         p.error(f"--kinds {args.kinds}: unknown {', '.join(sorted(unknown))}")
     started = time.perf_counter()
     stamp = datetime.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")

@@ -214,5 +214,5 @@ def overlay(params: Any, replacements: Any) -> Any:
 
 
 def nbytes(array) -> int:
-    """Bytes an array (or ShapeDtypeStruct) takes on a device."""
-    return int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
+    """Bytes an array (or ShapeDtypeStruct) takes on a device (sub-byte types such as int4 packed, as on the GPU)."""
+    return -(-int(np.prod(array.shape)) * jax.dtypes.itemsize_bits(array.dtype) // 8)

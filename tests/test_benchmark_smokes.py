@@ -108,7 +108,7 @@ def test_bench_weight_only_integer_dot(tmp_path, monkeypatch):
         finite_positive(r, "ms", "weight_gb_per_s", "weight_bytes")
 
 
-def test_bench_quantized_gemm(tmp_path, monkeypatch):
+def test_bench_quantized_gemm(tmp_path, monkeypatch, capsys):
     (doc,) = run_smoke("bench_quantized_gemm", tmp_path, monkeypatch)
     assert doc["complete"] is True
     for r in doc["records"]:
@@ -117,6 +117,10 @@ def test_bench_quantized_gemm(tmp_path, monkeypatch):
     native = [r for r in doc["records"] if r["weights"] == "int4 g128 native s4"]
     packed = {(r["shape"], r["rows"]): r for r in doc["records"] if r["weights"] == "int4 g128 grouped"}
     assert native and all(r["weight_bytes"] == packed[r["shape"], r["rows"]]["weight_bytes"] for r in native)
+    with pytest.raises(SystemExit) as bad:  # argparse: usage, then one `error:` line naming the flag
+        importlib.import_module("benchmarks.bench_quantized_gemm").main(["--smoke", "--kinds", "bf16,int3"])
+    assert bad.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: --kinds bf16,int3: unknown int3")
 
 
 def test_native_int4_is_the_same_weight():
