@@ -379,6 +379,22 @@ def test_targets_from_records_met_missed_and_not_yet_measured():
     assert tables.targets([r for r in FIXTURE if r.get("batch") == 64])[0].status == "met"
 
 
+def test_a_target_missed_by_a_hair_never_reads_as_its_bound():
+    # Vegas at 1.1497x Stream rounds to 1.15 at two decimals: the table shows the decimals that tell it is below.
+    near = [_held("ar", 64, 1000), _held("vegas", 64, 1149.7), _held("streaming", 64, 1000),
+            _scale("llama-3.1-8b", 8, "ar", 12.0, fraction=0.8496), _scale("llama-3.1-8b", 8, "vegas", 36.0,
+                                                                            steps=3.004)]
+    (vegas, _, b8, _, iteration) = tables.targets(near)
+    assert (vegas.status, vegas.result) == ("missed", "B64: 1.1497x streaming")
+    assert (b8.status, b8.result) == ("missed", "llama-3.1-8b 84.96 %")
+    assert (iteration.status, iteration.result) == ("missed", "llama-3.1-8b 3.004 plain steps")
+    # Met exactly at the bound: shown as the bound.
+    at = [_held("vegas", 64, 1150.0), _held("streaming", 64, 1000), _scale("llama-3.1-8b", 8, "vegas", 36.0,
+                                                                           steps=2.996)]
+    assert tables.targets(at)[0].result == "B64: 1.15x streaming" and tables.targets(at)[0].status == "met"
+    assert tables.targets(at)[4].result == "llama-3.1-8b 2.996 plain steps"
+
+
 def test_a_case_measured_twice_is_reported_from_its_latest_record():
     # The quick preset's log holds an earlier record of a case the paper preset measured again (later code, another
     # bandwidth probe); whichever log comes first, the tables and targets take the later record.
