@@ -10,6 +10,7 @@ import pytest
 
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax.engine import InputError
+from vegas_jax.serving import SlotTable
 
 LENGTHS = [45, 12, 80, 7, 33, 60, 21]
 
@@ -89,3 +90,25 @@ def test_per_request_seeds_do_not_depend_on_the_batch(engine_and_prompts):
     alone = engine.generate(batch[2:3], dataclasses.replace(options, seed=7))
     assert alone.requests[0].tokens == together.requests[2].tokens
     assert np.any([a.tokens != b.tokens for a, b in zip(together.requests[:2], together.requests[1:])])
+
+
+def test_slot_table_admits_in_order_frees_finished_slots_and_reports_the_stopped():
+    # 5 requests through 2 slots in groups of 1; host rows as the loop would return them, written by hand.
+    table = SlotTable(slots=2, requests=5, refill=1)
+    assert [g for g in table.groups()] == [([0], [0]), ([1], [1])] and table.request == [0, 1]
+    assert table.finished_limit() == 1  # one slot free is enough for the next group of 1
+
+    def rows(generated, done):
+        return {"num_generated": np.asarray(generated), "done": np.asarray(done),
+                "output": np.asarray([[g] * 3 for g in generated])}
+
+    table.after_call(rows([4, 2], [False, True]), np.asarray([1, 1]), iterations=3, seconds=0.5)
+    assert table.request == [0, None] and table.finished[1]["num_generated"] == 2
+    assert table.calls[-1] == {"busy_slots": 2, "queued": 3, "iterations": 3, "tokens": 4, "seconds": 0.5}
+    assert list(table.groups()) == [([2], [1])] and table.request == [0, 2]
+    # Stopped here: request 0 and 2 still decoding, 3 and 4 never started.
+    ordered = table.rows_in_order(rows([6, 3], [False, False]))
+    assert ordered["num_generated"].tolist() == [6, 2, 3, 0, 0] and ordered["done"].tolist() == [0, 1, 0, 0, 0]
+    assert table.metrics()["steady_decode_tokens_per_s"] == 8.0  # the one call: both slots busy, requests queued
+    empty = SlotTable(slots=3, requests=1, refill=2)
+    assert list(empty.groups()) == [([0], [0])] and empty.finished_limit() == 3  # nothing queued: wait for all

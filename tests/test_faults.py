@@ -30,7 +30,8 @@ from tests.test_cli import BASE, COMMON, FIXTURE, MAX_NEW, PROMPT, REPO, run_mai
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax import generate
 from vegas_jax.attention.backend import default_backend
-from vegas_jax.engine import Engine, GenerationOptions, InputError, _Pacer
+from vegas_jax.engine import Engine, GenerationOptions, InputError
+from vegas_jax.pacing import Pacer
 from vegas_jax.loading import CheckpointError, load_model
 from vegas_jax.loading.orbax_ckpt import save_orbax
 
@@ -304,7 +305,7 @@ def test_cli_prints_and_writes_every_request_then_exits_1(tmp_path, capsys, engi
 
 
 def test_pacer_adapts_the_call_length():
-    pacer = _Pacer(1, 0.25)
+    pacer = Pacer(1, 0.25)
     assert pacer.limit(10) == 11
     pacer.update(1, 0.001)  # fast iterations: at most doubling per call
     assert pacer.steps == 2
@@ -315,9 +316,9 @@ def test_pacer_adapts_the_call_length():
     assert pacer.steps == 1
     pacer.update(0, 0.1)  # nothing ran (every sequence already done): no new estimate
     assert pacer.steps == 1
-    assert _Pacer(None, None).limit(10) == 2**31 - 1 and _Pacer(None, 0.5).steps == 1
+    assert Pacer(None, None).limit(10) == 2**31 - 1 and Pacer(None, 0.5).steps == 1
     with pytest.raises(InputError, match=r"^seconds_per_call must be None or > 0, got 0"):
-        _Pacer(1, 0)
+        Pacer(1, 0)
 
 
 def _polls(*answers):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.logical_axes import axes_field
+from models.logical_axes import Axes, axes_field
 
 # Per iteration: the estimates follow about the last 200 iterations. With useless drafts a probe (a few drafts)
 # comes every ~log(batch) / -log(DECAY) iterations or more: about 1 % of plain decoding's time at batch 1.
@@ -154,3 +154,58 @@ class Warmup:
         draft = max(draft, MIN_DRAFT * plain)
         return draft / plain, max(one - draft, MIN_VERIFY * plain) / plain
 
+
+
+def with_control(state, placement, force: int, costs: tuple[float, float]):
+    """The decode state with adaptive γ's force (-1: choose) and cost model (draft step, verify) set."""
+    control = dataclasses.replace(state.gamma_control, force=placement.put(np.int32(force), Axes()),
+                                  costs=placement.put(np.asarray(costs, np.float32), Axes(None)))
+    return dataclasses.replace(state, gamma_control=control)
+
+
+class RunControl:
+    """Adaptive γ over one run's decode calls: before each call the force and costs its `Warmup` asks for (and
+    the call's step limit, cut to the warm-up phase's iterations), after it the call's timing. A run without
+    adaptive γ passes through unchanged."""
+
+    def __init__(self, config, book: "CostBook", given: tuple[float, float] | None, key: tuple):
+        self.placement = config.placement
+        self.book, self.given, self.key = book, given, key
+        self.warmup = None if not config.adaptive_gamma else Warmup(config.gamma, given or book.costs.get(key))
+
+    def before_call(self, state, step: int, limit: int):
+        """(the state with the control set for the next decode call, that call's step limit)."""
+        if self.warmup is None:
+            return state, limit
+        force, most = self.warmup.next_call()
+        costs = self.warmup.costs or (MIN_DRAFT, MIN_VERIFY)
+        limit = limit if most is None else min(limit, step + most)
+        return with_control(state, self.placement, force, costs), limit
+
+    def after_call(self, iterations: int, seconds: float) -> None:
+        """A decode call's timing to the measurement; once measured, the costs kept for the engine's later runs."""
+        if self.warmup is None or self.warmup.done:
+            return
+        self.warmup.record(iterations, seconds)
+        if self.warmup.done and self.given is None:
+            self.book.costs[self.key] = self.warmup.costs
+
+    def report(self, state) -> dict:
+        """The metrics' adaptive γ entries: the choices (`summary`) and the costs they were made with."""
+        if self.warmup is None:
+            return {}
+        report = summary(self.placement.fetch(state.gamma_control.chosen))
+        costs = self.warmup.costs
+        report["gamma_costs"] = None if costs is None else {"draft": costs[0], "verify": costs[1]}
+        return report
+
+
+class CostBook:
+    """The costs adaptive γ measured in an engine's runs, per (loop configuration, batch rows, cache capacity): a
+    later run of the same loop starts from them instead of timing the loop again."""
+
+    def __init__(self):
+        self.costs: dict[tuple, tuple[float, float]] = {}
+
+    def run(self, config, given: tuple[float, float] | None, rows: int, capacity: int) -> RunControl:
+        return RunControl(config, self, given, (config, rows, capacity))

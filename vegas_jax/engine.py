@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -23,63 +22,28 @@ from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import (adaptive_gamma, decode_loop, draft_kernel, inputs, loop, memory, penalties, sampling, scoring,
-                       ssv, stops)
+from vegas_jax import decode_loop, draft_kernel, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
+from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import compile_jitted
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.logprobs import TokenLogprob, host_list
 from vegas_jax.planner import AcceptanceTracker
 from vegas_jax.prefill_reuse import PrefillReuse
-from vegas_jax.metrics import pooled_metrics, request_metrics
 from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions
+from vegas_jax.pacing import Pacer
+from vegas_jax.prefill_chunks import prefill_chunk, prefill_spans, round_up
+from vegas_jax.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
+                               streamed_tokens, token_rows)
 from vegas_jax.selection import Budget, make_policy
+from vegas_jax.serving import SlotTable, check_serving
 from vegas_jax.sharding import Placement, check_model_fits, on_all_shards, round_up_to_shards
+
+__all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "RequestResult", "Started",
+           "StreamedTokens"]
 
 AUTO_LENGTH_BUCKET = 1024
 OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: max_new_tokens rarely recompiles
-# Without kernels, prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T]
-# (about three live at once): the chunk shrinks so that these stay under this many bytes whatever the batch and
-# context. The kernel keeps its scores on chip.
-PREFILL_SCORE_BYTES = 2**33
-# Prefill runs a chunk of every sequence at once, and the MLP's gate and up activations are its largest arrays (2 x
-# intermediate values per token, counted as float32): the chunk shrinks so that they stay under this many bytes.
-PREFILL_ACTIVATION_BYTES = 2**33
-# Prefill runs full chunks, then, where the rest of the longest prompt fills at most half a chunk, chunks of this
-# many tokens: a prompt just past a multiple of a large chunk does not pay for a chunk of padding. On the H200 a
-# 512-token chunk took about half a 2048-token one's time at batch 1 and a quarter at batch 64 (7.9K-token
-# prompts, benchmarks/results/prefill-2026-11-30-s12*.json), so the small chunks never cost more than the big one.
-PREFILL_TAIL_CHUNK = 512
-
-
-@dataclasses.dataclass
-class RequestResult:
-    prompt_tokens: int
-    tokens: list[int]  # up to and including the token that completed a stop (string or id)
-    text: str  # the tokens' text, cut at a stop string (GenerationOptions.stop, include_stop)
-    metrics: dict
-    # "ok"; "failed": its logits became non-finite, it stopped there alone (tokens: those emitted before);
-    # "interrupted": decoding was stopped (`stop`) before it finished (tokens so far; none if still queued).
-    status: str
-    reason: str | None  # why it failed or stopped; None when ok
-    logprobs: list[TokenLogprob] | None = None  # one per token, with GenerationOptions.logprobs
-
-
-class StreamedTokens(list):
-    """One request's new token ids in a chunk of `Engine.stream`; with GenerationOptions.logprobs, `logprobs` has
-    their TokenLogprobs (else None)."""
-
-    def __init__(self, tokens, logprobs: list[TokenLogprob] | None = None):
-        super().__init__(tokens)
-        self.logprobs = logprobs
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    options: GenerationOptions
-    requests: list[RequestResult]
-    metrics: dict
 
 
 @dataclasses.dataclass
@@ -97,73 +61,6 @@ class Started:
     ssv_plan: dict | None = None  # the SSV planner's choice (vegas_jax.planner.Plan.report), None: the default plan
 
 
-def _largest_chunk(budget_bytes: int, bytes_per_chunk_token: int) -> int:
-    """Largest multiple of 16 (at least 16) of chunk tokens that fit the budget."""
-    return max(16, budget_bytes // bytes_per_chunk_token // 16 * 16)
-
-
-def prefill_chunk_for_memory(batch: int, num_heads: int, capacity: int) -> int:
-    """The largest prefill chunk whose float32 score arrays (the jnp path's) fit PREFILL_SCORE_BYTES."""
-    return _largest_chunk(PREFILL_SCORE_BYTES, 3 * 4 * batch * num_heads * capacity)
-
-
-def prefill_chunk_for_activations(batch: int, intermediate_size: int) -> int:
-    """The largest prefill chunk whose MLP activations fit PREFILL_ACTIVATION_BYTES."""
-    return _largest_chunk(PREFILL_ACTIVATION_BYTES, 2 * 4 * batch * intermediate_size)
-
-
-def prefill_spans(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, size) of the prefill steps covering positions [0, num_tokens): chunks of `chunk` while a whole one
-    fits; the rest in chunks of PREFILL_TAIL_CHUNK where they fill at most half a chunk, else in one more padded
-    chunk. At most two sizes, each compiled once for any length."""
-    whole = num_tokens // chunk * chunk
-    tail = PREFILL_TAIL_CHUNK if _round_up(num_tokens - whole, PREFILL_TAIL_CHUNK) <= chunk // 2 else chunk
-    return [(start, chunk) for start in range(0, whole, chunk)] + [
-        (start, tail) for start in range(whole, num_tokens, tail)
-    ]
-
-
-def check_serving(slots: int, refill: int | None) -> int:
-    """The refill group size for continuous batching (default slots // 8, at least 1); InputError if either
-    number is not an integer in range. Each return to the host costs 2-6 ms at 64 slots of 7.9K tokens (a sixth to
-    a half of an iteration) and a finished slot idles until its group is complete: groups of 1, 4 and 8 measured
-    within 4 % of each other there, 8 ahead (benchmarks/results/e2e-2026-11-30-serve{2,3}-*.json)."""
-    slots = inputs.integer(slots, "slots")
-    if slots < 1:
-        raise InputError("{slots} must be >= 1, got {}", slots)
-    refill = max(1, slots // 8) if refill is None else inputs.integer(refill, "refill")
-    if not 1 <= refill <= slots:
-        raise InputError("{refill} must be in [1, {slots} {}], got {}", slots, refill)
-    return refill
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-class _Pacer:
-    """The step limit of each decode call of a run: `steps` iterations past the loop's count (None: no limit).
-    With `seconds`, the count adapts after every call so that calls last about that long at the last call's pace:
-    the host, which can react (to `stop`, say) only between calls, then waits about that long whatever the model,
-    batch and context. Each call may at most double the count, so that one fast call (most sequences finished,
-    say) does not make the next overshoot."""
-
-    def __init__(self, steps: int | None, seconds: float | None):
-        if steps is not None and (inputs.integer(steps, "steps_per_call") < 1):
-            raise InputError("{steps_per_call} must be None or >= 1, got {}", steps)
-        if seconds is not None and not inputs.real(seconds, "seconds_per_call") > 0:
-            raise InputError("{seconds_per_call} must be None or > 0, got {}", seconds)
-        self.steps = 1 if steps is None and seconds is not None else steps
-        self.seconds = seconds
-
-    def limit(self, step: int) -> int:
-        return INT32_MAX if self.steps is None else min(step + self.steps, INT32_MAX)
-
-    def update(self, iterations: int, elapsed: float) -> None:
-        if self.seconds is not None and iterations > 0 and elapsed > 0:
-            self.steps = max(1, min(2 * self.steps, int(iterations * self.seconds / elapsed)))
-
-
 class Engine:
     """A loaded model on its devices (one, or the mesh it was loaded onto: `vegas_jax.load(..., mesh=...)`)."""
 
@@ -173,7 +70,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self._compiled: dict = {}
         self._stop_tables: dict = {}
-        self._gamma_costs: dict = {}  # adaptive γ: measured costs per (loop configuration, batch rows, capacity)
+        self._gamma_costs = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
         self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs
 
     @property
@@ -250,6 +147,7 @@ class Engine:
                 draft_kernel.check_int8_activations(draft)
             except ValueError as e:
                 raise InputError("{draft_activations} int8: {}", e) from None
+        chunk = prefill_chunk(self.config, batch, max(map(len, prompt_ids)), capacity, options.prefill_chunk, p)
         estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
                                    draft=draft,
                                    gamma=config.verify_rows - 1,
@@ -258,8 +156,7 @@ class Engine:
                                    output_width=config.max_new_tokens,
                                    sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
                                    logprobs=config.logprobs, stop_table=stop_table.shape,
-                                   prefill_chunk=self._prefill_chunk(batch, max(map(len, prompt_ids)), capacity,
-                                                                     options, p),
+                                   prefill_chunk=chunk,
                                    refill=None if slots is None else self._batch_rows(check_serving(slots, refill)),
                                    approx_mode=config.mode, kept_prefill=kept_prefill)
         memory.check_fits(estimate, p)
@@ -323,7 +220,7 @@ class Engine:
             if longest > limit:
                 raise InputError("{max_model_len}: a prompt of {} tokens is longer than {}", longest, limit)
         else:
-            limit = min(model_max, _round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
+            limit = min(model_max, round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
             if longest > limit:
                 raise InputError("{prompts}: a prompt of {} tokens is longer than the model's context of {}", longest,
                                  limit)
@@ -341,7 +238,7 @@ class Engine:
         if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
             budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
             policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
-        width = _round_up(options.max_new_tokens, OUTPUT_BUCKET)
+        width = round_up(options.max_new_tokens, OUTPUT_BUCKET)
         return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
                                  options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
                                  draft_activations=options.draft_activations if gamma else "bf16",
@@ -379,7 +276,7 @@ class Engine:
         if most is not None and gamma + 1 > most:
             raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
                              "model's heads (γ + 1 <= {})", gamma, most, most)
-        return config, _round_up(max_model_len + config.verify_rows, CAPACITY_ALIGN)
+        return config, round_up(max_model_len + config.verify_rows, CAPACITY_ALIGN)
 
     @staticmethod
     def _sampling_params(batch: int, options: GenerationOptions) -> sampling.SamplingParams:
@@ -399,19 +296,6 @@ class Engine:
     def _batch_rows(self, requests: int) -> int:
         """Rows a batch of this many requests takes: a multiple of the mesh's data axis (padding never generates)."""
         return round_up_to_shards(requests, self.placement)
-
-    def _prefill_chunk(self, batch: int, longest: int, capacity: int, options: GenerationOptions,
-                       placement: Placement) -> int:
-        """The prefill chunk for a batch of this many rows: the memory bounds count one shard's rows and heads."""
-        rows, model = batch // placement.data_shards, placement.model_shards
-        chunk = min(
-            options.prefill_chunk,
-            _round_up(longest - 1, 16) or 16,
-            prefill_chunk_for_activations(rows, self.config.intermediate_size // model),
-        )
-        if not placement.uses_kernels or self.config.attention != "dense":  # NSA prefills through jnp
-            chunk = min(chunk, prefill_chunk_for_memory(rows, self.config.num_heads // model, capacity))
-        return chunk
 
     # ---- compilation ---------------------------------------------------------------------------------------
     def _compile(self, name: str, fn: Callable, *args, in_axes: tuple, out_axes, layout: Placement,
@@ -465,7 +349,7 @@ class Engine:
         placement, params = config.placement, self.model.params
         batch = len(ids) if rows is None else rows
         lens = [len(p) for p in ids]
-        chunk = self._prefill_chunk(batch, max(lens), capacity, options, placement)
+        chunk = prefill_chunk(self.config, batch, max(lens), capacity, options.prefill_chunk, placement)
         timings["prefill_chunk"] = chunk
         state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
         reuse_key = kept = None
@@ -549,13 +433,9 @@ class Engine:
         state = self._prefill(ids, options, config, capacity, timings, rows=rows,
                               progress=progress, fill_cache=fill_cache, reuse_prefill=reuse_prefill)
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
-            state = self._with_control(config, state, -1, options.given_costs)
+            state = with_control(state, config.placement, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
         return Started(ids, config, state, decode, timings, draft_params, options, summary["ssv_plan"])
-
-    @staticmethod
-    def _fetch(config: loop.DecodeConfig, tree):
-        return config.placement.fetch(tree)
 
     def stream(
         self,
@@ -572,46 +452,45 @@ class Engine:
         the new tokens of each request (a StreamedTokens each: a list of ids, with their logprobs when the options
         ask for them); last, the GenerationResult. `steps_per_call=None` runs the whole decode in
         one device call. With `seconds_per_call`, the iterations per call adapt so that each call lasts about that
-        long (`_Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
+        long (`pacing.Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
         True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
         A request whose logits become non-finite stops alone ("failed"); the others go on."""
-        pacer = _Pacer(steps_per_call, seconds_per_call)
+        pacer = Pacer(steps_per_call, seconds_per_call)
         options = GenerationOptions.check(options)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
         options = started.options
         draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
-        capacity = state.cache.capacity
-        tuner = self._gamma_tuner(config, options, rows, capacity)
-        host = self._fetch(config, self._token_rows(state, config))
+        gamma = self._gamma_costs.run(config, options.given_costs, rows, state.cache.capacity)
+        placement = config.placement
+        host = placement.fetch(token_rows(state, config))
         seen = host["num_generated"]
-        yield [self._tokens(host, i, 0, int(seen[i]), k) for i in range(batch)]
+        yield [streamed_tokens(host, i, 0, int(seen[i]), k) for i in range(batch)]
 
         t0 = time.perf_counter()
-        num_generated, done, step = seen, *self._fetch(config, (state.done, state.step))
-        placement = config.placement
+        num_generated, done, step = seen, *placement.fetch((state.done, state.step))
         while not bool(np.all(done)) and not placement.agreed(stop is not None and bool(stop())):
             call_start, before = time.perf_counter(), int(step)
-            state, limit = self._tuned_call(config, state, tuner, before, pacer.limit(before))
+            state, limit = gamma.before_call(state, before, pacer.limit(before))
             state = started.decode(params, draft_params, state, np.int32(limit), np.int32(rows))
-            num_generated, done, step = self._fetch(config, (state.num_generated, state.done, state.step))
+            num_generated, done, step = placement.fetch((state.num_generated, state.done, state.step))
             elapsed = placement.agreed(time.perf_counter() - call_start)  # paces the next call on every process
             pacer.update(int(step) - before, elapsed)
-            self._tuned(config, options, rows, capacity, tuner, int(step) - before, elapsed)
+            gamma.after_call(int(step) - before, elapsed)
             if pacer.steps is not None:
-                host = self._fetch(config, self._token_rows(state, config))
-                yield [self._tokens(host, i, int(seen[i]), int(num_generated[i]), k) for i in range(batch)]
+                host = placement.fetch(token_rows(state, config))
+                yield [streamed_tokens(host, i, int(seen[i]), int(num_generated[i]), k) for i in range(batch)]
                 if progress:
                     progress("decode", int(num_generated[:batch].sum()), batch * options.max_new_tokens)
             seen = num_generated
         jax.block_until_ready(state.output)
         timings["decode_s"] = time.perf_counter() - t0
-        host = {key: v[:batch] for key, v in self._host_rows(config, state).items()}
+        host = {key: v[:batch] for key, v in host_rows(state, config).items()}
         if pacer.steps is None:
-            yield [self._tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
-        result = self._result(options, started.prompt_ids, host, timings, config.placement,
-                              self._gamma_report(config, state, tuner))
+            yield [streamed_tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
+        result = generation_result(self.tokenizer, options, started.prompt_ids, host, timings, placement,
+                                   gamma.report(state))
         if self.config.attention != "dense":
             result.metrics.update(ssv.report(options, started.ssv_plan, timings["decode_s"],
                                              result.metrics["decode_tokens"], batch))
@@ -653,7 +532,7 @@ class Engine:
         "interrupted" with no tokens). A failed request (non-finite logits) frees its slot like a finished one.
         """
         refill = check_serving(slots, refill)
-        pacer = _Pacer(steps_per_call, seconds_per_call)
+        pacer = Pacer(steps_per_call, seconds_per_call)
         data = self.placement.data_shards
         if slots % data:
             raise InputError("{slots} {}: must be a multiple of the mesh's data axis ({mesh} data={})", slots, data)
@@ -662,27 +541,20 @@ class Engine:
         options, config, capacity, _ = self._fitted_plan(ids, options, slots=slots, refill=refill)
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))
-        refill = min(refill, slots)
-        group_rows = self._batch_rows(refill)
+        table = SlotTable(slots, len(ids), min(refill, slots))
+        group_rows = self._batch_rows(table.refill)
         params, timings = self.model.params, {}
 
         # An empty batch: every slot finished, so the first admissions fill it.
         state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
-        tuner = self._gamma_tuner(config, options, slots, capacity)
+        gamma = self._gamma_costs.run(config, options.given_costs, slots, capacity)
 
-        queue = list(range(len(ids)))[::-1]  # popped from the end: request 0 first
-        slot_request: list[int | None] = [None] * slots
-        finished: dict[int, dict] = {}
-        calls = []  # per decode call: busy slots at its start, iterations, tokens, seconds
         while not placement.agreed(stop is not None and bool(stop())):
-            free = [i for i, r in enumerate(slot_request) if r is None]
-            while queue and free:
-                group = [queue.pop() for _ in range(min(refill, len(queue), len(free)))]
-                targets, free = free[: len(group)], free[len(group) :]
+            for group, targets in table.groups():
                 # Fixed-size groups (one compilation): padding repeats the last request and is dropped on admission.
-                padded = group + [group[-1]] * (refill - len(group))
+                padded = group + [group[-1]] * (table.refill - len(group))
                 joining = self._prefill([ids[r] for r in padded], options, config, capacity, timings,
                                         first_request=group[0], rows=group_rows)
                 into = placement.put(np.asarray(targets + [slots] * (group_rows - len(group)), np.int32), Axes(None))
@@ -696,56 +568,25 @@ class Engine:
                 state = admit(state, joining, into)
                 jax.block_until_ready(state.done)
                 timings["prefill_s"] += time.perf_counter() - t0
-                for slot, r in zip(targets, group):
-                    slot_request[slot] = r
-            occupied = [i for i, r in enumerate(slot_request) if r is not None]
-            if not occupied:
+            if not table.occupied():
                 break
-            finished_limit = slots - len(occupied) + min(refill, len(queue)) if queue else slots
-            before, step = self._fetch(config, (state.num_generated, state.step))
+            before, step = placement.fetch((state.num_generated, state.step))
             t0 = time.perf_counter()
-            state, limit = self._tuned_call(config, state, tuner, int(step), pacer.limit(int(step)))
-            state = decode(params, draft_params, state, np.int32(limit), np.int32(finished_limit))
+            state, limit = gamma.before_call(state, int(step), pacer.limit(int(step)))
+            state = decode(params, draft_params, state, np.int32(limit), np.int32(table.finished_limit()))
             jax.block_until_ready(state.done)
             elapsed = placement.agreed(time.perf_counter() - t0)  # paces the next call on every process
-            iterations = int(self._fetch(config, state.step)) - int(step)
+            iterations = int(placement.fetch(state.step)) - int(step)
             pacer.update(iterations, elapsed)
-            self._tuned(config, options, slots, capacity, tuner, iterations, elapsed)
-            rows = self._host_rows(config, state)
-            calls.append({
-                "busy_slots": len(occupied),
-                "queued": len(queue),
-                "iterations": iterations,
-                "tokens": int((rows["num_generated"] - before)[occupied].sum()),
-                "seconds": elapsed,
-            })
-            for slot in occupied:
-                if rows["done"][slot]:
-                    finished[slot_request[slot]] = {k: v[slot] for k, v in rows.items()}
-                    slot_request[slot] = None
+            gamma.after_call(iterations, elapsed)
+            table.after_call(host_rows(state, config), before, iterations, elapsed)
             if progress:
-                progress("requests", len(finished), len(ids))
+                progress("requests", len(table.finished), len(ids))
 
-        timings["decode_s"] = sum(c["seconds"] for c in calls)
-        steady = [c for c in calls if c["busy_slots"] == slots and c["queued"]]
-        steady_s = sum(c["seconds"] for c in steady)
-        steady_tokens = sum(c["tokens"] for c in steady)
-        rows = self._host_rows(config, state)
-        for slot, r in enumerate(slot_request):  # still decoding when `stop` ended the loop
-            if r is not None:
-                finished[r] = {k: v[slot] for k, v in rows.items()}
-        queued = {k: np.zeros_like(v[0]) for k, v in rows.items()}  # never started: no tokens, not done
-        rows = {k: np.stack([finished.get(r, queued)[k] for r in range(len(ids))]) for k in rows}
-        result = self._result(options, ids, rows, timings, placement, self._gamma_report(config, state, tuner))
-        result.metrics.update(
-            slots=slots,
-            refill=refill,
-            decode_calls=calls,
-            loop_iterations=sum(c["iterations"] for c in calls),
-            steady_decode_s=steady_s,
-            steady_decode_tokens=steady_tokens,
-            steady_decode_tokens_per_s=steady_tokens / steady_s if steady_s > 0 else None,
-        )
+        timings["decode_s"] = sum(c["seconds"] for c in table.calls)
+        rows = table.rows_in_order(host_rows(state, config))
+        result = generation_result(self.tokenizer, options, ids, rows, timings, placement, gamma.report(state))
+        result.metrics.update(table.metrics())
         return result
 
     def score(self, prompts, continuations, *, batch_size: int = 8, prefill_chunk: int = 2048,
@@ -756,125 +597,6 @@ class Engine:
         scored, _ = scoring.score(self, prompts, continuations, batch_size=batch_size, prefill_chunk=prefill_chunk,
                                   progress=progress)
         return scored
-
-    def _host_rows(self, config: loop.DecodeConfig, state) -> dict[str, np.ndarray]:
-        """Host copies of a state's per-request results (one gather for all of them)."""
-        return self._fetch(config, {
-            **self._token_rows(state, config),
-            "done": state.done,
-            "nonfinite": state.nonfinite,
-            "iterations": state.metrics.iterations,
-            "drafted": state.metrics.drafted,
-            "accepted": state.metrics.accepted,
-        })
-
-    @staticmethod
-    def _token_rows(state, config: loop.DecodeConfig) -> dict:
-        """The state's arrays that a request's tokens are read from (device arrays; fetch them)."""
-        rows = {"output": state.output, "num_generated": state.num_generated}
-        if config.logprobs is not None:
-            lp = state.logprobs
-            rows.update(logprob=lp.chosen, top_ids=lp.top_ids, top_values=lp.top_values)
-        return rows
-
-    @staticmethod
-    def _tokens(rows: dict, i: int, start: int, end: int, k: int | None) -> StreamedTokens:
-        """Request i's tokens [start, end) from host rows (`_token_rows`), with their logprobs when asked for."""
-        tokens = rows["output"][i, start:end].tolist()
-        if k is None:
-            return StreamedTokens(tokens)
-        window = slice(start, end)
-        return StreamedTokens(tokens, host_list(rows["logprob"][i, window], rows["top_ids"][i, window],
-                                                rows["top_values"][i, window], tokens, k))
-
-    @staticmethod
-    def _status(rows: dict, i: int) -> tuple[str, str | None]:
-        """Request i's status and reason (RequestResult)."""
-        generated = int(rows["num_generated"][i])
-        if rows["nonfinite"][i]:
-            return "failed", (f"non-finite logits after {generated} generated tokens: this request stopped there "
-                              f"(check the checkpoint and the dtype)")
-        if not rows["done"][i]:
-            return "interrupted", f"stopped after {generated} generated tokens, before it finished"
-        return "ok", None
-
-    # ---- adaptive γ ------------------------------------------------------------------------------------------
-    def _gamma_tuner(self, config: loop.DecodeConfig, options: GenerationOptions, rows: int,
-                     capacity: int) -> adaptive_gamma.Warmup | None:
-        """With adaptive γ, the cost measurement of this run: none when the costs are given, or were measured
-        for this loop (configuration, batch rows, cache capacity) in an earlier run of this engine."""
-        if not config.adaptive_gamma:
-            return None
-        known = options.given_costs or self._gamma_costs.get((config, rows, capacity))
-        return adaptive_gamma.Warmup(config.gamma, known)
-
-    def _tuned_call(self, config, state, tuner, step: int, limit: int):
-        """(state with the control's force and costs for the next decode call, that call's step limit)."""
-        if tuner is None:
-            return state, limit
-        force, most = tuner.next_call()
-        costs = tuner.costs or (adaptive_gamma.MIN_DRAFT, adaptive_gamma.MIN_VERIFY)
-        limit = limit if most is None else min(limit, step + most)
-        return self._with_control(config, state, force, costs), limit
-
-    @staticmethod
-    def _with_control(config, state, force: int, costs: tuple[float, float]):
-        """The state with adaptive γ's force (-1: choose) and cost model (draft step, verify) set."""
-        put = config.placement.put
-        control = dataclasses.replace(state.gamma_control, force=put(np.int32(force), Axes()),
-                                      costs=put(np.asarray(costs, np.float32), Axes(None)))
-        return dataclasses.replace(state, gamma_control=control)
-
-    def _tuned(self, config, options, rows, capacity, tuner, iterations: int, seconds: float) -> None:
-        """After a decode call: its timing to the measurement, the measured costs kept for later runs."""
-        if tuner is None or tuner.done:
-            return
-        tuner.record(iterations, seconds)
-        if tuner.done and options.given_costs is None:
-            self._gamma_costs[(config, rows, capacity)] = tuner.costs
-
-    def _gamma_report(self, config, state, tuner) -> dict:
-        if tuner is None:
-            return {}
-        report = adaptive_gamma.summary(self._fetch(config, state.gamma_control.chosen))
-        costs = tuner.costs
-        report["gamma_costs"] = None if costs is None else {"draft": costs[0], "verify": costs[1]}
-        return report
-
-    def _result(self, options, ids, rows: dict, timings, placement: Placement,
-                gamma_report: dict | None = None) -> GenerationResult:
-        num_generated, gamma = rows["num_generated"], options.effective_gamma
-        # The loop's counts have at least one column (loop.init_state): keep those of real draft positions.
-        iterations, drafted, accepted = rows["iterations"], rows["drafted"][:, :gamma], rows["accepted"][:, :gamma]
-        requests = []
-        for i, prompt in enumerate(ids):
-            tokens = self._tokens(rows, i, 0, int(num_generated[i]), options.logprobs)
-            status, reason = self._status(rows, i)
-            requests.append(
-                RequestResult(
-                    prompt_tokens=len(prompt),
-                    tokens=list(tokens),
-                    text=stops.cut_text(self.tokenizer.decode(tokens), options.stop, options.include_stop),
-                    metrics=request_metrics(len(tokens), iterations[i], drafted[i], accepted[i]),
-                    status=status,
-                    reason=reason,
-                    logprobs=tokens.logprobs,
-                )
-            )
-        decode_tokens = int(np.maximum(num_generated - 1, 0).sum())  # the first token comes from prefill
-        metrics = dict(timings)
-        metrics["decode_tokens"] = decode_tokens
-        metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
-        metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
-        metrics.update(pooled_metrics(iterations, drafted, accepted, options.effective_gamma))
-        metrics["draft_weights"] = options.draft_weights if gamma else None
-        metrics["draft_activations"] = options.draft_activations if gamma else None
-        metrics["draft_tree"] = options.draft_tree
-        metrics["drafter"] = options.drafter if options.draft_tree else None
-        metrics.update(gamma_report or {})
-        for status in ("failed", "interrupted"):
-            metrics[f"{status}_requests"] = [i for i, r in enumerate(requests) if r.status == status]
-        return GenerationResult(options, requests, metrics)
 
 
 def _sampling_values(options: GenerationOptions) -> tuple:

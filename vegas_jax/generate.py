@@ -20,14 +20,9 @@ from pathlib import Path
 
 from vegas_jax import inputs, stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
-from vegas_jax.engine import (
-    Engine,
-    GenerationOptions,
-    GenerationResult,
-    InputError,
-    check_serving,
-)
+from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
 from vegas_jax.options import METHODS
+from vegas_jax.serving import check_serving
 
 DTYPES = ("auto", "bfloat16", "float32")
 # Decode runs in device calls of about this long (Engine.stream's seconds_per_call): a SIGINT is answered, and

@@ -1,0 +1,30 @@
+"""How many loop iterations each decode call of a run may take: the host can react (to `stop`, to stream tokens)
+only between calls."""
+
+from __future__ import annotations
+
+from vegas_jax import inputs
+from vegas_jax.inputs import InputError
+from vegas_jax.options import INT32_MAX
+
+
+class Pacer:
+    """The step limit of each decode call of a run: `steps` iterations past the loop's count (None: no limit).
+    With `seconds`, the count adapts after every call so that calls last about that long at the last call's pace:
+    the host then waits about that long whatever the model, batch and context. Each call may at most double the
+    count, so that one fast call (most sequences finished, say) does not make the next overshoot."""
+
+    def __init__(self, steps: int | None, seconds: float | None):
+        if steps is not None and (inputs.integer(steps, "steps_per_call") < 1):
+            raise InputError("{steps_per_call} must be None or >= 1, got {}", steps)
+        if seconds is not None and not inputs.real(seconds, "seconds_per_call") > 0:
+            raise InputError("{seconds_per_call} must be None or > 0, got {}", seconds)
+        self.steps = 1 if steps is None and seconds is not None else steps
+        self.seconds = seconds
+
+    def limit(self, step: int) -> int:
+        return INT32_MAX if self.steps is None else min(step + self.steps, INT32_MAX)
+
+    def update(self, iterations: int, elapsed: float) -> None:
+        if self.seconds is not None and iterations > 0 and elapsed > 0:
+            self.steps = max(1, min(2 * self.steps, int(iterations * self.seconds / elapsed)))
