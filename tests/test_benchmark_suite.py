@@ -289,7 +289,7 @@ def test_a_start_with_fill_cache_decodes_from_the_filled_cache_without_prefill()
     lengths = (40, 25)
     started = engine.start(prompts(lengths, engine.config.vocab_size),
                            dataclasses.replace(GREEDY, max_new_tokens=4), fill_cache=fill)
-    assert seen == [0.0] and not any(key[0] == "prefill" for key in engine._compiled)
+    assert seen == [0.0] and not any(key[0] == "prefill" for key in engine.programs)
     filled = random_cache_rows(jax.tree.map(jnp.zeros_like, started.state.cache))  # what fill made (same key)
     for b, length in enumerate(lengths):  # the bootstrap step wrote the last prompt token's row, nothing before
         np.testing.assert_array_equal(np.asarray(started.state.cache.k[0][b, : length - 1]),
@@ -476,11 +476,11 @@ def test_compile_ahead_compiles_each_loop_once_and_the_records_keep_its_time(tmp
     configurations = [("vegas", Cell(4, 0.07)), ("vegas", Cell(6, 0.07)), ("streaming", Cell.default("streaming"))]
     compiled = suite.compile_ahead(session, "tune", "tuning", configurations, 2, 48, 0.0, 4)
     assert set(compiled) == set(configurations) and all(t > 0 for t in compiled.values())
-    before = len(session.engine._compiled)
+    before = len(session.engine.programs)
     for method, cell in configurations:
         record = suite.measure_static(session, "tune", "tuning", method, cell, 2, 48, 0.0, new_tokens=4, repeats=1,
                                       extra={"tuned": False, **suite._compile_time(compiled, method, cell)})
         assert record["compile_s"] == compiled[method, cell]
-    assert len(session.engine._compiled) == before  # nothing compiled again
+    assert len(session.engine.programs) == before  # nothing compiled again
     # Compiled or recorded configurations are not offered again.
     assert suite.compile_ahead(session, "tune", "tuning", configurations, 2, 48, 0.0, 4) == {}

@@ -116,7 +116,7 @@ def test_wrongly_typed_options_are_refused_before_anything_compiles(engine, fiel
     kind = {str: "a string", float: "a number"}.get(type(getattr(OPTIONS, field)), "an integer")
     with pytest.raises(InputError, match=re.escape(f"{field} must be {kind}, got {value!r} ({type(value).__name__})")):
         fresh.generate(["hi"], dataclasses.replace(OPTIONS, **{field: value}))
-    assert not fresh._compiled
+    assert not fresh.programs
 
 
 def test_options_are_a_generation_options(engine):

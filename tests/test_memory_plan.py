@@ -30,7 +30,7 @@ def test_plan_counts_parameters_and_cache():
     assert plan["cache_capacity"] == 384 and plan["batch_rows"] == 3
     assert parts["kv_cache"] == 2 * c.num_layers * 3 * 384 * c.num_kv_heads * c.head_dim * 4
     assert parts["total"] >= parts["params"] + parts["kv_cache"]
-    assert plan["mesh"] == {"data": 1, "model": 1} and not engine._compiled  # planning compiles nothing
+    assert plan["mesh"] == {"data": 1, "model": 1} and not engine.programs  # planning compiles nothing
 
 
 def test_plan_counts_the_generation_controls():
@@ -59,7 +59,7 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating():
     rows = 2 * limit // (2 * 2 * 384 * 2 * 16 * 4)  # twice as many sequences' caches as the device holds
     with pytest.raises(InputError, match=r"max_model_len / slots / mesh: this run needs .* GiB per device"):
         engine.generate([[1]] * rows, dataclasses.replace(GREEDY, max_new_tokens=8))
-    assert not engine._compiled
+    assert not engine.programs
 
 
 def test_dry_run_prints_the_plan_and_compiles_nothing():

@@ -5,6 +5,7 @@ new process finds the loops an earlier one compiled."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -40,6 +41,39 @@ def compile_jitted(fn: Callable, *args, donate: tuple = ()):
         compiled = lowered.compile()
     _after_every_process_compiled(getattr(fn, "__qualname__", "program"))
     return compiled
+
+
+class Programs:
+    """An engine's compiled programs, each compiled once per (name, layout, static values, argument shapes): the
+    prefill chunks, bootstrap step, decode loop, admission and scoring chunk of every configuration it ran, and the
+    creators of its states. Iterating gives the keys, whose first item is the program's name."""
+
+    def __init__(self):
+        self._programs: dict = {}
+
+    def __iter__(self):
+        return iter(self._programs)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def compile(self, name: str, fn: Callable, *args, in_axes: tuple, out_axes, layout, donate: tuple = (),
+                **static):
+        """fn(*args, **static) compiled as one program per shard of the layout's mesh (`Placement.program`), its
+        arguments and result laid out by their logical axes."""
+        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)
+        key = (name, layout, tuple(sorted(static.items())), str(jax.tree.structure(args)),
+               tuple(jax.tree.leaves(shapes)))
+        if key not in self._programs:
+            program = layout.program(functools.partial(fn, **static), in_axes, out_axes)
+            self._programs[key] = compile_jitted(program, *args, donate=donate)
+        return self._programs[key]
+
+    def kept(self, key: tuple, make: Callable[[], Callable]) -> Callable:
+        """The program kept under `key`, made by `make()` the first time (a state's creator, say)."""
+        if key not in self._programs:
+            self._programs[key] = make()
+        return self._programs[key]
 
 
 def _after_every_process_compiled(name: str) -> None:

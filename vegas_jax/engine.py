@@ -25,7 +25,7 @@ from models.logical_axes import Axes, axes_of
 from vegas_jax import decode_loop, draft_kernel, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
 from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
-from vegas_jax.compilation import compile_jitted
+from vegas_jax.compilation import Programs
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.planner import AcceptanceTracker
@@ -68,7 +68,7 @@ class Engine:
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
-        self._compiled: dict = {}
+        self.programs = Programs()
         self._stop_tables: dict = {}
         self._gamma_costs = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
         self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs
@@ -297,19 +297,6 @@ class Engine:
         """Rows a batch of this many requests takes: a multiple of the mesh's data axis (padding never generates)."""
         return round_up_to_shards(requests, self.placement)
 
-    # ---- compilation ---------------------------------------------------------------------------------------
-    def _compile(self, name: str, fn: Callable, *args, in_axes: tuple, out_axes, layout: Placement,
-                 donate: tuple = (), **static):
-        """fn(*args, **static) compiled once per shapes and static values, as one program per shard of the
-        layout's mesh, its arguments and result laid out by their logical axes."""
-        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), args)
-        key = (name, layout, tuple(sorted(static.items())), str(jax.tree.structure(args)),
-               tuple(jax.tree.leaves(shapes)))
-        if key not in self._compiled:
-            program = layout.program(functools.partial(fn, **static), in_axes, out_axes)
-            self._compiled[key] = compile_jitted(program, *args, donate=donate)
-        return self._compiled[key]
-
     # ---- generation ----------------------------------------------------------------------------------------
     def _initial_state(self, ids, options, config, capacity, first_request: int, *, rows: int | None = None,
                        finished: bool = False) -> loop.DecodeState:
@@ -335,9 +322,7 @@ class Engine:
         create = functools.partial(_new_state, config=config, capacity=capacity,
                                    dtype=self.model.params["embed"].dtype)
         key = ("init", config, capacity, jax.tree.map(np.shape, host))
-        if key not in self._compiled:
-            self._compiled[key] = config.placement.creator(create, *host)
-        return self._compiled[key](*host)
+        return self.programs.kept(key, lambda: config.placement.creator(create, *host))(*host)
 
     def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
                  fill_cache=None, reuse_prefill: PrefillReuse | None = None):
@@ -370,12 +355,12 @@ class Engine:
         prefill = {}
         for size in sorted({size for _, size in spans}):
             steps = (placement.put(np.zeros((batch, size), np.int32), loop.PREFILL_TOKENS_AXES),) * 2
-            prefill[size] = self._compile(
+            prefill[size] = self.programs.compile(
                 "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
                 in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
                 out_axes=cache_axes, model=self.config, placement=placement, mode=config.mode,
             )
-        bootstrap = self._compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
+        bootstrap = self.programs.compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
                                   in_axes=(p_axes, state_axes), out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
@@ -401,7 +386,7 @@ class Engine:
         state_axes = axes_of(state)
         draft_axes = None if draft_params is None else draft_weights.draft_axes(draft_params)
         args = (self.model.params, draft_params, state, np.int32(0), np.int32(0))
-        decode = self._compile("decode", decode_loop.decode, *args, donate=(2,), layout=config.placement,
+        decode = self.programs.compile("decode", decode_loop.decode, *args, donate=(2,), layout=config.placement,
                                in_axes=(param_axes(self.model.params), draft_axes, state_axes, Axes(), Axes()),
                                out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
@@ -560,7 +545,7 @@ class Engine:
                 into = placement.put(np.asarray(targets + [slots] * (group_rows - len(group)), np.int32), Axes(None))
                 t0 = time.perf_counter()
                 running_axes = axes_of(state)
-                admit = self._compile("admit", loop.admit, state, joining, into, donate=(0,), layout=placement,
+                admit = self.programs.compile("admit", loop.admit, state, joining, into, donate=(0,), layout=placement,
                                       in_axes=(running_axes, on_all_shards(axes_of(joining)), Axes(None)),
                                       out_axes=running_axes, config=config)
                 timings["compile_s"] += time.perf_counter() - t0
@@ -594,8 +579,8 @@ class Engine:
         """Each continuation's tokens' log-probabilities after its prompt, their sum and whether each was the most
         likely token (vegas_jax.scoring): pairs of strings or token-id sequences, `batch_size` pairs per pass, in
         chunks of at most `prefill_chunk` tokens. `scoring.perplexity(result)` is the perplexity over all of them."""
-        scored, _ = scoring.score(self, prompts, continuations, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                                  progress=progress)
+        scored, _ = scoring.score(self.model, self.placement, self.programs, prompts, continuations,
+                                  batch_size=batch_size, prefill_chunk=prefill_chunk, progress=progress)
         return scored
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +28,11 @@ from models.kv_cache import KVCache
 from models.logical_axes import BATCH, Axes, axes_of
 from vegas_jax import inputs
 from vegas_jax.attention.family import family_of
+from vegas_jax.compilation import Programs
 from vegas_jax.inputs import InputError
+from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.options import CAPACITY_ALIGN
-from vegas_jax.sharding import Placement
-
-if TYPE_CHECKING:
-    from vegas_jax.engine import Engine
+from vegas_jax.sharding import Placement, round_up_to_shards
 
 # Each chunk's logits, their log-softmax and a temporary of XLA's: the chunk shrinks so that these stay under this
 # many bytes (float32 [rows, chunk, vocabulary], three of them) whatever the batch and vocabulary.
@@ -73,13 +71,12 @@ def score_chunk(params, cache: KVCache, tokens, positions, targets, *, model, pl
     return cache, chosen, top
 
 
-def _ids(engine: Engine, prompt, continuation, index: int) -> tuple[list[int], list[int]]:
+def _ids(tokenizer, prompt, continuation, index: int) -> tuple[list[int], list[int]]:
     """(prompt ids, continuation ids) of one checked pair (`inputs.prompt_batch`); strings as lm-eval-harness
     splits them."""
     for item, name in ((prompt, "prompts"), (continuation, "continuations")):
         if isinstance(item, list) and isinstance(item[0], dict):
             raise InputError("{" + name + "}: pair {} is a conversation; score strings or token ids", index)
-    tokenizer = engine.tokenizer
     if isinstance(prompt, str) and isinstance(continuation, str):
         head = tokenizer.encode(prompt)
         whole = tokenizer.encode(prompt + continuation)
@@ -97,12 +94,14 @@ def _ids(engine: Engine, prompt, continuation, index: int) -> tuple[list[int], l
     return prompt, continuation
 
 
-def score(engine: Engine, prompts, continuations, *, batch_size: int = 8, prefill_chunk: int = 2048,
-          progress=None) -> tuple[list[Scored], dict]:
-    """(one Scored per pair, in order; timings). Prompts and continuations are batches as `Engine.generate` takes
-    them (a bare string is one); InputError naming the argument for bad pairs or sizes."""
-    prompts = inputs.prompt_batch(prompts, engine.config.vocab_size)
-    continuations = inputs.prompt_batch(continuations, engine.config.vocab_size, name="continuations")
+def score(model: LoadedModel, placement: Placement, programs: Programs, prompts, continuations, *,
+          batch_size: int = 8, prefill_chunk: int = 2048, progress=None) -> tuple[list[Scored], dict]:
+    """(one Scored per pair, in order; timings) under `model` on `placement`, its scoring chunk compiled into
+    `programs` (an engine's). Prompts and continuations are batches as `Engine.generate` takes them (a bare string
+    is one); InputError naming the argument for bad pairs or sizes."""
+    config = model.config
+    prompts = inputs.prompt_batch(prompts, config.vocab_size)
+    continuations = inputs.prompt_batch(continuations, config.vocab_size, name="continuations")
     if len(prompts) != len(continuations):
         raise InputError("{prompts} and {continuations}: {} and {} given; one continuation per prompt",
                          len(prompts), len(continuations))
@@ -110,24 +109,23 @@ def score(engine: Engine, prompts, continuations, *, batch_size: int = 8, prefil
     prefill_chunk = inputs.integer(prefill_chunk, "prefill_chunk")
     if batch_size < 1 or prefill_chunk < 1:
         raise InputError("{batch_size} and {prefill_chunk} must be >= 1, got {} and {}", batch_size, prefill_chunk)
-    pairs = [_ids(engine, p, c, i) for i, (p, c) in enumerate(zip(prompts, continuations))]
+    pairs = [_ids(model.tokenizer, p, c, i) for i, (p, c) in enumerate(zip(prompts, continuations))]
     lengths = [len(p) + len(c) for p, c in pairs]
-    context = engine.config.max_position_embeddings
+    context = config.max_position_embeddings
     if max(lengths) > context:
         i = int(np.argmax(lengths))
         raise InputError("{continuations}: pair {} has {} tokens, more than the model's context of {}", i,
                          lengths[i], context)
 
-    placement = engine.placement
-    rows = engine._batch_rows(min(batch_size, len(pairs)))
+    rows = round_up_to_shards(min(batch_size, len(pairs)), placement)
     capacity = -(-max(lengths) // CAPACITY_ALIGN) * CAPACITY_ALIGN
     local_rows = rows // placement.data_shards
-    budget = SCORE_LOGIT_BYTES // (3 * 4 * local_rows * engine.config.vocab_size)
+    budget = SCORE_LOGIT_BYTES // (3 * 4 * local_rows * config.vocab_size)
     chunk = max(16, min(prefill_chunk, budget, -(-(max(lengths) - 1) // 16) * 16) // 16 * 16)
     timings = {"compile_s": 0.0, "score_s": 0.0}
-    params = engine.model.params
-    family = family_of(engine.config)
-    cache = placement.creator(lambda: family.create_cache(engine.config, rows, capacity, params["embed"].dtype))()
+    params = model.params
+    family = family_of(config)
+    cache = placement.creator(lambda: family.create_cache(config, rows, capacity, params["embed"].dtype))()
     order = sorted(range(len(pairs)), key=lambda i: -lengths[i])
     results: dict[int, Scored] = {}
     for first in range(0, len(order), rows):
@@ -148,10 +146,10 @@ def score(engine: Engine, prompts, continuations, *, batch_size: int = 8, prefil
         for start, size in spans:
             t0 = time.perf_counter()
             example = placement.put(np.zeros((rows, size), np.int32), TOKEN_AXES)
-            step = engine._compile(
+            step = programs.compile(
                 "score", score_chunk, params, cache, example, example, example, donate=(1,), layout=placement,
                 in_axes=(param_axes(params), axes_of(cache), TOKEN_AXES, TOKEN_AXES, TOKEN_AXES),
-                out_axes=(axes_of(cache), TOKEN_AXES, TOKEN_AXES), model=engine.config, placement=placement,
+                out_axes=(axes_of(cache), TOKEN_AXES, TOKEN_AXES), model=config, placement=placement,
             )
             timings["compile_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
