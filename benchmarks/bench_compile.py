@@ -24,7 +24,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import vegas_jax.engine as engine_module  # noqa: E402
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
 from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
 from vegas_jax import compilation  # noqa: E402
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
         args.model, args.batch, args.prompt_tokens, args.workers = "tiny", 2, 64, "2"
 
     times = ProgramTimes()
-    engine_module.compile_jitted = times.compile_jitted  # the engine's one way of compiling
+    compilation.compile_jitted = times.compile_jitted  # how the engine's programs (compilation.Programs) compile
     engine = random_engine(SHAPES[args.model])
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, engine.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
