@@ -363,8 +363,6 @@ def run_benchmarks(settings, copy_gb_per_s, records, only):
                     bench_dense(settings, copy_gb_per_s, records, model, batch, length)
     if "select" in only:
         bench_select(settings, copy_gb_per_s, records, settings.topk_rows, settings.lengths[-1])
-        bench_select(settings, copy_gb_per_s, records, settings.topk_rows, settings.lengths[-1],
-                     dict(method="radix"), time_reference=False)
         # Per layer: one row per sequence.
         for batch in settings.batches:
             for length in settings.lengths:
@@ -401,9 +399,7 @@ def run_tuning(settings, copy_gb_per_s, records, only, tiles, launches):
                         run(tile | launch)
         if "select" in only:
             for rows in (settings.topk_rows, settings.batches[-1]):
-                bench_select(settings, copy_gb_per_s, records, rows, length, dict(method="radix"),
-                             time_reference=False)
-                for config in sweep(dict(sample_size=(512, 1024, 2048), block_size=(512, 1024, 2048))):
+                for config in sweep(dict(radix_bits=(3, 4, 5), block_size=(512, 1024, 2048))):
                     bench_select(settings, copy_gb_per_s, records, rows, length, config, time_reference=False)
 
 

@@ -86,57 +86,16 @@ def draw_k(rng, rows, length, k_max):
 def test_radix_matches_exact_top_k(rng, rows, length, k_max, launch):
     scores = make_scores(rng, rows, length)
     k = draw_k(rng, rows, length, k_max)
-    indices, counts = select_topk(jnp.asarray(scores), k, k_max=k_max, method="radix", interpret=True, **launch)
+    indices, counts = select_topk(jnp.asarray(scores), k, k_max=k_max, interpret=True, **launch)
     check_selection(scores, np.asarray(k), k_max, indices, counts, positions_ordered=True)
-
-
-@pytest.mark.parametrize(
-    "rows, length, k_max, launch",
-    [
-        # Rows longer than the sample (runs of 8 sampled), several chunks, a length off the block size.
-        (16, 3001, 400, dict(sample_size=256, block_size=128, num_chunks=4)),
-        # The whole row is the sample; one chunk.
-        (8, 700, 200, dict(num_chunks=1, block_size=64)),
-    ],
-)
-def test_bracket_matches_exact_top_k(rng, rows, length, k_max, launch):
-    """A buffer as long as the row never overflows, so the bracket path serves every row kind: ties filling the
-    bracket, all -inf, k = 0, k above the finite count."""
-    scores = make_scores(rng, rows, length)
-    k = draw_k(rng, rows, length, k_max)
-    indices, counts = select_topk(
-        jnp.asarray(scores), k, k_max=k_max, max_candidates=length, interpret=True, **launch
-    )
-    check_selection(scores, np.asarray(k), k_max, indices, counts)
-
-
-def test_bracket_with_default_buffer(rng):
-    """Distinct scores with the local structure of attention (a few hot positions, a decaying recent tail)."""
-    rows, length, k_max = 12, 4096, 300
-    scores = rng.standard_normal((rows, length)).astype(np.float32)
-    scores += np.linspace(0.0, 3.0, length, dtype=np.float32) ** 2
-    scores[:, rng.integers(0, length, 40)] += 8.0
-    scores[:, -6:] = -np.inf  # the newest keys are not candidates
-    k = jnp.asarray(rng.integers(200, k_max + 1, rows), jnp.int32)
-    indices, counts = select_topk(jnp.asarray(scores), k, k_max=k_max, sample_size=512, interpret=True)
-    check_selection(scores, np.asarray(k), k_max, indices, counts)
-
-
-def test_bracket_overflow_falls_back_to_radix(rng):
-    """With a one-slot buffer every row that must choose inside its bracket overflows: the call takes the radix
-    path, whose positions come out in increasing order."""
-    scores = make_scores(rng, 8, 900)
-    k = draw_k(rng, 8, 900, 150)
-    indices, counts = select_topk(jnp.asarray(scores), k, k_max=150, max_candidates=1, interpret=True)
-    check_selection(scores, np.asarray(k), 150, indices, counts, positions_ordered=True)
 
 
 def test_rejects_bad_arguments():
     scores, k = jnp.zeros((2, 64)), jnp.ones((2,), jnp.int32)
-    with pytest.raises(ValueError, match="method"):
-        select_topk(scores, k, k_max=8, method="sort", interpret=True)
-    with pytest.raises(ValueError, match="sample_size"):
-        select_topk(scores, k, k_max=8, sample_size=12, interpret=True)
+    with pytest.raises(ValueError, match="radix_bits"):
+        select_topk(scores, k, k_max=8, radix_bits=9, interpret=True)
+    with pytest.raises(ValueError, match=r"\[R, T\]"):
+        select_topk(scores, k[:1], k_max=8, interpret=True)
 
 
 def test_reference_matches_exact_top_k(rng):
@@ -169,5 +128,5 @@ def test_lowers_to_triton_for_h200():
         jax.ShapeDtypeStruct((rows, length), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.int32),
     )
-    # The bracket's counting and split passes, the radix fallback's counting passes and compaction.
-    assert lowered.count("__gpu$xla.gpu.triton") >= 4
+    # The counting passes (8 of 4 bits each) and the compaction.
+    assert lowered.count("__gpu$xla.gpu.triton") >= 2

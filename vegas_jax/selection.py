@@ -64,12 +64,9 @@ class Budget:
 def top_k_indices(scores: jax.Array, k: jax.Array, k_max: int, placement: Placement = Placement()):
     """Per row, the positions of the k[r] largest finite scores: (indices [R, k_max], counts [R]).
 
-    On GPU `lax.top_k` with k >= 256 is a full sort; the kernel finds the k-th value by radix counting instead.
-    The kernel's faster bracketing method is not used here: its fallback is a `lax.cond`, and inside the decode
-    loop that host-side branch cost more than the passes it saves (Vegas iteration at batch 1: 9.49 ms with radix,
-    11.47 ms with bracketing; benchmarks/results/step-overhead-2026-11-30-{C-radix,A-new}.json)."""
+    On GPU `lax.top_k` with k >= 256 is a full sort; the kernel finds the k-th value by radix counting instead."""
     if placement.uses_kernels:
-        return select_topk(scores, k, k_max=k_max, method="radix", interpret=placement.interpret)
+        return select_topk(scores, k, k_max=k_max, interpret=placement.interpret)
     k_max = min(k_max, scores.shape[-1])
     values, indices = jax.lax.top_k(scores, k_max)
     counts = jnp.minimum(k, jnp.sum(jnp.isfinite(values), axis=-1)).astype(jnp.int32)
