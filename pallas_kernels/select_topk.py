@@ -271,8 +271,8 @@ def select_topk(
 
     radix_bits: bits of the threshold fixed per pass (module docstring). block_size: scores per inner step (power
     of two; None: 2048 from T = 32K on, else 1024). num_chunks: programs per row (None: enough for about 512 programs).
-    num_warps: Triton launch parameter. The defaults are the best of a sweep on the H200 at [256, 8K], [1920, 8K]
-    and [256, 128K] (benchmarks/results/kernels-tune-2026-11-30-0804{46,514}.json).
+    num_warps: Triton launch parameter. The default block size is the best of a sweep on the H200 at [256, 8K],
+    [1920, 8K] and [256, 128K] (benchmarks/results/kernels-tune-2026-11-30-0804{46,514}.json).
     """
     if scores.ndim != 2 or k.shape != scores.shape[:1]:
         raise ValueError(f"scores must be [R, T] and k [R]; got {scores.shape}, {k.shape}")

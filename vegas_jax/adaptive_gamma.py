@@ -22,6 +22,8 @@ log(batch) / (1 - DECAY) iterations), and one whose acceptance improves finds it
 
 The costs come from timing the compiled loop itself at the start of a run (`Warmup`: a few iterations each with g
 forced to γ_max, 1 and 0, which decode real tokens), or are given (`GenerationOptions.draft_cost`, `verify_cost`).
+On the host, `RunControl` sets each decode call's force and costs and times the call, and an engine's `CostBook`
+keeps the measured costs so that a later run of the same loop does not time it again.
 """
 
 from __future__ import annotations
@@ -155,7 +157,6 @@ class Warmup:
         return draft / plain, max(one - draft, MIN_VERIFY * plain) / plain
 
 
-
 def with_control(state, placement, force: int, costs: tuple[float, float]):
     """The decode state with adaptive γ's force (-1: choose) and cost model (draft step, verify) set."""
     control = dataclasses.replace(state.gamma_control, force=placement.put(np.int32(force), Axes()),
@@ -168,7 +169,7 @@ class RunControl:
     the call's step limit, cut to the warm-up phase's iterations), after it the call's timing. A run without
     adaptive γ passes through unchanged."""
 
-    def __init__(self, config, book: "CostBook", given: tuple[float, float] | None, key: tuple):
+    def __init__(self, config, book: CostBook, given: tuple[float, float] | None, key: tuple):
         self.placement = config.placement
         self.book, self.given, self.key = book, given, key
         self.warmup = None if not config.adaptive_gamma else Warmup(config.gamma, given or book.costs.get(key))
@@ -207,5 +208,5 @@ class CostBook:
     def __init__(self):
         self.costs: dict[tuple, tuple[float, float]] = {}
 
-    def run(self, config, given: tuple[float, float] | None, rows: int, capacity: int) -> RunControl:
+    def for_run(self, config, given: tuple[float, float] | None, rows: int, capacity: int) -> RunControl:
         return RunControl(config, self, given, (config, rows, capacity))

@@ -30,9 +30,9 @@ from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.planner import AcceptanceTracker
 from vegas_jax.prefill_reuse import PrefillReuse
-from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions
+from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
 from vegas_jax.pacing import Pacer
-from vegas_jax.prefill_chunks import prefill_chunk, prefill_spans, round_up
+from vegas_jax.prefill_chunks import prefill_chunk, prefill_spans
 from vegas_jax.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
                                streamed_tokens, token_rows)
 from vegas_jax.selection import Budget, make_policy
@@ -70,7 +70,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.programs = Programs()
         self._stop_tables: dict = {}
-        self._gamma_costs = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
+        self._gamma_book = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
         self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs
 
     @property
@@ -360,8 +360,9 @@ class Engine:
                 in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
                 out_axes=cache_axes, model=self.config, placement=placement, mode=config.mode,
             )
-        bootstrap = self.programs.compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
-                                  in_axes=(p_axes, state_axes), out_axes=state_axes, config=config)
+        bootstrap = self.programs.compile("bootstrap", loop.bootstrap, params, state, donate=(1,),
+                                          layout=placement, in_axes=(p_axes, state_axes), out_axes=state_axes,
+                                          config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -386,9 +387,10 @@ class Engine:
         state_axes = axes_of(state)
         draft_axes = None if draft_params is None else draft_weights.draft_axes(draft_params)
         args = (self.model.params, draft_params, state, np.int32(0), np.int32(0))
-        decode = self.programs.compile("decode", decode_loop.decode, *args, donate=(2,), layout=config.placement,
-                               in_axes=(param_axes(self.model.params), draft_axes, state_axes, Axes(), Axes()),
-                               out_axes=state_axes, config=config)
+        decode = self.programs.compile(
+            "decode", decode_loop.decode, *args, donate=(2,), layout=config.placement,
+            in_axes=(param_axes(self.model.params), draft_axes, state_axes, Axes(), Axes()),
+            out_axes=state_axes, config=config)
         timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return decode
 
@@ -447,7 +449,7 @@ class Engine:
         options = started.options
         draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
-        gamma = self._gamma_costs.run(config, options.given_costs, rows, state.cache.capacity)
+        gamma = self._gamma_book.for_run(config, options.given_costs, rows, state.cache.capacity)
         placement = config.placement
         host = placement.fetch(token_rows(state, config))
         seen = host["num_generated"]
@@ -534,7 +536,7 @@ class Engine:
         state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
-        gamma = self._gamma_costs.run(config, options.given_costs, slots, capacity)
+        gamma = self._gamma_book.for_run(config, options.given_costs, slots, capacity)
 
         while not placement.agreed(stop is not None and bool(stop())):
             for group, targets in table.groups():
@@ -545,9 +547,10 @@ class Engine:
                 into = placement.put(np.asarray(targets + [slots] * (group_rows - len(group)), np.int32), Axes(None))
                 t0 = time.perf_counter()
                 running_axes = axes_of(state)
-                admit = self.programs.compile("admit", loop.admit, state, joining, into, donate=(0,), layout=placement,
-                                      in_axes=(running_axes, on_all_shards(axes_of(joining)), Axes(None)),
-                                      out_axes=running_axes, config=config)
+                admit = self.programs.compile(
+                    "admit", loop.admit, state, joining, into, donate=(0,), layout=placement,
+                    in_axes=(running_axes, on_all_shards(axes_of(joining)), Axes(None)),
+                    out_axes=running_axes, config=config)
                 timings["compile_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 state = admit(state, joining, into)

@@ -31,6 +31,10 @@ METHOD_KNOBS = {"stream_sinks": "streaming", "quest_page": "quest", "retrieval_c
 POLICY_FIELDS = {"stream_sinks": "sinks", "quest_page": "page", "retrieval_chunk": "chunk", "retrieval_every": "every"}
 
 
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationOptions:
     max_new_tokens: int = 256

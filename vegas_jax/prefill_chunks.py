@@ -4,6 +4,7 @@ activations, one shard's rows and heads) and the spans that cover a prompt with 
 from __future__ import annotations
 
 from models.config import ModelConfig
+from vegas_jax.options import round_up
 from vegas_jax.sharding import Placement
 
 # Without kernels, prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T]
@@ -18,10 +19,6 @@ PREFILL_ACTIVATION_BYTES = 2**33
 # 512-token chunk took about half a 2048-token one's time at batch 1 and a quarter at batch 64 (7.9K-token
 # prompts, benchmarks/results/prefill-2026-11-30-s12*.json), so the small chunks never cost more than the big one.
 PREFILL_TAIL_CHUNK = 512
-
-
-def round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _largest_chunk(budget_bytes: int, bytes_per_chunk_token: int) -> int:

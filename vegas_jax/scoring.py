@@ -31,7 +31,7 @@ from vegas_jax.attention.family import family_of
 from vegas_jax.compilation import Programs
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.options import CAPACITY_ALIGN
+from vegas_jax.options import CAPACITY_ALIGN, round_up
 from vegas_jax.sharding import Placement, round_up_to_shards
 
 # Each chunk's logits, their log-softmax and a temporary of XLA's: the chunk shrinks so that these stay under this
@@ -118,7 +118,7 @@ def score(model: LoadedModel, placement: Placement, programs: Programs, prompts,
                          lengths[i], context)
 
     rows = round_up_to_shards(min(batch_size, len(pairs)), placement)
-    capacity = -(-max(lengths) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+    capacity = round_up(max(lengths), CAPACITY_ALIGN)
     local_rows = rows // placement.data_shards
     budget = SCORE_LOGIT_BYTES // (3 * 4 * local_rows * config.vocab_size)
     chunk = max(16, min(prefill_chunk, budget, -(-(max(lengths) - 1) // 16) * 16) // 16 * 16)

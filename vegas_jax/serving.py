@@ -43,14 +43,14 @@ class SlotTable:
 
     def groups(self):
         """Yields (requests, slots they go to) for the next admission groups, as many as the free slots take;
-        each group is marked as decoding once the caller resumes the generator (after admitting it)."""
+        each group is seated in its slots as it is taken off the queue."""
         free = self.free()
         while self.queue and free:
             group = [self.queue.pop() for _ in range(min(self.refill, len(self.queue), len(free)))]
             targets, free = free[: len(group)], free[len(group):]
-            yield group, targets
             for slot, r in zip(targets, group):
                 self.request[slot] = r
+            yield group, targets
 
     def finished_limit(self) -> int:
         """The decode call returns once this many slots are finished: enough free slots for the next group, or
