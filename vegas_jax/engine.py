@@ -449,7 +449,7 @@ class Engine:
         options = started.options
         draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
-        gamma = self._gamma_book.for_run(config, options.given_costs, rows, state.cache.capacity)
+        adaptive = self._gamma_book.for_run(config, options.given_costs, rows, state.cache.capacity)
         placement = config.placement
         host = placement.fetch(token_rows(state, config))
         seen = host["num_generated"]
@@ -459,12 +459,12 @@ class Engine:
         num_generated, done, step = seen, *placement.fetch((state.done, state.step))
         while not bool(np.all(done)) and not placement.agreed(stop is not None and bool(stop())):
             call_start, before = time.perf_counter(), int(step)
-            state, limit = gamma.before_call(state, before, pacer.limit(before))
+            state, limit = adaptive.before_call(state, before, pacer.limit(before))
             state = started.decode(params, draft_params, state, np.int32(limit), np.int32(rows))
             num_generated, done, step = placement.fetch((state.num_generated, state.done, state.step))
             elapsed = placement.agreed(time.perf_counter() - call_start)  # paces the next call on every process
             pacer.update(int(step) - before, elapsed)
-            gamma.after_call(int(step) - before, elapsed)
+            adaptive.after_call(int(step) - before, elapsed)
             if pacer.steps is not None:
                 host = placement.fetch(token_rows(state, config))
                 yield [streamed_tokens(host, i, int(seen[i]), int(num_generated[i]), k) for i in range(batch)]
@@ -477,7 +477,7 @@ class Engine:
         if pacer.steps is None:
             yield [streamed_tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
         result = generation_result(self.tokenizer, options, started.prompt_ids, host, timings, placement,
-                                   gamma.report(state))
+                                   adaptive.report(state))
         if self.config.attention != "dense":
             result.metrics.update(ssv.report(options, started.ssv_plan, timings["decode_s"],
                                              result.metrics["decode_tokens"], batch))
@@ -536,7 +536,7 @@ class Engine:
         state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
-        gamma = self._gamma_book.for_run(config, options.given_costs, slots, capacity)
+        adaptive = self._gamma_book.for_run(config, options.given_costs, slots, capacity)
 
         while not placement.agreed(stop is not None and bool(stop())):
             for group, targets in table.groups():
@@ -560,20 +560,20 @@ class Engine:
                 break
             before, step = placement.fetch((state.num_generated, state.step))
             t0 = time.perf_counter()
-            state, limit = gamma.before_call(state, int(step), pacer.limit(int(step)))
+            state, limit = adaptive.before_call(state, int(step), pacer.limit(int(step)))
             state = decode(params, draft_params, state, np.int32(limit), np.int32(table.finished_limit()))
             jax.block_until_ready(state.done)
             elapsed = placement.agreed(time.perf_counter() - t0)  # paces the next call on every process
             iterations = int(placement.fetch(state.step)) - int(step)
             pacer.update(iterations, elapsed)
-            gamma.after_call(iterations, elapsed)
+            adaptive.after_call(iterations, elapsed)
             table.after_call(host_rows(state, config), before, iterations, elapsed)
             if progress:
                 progress("requests", len(table.finished), len(ids))
 
         timings["decode_s"] = sum(c["seconds"] for c in table.calls)
         rows = table.rows_in_order(host_rows(state, config))
-        result = generation_result(self.tokenizer, options, ids, rows, timings, placement, gamma.report(state))
+        result = generation_result(self.tokenizer, options, ids, rows, timings, placement, adaptive.report(state))
         result.metrics.update(table.metrics())
         return result
 

@@ -121,7 +121,7 @@ def score(model: LoadedModel, placement: Placement, programs: Programs, prompts,
     capacity = round_up(max(lengths), CAPACITY_ALIGN)
     local_rows = rows // placement.data_shards
     budget = SCORE_LOGIT_BYTES // (3 * 4 * local_rows * config.vocab_size)
-    chunk = max(16, min(prefill_chunk, budget, -(-(max(lengths) - 1) // 16) * 16) // 16 * 16)
+    chunk = max(16, min(prefill_chunk, budget, round_up(max(lengths) - 1, 16)) // 16 * 16)
     timings = {"compile_s": 0.0, "score_s": 0.0}
     params = model.params
     family = family_of(config)
