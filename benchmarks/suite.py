@@ -25,7 +25,6 @@ turns the log into the README's results and the same plots.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import hashlib
 import os
@@ -504,7 +503,8 @@ def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
         if lent:
             raise BadFlag(f"{flag} {text}: batch {min(lent)} takes its tuning from batch "
                           f"{preset.tuning_batch(min(lent))}: list both")
-    return dataclasses.replace(preset, **{field: tuple(v for v in allowed if v in values)})
+    kept = {"lengths": preset.lengths, "batches": preset.batches, field: values}
+    return preset.narrowed(kept["lengths"], kept["batches"])
 
 
 def main(argv=None) -> int:

@@ -71,6 +71,19 @@ class Preset:
         """The batch whose tuning chooses this batch's cells (itself unless borrowed)."""
         return dict(self.borrowed_tuning).get(batch, batch)
 
+    def narrowed(self, lengths: tuple[int, ...], batches: tuple[int, ...]) -> Preset:
+        """This preset measuring only these of its lengths and batches: its serving cases, transformers peers,
+        sampled and ablation batches and borrowed tunings outside them dropped (its scale stage, on random
+        weights of its own shapes, kept)."""
+        return dataclasses.replace(
+            self, lengths=tuple(n for n in self.lengths if n in lengths),
+            batches=tuple(b for b in self.batches if b in batches),
+            sampled_batches=tuple(b for b in self.sampled_batches if b in batches),
+            ablation_batches=tuple(b for b in self.ablation_batches if b in batches),
+            serve=tuple(c for c in self.serve if c.prompt_tokens in lengths and c.slots in batches),
+            peer=tuple((b, n) for b, n in self.peer if b in batches and n in lengths),
+            borrowed_tuning=tuple(pair for pair in self.borrowed_tuning if set(pair) <= set(batches)))
+
     @property
     def tuned_batches(self) -> tuple[int, ...]:
         return tuple(b for b in self.batches if self.tuning_batch(b) == b)

@@ -437,6 +437,20 @@ def test_presets_hold_what_the_issue_asks():
     assert all(p.max_model_len[n] <= 8192 for p in PRESETS.values() for n in p.lengths)  # SmolLM2's context
 
 
+def test_narrowing_a_preset_drops_what_measures_outside_it(capsys):
+    """--lengths and --batches cut a preset's serving cases, peers and sampled and ablation batches with it, so
+    any of its lengths or batches can run alone (--lengths 7936 of the paper preset once failed on its 4096
+    serving case)."""
+    paper = suite.narrowed(PRESETS["paper"], "--lengths", "7936")
+    assert paper.lengths == (7936,) and [c.prompt_tokens for c in paper.serve] == [7936]
+    assert {n for _, n in paper.peer} == {7936} and paper.batches == PRESETS["paper"].batches
+    paper = suite.narrowed(paper, "--batches", "8,1")
+    assert paper.batches == paper.sampled_batches == paper.ablation_batches == (8, 1)
+    assert paper.serve == () and sorted(paper.peer) == [(1, 7936), (8, 7936)]
+    assert suite.main(["--preset", "paper", "--estimate", "--lengths", "7936", "--batches", "8,1"]) == 0
+    assert "heldout" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--batches", "8"], "--batches 8: batch 8 takes its tuning from batch 64"),
     (["--lengths", "4096"], "--lengths 4096: preset quick has 7936"),
