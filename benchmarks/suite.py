@@ -152,11 +152,10 @@ class Session:
         if self._engine is not None:
             return self._engine.tokenizer
         if self._tokenizer is None:
-            import gguf
-
+            from vegas_jax.loading.gguf import open_gguf
             from vegas_jax.tokenizer import Tokenizer
 
-            self._tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(self.model_path))
+            self._tokenizer = Tokenizer.from_gguf(open_gguf(self.model_path))
         return self._tokenizer
 
     def prompts(self, split: str, count: int, length: int) -> PromptSet:

@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import json
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +24,7 @@ from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterat
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax.engine import GenerationOptions
-from vegas_jax.loading.gguf import embedded_smollm2_path
+from vegas_jax.loading.gguf import embedded_smollm2_path, open_gguf
 from vegas_jax.tokenizer import Tokenizer
 
 # ---- the log -----------------------------------------------------------------------------------------------
@@ -64,7 +63,7 @@ def test_log_appends_rereads_and_skips_by_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(embedded_smollm2_path()))
+    return Tokenizer.from_gguf(open_gguf(embedded_smollm2_path()))
 
 
 def test_splits_are_disjoint_and_the_heldout_one_is_new():

@@ -23,7 +23,7 @@ from models.kv_cache import KVCache
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.loading import gguf_blocks
 from vegas_jax.loading import CheckpointError
-from vegas_jax.loading.gguf import SUPPORTED_TYPES, dequantize, embedded_smollm2_path, load_gguf
+from vegas_jax.loading.gguf import SUPPORTED_TYPES, dequantize, embedded_smollm2_path, load_gguf, open_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "smollm2"
 LOGIT_CASES = json.loads((FIXTURES / "logits.json").read_text())
@@ -125,6 +125,21 @@ def test_greedy_continuation_matches_transformers(smollm2, case):
 
 
 # ---------------------------------------------------------------------------------------- errors
+
+
+def test_the_fast_reader_reads_what_gguf_reads():
+    """open_gguf's reader (gguf's, over a plain view of the map) against gguf's own on the real file: every field's
+    value and every tensor's name, type, shape and bytes."""
+    path = embedded_smollm2_path()
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors) == 272
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert np.array_equal(a.data, b.data), a.name
 
 
 def test_not_a_gguf_file_names_it(tmp_path):

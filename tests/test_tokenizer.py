@@ -14,7 +14,7 @@ import tokenizers
 from tokenizers import processors
 
 from vegas_jax.loading import CheckpointError
-from vegas_jax.loading.gguf import embedded_smollm2_path
+from vegas_jax.loading.gguf import embedded_smollm2_path, open_gguf
 from vegas_jax.tokenizer import Tokenizer
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "tokenizer_ids.json").read_text())
@@ -24,7 +24,7 @@ CHATS = REFERENCE["chats"]
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(embedded_smollm2_path()))
+    return Tokenizer.from_gguf(open_gguf(embedded_smollm2_path()))
 
 
 @pytest.fixture(scope="module")
