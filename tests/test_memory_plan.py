@@ -104,7 +104,7 @@ def _unquantized_shapes(fixture: Path):
 
 def test_the_policy_knobs_reach_the_policy_and_its_memory():
     """Quest's page bounds take 2 x layers x rows x capacity / page x KV heads x head dim values: halving the page
-    doubles them. The policy the loop compiles carries the knobs (`Engine._plan`)."""
+    doubles them. The policy the loop compiles carries the knobs (`run_plan.fit`)."""
     engine = tiny_engine()
     c = engine.config
     batch = prompts([45, 12, 80], c.vocab_size)
@@ -112,9 +112,10 @@ def test_the_policy_knobs_reach_the_policy_and_its_memory():
     for page in (16, 8):
         options = dataclasses.replace(GREEDY, method="quest", quest_page=page)
         state[page] = engine.plan(batch, options)["bytes_per_device"]["decode_state"]
-        assert engine._plan(batch, options)[0].policy.page == page
+        assert engine._fitted_plan(batch, options).config.policy.page == page
     assert state[8] - state[16] == 2 * c.num_layers * 3 * (384 // 16) * c.num_kv_heads * c.head_dim * 4
     options = dataclasses.replace(GREEDY, method="retrieval", retrieval_chunk=16, retrieval_every=2)
-    policy = engine._plan(batch, options)[0].policy
+    policy = engine._fitted_plan(batch, options).config.policy
     assert (policy.chunk, policy.every) == (16, 2)
-    assert engine._plan(batch, dataclasses.replace(GREEDY, method="streaming", stream_sinks=4))[0].policy.sinks == 4
+    streaming = dataclasses.replace(GREEDY, method="streaming", stream_sinks=4)
+    assert engine._fitted_plan(batch, streaming).config.policy.sinks == 4

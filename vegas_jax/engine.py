@@ -1,10 +1,7 @@
 """The library API: an `Engine` holds a loaded model and turns prompts into tokens, text and metrics.
 
 Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
-(prefill_spans); the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
-sampling mode, output buffer width: max_new_tokens rounded up to OUTPUT_BUCKET). The cache capacity is
-`max_model_len` plus γ+1 rows (for the drafts; a draft tree: its nodes + 1), rounded up to a multiple of 128; left unset, `max_model_len` is the
-prompt plus `max_new_tokens` rounded up to a multiple of 1024, so prompts of similar length share one compilation.
+(prefill_spans); the bootstrap step and the decode loop as vegas_jax.run_plan says.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import decode_loop, draft_kernel, inputs, loop, memory, penalties, sampling, scoring, ssv, stops
+from vegas_jax import decode_loop, inputs, loop, penalties, run_plan, sampling, scoring, ssv, stops
 from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import Programs
@@ -30,20 +27,17 @@ from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.planner import AcceptanceTracker
 from vegas_jax.prefill_reuse import PrefillReuse
-from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
+from vegas_jax.options import GenerationOptions
 from vegas_jax.pacing import Pacer
 from vegas_jax.prefill_chunks import prefill_chunk, prefill_spans
 from vegas_jax.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
                                streamed_tokens, token_rows)
-from vegas_jax.selection import Budget, make_policy
 from vegas_jax.serving import SlotTable, check_serving
-from vegas_jax.sharding import Placement, check_model_fits, on_all_shards, round_up_to_shards
+from vegas_jax.sharding import Placement, on_all_shards, round_up_to_shards
 
 __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "RequestResult", "Started",
            "StreamedTokens"]
 
-AUTO_LENGTH_BUCKET = 1024
-OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: max_new_tokens rarely recompiles
 
 
 @dataclasses.dataclass
@@ -130,75 +124,15 @@ class Engine:
         """What a run of these prompts (with `slots`: served through that many) would compile and allocate, without
         doing either: the mesh, the compiled shapes and the bytes per device (vegas_jax.memory). InputError if it
         does not fit."""
-        return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill)[3]
+        return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill).summary
 
-    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None, kept_prefill: bool = False):
-        """(the options the run decodes with (vegas_jax.ssv's choice made), loop configuration, cache capacity,
-        `plan`'s summary) once the run is known to fit its devices."""
-        options, ssv_plan = ssv.resolve(options, self.config, [len(p) for p in prompt_ids], self._acceptance)
-        config, capacity = self._plan(prompt_ids, options)
-        stop_table = self._stop_table(options)
-        batch = self._batch_rows(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)))
-        p = self.placement
-        precision = config.draft_weights
-        draft = self._draft_shapes(precision)
-        if config.draft_activations == "int8":
-            try:
-                draft_kernel.check_int8_activations(draft)
-            except ValueError as e:
-                raise InputError("{draft_activations} int8: {}", e) from None
-        chunk = prefill_chunk(self.config, batch, max(map(len, prompt_ids)), capacity, options.prefill_chunk, p)
-        estimate = memory.estimate(self.config, self.model.params, p, batch=batch, capacity=capacity,
-                                   draft=draft,
-                                   gamma=config.verify_rows - 1,
-                                   k_max=config.policy.budget.k_max if config.policy else 0,
-                                   policy=options.method, quest_page=options.quest_page,
-                                   output_width=config.max_new_tokens,
-                                   sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
-                                   logprobs=config.logprobs, stop_table=stop_table.shape,
-                                   prefill_chunk=chunk,
-                                   refill=None if slots is None else self._batch_rows(check_serving(slots, refill)),
-                                   approx_mode=config.mode, kept_prefill=kept_prefill)
-        memory.check_fits(estimate, p)
-        return options, config, capacity, {
-            "ssv_plan": None if ssv_plan is None else ssv_plan.report(),
-            "placement": p.describe(),
-            "mesh": {"data": p.data_shards, "model": p.model_shards},
-            "backend": p.backend,
-            "batch_rows": batch,
-            "cache_capacity": capacity,
-            "output_width": config.max_new_tokens,
-            "gamma": options.gamma if options.auto_gamma else config.gamma,
-            "gamma_max": config.gamma if options.auto_gamma else None,
-            "draft_tree": options.draft_tree,
-            "drafter": options.drafter if options.draft_tree else None,
-            "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
-            "stop_table_states": stop_table.shape[0],
-            "draft_weights": precision,
-            "draft_weights_source": self._draft_source(precision),
-            "bytes_per_device": estimate,
-        }
+    def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None,
+                     kept_prefill: bool = False) -> run_plan.RunPlan:
+        return run_plan.fit(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
+                            stop_table=self._stop_table, slots=slots, refill=refill,
+                            kept_prefill=kept_prefill)
 
     # ---- draft weights -------------------------------------------------------------------------------------
-    def _draft_shapes(self, precision: str):
-        """The draft tree of `precision` as it is or would be made (shapes only until then); None for bf16.
-        InputError naming draft_weights when this model's shapes on its mesh admit no such draft."""
-        if precision == "bf16":
-            return None
-        if precision in self.model.drafts:
-            return self.model.drafts[precision]
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.model.params)
-        try:
-            return jax.eval_shape(functools.partial(draft_weights.quantize_params, config=self.config,
-                                                    precision=precision), shapes)
-        except draft_weights.DraftWeightsError as e:
-            raise InputError("{draft_weights} {}: {}", precision, e) from None
-
-    def _draft_source(self, precision: str) -> str:
-        if precision == "bf16":
-            return "the model's own weights"
-        return self.model.draft_sources.get(precision, "made at the first run that reads them")
-
     def _draft_params(self, config: loop.DecodeConfig, rows: int):
         """The draft tree config's drafts read over `rows` batch rows: codes in words where its kernels multiply
         int8 activations one row at a time (at more rows the float kernel reads bytes; vegas_jax.draft_kernel)."""
@@ -208,79 +142,6 @@ class Engine:
             return self.model.draft_params(precision, words)
         except draft_weights.DraftWeightsError as e:
             raise InputError("{draft_weights} {}: {}", precision, e) from None
-
-    def _max_model_len(self, prompt_lens: list[int], options: GenerationOptions) -> int:
-        model_max = self.config.max_position_embeddings
-        longest = max(prompt_lens)
-        if options.max_model_len is not None:
-            if options.max_model_len > model_max:
-                raise InputError("{max_model_len} {} exceeds the model's context of {}", options.max_model_len,
-                                 model_max)
-            limit = options.max_model_len
-            if longest > limit:
-                raise InputError("{max_model_len}: a prompt of {} tokens is longer than {}", longest, limit)
-        else:
-            limit = min(model_max, round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
-            if longest > limit:
-                raise InputError("{prompts}: a prompt of {} tokens is longer than the model's context of {}", longest,
-                                 limit)
-        if longest + options.max_new_tokens > limit:
-            raise InputError(
-                "{max_new_tokens} {}: with a prompt of {} tokens it exceeds the context of {} tokens ({max_model_len})",
-                options.max_new_tokens, longest, limit,
-            )
-        return limit
-
-    def _decode_config(self, options: GenerationOptions, mode: sampling.SamplingMode, max_model_len: int):
-        gamma = options.effective_gamma
-        placement = self.placement
-        policy = None
-        if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
-            budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
-            policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
-        width = round_up(options.max_new_tokens, OUTPUT_BUCKET)
-        return loop.DecodeConfig(self.config, gamma, policy, options.score_mode, mode, width, placement,
-                                 options.logprobs, draft_weights=options.draft_weights if gamma else "bf16",
-                                 draft_activations=options.draft_activations if gamma else "bf16",
-                                 adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter,
-                                 mode=ssv.approx_mode_of(options))
-
-    def _plan(self, ids: list[list[int]], options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
-        """The loop configuration and cache capacity for these prompts; InputError if they do not fit."""
-        options.validate()
-        if self.config.attention != "dense" and options.method != "ar":
-            raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
-                             "selection policies attend densely)", options.method, self.config.attention)
-        if self.config.attention == "dense" and options.draft_tree is not None and options.drafter == "self" \
-                and options.method == "ar":
-            raise InputError("{draft_tree} {}: a dense model's self drafter drafts with a KV selection: give {method} "
-                             "(e.g. vegas), or {drafter} ngram", options.draft_tree)
-        if options.seed + len(ids) - 1 > INT32_MAX:
-            raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
-                             options.seed, len(ids))
-        vocab = self.config.vocab_size
-        for token in options.stop_token_ids:
-            if token >= vocab:
-                raise InputError("{stop_token_ids}: {} is outside the vocabulary [0, {})", token, vocab)
-        if options.logprobs is not None and options.logprobs > vocab:
-            raise InputError("{logprobs} {}: more alternatives than the vocabulary's {} tokens", options.logprobs,
-                             vocab)
-        max_model_len = self._max_model_len([len(p) for p in ids], options)
-        mode = self._sampling_params(1, options).mode()
-        config = self._decode_config(options, mode, max_model_len)
-        check_model_fits(self.config, config.placement)
-        # The kernels run on each shard's heads: the verification kernel's limit is per KV head's query heads,
-        # which a model axis does not change (it splits query and KV heads alike).
-        gamma, group = options.effective_gamma, self.config.num_heads // self.config.num_kv_heads
-        most = None if config.tree else config.verify_attention().scored_tokens_limit(group)
-        if most is not None and gamma + 1 > most:
-            raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
-                             "model's heads (γ + 1 <= {})", gamma, most, most)
-        return config, round_up(max_model_len + config.verify_rows, CAPACITY_ALIGN)
-
-    @staticmethod
-    def _sampling_params(batch: int, options: GenerationOptions) -> sampling.SamplingParams:
-        return sampling.SamplingParams.create(batch, *_sampling_values(options))
 
     def _stop_table(self, options: GenerationOptions) -> np.ndarray:
         """vegas_jax.stops.table for these options and the tokenizer's EOS ids (kept: building one for stop strings
@@ -317,7 +178,7 @@ class Engine:
             np.where(np.arange(batch) < len(ids), options.max_new_tokens, 0).astype(np.int32),
             (np.arange(batch) + first_request + options.seed).astype(np.int32),
             self._stop_table(options), in_prompt, prompt_tokens,
-            tuple(np.float32(v) for v in _sampling_values(options)), np.bool_(finished),
+            tuple(np.float32(v) for v in options.sampling_values), np.bool_(finished),
         )
         create = functools.partial(_new_state, config=config, capacity=capacity,
                                    dtype=self.model.params["embed"].dtype)
@@ -412,8 +273,9 @@ class Engine:
         the memory plan."""
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        options, config, capacity, summary = self._fitted_plan(  # refuses what cannot fit first
-            ids, options, kept_prefill=reuse_prefill is not None and fill_cache is None)
+        plan = self._fitted_plan(ids, options,  # refuses what cannot fit first
+                                 kept_prefill=reuse_prefill is not None and fill_cache is None)
+        options, config, capacity = plan.options, plan.config, plan.capacity
         timings = {}
         rows = self._batch_rows(len(ids))
         draft_params = self._draft_params(config, rows)
@@ -422,7 +284,7 @@ class Engine:
         if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
             state = with_control(state, config.placement, -1, options.given_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
-        return Started(ids, config, state, decode, timings, draft_params, options, summary["ssv_plan"])
+        return Started(ids, config, state, decode, timings, draft_params, options, plan.summary["ssv_plan"])
 
     def stream(
         self,
@@ -525,7 +387,8 @@ class Engine:
             raise InputError("{slots} {}: must be a multiple of the mesh's data axis ({mesh} data={})", slots, data)
         ids = self.encode_prompts(prompts, chat_template)
         options = GenerationOptions.check(options)
-        options, config, capacity, _ = self._fitted_plan(ids, options, slots=slots, refill=refill)
+        plan = self._fitted_plan(ids, options, slots=slots, refill=refill)
+        options, config, capacity = plan.options, plan.config, plan.capacity
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))
         table = SlotTable(slots, len(ids), min(refill, slots))
@@ -585,12 +448,6 @@ class Engine:
         scored, _ = scoring.score(self.model, self.placement, self.programs, prompts, continuations,
                                   batch_size=batch_size, prefill_chunk=prefill_chunk, progress=progress)
         return scored
-
-
-def _sampling_values(options: GenerationOptions) -> tuple:
-    """sampling.SamplingParams.create's values after the batch size, from the options."""
-    return (options.temperature, options.top_k, options.top_p, options.min_p, options.repetition_penalty,
-            options.presence_penalty, options.frequency_penalty)
 
 
 def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, prompt_tokens, sampling_values, finished, *,

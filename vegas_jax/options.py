@@ -244,6 +244,12 @@ class GenerationOptions:
                                    draft_tree=None, drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
+    def sampling_values(self) -> tuple:
+        """sampling.SamplingParams.create's values after the batch size."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
+                self.frequency_penalty)
+
+    @property
     def given_costs(self) -> tuple[float, float] | None:
         return None if self.draft_cost is None else (self.draft_cost, self.verify_cost)
 

@@ -1,0 +1,186 @@
+"""What a run compiles and allocates, decided before either happens: the loop's static configuration, the cache
+capacity and the bytes per device (vegas_jax.memory), or an InputError naming what does not fit.
+
+Compiled shapes: the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
+sampling mode, output buffer width: max_new_tokens rounded up to OUTPUT_BUCKET). The cache capacity is
+`max_model_len` plus the verification's rows (γ + 1; a draft tree: its nodes + 1), rounded up to CAPACITY_ALIGN;
+left unset, `max_model_len` is the prompt plus `max_new_tokens` rounded up to AUTO_LENGTH_BUCKET, so prompts of
+similar length share one compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import numpy as np
+
+from models import draft_weights
+from models.config import ModelConfig
+from vegas_jax import draft_kernel, loop, memory, sampling, ssv
+from vegas_jax.inputs import InputError
+from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
+from vegas_jax.planner import AcceptanceTracker
+from vegas_jax.prefill_chunks import prefill_chunk
+from vegas_jax.selection import Budget, make_policy
+from vegas_jax.serving import check_serving
+from vegas_jax.sharding import Placement, check_model_fits, round_up_to_shards
+
+AUTO_LENGTH_BUCKET = 1024
+OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: max_new_tokens rarely recompiles
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    options: GenerationOptions  # what the run decodes with (vegas_jax.ssv's choice made)
+    config: loop.DecodeConfig
+    capacity: int  # cache rows per sequence
+    summary: dict  # Engine.plan's report
+
+
+def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
+        acceptance: AcceptanceTracker, stop_table: Callable[[GenerationOptions], np.ndarray],
+        slots: int | None = None, refill: int | None = None, kept_prefill: bool = False) -> RunPlan:
+    """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once it is
+    known to fit its devices; InputError otherwise. `stop_table`: the options' vegas_jax.stops table, asked for
+    once the options are checked (its stop ids within the vocabulary)."""
+    config_model = model.config
+    options, ssv_plan = ssv.resolve(options, config_model, [len(p) for p in prompt_ids], acceptance)
+    config, capacity = loop_config(config_model, placement, [len(p) for p in prompt_ids], options)
+    stop_table = stop_table(options)
+    batch = round_up_to_shards(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)), placement)
+    precision = config.draft_weights
+    draft = draft_shapes(model, precision)
+    if config.draft_activations == "int8":
+        try:
+            draft_kernel.check_int8_activations(draft)
+        except ValueError as e:
+            raise InputError("{draft_activations} int8: {}", e) from None
+    chunk = prefill_chunk(config_model, batch, max(map(len, prompt_ids)), capacity, options.prefill_chunk, placement)
+    refill_rows = None if slots is None else round_up_to_shards(check_serving(slots, refill), placement)
+    estimate = memory.estimate(config_model, model.params, placement, batch=batch, capacity=capacity, draft=draft,
+                               gamma=config.verify_rows - 1,
+                               k_max=config.policy.budget.k_max if config.policy else 0,
+                               policy=options.method, quest_page=options.quest_page,
+                               output_width=config.max_new_tokens,
+                               sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
+                               logprobs=config.logprobs, stop_table=stop_table.shape, prefill_chunk=chunk,
+                               refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill)
+    memory.check_fits(estimate, placement)
+    return RunPlan(options, config, capacity, {
+        "ssv_plan": None if ssv_plan is None else ssv_plan.report(),
+        "placement": placement.describe(),
+        "mesh": {"data": placement.data_shards, "model": placement.model_shards},
+        "backend": placement.backend,
+        "batch_rows": batch,
+        "cache_capacity": capacity,
+        "output_width": config.max_new_tokens,
+        "gamma": options.gamma if options.auto_gamma else config.gamma,
+        "gamma_max": config.gamma if options.auto_gamma else None,
+        "draft_tree": options.draft_tree,
+        "drafter": options.drafter if options.draft_tree else None,
+        "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
+        "stop_table_states": stop_table.shape[0],
+        "draft_weights": precision,
+        "draft_weights_source": draft_source(model, precision),
+        "bytes_per_device": estimate,
+    })
+
+
+def loop_config(model: ModelConfig, placement: Placement, prompt_lens: list[int],
+                options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
+    """The loop configuration and cache capacity for prompts of these lengths; InputError if they do not fit."""
+    options.validate()
+    if model.attention != "dense" and options.method != "ar":
+        raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
+                         "selection policies attend densely)", options.method, model.attention)
+    if model.attention == "dense" and options.draft_tree is not None and options.drafter == "self" \
+            and options.method == "ar":
+        raise InputError("{draft_tree} {}: a dense model's self drafter drafts with a KV selection: give {method} "
+                         "(e.g. vegas), or {drafter} ngram", options.draft_tree)
+    if options.seed + len(prompt_lens) - 1 > INT32_MAX:
+        raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
+                         options.seed, len(prompt_lens))
+    vocab = model.vocab_size
+    for token in options.stop_token_ids:
+        if token >= vocab:
+            raise InputError("{stop_token_ids}: {} is outside the vocabulary [0, {})", token, vocab)
+    if options.logprobs is not None and options.logprobs > vocab:
+        raise InputError("{logprobs} {}: more alternatives than the vocabulary's {} tokens", options.logprobs,
+                         vocab)
+    length = max_model_len(model, prompt_lens, options)
+    config = decode_config(model, placement, options, length)
+    check_model_fits(model, config.placement)
+    # The kernels run on each shard's heads: the verification kernel's limit is per KV head's query heads,
+    # which a model axis does not change (it splits query and KV heads alike).
+    gamma, group = options.effective_gamma, model.num_heads // model.num_kv_heads
+    most = None if config.tree else config.verify_attention().scored_tokens_limit(group)
+    if most is not None and gamma + 1 > most:
+        raise InputError("{gamma} {}: the verification kernel scores at most {} tokens per sequence for this "
+                         "model's heads (γ + 1 <= {})", gamma, most, most)
+    return config, round_up(length + config.verify_rows, CAPACITY_ALIGN)
+
+
+def max_model_len(model: ModelConfig, prompt_lens: list[int], options: GenerationOptions) -> int:
+    """The context the run's cache holds: options.max_model_len, or the longest prompt plus max_new_tokens rounded
+    up to AUTO_LENGTH_BUCKET (at most the model's); InputError when a prompt and its new tokens do not fit."""
+    model_max = model.max_position_embeddings
+    longest = max(prompt_lens)
+    if options.max_model_len is not None:
+        if options.max_model_len > model_max:
+            raise InputError("{max_model_len} {} exceeds the model's context of {}", options.max_model_len,
+                             model_max)
+        limit = options.max_model_len
+        if longest > limit:
+            raise InputError("{max_model_len}: a prompt of {} tokens is longer than {}", longest, limit)
+    else:
+        limit = min(model_max, round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
+        if longest > limit:
+            raise InputError("{prompts}: a prompt of {} tokens is longer than the model's context of {}", longest,
+                             limit)
+    if longest + options.max_new_tokens > limit:
+        raise InputError(
+            "{max_new_tokens} {}: with a prompt of {} tokens it exceeds the context of {} tokens ({max_model_len})",
+            options.max_new_tokens, longest, limit,
+        )
+    return limit
+
+
+def decode_config(model: ModelConfig, placement: Placement, options: GenerationOptions,
+                  max_model_len: int) -> loop.DecodeConfig:
+    gamma = options.effective_gamma
+    policy = None
+    if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
+        budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
+        policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
+    mode = sampling.SamplingParams.create(1, *options.sampling_values).mode()
+    width = round_up(options.max_new_tokens, OUTPUT_BUCKET)
+    return loop.DecodeConfig(model, gamma, policy, options.score_mode, mode, width, placement, options.logprobs,
+                             draft_weights=options.draft_weights if gamma else "bf16",
+                             draft_activations=options.draft_activations if gamma else "bf16",
+                             adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter,
+                             mode=ssv.approx_mode_of(options))
+
+
+def draft_shapes(model: LoadedModel, precision: str):
+    """The draft tree of `precision` as it is or would be made (shapes only until then); None for bf16.
+    InputError naming draft_weights when this model's shapes on its mesh admit no such draft."""
+    if precision == "bf16":
+        return None
+    if precision in model.drafts:
+        return model.drafts[precision]
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    try:
+        return jax.eval_shape(functools.partial(draft_weights.quantize_params, config=model.config,
+                                                precision=precision), shapes)
+    except draft_weights.DraftWeightsError as e:
+        raise InputError("{draft_weights} {}: {}", precision, e) from None
+
+
+def draft_source(model: LoadedModel, precision: str) -> str:
+    if precision == "bf16":
+        return "the model's own weights"
+    return model.draft_sources.get(precision, "made at the first run that reads them")
