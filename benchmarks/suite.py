@@ -14,9 +14,9 @@ Stages (`--stage`, comma-separated, or `all`):
 - scale: Llama-3.1-8B and Qwen3-8B shapes, random weights (benchmarks/suite_scale.py);
 - peer: transformers' generate on the same GGUF and prompts (benchmarks/suite_peer.py; run it in its own call).
 
-Every record is appended to the log (--results, JSON Lines, also copied to $OUT) as soon as it is measured; a
-record already in the log is skipped, so the same command resumes where a call stopped. A call stops before a
-measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 4 when it
+Every record is appended to the log (--results, JSON Lines, also copied to $OUT, and appended to --keep) as soon
+as it is measured; a record already in the log is skipped, so the same command resumes where a call stopped. A
+call stops before a measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 4 when it
 skipped measurements that need another stage first (held-out cells not tuned yet: listed as "not run"); 0 when
 its stages are complete. Each call ends by plotting the log (next to it and in $OUT); `python -m benchmarks.report`
 turns the log into the README's results and the same plots.
@@ -518,6 +518,9 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=None, help="the log (default benchmarks/results/suite-PRESET.jsonl)")
     p.add_argument("--compilation-cache", default=str(REPO / ".jax-cache"),
                    help="XLA's persistent compilation cache folder ('' for none)")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="a second log outside the working tree (on the device machine: ~/suite-paper.jsonl), "
+                        "appended to as the log is; records there the log lacks are added to it first")
     p.add_argument("--lengths", default=None, help="only these of the preset's prompt lengths (comma-separated)")
     p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
     p.add_argument("--estimate", action="store_true", help="print the preset's estimated device time and exit")
@@ -543,7 +546,7 @@ def main(argv=None) -> int:
         model_path = str(embedded_smollm2_path())
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
-    log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None)
+    log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None, args.keep)
     session = Session(preset, log, args.budget_s, model_path, args.dtype)
     try:
         run_stages(session, stages)

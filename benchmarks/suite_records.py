@@ -39,24 +39,48 @@ def key_fields_differing(a: dict, b: dict) -> list[str]:
 
 class RecordLog:
     """Records in a JSON Lines file, read at creation; `append` writes one and copies the log to `mirror` (the
-    device tool's $OUT, so that what a call measured comes back even if a later one is cut short)."""
+    device tool's $OUT, so that what a call measured comes back even if a later one is cut short). `keep`: a second
+    log outside the working tree (on the device machine, which keeps its home folder between calls while warm, but
+    whose copy of the working tree each call replaces): records there that the log lacks are added to the log at
+    creation, and every record is appended to both, so a call whose files did not come back loses nothing while
+    the machine stays warm."""
 
-    def __init__(self, path: Path, mirror: Path | None = None):
+    def __init__(self, path: Path, mirror: Path | None = None, keep: Path | None = None):
         self.path, self.mirror = Path(path), Path(mirror) if mirror else None
+        self.keep = Path(keep).expanduser() if keep else None
         self._by_key: dict[str, dict] = {}
         self.skipped_lines = 0
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
+        for record in self._read(self.path):
+            self._by_key[record_key(record)] = record
+        if self.keep:
+            recovered = [r for r in self._read(self.keep) if record_key(r) not in self._by_key]
+            for record in recovered:
+                self._write(self.path, record)
+                self._by_key[record_key(record)] = record
+            if recovered:
+                print(f"{self.path}: added {len(recovered)} record(s) found only in {self.keep}", file=sys.stderr)
+        if self.skipped_lines:
+            print(f"{self.path}: ignored {self.skipped_lines} unreadable line(s)", file=sys.stderr)
+
+    def _read(self, path: Path) -> list[dict]:
+        records = []
+        if path.exists():
+            for line in path.read_text().splitlines():
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    records.append(json.loads(line))
                 except json.JSONDecodeError:
                     self.skipped_lines += 1  # a line cut short when a run was killed mid-write
-                    continue
-                self._by_key[record_key(record)] = record
-        if self.skipped_lines:
-            print(f"{self.path}: ignored {self.skipped_lines} unreadable line(s)", file=sys.stderr)
+        return records
+
+    @staticmethod
+    def _write(path: Path, record: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     @property
     def records(self) -> list[dict]:
@@ -74,11 +98,9 @@ class RecordLog:
         return [r for r in self._by_key.values() if all(_canonical(r.get(k)) == v for k, v in want.items())]
 
     def append(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self._write(self.path, record)
+        if self.keep:
+            self._write(self.keep, record)
         self._by_key[record_key(record)] = record
         if self.mirror:
             self.mirror.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,26 @@ def test_log_appends_rereads_and_skips_by_key(tmp_path):
         assert rates == {"vegas": 5.0, "streaming": 90.0}
 
 
+def test_a_kept_log_gives_back_what_a_replaced_log_lost(tmp_path):
+    """--keep: every record goes to both logs; a log replaced by an older copy (the device machine's working tree
+    is copied afresh each call) gets the records only the kept log has back, and no record twice."""
+    path, keep = tmp_path / "tree" / "suite.jsonl", tmp_path / "home" / "suite.jsonl"
+    first = {"stage": "tune", "method": "ar", "batch": 8, "prompt_tokens": 4096, "split": "tuning", "gamma": 0,
+             "sparse_ratio": 0.0, "knobs": {}, "temperature": 0.0, "decode_tokens_per_s": 1.0}
+    RecordLog(path, keep=keep).append(first)
+    older = path.read_text()
+    log = RecordLog(path, keep=keep)
+    for gamma in (2, 4):
+        log.append({**first, "method": "vegas", "gamma": gamma, "decode_tokens_per_s": float(gamma)})
+    assert len(keep.read_text().splitlines()) == 3
+    path.write_text(older)  # the next call's copy of the tree: the two vegas records are gone
+    assert len(RecordLog(path).records) == 1
+    again = RecordLog(path, keep=keep)
+    assert sorted((r["method"], r["gamma"]) for r in again.records) == [("ar", 0), ("vegas", 2), ("vegas", 4)]
+    assert len(path.read_text().splitlines()) == 3 and len(RecordLog(path).records) == 3
+    assert len(RecordLog(path, keep=keep).records) == 3 and len(path.read_text().splitlines()) == 3
+
+
 # ---- prompt splits -------------------------------------------------------------------------------------------
 
 
