@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import suite_tables as t  # noqa: E402
-from benchmarks.suite_records import read_records  # noqa: E402
+from benchmarks.suite_presets import PRESETS  # noqa: E402
+from benchmarks.suite_records import latest_per_key, read_logs  # noqa: E402
 from benchmarks.suite_tuning import Cell  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -220,6 +221,10 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
                        [[x.name, f"**{x.status}**", x.result]
                         for x in t.targets(records, [r for r in legacy if r["file"] in LEGACY_POLICIES])]), ""]
     heldout = t.heldout_rows(records)
+    logs = sorted({r["log"] for r in heldout if "log" in r})
+    if len(logs) > 1:
+        out += [f"Held-out rows from {' and '.join(f'`{log}.jsonl`' for log in logs)}: each row (prompt length, "
+                "batch) from one log, the most complete preset's that measured it.", ""]
     if heldout:
         out += [heldout_tables(records, temperature=0.0, tuned=True, title="Held-out, greedy, each method at its "
                                "tuned cell"), ""]
@@ -281,6 +286,23 @@ def write_plots(records: list[dict], folder: Path) -> dict[str, Path] | None:
     return suite_plots.write_all(records, folder, "suite")
 
 
+def one_preset_per_row(records: list[dict]) -> list[dict]:
+    """The records with each held-out and serving row (stage, prompt length, batch) from one log only: the most
+    complete preset's (paper over quick over smoke; an unknown log ranks last) where several measured it. Two
+    presets tune on different grids, so their tuned cells differ and a row mixing them would compare one preset's
+    Vegas with another's baselines; the common default cells and plain decoding, measured alike, come along."""
+    rank = {f"suite-{name}": i for i, name in enumerate(PRESETS)}
+
+    def row(r):
+        return (r["stage"], r["prompt_tokens"], r["batch"]) if r.get("stage") in ("heldout", "serve") else None
+
+    best: dict[tuple, int] = {}
+    for r in records:
+        if row(r):
+            best[row(r)] = max(best.get(row(r), -1), rank.get(r.get("log"), -1))
+    return [r for r in records if not row(r) or rank.get(r.get("log"), -1) == best[row(r)]]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, nargs="*", default=None,
@@ -290,7 +312,7 @@ def main(argv=None) -> int:
     p.add_argument("--print", action="store_true", help="print the section instead of writing the README")
     args = p.parse_args(argv)
     paths = args.results if args.results is not None else sorted(RESULTS.glob("suite-*.jsonl"))
-    records = read_records(paths)
+    records = latest_per_key(one_preset_per_row(read_logs(paths)))
     legacy = load_legacy(RESULTS, LEGACY_THROUGHPUT + LEGACY_POLICIES + LEGACY_SERVE + LEGACY_PEER)
     plots = write_plots(records, args.plots_dir)
     generated = section(records, legacy, plots)

@@ -109,13 +109,18 @@ class RecordLog:
             temporary.replace(self.mirror / self.path.name)
 
 
-def read_records(paths: list[Path]) -> list[dict]:
-    """The records of several logs, one per key: the latest measured (two presets' logs can hold the same
-    measurement, and which file is read last says nothing about which has the later code)."""
+def read_logs(paths: list[Path]) -> list[dict]:
+    """Every record of several logs, each with `log`: its file's name without the suffix (suite-paper)."""
+    return [{**r, "log": Path(path).stem} for path in paths for r in RecordLog(path).records]
+
+
+def latest_per_key(records: list[dict]) -> list[dict]:
+    """One record per key: the latest measured (two presets' logs can hold the same measurement, and which file
+    is read last says nothing about which has the later code)."""
     merged: dict[str, dict] = {}
-    for path in paths:
-        for r in RecordLog(path).records:
-            key = record_key(r)
-            if key not in merged or r.get("date", "") >= merged[key].get("date", ""):
-                merged[key] = r
+    for r in records:
+        key = record_key(r)
+        if key not in merged or r.get("date", "") >= merged[key].get("date", ""):
+            merged[key] = r
     return list(merged.values())
+

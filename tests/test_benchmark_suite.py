@@ -18,7 +18,7 @@ from benchmarks import suite_tables as tables
 from benchmarks.prompt_splits import chat_frame, heldout_files, split_files, split_prompts, stdlib_root
 from benchmarks.prompts import QUESTION, stdlib_files
 from benchmarks.suite_presets import PRESETS, Preset, ServeCase
-from benchmarks.suite_records import RecordLog, key_fields_differing, read_records, record_key
+from benchmarks.suite_records import RecordLog, key_fields_differing, latest_per_key, read_logs, record_key
 from benchmarks.random_model import random_cache_rows
 from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterations
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
@@ -54,7 +54,7 @@ def test_log_appends_rereads_and_skips_by_key(tmp_path):
     earlier = tmp_path / "earlier.jsonl"
     RecordLog(earlier).append({**a, "decode_tokens_per_s": 7.0, "date": "2026-12-01T18:00:00+00:00"})
     for order in ([path, other, earlier], [earlier, path, other]):
-        rates = {r["method"]: r["decode_tokens_per_s"] for r in read_records(order)}
+        rates = {r["method"]: r["decode_tokens_per_s"] for r in latest_per_key(read_logs(order))}
         assert rates == {"vegas": 5.0, "streaming": 90.0}
 
 
@@ -446,6 +446,30 @@ def test_report_section_from_records_and_its_splice_into_the_readme():
     empty = report.section([], [], plots=None)
     assert empty.count("**not yet measured**") == 6 and "matplotlib" not in empty  # nothing to plot anyway
     assert "matplotlib is not installed" in report.section(FIXTURE, [], plots=None)
+
+
+def test_each_report_row_comes_from_one_preset(tmp_path):
+    """A held-out row (prompt length, batch) measured by two presets is the paper preset's alone (its tuned cells
+    against its own baselines, whichever log is newer or read last); a row only the quick preset measured stays."""
+    quick, paper = tmp_path / "suite-quick.jsonl", tmp_path / "suite-paper.jsonl"
+    for record in FIXTURE:
+        RecordLog(quick).append(record)
+    later = "2026-12-04T00:00:00+00:00"
+    for record in (_held("ar", 64, 1010, date=later), _held("vegas", 64, 2222, 6.6, cell=Cell(3, 0.1), date=later),
+                   _held("streaming", 64, 1600, 5.0, cell=Cell(2, 0.03)),  # older than quick's: still paper's
+                   _held("vegas", 64, 1700, 6.3, tuned=False, default=True)):  # the same key as quick's
+        RecordLog(paper).append(record)
+    for order in ([quick, paper], [paper, quick]):
+        records = report.latest_per_key(report.one_preset_per_row(read_logs(order)))
+        row64 = {(r["method"], bool(r.get("tuned"))): r for r in records if r.get("stage") == "heldout"
+                 and r["batch"] == 64}
+        assert {r["log"] for r in row64.values()} == {"suite-paper"}
+        assert sorted(row64) == [("ar", True), ("streaming", True), ("vegas", False), ("vegas", True)]
+        assert {r["log"] for r in records if r.get("batch") == 32 and r.get("stage") == "heldout"} == {"suite-quick"}
+        text = report.section(records, [], plots={})
+        assert "| 64 | 1,010 (909-1,111) | 2,222 (2,000-2,444), 2.20x | 1,600 (1,440-1,760), 1.58x |" in text
+        assert "1,800" not in text  # quick's tuned Vegas at batch 64
+        assert "Held-out rows from `suite-paper.jsonl` and `suite-quick.jsonl`" in text
 
 
 def test_presets_hold_what_the_issue_asks():
