@@ -39,7 +39,6 @@ __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "Req
            "StreamedTokens"]
 
 
-
 @dataclasses.dataclass
 class Started:
     prompt_ids: list[list[int]]
