@@ -292,15 +292,13 @@ def one_preset_per_row(records: list[dict]) -> list[dict]:
     presets tune on different grids, so their tuned cells differ and a row mixing them would compare one preset's
     Vegas with another's baselines; the common default cells and plain decoding, measured alike, come along."""
     rank = {f"suite-{name}": i for i, name in enumerate(PRESETS)}
-
-    def row(r):
-        return (r["stage"], r["prompt_tokens"], r["batch"]) if r.get("stage") in ("heldout", "serve") else None
-
+    rows = [((r["stage"], r["prompt_tokens"], r["batch"]) if r.get("stage") in ("heldout", "serve") else None,
+             rank.get(r.get("log"), -1)) for r in records]
     best: dict[tuple, int] = {}
-    for r in records:
-        if row(r):
-            best[row(r)] = max(best.get(row(r), -1), rank.get(r.get("log"), -1))
-    return [r for r in records if not row(r) or rank.get(r.get("log"), -1) == best[row(r)]]
+    for row, order in rows:
+        if row:
+            best[row] = max(best.get(row, -1), order)
+    return [r for r, (row, order) in zip(records, rows) if not row or order == best[row]]
 
 
 def main(argv=None) -> int:

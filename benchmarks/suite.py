@@ -16,9 +16,9 @@ Stages (`--stage`, comma-separated, or `all`):
 
 Every record is appended to the log (--results, JSON Lines, also copied to $OUT, and appended to --keep) as soon
 as it is measured; a record already in the log is skipped, so the same command resumes where a call stopped. A
-call stops before a measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to resume"); 4 when it
-skipped measurements that need another stage first (held-out cells not tuned yet: listed as "not run"); 0 when
-its stages are complete. Each call ends by plotting the log (next to it and in $OUT); `python -m benchmarks.report`
+call stops before a measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to
+resume"); 4 when it skipped measurements that need another stage first (held-out cells not tuned yet: listed as
+"not run"); 0 when its stages are complete. Each call ends by plotting the log (next to it and in $OUT); `python -m benchmarks.report`
 turns the log into the README's results and the same plots.
 """
 
@@ -502,8 +502,7 @@ def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
         if lent:
             raise BadFlag(f"{flag} {text}: batch {min(lent)} takes its tuning from batch "
                           f"{preset.tuning_batch(min(lent))}: list both")
-    kept = {"lengths": preset.lengths, "batches": preset.batches, field: values}
-    return preset.narrowed(kept["lengths"], kept["batches"])
+    return preset.narrowed(**{"lengths": preset.lengths, "batches": preset.batches, field: values})
 
 
 def main(argv=None) -> int:

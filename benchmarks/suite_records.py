@@ -123,4 +123,3 @@ def latest_per_key(records: list[dict]) -> list[dict]:
         if key not in merged or r.get("date", "") >= merged[key].get("date", ""):
             merged[key] = r
     return list(merged.values())
-

@@ -128,7 +128,7 @@ class Engine:
     def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None,
                      kept_prefill: bool = False) -> run_plan.RunPlan:
         return run_plan.fit(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
-                            stop_table=self._stop_table, slots=slots, refill=refill,
+                            stop_table_of=self._stop_table, slots=slots, refill=refill,
                             kept_prefill=kept_prefill)
 
     # ---- draft weights -------------------------------------------------------------------------------------

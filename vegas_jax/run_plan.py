@@ -42,15 +42,15 @@ class RunPlan:
 
 
 def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
-        acceptance: AcceptanceTracker, stop_table: Callable[[GenerationOptions], np.ndarray],
+        acceptance: AcceptanceTracker, stop_table_of: Callable[[GenerationOptions], np.ndarray],
         slots: int | None = None, refill: int | None = None, kept_prefill: bool = False) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once it is
-    known to fit its devices; InputError otherwise. `stop_table`: the options' vegas_jax.stops table, asked for
+    known to fit its devices; InputError otherwise. `stop_table_of`: the options' vegas_jax.stops table, asked for
     once the options are checked (its stop ids within the vocabulary)."""
-    config_model = model.config
-    options, ssv_plan = ssv.resolve(options, config_model, [len(p) for p in prompt_ids], acceptance)
-    config, capacity = loop_config(config_model, placement, [len(p) for p in prompt_ids], options)
-    stop_table = stop_table(options)
+    model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
+    options, ssv_plan = ssv.resolve(options, model_config, prompt_lens, acceptance)
+    config, capacity = loop_config(model_config, placement, prompt_lens, options)
+    stop_table = stop_table_of(options)
     batch = round_up_to_shards(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)), placement)
     precision = config.draft_weights
     draft = draft_shapes(model, precision)
@@ -59,9 +59,9 @@ def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], o
             draft_kernel.check_int8_activations(draft)
         except ValueError as e:
             raise InputError("{draft_activations} int8: {}", e) from None
-    chunk = prefill_chunk(config_model, batch, max(map(len, prompt_ids)), capacity, options.prefill_chunk, placement)
+    chunk = prefill_chunk(model_config, batch, max(prompt_lens), capacity, options.prefill_chunk, placement)
     refill_rows = None if slots is None else round_up_to_shards(check_serving(slots, refill), placement)
-    estimate = memory.estimate(config_model, model.params, placement, batch=batch, capacity=capacity, draft=draft,
+    estimate = memory.estimate(model_config, model.params, placement, batch=batch, capacity=capacity, draft=draft,
                                gamma=config.verify_rows - 1,
                                k_max=config.policy.budget.k_max if config.policy else 0,
                                policy=options.method, quest_page=options.quest_page,
