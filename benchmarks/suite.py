@@ -505,6 +505,19 @@ def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
     return preset.narrowed(**{"lengths": preset.lengths, "batches": preset.batches, field: values})
 
 
+def check_appendable(path: Path) -> None:
+    """BadFlag naming --keep unless records could be appended to `path`: a writable file, or none yet in a folder
+    that exists or can be made (nothing is created here: --estimate writes nothing)."""
+    path = path.expanduser()
+    if path.is_dir():
+        raise BadFlag(f"--keep {path}: is a folder; name a file")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        raise BadFlag(f"--keep {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        raise BadFlag(f"--keep {path}: {existing} is not writable")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
@@ -530,6 +543,8 @@ def main(argv=None) -> int:
         stages = parse_stages(args.stage)
         if args.budget_s <= 0:
             raise BadFlag(f"--budget-s {args.budget_s:g}: must be > 0")
+        if args.keep is not None:
+            check_appendable(args.keep)
     except BadFlag as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -499,11 +500,31 @@ def test_narrowing_a_preset_drops_what_measures_outside_it(capsys):
     (["--lengths", "4096"], "--lengths 4096: preset quick has 7936"),
     (["--stage", "tune,tunes"], "--stage tune,tunes"),
     (["--budget-s", "0"], "--budget-s 0"),
+    (["--keep", "/"], "--keep /: is a folder; name a file"),
 ])
 def test_bad_flags_give_one_error_line_and_status_2(argv, needle, capsys):
     assert suite.main(["--preset", "quick", "--estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {needle}")
+
+
+def test_a_keep_log_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
+    """--keep under a plain file or in a read-only folder: status 2 and one error line naming the flag; a valid
+    --keep with --estimate creates nothing."""
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    cases = [(plain / "log.jsonl", f"--keep {plain}/log.jsonl: {plain} is a file, not a folder")]
+    if not os.access(locked, os.W_OK):  # root writes anywhere: the read-only case means nothing then
+        cases.append((locked / "log.jsonl", f"--keep {locked}/log.jsonl: {locked} is not writable"))
+    for keep, needle in cases:
+        assert suite.main(["--preset", "smoke", "--estimate", "--keep", str(keep)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {needle}\n"
+    fine = tmp_path / "new" / "log.jsonl"
+    assert suite.main(["--preset", "smoke", "--estimate", "--keep", str(fine)]) == 0
+    assert not fine.parent.exists()
 
 
 def test_estimate_prints_every_stage_and_runs_nothing(capsys, tmp_path):
