@@ -20,9 +20,12 @@ the union size |U| (blocks per KV head, mean over the batch), from which the ide
 
 Every kernel's output is checked first (nsa-decode against nsa_decode_reference, each tree variant against XLA's
 V0, bf16 tolerance 0.05); a kernel that fails to run or to match goes to `failures` with its error and the run
-goes on, exiting 1 at the end. Per record: kernel, tree_nodes, context, batch, time_ms (median), max_abs_error, bytes (K/V rows the schedule reads: selected
-or union blocks, compressed rows, window), gb_per_s, copy_gb_per_s (benchmarks.suite_scale.measure_bandwidth),
-union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT), saved after every record
+goes on, exiting 1 at the end. Per record: kernel, tree_nodes, context, batch, time_ms (on the GPU the kernels'
+summed time per call, `timer` "gpu kernel time", against a copy bandwidth timed the same way; a lone call's wall
+time, wall_ms, adds about 0.1 ms of dispatch, which hid every one-layer kernel here until 2026-12-03), kernels
+(launched per call) and top_kernels (the longest, mean µs each), max_abs_error, bytes (K/V rows the schedule
+reads: selected or union blocks, compressed rows, window), gb_per_s, copy_gb_per_s
+(benchmarks.suite_scale.measure_bandwidth), union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT), saved after every record
 (`"complete": false` until the run ends, so a run cut short by a call's limit keeps what it measured), and with
 matplotlib (pip install -e '.[bench]') a PNG beside it: V0's time over V1's (the fastest Pallas impl of each)
 against tree size, per context and batch, beside the ideal ratio T n / |U| and the 3x target.
@@ -44,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
-from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E402
+from benchmarks.suite_scale import gpu_seconds, kernel_profile, measure_bandwidth  # noqa: E402
 from models.config import NSA_1B_LAYOUT  # noqa: E402
 from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
@@ -56,6 +59,7 @@ from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 HEADS, KV_HEADS, DIM = 32, 2, 64
 LAYOUT = NSA_1B_LAYOUT
 RESULTS = Path(__file__).parent / "results"
+GPU_TIMER, WALL_TIMER = "gpu kernel time", "wall"
 
 
 def binary_tree(nodes: int) -> np.ndarray:
@@ -108,7 +112,9 @@ def main(argv=None) -> int:
     contexts, batches, trees = args.contexts or contexts, args.batches or batches, args.trees or trees
     interpret = args.smoke
     kernels = "interpret" if interpret else "pallas"
-    bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth()
+    # Kernel time against kernel time: a lone call's wall time adds about 0.1 ms of dispatch, which is all of a
+    # one-layer decode at batch 1 (records before 2026-12-03 were timed so; `timer` tells them apart).
+    bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth(timer=gpu_seconds)
     failures = []
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     name = f"nsa-kernels-{stamp}"
@@ -118,6 +124,7 @@ def main(argv=None) -> int:
                     name + ".json", None if args.smoke else RESULTS)
     records = log.records
     key = jax.random.PRNGKey(0)
+    timer = GPU_TIMER if jax.default_backend() == "gpu" else WALL_TIMER
 
     def timed(record: dict, fn, arg, want=None, tolerance=0.05):
         """record + time_ms, bytes' GB/s and (against want) max_abs_error; a kernel that fails to run or to match
@@ -130,13 +137,15 @@ def main(argv=None) -> int:
                 record["max_abs_error"] = error
                 if not error <= tolerance:
                     raise AssertionError(f"max abs error {error} against the XLA path")
-            seconds = median_seconds(fn, arg)
+            profile = kernel_profile(fn, arg)
         except Exception as e:  # noqa: BLE001: one kernel's failure must not cost the rest of the run
             failures.append(record | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             print("FAILED", failures[-1], flush=True)
             return None
-        record |= dict(time_ms=seconds * 1e3, gb_per_s=record["bytes"] / seconds / 1e9,
-                       copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
+        seconds = profile["gpu_s"]
+        record |= dict(time_ms=seconds * 1e3, wall_ms=profile["wall_s"] * 1e3, timer=timer,
+                       kernels=profile["kernels"], top_kernels=profile["top_kernels"],
+                       gb_per_s=record["bytes"] / seconds / 1e9, copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
         log.add(record)
         return got
 
@@ -216,7 +225,9 @@ def plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = v0_over_v1(records)
+    # One clock per figure: kernel time where the records have it (older records were timed by wall clock).
+    timer = GPU_TIMER if any(r.get("timer") == GPU_TIMER for r in records) else WALL_TIMER
+    points = v0_over_v1([r for r in records if r.get("timer", WALL_TIMER) == timer])
     contexts = sorted({c for c, _ in points})
     if not contexts:
         return
@@ -230,7 +241,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.axhline(3, color="grey", linestyle="--", label="target 3x")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tree nodes")
-        ax.set_ylabel("V0 time / V1 time (dotted: ideal T n / |U|)")
+        ax.set_ylabel(f"V0 / V1, {timer} (dotted: ideal T n / |U|)")
         ax.set_title(f"NSA-1B shapes, context {context // 1024}K")
         ax.legend()
     fig.tight_layout()

@@ -52,12 +52,28 @@ def gpu_seconds(fn, x, reps: int = 5) -> float:
     if jax.default_backend() != "gpu":
         return median_seconds(fn, x, reps)
     jax.block_until_ready(fn(x))
+    return sum(e["dur"] for e in _traced_kernels(fn, x, reps)) / 1e6 / reps
+
+
+def kernel_profile(fn, x, reps: int = 5, top: int = 4) -> dict:
+    """Both clocks of fn(x): gpu_s (gpu_seconds), wall_s (median_seconds: what a lone call costs, dispatch and sync
+    included), and on the GPU the kernels one call launches and the `top` longest of them, so that a time can be
+    told apart as launch-bound (many short kernels) or bound by one kernel. Off the GPU, gpu_s is the wall time."""
+    wall = median_seconds(fn, x)
+    if jax.default_backend() != "gpu":
+        return {"gpu_s": wall, "wall_s": wall, "kernels": None, "top_kernels": []}
+    summary = summarize(_traced_kernels(fn, x, reps), reps, 0.0, top)
+    return {"gpu_s": summary["gpu_busy_ms_per_iteration"] / 1e3, "wall_s": wall,
+            "kernels": summary["kernels_per_iteration"],
+            "top_kernels": [{"kernel": k["kernel"], "mean_us": k["mean_us"]} for k in summary["top_kernels"]]}
+
+
+def _traced_kernels(fn, x, reps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             for _ in range(reps):
                 jax.block_until_ready(fn(x))
-        events = gpu_kernel_events(Path(log_dir))
-    return sum(e["dur"] for e in events) / 1e6 / reps
+        return gpu_kernel_events(Path(log_dir))
 
 
 def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, timer=median_seconds) -> dict:
