@@ -1,25 +1,25 @@
 """The library API: an `Engine` holds a loaded model and turns prompts into tokens, text and metrics.
 
-Compiled shapes: prefill once per (batch, chunk size, cache capacity) and at most once more for the tail chunks
-(prefill_spans); the bootstrap step and the decode loop as vegas_jax.run_plan says.
+A run: prompts to ids (vegas_jax.prompt_encoding), what it compiles and allocates, or why it does not fit
+(vegas_jax.run_plan), the batch's start (vegas_jax.prefill: prefill once per (batch, chunk size, cache capacity)
+and at most once more for the tail chunks), then the compiled decode loop, driven from here: `stream` calls it
+and hands out tokens as they come, `serve` admits queued requests into finished rows between its calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import decode_loop, inputs, loop, penalties, run_plan, sampling, scoring, ssv, stops
+from vegas_jax import decode_loop, loop, prefill, run_plan, scoring, ssv, stops
 from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import Programs
@@ -29,7 +29,7 @@ from vegas_jax.planner import AcceptanceTracker
 from vegas_jax.prefill_reuse import PrefillReuse
 from vegas_jax.options import GenerationOptions
 from vegas_jax.pacing import Pacer
-from vegas_jax.prefill_chunks import prefill_chunk, prefill_spans
+from vegas_jax.prompt_encoding import encode_prompts
 from vegas_jax.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
                                streamed_tokens, token_rows)
 from vegas_jax.serving import SlotTable, check_serving
@@ -73,42 +73,10 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat_template: bool | None = None) -> list[list[int]]:
-        """The token ids of a batch of prompts (`inputs.prompt_batch`: a bare string is one prompt). Strings are
-        tokenized (through the chat template as one user message when the model has one, unless told otherwise);
-        conversations (lists of {"role", "content"} messages) are rendered through the chat template; token ids
-        are checked and taken as they are."""
-        batch = inputs.prompt_batch(prompts, self.config.vocab_size)
-        if chat_template is not None:
-            chat_template = inputs.boolean(chat_template, "chat_template")
-        has_template = self.tokenizer.chat_template is not None
-        use_template = has_template if chat_template is None else chat_template
-        if use_template and not has_template:
-            raise InputError("{chat_template}: the model has no chat template")
-        encoded = []
-        for i, prompt in enumerate(batch):
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                if not use_template:
-                    why = "the model has no chat template" if not has_template else "not with chat_template False"
-                    raise InputError("{prompts}: prompt {} is a conversation, which the chat template renders: {}",
-                                     i, why)
-                prompt = self._encode_chat(prompt, i)
-            elif isinstance(prompt, str):
-                if use_template:
-                    prompt = self._encode_chat([{"role": "user", "content": prompt}], i)
-                else:
-                    prompt = self.tokenizer.encode(prompt)
-            if not prompt:
-                raise InputError("{prompts}: prompt {} has no tokens", i)
-            encoded.append(prompt)
-        return encoded
-
-    def _encode_chat(self, messages: list[dict], index: int) -> list[int]:
-        import jinja2
-
-        try:
-            return self.tokenizer.encode_chat(messages)
-        except jinja2.TemplateError as e:  # templates refuse what they cannot render (roles out of turn, say)
-            raise InputError("{prompts}: prompt {}: the chat template refused it: {}", index, e) from None
+        """The token ids of a batch of prompts (vegas_jax.prompt_encoding): strings through the tokenizer, or the
+        chat template as one user message when the model has one unless told otherwise; conversations through
+        the chat template; token ids checked and kept."""
+        return encode_prompts(self.tokenizer, self.config.vocab_size, prompts, chat_template)
 
     # ---- planning ------------------------------------------------------------------------------------------
     def check_input(self, prompts, options: GenerationOptions, *, chat_template: bool | None = None,
@@ -158,87 +126,10 @@ class Engine:
         return round_up_to_shards(requests, self.placement)
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def _initial_state(self, ids, options, config, capacity, first_request: int, *, rows: int | None = None,
-                       finished: bool = False) -> loop.DecodeState:
-        """The state of these requests before prefill, created straight into its shards; request i (counted from
-        first_request) is seeded with options.seed + i, whatever batch it runs in. Rows past the requests (up to
-        `rows`) are padding that never generates."""
-        batch = len(ids) if rows is None else rows
-        padded = list(ids) + [ids[-1]] * (batch - len(ids))
-        in_prompt = penalties.prompt_mask(padded, self.config.vocab_size) if config.sampling.penalties else None
-        prompt_tokens = None
-        if config.tree is not None and config.drafter == "ngram":  # the drafter looks tokens up in the prompts
-            prompt_tokens = np.zeros((batch, capacity), np.int32)
-            for i, p in enumerate(padded):
-                prompt_tokens[i, : len(p)] = p
-        host = (
-            np.asarray([len(p) for p in padded], np.int32),
-            np.asarray([p[-1] for p in padded], np.int32),
-            np.where(np.arange(batch) < len(ids), options.max_new_tokens, 0).astype(np.int32),
-            (np.arange(batch) + first_request + options.seed).astype(np.int32),
-            self._stop_table(options), in_prompt, prompt_tokens,
-            tuple(np.float32(v) for v in options.sampling_values), np.bool_(finished),
-        )
-        create = functools.partial(_new_state, config=config, capacity=capacity,
-                                   dtype=self.model.params["embed"].dtype)
-        key = ("init", config, capacity, jax.tree.map(np.shape, host))
-        return self.programs.kept(key, lambda: config.placement.creator(create, *host))(*host)
-
-    def _prefill(self, ids, options, config, capacity, timings, *, first_request=0, rows=None, progress=None,
-                 fill_cache=None, reuse_prefill: PrefillReuse | None = None):
-        """Prefill of all but each prompt's last token in chunks (prefill_spans: two compilations at most for any
-        length), then the bootstrap step: the state a decode loop starts from. Adds to timings' compile_s and
-        prefill_s. With `fill_cache` (`start`'s), that function makes the cache instead of prefill; with
-        `reuse_prefill`, the cache it keeps for these prompts and this layout, if any (timings' prefill_reused),
-        and otherwise it keeps this prefill's."""
-        placement, params = config.placement, self.model.params
-        batch = len(ids) if rows is None else rows
-        lens = [len(p) for p in ids]
-        chunk = prefill_chunk(self.config, batch, max(lens), capacity, options.prefill_chunk, placement)
-        timings["prefill_chunk"] = chunk
-        state = self._initial_state(ids, options, config, capacity, first_request, rows=batch)
-        reuse_key = kept = None
-        if reuse_prefill is not None and fill_cache is None:
-            reuse_key = PrefillReuse.key(ids, state.cache, model=id(self.model), placement=placement,
-                                         mode=config.mode, chunk=chunk, first_request=first_request)
-            kept = reuse_prefill.fill(reuse_key, state.cache)
-            if kept is not None:
-                state = dataclasses.replace(state, cache=kept)
-        timings["prefill_reused"] = kept is not None
-        spans = [] if fill_cache or kept is not None else prefill_spans(max(lens) - 1, chunk)
-        width = spans[-1][0] + spans[-1][1] if spans else 0
-        tokens = np.zeros((batch, width), np.int32)
-        for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache, a kept prefill)
-            tokens[i, : len(p) - 1] = p[:-1]
-        t0 = time.perf_counter()
-        p_axes, cache_axes, state_axes = param_axes(params), axes_of(state.cache), axes_of(state)
-        prefill = {}
-        for size in sorted({size for _, size in spans}):
-            steps = (placement.put(np.zeros((batch, size), np.int32), loop.PREFILL_TOKENS_AXES),) * 2
-            prefill[size] = self.programs.compile(
-                "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
-                in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
-                out_axes=cache_axes, model=self.config, placement=placement, mode=config.mode,
-            )
-        bootstrap = self.programs.compile("bootstrap", loop.bootstrap, params, state, donate=(1,),
-                                          layout=placement, in_axes=(p_axes, state_axes), out_axes=state_axes,
-                                          config=config)
-        timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        cache = fill_cache(state.cache) if fill_cache else state.cache
-        for step, (start, size) in enumerate(spans):
-            positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
-            chunk_tokens = placement.put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES)
-            cache = prefill[size](params, cache, chunk_tokens, placement.put(positions, loop.PREFILL_TOKENS_AXES))
-            if progress:
-                progress("prefill", step + 1, len(spans))
-        if reuse_key is not None and kept is None:
-            reuse_prefill.keep(reuse_key, cache)
-        state = bootstrap(params, dataclasses.replace(state, cache=cache))
-        jax.block_until_ready(state.output)
-        timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
-        return state
+    def _prefill(self, ids, options, config, capacity, timings, **kwargs) -> loop.DecodeState:
+        """vegas_jax.prefill.prefill with this engine's model, compiled programs and stop table."""
+        return prefill.prefill(self.model, self.programs, ids, options, config, capacity, self._stop_table(options),
+                               timings, **kwargs)
 
     def _compile_decode(self, config, state, draft_params, timings) -> Callable:
         """The compiled decode loop: decode(params, draft_params, state, step_limit, finished_limit), the limits
@@ -395,7 +286,8 @@ class Engine:
         params, timings = self.model.params, {}
 
         # An empty batch: every slot finished, so the first admissions fill it.
-        state = self._initial_state([[0]], options, config, capacity, 0, rows=slots, finished=True)
+        state = prefill.initial_state(self.model, self.programs, [[0]], options, config, capacity,
+                                      self._stop_table(options), 0, rows=slots, finished=True)
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
         adaptive = self._gamma_book.for_run(config, options.given_costs, slots, capacity)
@@ -448,18 +340,3 @@ class Engine:
                                   batch_size=batch_size, prefill_chunk=prefill_chunk, progress=progress)
         return scored
 
-
-def _new_state(lengths, last, max_new, seeds, stop_table, in_prompt, prompt_tokens, sampling_values, finished, *,
-               config, capacity, dtype) -> loop.DecodeState:
-    """The decode state of a batch before prefill (Engine._initial_state), from host arrays."""
-    batch = lengths.shape[0]
-    state = loop.init_state(
-        config,
-        config.family.create_cache(config.model, batch, capacity, dtype),
-        lengths, last, max_new, jax.vmap(jax.random.key)(seeds),
-        sampling.SamplingParams.create(batch, *sampling_values),
-        stop_table,
-        None if in_prompt is None else penalties.History.of_prompts(in_prompt),
-        prompt_tokens,
-    )
-    return dataclasses.replace(state, done=jnp.full_like(state.done, finished))
