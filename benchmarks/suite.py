@@ -2,7 +2,7 @@
 the paper's model scale and a transformers peer, in device calls that each end inside a time budget.
 
     python -m benchmarks.suite --preset quick --stage tune --model smollm2.gguf     # then heldout, serve, scale, peer
-    python -m benchmarks.suite --preset quick --estimate                           # the plan's cost, runs nothing
+    python -m benchmarks.suite --preset quick --estimate                           # what the log lacks, in device time; runs nothing
 
 Stages (`--stage`, comma-separated, or `all`):
 - tune: per (length, batch) of the preset, plain decoding once and every speculative method's coordinate search
@@ -505,6 +505,36 @@ def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
     return preset.narrowed(**{"lengths": preset.lengths, "batches": preset.batches, field: values})
 
 
+def log_progress(preset: Preset, records: list[dict]):
+    """suite_presets.Left from a log's records: a tuning search the log completes lacks nothing, a partial one the
+    grid cells it has not measured (at most: the search visits fewer); any other unit, the share of its records
+    the log lacks."""
+
+    def left(stage: str, length: int | None, batch: int, method: str | None, expected: int) -> float:
+        if stage == "tune":
+            if tuned(method, batch, length) is not None:
+                return 0.0
+            found = tuning(method, batch, length)
+        else:  # a scale case's unit is (context, batch, model)
+            where = "context" if stage == "scale" else "prompt_tokens"
+            found = [r for r in records if r.get("stage") == stage and r.get(where) == length
+                     and r.get("batch") == batch and (method is None or r.get("model") == method)]
+            if stage == "heldout":  # a method tuned to the default cell has one record for both
+                same = sum(tuned(m, preset.tuning_batch(batch), length) == Cell.default(m) for m in SPECULATIVE)
+                expected -= same * (2 if batch in preset.sampled_batches and preset.sampled_defaults else 1)
+        return max(0.0, 1.0 - len(found) / expected)
+
+    def tuning(method: str, batch: int, length: int) -> list[dict]:
+        return [r for r in records if r.get("stage") == "tune" and r.get("split") == "tuning"
+                and r.get("method") == method and r.get("batch") == batch and r.get("prompt_tokens") == length
+                and r.get("temperature") == 0.0]
+
+    def tuned(method: str, batch: int, length: int) -> Cell | None:
+        return tuned_cell(method, preset.grid, rates_of(tuning(method, batch, length)))
+
+    return left
+
+
 def check_appendable(path: Path) -> None:
     """BadFlag naming --keep unless records could be appended to `path`: a writable file, or none yet in a folder
     that exists or can be made (nothing is created here: --estimate writes nothing)."""
@@ -535,7 +565,7 @@ def main(argv=None) -> int:
                         "appended to as the log is; records there the log lacks are added to it first")
     p.add_argument("--lengths", default=None, help="only these of the preset's prompt lengths (comma-separated)")
     p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
-    p.add_argument("--estimate", action="store_true", help="print the preset's estimated device time and exit")
+    p.add_argument("--estimate", action="store_true", help="print the estimated device time of what the log lacks and exit")
     args = p.parse_args(argv)
 
     try:
@@ -548,7 +578,9 @@ def main(argv=None) -> int:
     except BadFlag as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(describe_costs(preset, stages), flush=True)
+    log_path = args.results or RESULTS / f"suite-{preset.name}.jsonl"
+    logged = [r for path in (log_path, args.keep) if path for r in RecordLog(path.expanduser()).records]
+    print(describe_costs(preset, stages, log_progress(preset, logged), log_path.name), flush=True)
     if args.estimate:
         return 0
     # The scale stage builds random weights of its own shapes: only the other stages need the GGUF (and the gguf
@@ -560,7 +592,7 @@ def main(argv=None) -> int:
         model_path = str(embedded_smollm2_path())
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
-    log = RecordLog(args.results or RESULTS / f"suite-{preset.name}.jsonl", Path(out) if out else None, args.keep)
+    log = RecordLog(log_path, Path(out) if out else None, args.keep)
     session = Session(preset, log, args.budget_s, model_path, args.dtype)
     try:
         run_stages(session, stages)

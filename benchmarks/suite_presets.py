@@ -12,6 +12,7 @@ and length (its other runs copy that cache). Tuning's compilations are costed as
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from benchmarks.suite_tuning import Grid
 
@@ -144,6 +145,7 @@ COMPILE_S = {"ar": 9.0, "speculative": 13.0}
 # paper preset's first tuning rounds of 13-21 configurations at 64 x 7.9K (suite-paper.jsonl, 2026-12-02).
 SIDE_BY_SIDE_COMPILE_S = 5.0
 RUN_OVERHEAD_S = 0.3  # state creation, host reads, the decode call's launch
+SCALE_METHODS = ("ar", "vegas", "streaming")  # what the scale stage runs at each (model, context, batch)
 SCALE_CASE_S = 35.0  # an 8B-shaped method at one batch: compile, cache fill, timed and profiled iterations
 SCALE_MODEL_S = 30.0  # random 8B weights, and the bandwidth measurement
 PEER_MODEL_S = 20.0
@@ -180,54 +182,80 @@ class Cost:
         self.seconds += seconds
 
 
-def stage_costs(preset: Preset) -> dict[str, Cost]:
-    """The most each stage can cost from scratch (every search sweep measured, every cell distinct)."""
+# The fraction of a unit of measurements the log lacks: left(stage, length, batch, method, expected), where a unit
+# is one method's tuning search (expected: its grid size), a held-out (length, batch), a served method, a scale
+# case (length: its context, method: its model) or a peer (length, batch). From scratch, everything is left.
+Left = Callable[[str, "int | None", int, "str | None", int], float]
+
+
+def _everything_left(*_) -> float:
+    return 1.0
+
+
+def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost]:
+    """The most each stage can cost (every search sweep measured, every cell distinct), of what `left` says the
+    log lacks; a unit's compilations and runs count in proportion."""
     p, costs = preset, {stage: Cost() for stage in ("tune", "heldout", "serve", "scale", "peer")}
+
+    def add(stage: str, fraction: float, compiles: int, runs: int, seconds: float) -> None:
+        costs[stage].add(round(fraction * compiles), round(fraction * runs), fraction * seconds)
+
     for length in p.lengths:
         for batch in p.batches:
             tuned_here = batch in p.tuned_batches
             if tuned_here:
                 tune_run = run_s(batch, length, p.tune_new_tokens, prefilled=True)
-                costs["tune"].seconds += prefill_s(batch, length)  # once: the other runs copy its cache
-                for method in ("ar",) + SPECULATIVE:
+                fractions = {method: left("tune", length, batch, method, p.grid.size(method))
+                             for method in ("ar",) + SPECULATIVE}
+                if any(fractions.values()):
+                    costs["tune"].seconds += prefill_s(batch, length)  # once: the other runs copy its cache
+                for method, fraction in fractions.items():
                     cells = p.grid.size(method)
                     runs = cells * (p.warmup + p.tune_repeats)
-                    costs["tune"].add(cells, runs, cells * SIDE_BY_SIDE_COMPILE_S + runs * tune_run)
+                    add("tune", fraction, cells, runs, cells * SIDE_BY_SIDE_COMPILE_S + runs * tune_run)
             run = run_s(batch, length, p.new_tokens, prefilled=True)
-            costs["heldout"].seconds += prefill_s(batch, length)
             per_record = p.warmup + p.repeats
             greedy = 1 + 2 * len(SPECULATIVE)  # ar; each method's tuned and default cells
             ablations = len(ABLATIONS) if batch in p.ablation_batches else 0
+            sampled = (1 + len(SPECULATIVE) * (2 if p.sampled_defaults else 1) + ablations
+                       if batch in p.sampled_batches else 0)
+            fraction = left("heldout", length, batch, None, greedy + ablations + sampled)
+            if fraction:
+                costs["heldout"].seconds += prefill_s(batch, length)
             # Tuning compiled the greedy cells at its own batch; a borrowing batch compiles them here.
             compiles = ablations + (0 if tuned_here else greedy)
-            costs["heldout"].add(compiles, (greedy + ablations) * per_record,
-                                 compiles * COMPILE_S["speculative"] + (greedy + ablations) * per_record * run)
-            if batch in p.sampled_batches:  # another sampling mode: every configuration compiles again
-                sampled = 1 + len(SPECULATIVE) * (2 if p.sampled_defaults else 1) + ablations
-                costs["heldout"].add(sampled, sampled * per_record,
-                                     COMPILE_S["ar"] + (sampled - 1) * COMPILE_S["speculative"]
-                                     + sampled * per_record * run)
+            add("heldout", fraction, compiles, (greedy + ablations) * per_record,
+                compiles * COMPILE_S["speculative"] + (greedy + ablations) * per_record * run)
+            if sampled:  # another sampling mode: every configuration compiles again
+                add("heldout", fraction, sampled, sampled * per_record,
+                    COMPILE_S["ar"] + (sampled - 1) * COMPILE_S["speculative"] + sampled * per_record * run)
     for case in p.serve:
         methods = 2 + (len(BASELINES) if case.all_baselines else 1)
         # 128 requests through 64 slots: the prefill of every request, about twice a static batch's decode
         run = (0.02 + case.requests * case.prompt_tokens / 480e3
                + 2 * p.new_tokens * step_s(case.slots, case.prompt_tokens) + 2 * RUN_OVERHEAD_S)
         runs = methods * (p.warmup + p.repeats)
-        costs["serve"].add(methods, runs, methods * COMPILE_S["speculative"] + runs * run)
-    models = {case.model for case in p.scale}
-    cases = sum(len(case.batches) * 3 for case in p.scale)  # ar, vegas, streaming
-    costs["scale"].add(cases, cases, len(models) * SCALE_MODEL_S + cases * SCALE_CASE_S)
+        add("serve", left("serve", case.prompt_tokens, case.slots, None, methods), methods, runs,
+            methods * COMPILE_S["speculative"] + runs * run)
+    for model in dict.fromkeys(case.model for case in p.scale):
+        fractions = [left("scale", case.context, batch, model, len(SCALE_METHODS))
+                     for case in p.scale if case.model == model for batch in case.batches]
+        if any(fractions):
+            costs["scale"].seconds += SCALE_MODEL_S
+        for fraction in fractions:
+            add("scale", fraction, len(SCALE_METHODS), len(SCALE_METHODS), len(SCALE_METHODS) * SCALE_CASE_S)
     for batch, length in p.peer:
+        fraction = left("peer", length, batch, None, 1)
         generate = p.new_tokens * hf_step_s(batch, length) + batch * length / 100e3
-        costs["peer"].add(0, p.repeats, generate * (p.repeats + 1) + batch * length / 100e3 * p.repeats)
-    if p.peer:
+        add("peer", fraction, 0, p.repeats, generate * (p.repeats + 1) + batch * length / 100e3 * p.repeats)
+    if costs["peer"].seconds:  # the peer's model loads once
         costs["peer"].seconds += PEER_MODEL_S
     return costs
 
 
-def describe_costs(preset: Preset, stages) -> str:
-    costs = stage_costs(preset)
-    lines = [f"preset {preset.name}: estimated H200 time from scratch (at most; the log's records are skipped)"]
+def describe_costs(preset: Preset, stages, left: Left = _everything_left, log: str = "the log") -> str:
+    costs = stage_costs(preset, left)
+    lines = [f"preset {preset.name}: estimated H200 time of what {log} lacks (at most)"]
     total = 0.0
     for stage in stages:
         c = costs[stage]

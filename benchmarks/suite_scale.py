@@ -23,12 +23,11 @@ import numpy as np
 
 from benchmarks.profile_decode import gpu_kernel_events, summarize
 from benchmarks.random_model import SHAPES, random_cache_rows, random_engine
-from benchmarks.suite_presets import SCALE_CASE_S, SCALE_MODEL_S, Preset
+from benchmarks.suite_presets import SCALE_CASE_S, SCALE_METHODS, SCALE_MODEL_S, Preset
 from models.config import ModelConfig
 from vegas_jax.engine import GenerationOptions
 from vegas_jax.inputs import InputError
 
-SCALE_METHODS = ("ar", "vegas", "streaming")
 WARMUP_ITERATIONS = 2
 PROFILED_ITERATIONS = 3
 BANDWIDTH_BYTES = 2**32

@@ -271,6 +271,31 @@ def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_sess
     assert session.runs == runs and len(session.log.records) == count
 
 
+def test_the_estimate_counts_what_the_log_lacks(stage_session):
+    """--estimate reads the log: from scratch it is the whole plan; a completed search, or a held-out batch with
+    all its records, costs nothing more (and the stages then measure nothing, as the test above shows); a search
+    cut short costs the cells it lacks."""
+    from benchmarks.suite_presets import stage_costs
+
+    session = stage_session
+    left = lambda: suite.log_progress(TINY, session.log.records)  # noqa: E731
+    scratch = stage_costs(TINY)
+    assert stage_costs(TINY, left()) == scratch and scratch["tune"].seconds > 0 and scratch["heldout"].seconds > 0
+    suite.tune(session, 7936, 64)
+    after_tuning = stage_costs(TINY, left())
+    assert after_tuning["tune"].seconds == 0 and after_tuning["heldout"] == scratch["heldout"]
+    for batch in (64, 32):
+        suite.heldout(session, 7936, batch)
+    done = stage_costs(TINY, left())
+    assert done["heldout"].seconds == 0 and done["serve"] == scratch["serve"]
+    # Half of vegas's search forgotten: its share of the tuning is back, no more than its cells from scratch.
+    vegas = [r for r in session.log.records if r["stage"] == "tune" and r["method"] == "vegas"]
+    cut = [r for r in session.log.records if r not in vegas[len(vegas) // 2:]]
+    partial = stage_costs(TINY, suite.log_progress(TINY, cut))["tune"]
+    only_vegas = stage_costs(TINY, lambda stage, *unit: float(stage == "tune" and unit[2] == "vegas"))["tune"]
+    assert 0 < partial.seconds <= only_vegas.seconds and partial.compiles <= GRID.size("vegas")
+
+
 def test_a_measurement_past_the_budget_stops_before_running(tmp_path):
     session = suite.Session(TINY, RecordLog(tmp_path / "log.jsonl"), budget_s=10.0, model_path="none",
                             dtype="float32")
