@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from vegas_jax import convert, generate, score, scoring
+from vegas_jax import convert, flag_environment, generate, score, scoring
 from vegas_jax.engine import Engine, GenerationOptions, InputError
 from vegas_jax.loading import load_model
 
@@ -215,6 +215,49 @@ def test_bad_input_exits_with_one_error_line_naming_the_culprit(case, tmp_path, 
     assert len(lines) == 1 and lines[0].startswith("error:"), lines
     for needle in needles:
         assert needle in lines[0]
+
+
+def test_flags_come_from_vegas_variables_and_the_command_line_wins(reference, monkeypatch, capsys):
+    """VEGAS_<FLAG> sets a flag's default: the run below takes its model, dtype, cache length and quietness from
+    the environment, and its token count from the command line over VEGAS_MAX_NEW_TOKENS; the library's greedy
+    continuation is the reference."""
+    _, ref = reference
+    for flag, value in (("MODEL", str(FIXTURE)), ("DTYPE", "float32"), ("MAX_MODEL_LEN", "128"), ("QUIET", "yes"),
+                        ("MAX_NEW_TOKENS", "7")):
+        monkeypatch.setenv("VEGAS_" + flag, value)
+    rc = generate.main(["--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.endswith(f"\n{ref.text}\n")
+
+
+def test_switches_and_typed_values_parse_from_variables():
+    parser = generate.build_parser()
+    env = {"VEGAS_CHAT_TEMPLATE": "off", "VEGAS_COMPARE_AR": "1", "VEGAS_MAX_NEW_TOKENS": "2K", "VEGAS_GAMMA": "auto",
+           "VEGAS_KERNELS": "interpret", "VEGAS_CODE": "abc123", "OTHER": "x"}
+    taken = flag_environment.apply(parser, env)
+    args = parser.parse_args(["--gamma", "3"])
+    assert (args.chat_template, args.compare_ar, args.max_new_tokens, args.gamma) == (False, True, 2048, 3)
+    assert flag_environment.from_environment(taken, parser, ["--gamma=3"]) == {
+        "chat_template": "VEGAS_CHAT_TEMPLATE", "compare_ar": "VEGAS_COMPARE_AR", "max_new_tokens": "VEGAS_MAX_NEW_TOKENS"}
+
+
+@pytest.mark.parametrize("env, argv, needle", [
+    ({"VEGAS_GAMA": "3"}, [], "VEGAS_GAMA: no flag has this variable"),
+    ({"VEGAS_GAMMA": "x"}, [], "VEGAS_GAMMA=x: not a whole number or auto"),
+    ({"VEGAS_DTYPE": "fp8"}, [], "VEGAS_DTYPE=fp8: one of auto, bfloat16, float32"),
+    ({"VEGAS_QUIET": "maybe"}, [], "VEGAS_QUIET=maybe: a switch is one of"),
+    ({"VEGAS_STOP": "x"}, [], "VEGAS_STOP: --stop is repeatable and has no variable"),
+    # A value the options refuse is named by where it came from: the variable, unless the command line gave it.
+    ({"VEGAS_TOP_P": "1.5"}, ["--prompt", PROMPT], "VEGAS_TOP_P"),
+    ({"VEGAS_TOP_P": "0.5"}, ["--prompt", PROMPT, "--top-p", "1.5"], "--top-p"),
+])
+def test_bad_variables_give_one_error_line_naming_them(env, argv, needle, monkeypatch, capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    rc = generate.main([*BASE, *argv])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: {needle}"), err
 
 
 def test_a_compile_cache_folder_from_the_environment_is_named_by_its_variable(monkeypatch, tmp_path, capsys):

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from vegas_jax import inputs, stops
+from vegas_jax import flag_environment, inputs, stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
 from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
 from vegas_jax.options import METHODS
@@ -60,7 +60,10 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineErrors(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0])
+    p = _OneLineErrors(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0],
+                       epilog="Every flag that takes one value, and every switch, also reads VEGAS_<FLAG> from the "
+                              "environment (--max-new-tokens: VEGAS_MAX_NEW_TOKENS; switches 1/0); a flag given "
+                              "here wins.")
     p.add_argument("--model", help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="file whose text is one prompt; repeatable")
@@ -158,8 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--compile-cache-dir", default=None,
                    help="keep compiled programs in this folder (made if missing; JAX's persistent compilation "
-                        "cache), so a later run of the same shapes skips compiling (default: $VEGAS_COMPILE_CACHE_DIR, "
-                        "else none)")
+                        "cache), so a later run of the same shapes skips compiling (default: none)")
     p.add_argument("--mesh", default=None,
                    help="run on a device mesh: data=D,model=M (D splits the batch, M each layer's heads and MLP; "
                         "D x M = all devices of all processes); default: one device")
@@ -188,8 +190,6 @@ def _init_distributed(args) -> None:
 
         jax.distributed.initialize()
 
-
-COMPILE_CACHE_VARIABLE = "VEGAS_COMPILE_CACHE_DIR"  # --compile-cache-dir's default
 
 # Variables by which jax.distributed.initialize() finds its cluster (SLURM, Open MPI, JAX's own).
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
@@ -481,7 +481,7 @@ def _as_json(result: GenerationResult) -> dict:
     }
 
 
-def _interrupted(out: dict, path: Path | None) -> int:
+def _interrupted(out: dict, path: Path | None, name) -> int:
     """After SIGINT: the requests finished so far written (all of them, each with its status, and
     "interrupted": true), and one line."""
     if threading.current_thread() is threading.main_thread():
@@ -495,42 +495,47 @@ def _interrupted(out: dict, path: Path | None) -> int:
                 _write_json(path, {**out, "interrupted": True})
                 line += f", written to {path}"
             except InputError as e:
-                line += f"; error: {e.render(_flag)}"
+                line += f"; error: {e.render(name)}"
     print(line, file=sys.stderr)
     return INTERRUPTED
 
 
 def main(argv=None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        taken = flag_environment.apply(parser, os.environ)
+        args = parser.parse_args(argv)
+    except flag_environment.VariableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except SystemExit as e:  # argparse exits on --help and on malformed flags; callers of main() get the code
         return e.code
+    from_variables = flag_environment.from_environment(taken, parser, argv)
+    name = lambda argument: from_variables.get(argument) or _flag(argument)  # noqa: E731: what errors call it
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     interrupt = _Interrupt()
     # Python lets only the main thread handle signals; called from another, main() leaves SIGINT as it is.
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, interrupt.handle) if in_main_thread else None
     try:
-        return _main(args, progress, interrupt)
+        return _main(args, progress, interrupt, name)
     finally:
         progress.close()
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
 
 
-def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
+def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
     out = {}  # what --output-json gets, filled in as it becomes known
     try:
         _init_distributed(args)
         import jax
 
-        cache_dir, source = args.compile_cache_dir, "{compile_cache_dir}"
-        if cache_dir is None and os.environ.get(COMPILE_CACHE_VARIABLE):
-            cache_dir, source = os.environ[COMPILE_CACHE_VARIABLE], COMPILE_CACHE_VARIABLE
-        if cache_dir:
+        if args.compile_cache_dir:
             from vegas_jax.compilation import use_persistent_cache
 
-            use_persistent_cache(cache_dir, source)
+            use_persistent_cache(args.compile_cache_dir, "{compile_cache_dir}")
 
         # One process speaks for all: every process runs the same command on the global mesh.
         speaker = jax.process_index() == 0
@@ -592,7 +597,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         result.metrics["load_s"] = load_s
         out.update(_as_json(result))
         if interrupt.requested:
-            return _interrupted(out, args.output_json)
+            return _interrupted(out, args.output_json, name)
         runs = [(options.method, result)]
         if args.phase_times:
             from vegas_jax.phases import time_phases
@@ -605,7 +610,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
                       stream=False)
             out["ar"] = _as_json(ar)
             if interrupt.requested:
-                return _interrupted(out, args.output_json)
+                return _interrupted(out, args.output_json, name)
             runs.append(("ar", ar))
             _print_result(ar, "ar", show_text=False)
             identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
@@ -626,10 +631,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt) -> int:
         if args.output_json:
             _write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:
-        print(f"error: {e.render(_flag)}", file=sys.stderr)
+        print(f"error: {e.render(name)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return _interrupted(out, args.output_json)
+        return _interrupted(out, args.output_json, name)
     failures = [(label, i, r.reason) for label, run in runs for i, r in enumerate(run.requests) if r.status == "failed"]
     for label, i, reason in failures:
         print(f"error: [{label}] request {i} failed: {reason}", file=sys.stderr)

@@ -1,0 +1,67 @@
+"""Every single-valued flag of the CLI has an environment variable, VEGAS_<FLAG> (--max-new-tokens:
+VEGAS_MAX_NEW_TOKENS), as llama.cpp's flags have LLAMA_ARG_*: a cluster job or a container sets its defaults
+once, and a flag on the command line wins. A switch (--quiet, --chat-template) takes 1, true, yes, on or 0, false,
+no, off. Repeatable flags (--prompt, --stop, ...) have none: a list in one variable would need a separator of its
+own. A variable with the prefix that names no flag is refused, as a misspelt flag is, rather than ignored."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Mapping
+
+PREFIX = "VEGAS_"
+# Read elsewhere: the attention backend (vegas_jax.attention.backend), and the code a benchmark's records name.
+OTHER_VARIABLES = frozenset({"VEGAS_KERNELS", "VEGAS_CODE"})
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction)
+_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+
+
+class VariableError(ValueError):
+    """A VEGAS_* variable that is no flag's or whose value its flag refuses; the message starts with the name."""
+
+
+def variable(action: argparse.Action) -> str:
+    return PREFIX + action.dest.upper()
+
+
+def apply(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, str]:
+    """Sets the parser's defaults from the VEGAS_* variables of `environ`; returns {dest: variable} of those set.
+    VariableError for a variable no flag has, or a value its flag's type or choices refuse."""
+    flags = {variable(a): a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)}
+    taken = {}
+    for name in sorted(k for k in environ if k.startswith(PREFIX) and k not in OTHER_VARIABLES):
+        action, text = flags.get(name), environ[name]
+        if action is None:
+            raise VariableError(f"{name}: no flag has this variable (VEGAS_<FLAG>, e.g. VEGAS_MAX_NEW_TOKENS)")
+        if isinstance(action, _REPEATABLE):
+            raise VariableError(f"{name}: {action.option_strings[0]} is repeatable and has no variable; "
+                                    "give it on the command line")
+        parser.set_defaults(**{action.dest: _value(name, action, text)})
+        taken[action.dest] = name
+    return taken
+
+
+def from_environment(taken: dict[str, str], parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
+    """Of `taken` (apply's), the flags the command line did not give: {dest: variable} whose values came from it."""
+    given = set()
+    for action in parser._actions:
+        if any(arg == flag or arg.startswith(flag + "=") for arg in argv for flag in action.option_strings):
+            given.add(action.dest)
+    return {dest: name for dest, name in taken.items() if dest not in given}
+
+
+def _value(name: str, action: argparse.Action, text: str):
+    if isinstance(action, _SWITCHES):
+        lowered = text.strip().lower()
+        if lowered not in _TRUE + _FALSE:
+            raise VariableError(f"{name}={text}: a switch is one of {', '.join(_TRUE + _FALSE)}")
+        on = lowered in _TRUE
+        return (not on) if isinstance(action, argparse._StoreFalseAction) else on
+    try:
+        value = action.type(text) if action.type else text
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+        raise VariableError(f"{name}={text}: {e or 'not a valid value'}") from None
+    if action.choices is not None and value not in action.choices:
+        raise VariableError(f"{name}={text}: one of {', '.join(map(str, action.choices))}")
+    return value
