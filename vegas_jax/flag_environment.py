@@ -22,7 +22,9 @@ class VariableError(ValueError):
 
 
 def variable(action: argparse.Action) -> str:
-    return PREFIX + action.dest.upper()
+    """The flag's own name (--stop-token-id: VEGAS_STOP_TOKEN_ID), not its destination's."""
+    flag = next(o for o in action.option_strings if o.startswith("--"))
+    return PREFIX + flag[2:].replace("-", "_").upper()
 
 
 def apply(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, str]:
