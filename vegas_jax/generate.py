@@ -428,7 +428,8 @@ class _LogprobLines:
 
 
 # A figure from the GPU for the one-line explanation of a slowdown (the README quickstart and "Results" give it too).
-GPU_FIGURE = "1.80x plain decoding at 7.9K-token prompts x 64 on an H200 (benchmarks.suite, held-out, tuned)"
+GPU_FIGURE = ("1.68x plain decoding at 7.9K-token prompts x 64 on an H200 (benchmarks.suite --preset paper, held-out, "
+              "tuned)")
 
 
 def slowdown_reason(platform: str, tau: float | None, gamma: int, batch: int, context: int) -> str:
