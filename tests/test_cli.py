@@ -231,6 +231,17 @@ def test_flags_come_from_vegas_variables_and_the_command_line_wins(reference, mo
     assert out.endswith(f"\n{ref.text}\n")
 
 
+def test_drafts_almost_never_accepted_get_a_warning(vegas_run):
+    """A collapse of acceptance is said in a line of its own; the fixture's run (acceptance about 0.4) gets none."""
+    metrics = {"gamma": 6, "iterations": 40, "tau": 1.05, "acceptance_rate": 0.05 / 6}
+    assert generate.low_acceptance_warning(metrics).startswith("warning: only 0.8% of the drafts were accepted")
+    assert generate.low_acceptance_warning({**metrics, "acceptance_rate": 0.1}) is None
+    assert generate.low_acceptance_warning({**metrics, "iterations": 7}) is None  # too few to say
+    assert generate.low_acceptance_warning({**metrics, "gamma": 0, "acceptance_rate": None}) is None  # plain steps
+    doc, _, err = vegas_run
+    assert doc["metrics"]["acceptance_rate"] >= 0.1 and "warning: only" not in err
+
+
 def test_switches_and_typed_values_parse_from_variables():
     parser = generate.build_parser()
     env = {"VEGAS_CHAT_TEMPLATE": "off", "VEGAS_COMPARE_AR": "1", "VEGAS_MAX_NEW_TOKENS": "2K", "VEGAS_GAMMA": "auto",

@@ -445,6 +445,26 @@ def slowdown_reason(platform: str, tau: float | None, gamma: int, batch: int, co
             f"an iteration yields; Vegas pays at long contexts and many sequences ({GPU_FIGURE})")
 
 
+# Below this acceptance rate, over at least LOW_ACCEPTANCE_ITERATIONS iterations, the drafts are mostly wasted work:
+# the CLI says so in a line of its own, rather than leave a collapse (a budget far too small for the prompt, a
+# checkpoint whose weights do not fit its config) to a number in the metrics line.
+LOW_ACCEPTANCE = 0.1
+LOW_ACCEPTANCE_ITERATIONS = 8
+
+
+def low_acceptance_warning(metrics: dict) -> str | None:
+    """One line when a speculative run's drafts were almost never accepted, else None."""
+    rate = metrics.get("acceptance_rate")
+    if rate is None or not metrics.get("gamma") or metrics.get("iterations", 0) < LOW_ACCEPTANCE_ITERATIONS:
+        return None
+    if rate >= LOW_ACCEPTANCE:
+        return None
+    return (f"warning: only {rate:.1%} of the drafts were accepted (tau {metrics['tau']:.2f} over "
+            f"{metrics['iterations']} iterations): drafting costs more than it yields here; the output is still "
+            "exact. --gamma auto falls back to plain steps when drafts lose, a larger --sparse-ratio drafts from "
+            "more of the cache, --method ar skips drafting")
+
+
 def _print_result(result: GenerationResult, label: str, show_text: bool) -> None:
     m = result.metrics
     line = (f"[{label}] compile {m['compile_s']:.2f}s  prefill {m['prefill_s']:.2f}s  decode {m['decode_s']:.2f}s  "
@@ -606,6 +626,9 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
             result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
         _print_result(result, options.method, show_text=not args.stream)
+        warning = low_acceptance_warning(result.metrics)
+        if warning:
+            print(warning, file=sys.stderr)
         if args.compare_ar:
             ar = _run(engine, prompts, options.plain(), args, progress, interrupt,
                       stream=False)
