@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks import suite_scale  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, kernel_profile, measure_bandwidth  # noqa: E402
 from models.config import NSA_1B_LAYOUT  # noqa: E402
 from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     kernels = "interpret" if interpret else "pallas"
     # Kernel time against kernel time: a lone call's wall time adds about 0.1 ms of dispatch, which is all of a
     # one-layer decode at batch 1 (records before 2026-12-03 were timed so; `timer` tells them apart).
-    bandwidth = measure_bandwidth(2**20) if args.smoke else measure_bandwidth(timer=gpu_seconds)
+    bandwidth = measure_bandwidth(2**20 if args.smoke else suite_scale.BANDWIDTH_BYTES, timer=gpu_seconds)
     failures = []
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     name = f"nsa-kernels-{stamp}"
@@ -138,11 +139,13 @@ def main(argv=None) -> int:
                 if not error <= tolerance:
                     raise AssertionError(f"max abs error {error} against the XLA path")
             profile = kernel_profile(fn, arg)
+            seconds = profile["gpu_s"]
+            if not seconds > 0:
+                raise RuntimeError(f"the profiler saw no kernel time ({seconds} s)")
         except Exception as e:  # noqa: BLE001: one kernel's failure must not cost the rest of the run
             failures.append(record | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             print("FAILED", failures[-1], flush=True)
             return None
-        seconds = profile["gpu_s"]
         record |= dict(time_ms=seconds * 1e3, wall_ms=profile["wall_s"] * 1e3, timer=timer,
                        kernels=profile["kernels"], top_kernels=profile["top_kernels"],
                        gb_per_s=record["bytes"] / seconds / 1e9, copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])

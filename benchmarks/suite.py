@@ -41,7 +41,7 @@ from benchmarks.prompt_splits import PromptSet, split_prompts  # noqa: E402
 from benchmarks.suite_presets import (  # noqa: E402
     ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, Preset, describe_costs, run_s,
 )
-from benchmarks.suite_records import RecordLog, key_fields_differing, record_key  # noqa: E402
+from benchmarks.suite_records import RecordLog, key_fields_differing, latest_per_key, record_key  # noqa: E402
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
 
 STAGES = ("tune", "heldout", "serve", "scale", "peer")
@@ -505,10 +505,12 @@ def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
     return preset.narrowed(**{"lengths": preset.lengths, "batches": preset.batches, field: values})
 
 
-def log_progress(preset: Preset, records: list[dict]):
-    """suite_presets.Left from a log's records: a tuning search the log completes lacks nothing, a partial one the
+def log_progress(preset: Preset, records: list[dict], model_path: str | None):
+    """suite_presets.Left from a log's records (one per key), those of `model_path` as the session keys them (the
+    scale stage's name their shapes instead): a tuning search the log completes lacks nothing, a partial one the
     grid cells it has not measured (at most: the search visits fewer); any other unit, the share of its records
     the log lacks."""
+    records = [r for r in records if r.get("stage") == "scale" or r.get("model") == model_path]
 
     def left(stage: str, length: int | None, batch: int, method: str | None, expected: int) -> float:
         if stage == "tune":
@@ -578,11 +580,6 @@ def main(argv=None) -> int:
     except BadFlag as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log_path = args.results or RESULTS / f"suite-{preset.name}.jsonl"
-    logged = [r for path in (log_path, args.keep) if path for r in RecordLog(path.expanduser()).records]
-    print(describe_costs(preset, stages, log_progress(preset, logged), log_path.name), flush=True)
-    if args.estimate:
-        return 0
     # The scale stage builds random weights of its own shapes: only the other stages need the GGUF (and the gguf
     # package, which a machine running only the scale stage may lack).
     model_path = args.model
@@ -590,6 +587,13 @@ def main(argv=None) -> int:
         from vegas_jax.loading.gguf import embedded_smollm2_path
 
         model_path = str(embedded_smollm2_path())
+    log_path = args.results or RESULTS / f"suite-{preset.name}.jsonl"
+    # The kept log holds a copy of the log: one record per key.
+    logs = [RecordLog(path.expanduser()) for path in (log_path, args.keep) if path]
+    logged = latest_per_key([r for log in logs for r in log.records])
+    print(describe_costs(preset, stages, log_progress(preset, logged, model_path), log_path.name), flush=True)
+    if args.estimate:
+        return 0
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
     log = RecordLog(log_path, Path(out) if out else None, args.keep)

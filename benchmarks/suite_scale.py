@@ -81,8 +81,9 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, timer=median_seconds) -> di
     sum's rate), the faster of them as read_bandwidth_gbps; and of a copy (bytes read plus written). `timer`
     times one pass: the scale stage's is gpu_seconds, kernel time, since its decode loop runs its kernels back to
     back and a lone call's wall time adds its dispatch and sync to a ~1 ms pass (timed so, the plain steps of
-    2026-12-02's paper-preset calls read at 102-117 % of the probe's rate); the kernel benchmarks time their
-    kernels' lone calls by wall time, and the probe with them."""
+    2026-12-02's paper-preset calls read at 102-117 % of the probe's rate). bench_nsa_kernels times its kernels
+    and the probe by kernel time too; the other kernel benchmarks time lone calls by wall time, and the probe
+    with them."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     summed = nbytes / timer(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x) / 1e9
     copied = 2 * nbytes / timer(jax.jit(lambda a: a + jnp.bfloat16(1)), x) / 1e9

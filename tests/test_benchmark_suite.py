@@ -278,7 +278,7 @@ def test_the_estimate_counts_what_the_log_lacks(stage_session):
     from benchmarks.suite_presets import stage_costs
 
     session = stage_session
-    left = lambda: suite.log_progress(TINY, session.log.records)  # noqa: E731
+    left = lambda: suite.log_progress(TINY, session.log.records, "none")  # noqa: E731: the session's model
     scratch = stage_costs(TINY)
     assert stage_costs(TINY, left()) == scratch and scratch["tune"].seconds > 0 and scratch["heldout"].seconds > 0
     suite.tune(session, 7936, 64)
@@ -291,9 +291,11 @@ def test_the_estimate_counts_what_the_log_lacks(stage_session):
     # Half of vegas's search forgotten: its share of the tuning is back, no more than its cells from scratch.
     vegas = [r for r in session.log.records if r["stage"] == "tune" and r["method"] == "vegas"]
     cut = [r for r in session.log.records if r not in vegas[len(vegas) // 2:]]
-    partial = stage_costs(TINY, suite.log_progress(TINY, cut))["tune"]
+    partial = stage_costs(TINY, suite.log_progress(TINY, cut, "none"))["tune"]
     only_vegas = stage_costs(TINY, lambda stage, *unit: float(stage == "tune" and unit[2] == "vegas"))["tune"]
     assert 0 < partial.seconds <= only_vegas.seconds and partial.compiles <= GRID.size("vegas")
+    # Another model's records measure nothing for this one (the session keys records by its model).
+    assert stage_costs(TINY, suite.log_progress(TINY, session.log.records, "other.gguf")) == scratch
 
 
 def test_a_measurement_past_the_budget_stops_before_running(tmp_path):

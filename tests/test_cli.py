@@ -217,18 +217,27 @@ def test_bad_input_exits_with_one_error_line_naming_the_culprit(case, tmp_path, 
         assert needle in lines[0]
 
 
-def test_flags_come_from_vegas_variables_and_the_command_line_wins(reference, monkeypatch, capsys):
-    """VEGAS_<FLAG> sets a flag's default: the run below takes its model, dtype, cache length and quietness from
-    the environment, and its token count from the command line over VEGAS_MAX_NEW_TOKENS; the library's greedy
-    continuation is the reference."""
+def test_flags_come_from_vegas_variables_and_the_command_line_wins(reference, monkeypatch, capsys, tmp_path):
+    """VEGAS_<FLAG> sets a flag's default: the run below takes its model, cache length, seed, quietness and JSON
+    path from the environment, and its token count from the command line over VEGAS_MAX_NEW_TOKENS; the library's
+    greedy continuation is the reference."""
     _, ref = reference
-    for flag, value in (("MODEL", str(FIXTURE)), ("DTYPE", "float32"), ("MAX_MODEL_LEN", "128"), ("QUIET", "yes"),
-                        ("MAX_NEW_TOKENS", "7")):
+    path = tmp_path / "out.json"
+    for flag, value in (("MODEL", str(FIXTURE)), ("DTYPE", "float32"), ("MAX_MODEL_LEN", "128"), ("SEED", "5"),
+                        ("QUIET", "yes"), ("OUTPUT_JSON", str(path)), ("MAX_NEW_TOKENS", "7")):
         monkeypatch.setenv("VEGAS_" + flag, value)
     rc = generate.main(["--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW)])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.endswith(f"\n{ref.text}\n")
+    config = json.loads(path.read_text())["config"]
+    assert (config["max_model_len"], config["seed"], config["max_new_tokens"]) == (128, 5, MAX_NEW)
+
+
+def test_help_works_whatever_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("VEGAS_GAMA", "3")  # refused by a run, not by --help
+    assert generate.main(["--help"]) == 0
+    assert "VEGAS_<FLAG>" in capsys.readouterr().out
 
 
 def test_drafts_almost_never_accepted_get_a_warning(vegas_run):
@@ -246,11 +255,15 @@ def test_switches_and_typed_values_parse_from_variables():
     parser = generate.build_parser()
     env = {"VEGAS_CHAT_TEMPLATE": "off", "VEGAS_COMPARE_AR": "1", "VEGAS_MAX_NEW_TOKENS": "2K", "VEGAS_GAMMA": "auto",
            "VEGAS_KERNELS": "interpret", "VEGAS_CODE": "abc123", "OTHER": "x"}
-    taken = flag_environment.apply(parser, env)
+    taken = flag_environment.apply(parser, {**env, "VEGAS_MODEL": ""})  # empty: unset
     args = parser.parse_args(["--gamma", "3"])
     assert (args.chat_template, args.compare_ar, args.max_new_tokens, args.gamma) == (False, True, 2048, 3)
-    assert flag_environment.from_environment(taken, parser, ["--gamma=3"]) == {
-        "chat_template": "VEGAS_CHAT_TEMPLATE", "compare_ar": "VEGAS_COMPARE_AR", "max_new_tokens": "VEGAS_MAX_NEW_TOKENS"}
+    assert args.model is None and taken == {"chat_template": "VEGAS_CHAT_TEMPLATE", "compare_ar": "VEGAS_COMPARE_AR",
+                                            "max_new_tokens": "VEGAS_MAX_NEW_TOKENS", "gamma": "VEGAS_GAMMA"}
+    # What the command line gives, however spelt: an abbreviation, --flag=value, a --no- switch.
+    argv = ["--gamma=3", "--temp", "0.5", "--no-chat", "--prompt", "x"]
+    assert flag_environment.given(generate.build_parser(), argv) == {"gamma", "temperature", "chat_template",
+                                                                     "prompt"}
 
 
 @pytest.mark.parametrize("env, argv, needle", [
@@ -262,6 +275,7 @@ def test_switches_and_typed_values_parse_from_variables():
     # A value the options refuse is named by where it came from: the variable, unless the command line gave it.
     ({"VEGAS_TOP_P": "1.5"}, ["--prompt", PROMPT], "VEGAS_TOP_P"),
     ({"VEGAS_TOP_P": "0.5"}, ["--prompt", PROMPT, "--top-p", "1.5"], "--top-p"),
+    ({"VEGAS_TEMPERATURE": "0.5"}, ["--prompt", PROMPT, "--temp", "-1"], "--temperature"),  # an abbreviation
 ])
 def test_bad_variables_give_one_error_line_naming_them(env, argv, needle, monkeypatch, capsys):
     for name, value in env.items():

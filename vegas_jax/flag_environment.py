@@ -32,7 +32,8 @@ def apply(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[s
     VariableError for a variable no flag has, or a value its flag's type or choices refuse."""
     flags = {variable(a): a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)}
     taken = {}
-    for name in sorted(k for k in environ if k.startswith(PREFIX) and k not in OTHER_VARIABLES):
+    # An empty variable is an unset one (`VEGAS_MODEL= cmd` keeps the default model).
+    for name in sorted(k for k in environ if k.startswith(PREFIX) and k not in OTHER_VARIABLES and environ[k]):
         action, text = flags.get(name), environ[name]
         if action is None:
             raise VariableError(f"{name}: no flag has this variable (VEGAS_<FLAG>, e.g. VEGAS_MAX_NEW_TOKENS)")
@@ -44,13 +45,13 @@ def apply(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[s
     return taken
 
 
-def from_environment(taken: dict[str, str], parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
-    """Of `taken` (apply's), the flags the command line did not give: {dest: variable} whose values came from it."""
-    given = set()
+def given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags `argv` gives, however spelt (`--temp` for `--temperature`, `--flag=value`),
+    from a parse with every default suppressed; `parser` is used up. --help and malformed flags exit as in any
+    parse."""
     for action in parser._actions:
-        if any(arg == flag or arg.startswith(flag + "=") for arg in argv for flag in action.option_strings):
-            given.add(action.dest)
-    return {dest: name for dest, name in taken.items() if dest not in given}
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def _value(name: str, action: argparse.Action, text: str):

@@ -522,9 +522,10 @@ def _interrupted(out: dict, path: Path | None, name) -> int:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        given = flag_environment.given(build_parser(), argv)  # first: --help works whatever the environment
+        parser = build_parser()
         taken = flag_environment.apply(parser, os.environ)
         args = parser.parse_args(argv)
     except flag_environment.VariableError as e:
@@ -532,7 +533,7 @@ def main(argv=None) -> int:
         return 2
     except SystemExit as e:  # argparse exits on --help and on malformed flags; callers of main() get the code
         return e.code
-    from_variables = flag_environment.from_environment(taken, parser, argv)
+    from_variables = {dest: variable for dest, variable in taken.items() if dest not in given}
     name = lambda argument: from_variables.get(argument) or _flag(argument)  # noqa: E731: what errors call it
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     interrupt = _Interrupt()
