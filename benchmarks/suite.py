@@ -537,6 +537,18 @@ def log_progress(preset: Preset, records: list[dict], model_path: str | None):
     return left
 
 
+def check_model(model: str | None) -> None:
+    """BadFlag naming --model unless the stages that measure SmolLM2 can read it: a GGUF file that exists (the
+    embedded one when None), and the gguf package to read it with."""
+    import importlib.util
+
+    if model is not None and not Path(model).expanduser().is_file():
+        raise BadFlag(f"--model {model}: no such file")
+    if importlib.util.find_spec("gguf") is None:
+        raise BadFlag(f"--model {model or '(the embedded SmolLM2)'}: reading a GGUF needs the gguf package "
+                      "(pip install gguf), which this Python lacks")
+
+
 def check_appendable(path: Path) -> None:
     """BadFlag naming --keep unless records could be appended to `path`: a writable file, or none yet in a folder
     that exists or can be made (nothing is created here: --estimate writes nothing)."""
@@ -577,6 +589,8 @@ def main(argv=None) -> int:
             raise BadFlag(f"--budget-s {args.budget_s:g}: must be > 0")
         if args.keep is not None:
             check_appendable(args.keep)
+        if set(stages) - {"scale"}:
+            check_model(args.model)
     except BadFlag as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

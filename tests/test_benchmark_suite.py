@@ -528,11 +528,25 @@ def test_narrowing_a_preset_drops_what_measures_outside_it(capsys):
     (["--stage", "tune,tunes"], "--stage tune,tunes"),
     (["--budget-s", "0"], "--budget-s 0"),
     (["--keep", "/"], "--keep /: is a folder; name a file"),
+    (["--model", "/no/such.gguf"], "--model /no/such.gguf: no such file"),
 ])
 def test_bad_flags_give_one_error_line_and_status_2(argv, needle, capsys):
     assert suite.main(["--preset", "quick", "--estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {needle}")
+
+
+def test_a_machine_without_the_gguf_package_is_told_before_anything_runs(monkeypatch, capsys):
+    """A device machine whose staged gguf wheel is not on the path: one line naming --model and the package, not
+    a traceback from the first prompt loaded; the scale stage alone needs neither."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    assert suite.main(["--preset", "quick", "--estimate", "--stage", "heldout"]) == 2
+    assert capsys.readouterr().err == ("error: --model (the embedded SmolLM2): reading a GGUF needs the gguf package "
+                                       "(pip install gguf), which this Python lacks\n")
+    assert suite.main(["--preset", "quick", "--estimate", "--stage", "scale"]) == 0
 
 
 def test_a_keep_log_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
