@@ -222,6 +222,69 @@ def v0_over_v1(records: list[dict]) -> dict:
     return points
 
 
+def newest_on_one_clock(documents: list[dict]) -> list[dict]:
+    """The records of several runs' documents, each with its run's `date`, keeping per (kernel, impl, tree size,
+    context, batch) the newest measurement on the best clock: kernel time over a lone call's wall time."""
+    best: dict[tuple, dict] = {}
+    for doc in documents:
+        for r in doc["records"]:
+            r = {**r, "date": doc.get("date", "")}
+            key = (r["kernel"], r.get("impl"), r["tree_nodes"], r["context"], r["batch"])
+            rank = (r.get("timer") == GPU_TIMER, r["date"])
+            if key not in best or rank >= (best[key].get("timer") == GPU_TIMER, best[key]["date"]):
+                best[key] = r
+    return list(best.values())
+
+
+def readme_section(records: list[dict]) -> str:
+    """The README's tables of issue 20's kernel targets from `newest_on_one_clock` records: V0 against V1 (each at
+    its fastest Pallas impl) per context, batch and tree size, plain NSA decoding per context and batch, and each
+    target met, missed or not yet measured."""
+    clock = lambda r: (("kernel" if r.get("timer") == GPU_TIMER else "wall (dispatch included)")  # noqa: E731
+                       + f", {r.get('date', '')[:10] or '-'}")
+    fastest = {}
+    for r in records:
+        if r["kernel"] in ("v0", "v1") and r.get("impl") != "xla":
+            key = (r["context"], r["batch"], r["tree_nodes"], r["kernel"])
+            if key not in fastest or r["time_ms"] < fastest[key]["time_ms"]:
+                fastest[key] = r
+    rows, ratios = [], {}
+    for (context, batch, nodes, kernel), v1 in sorted(fastest.items()):
+        v0 = fastest.get((context, batch, nodes, "v0"))
+        if kernel != "v1" or v0 is None:
+            continue
+        ratio = ratios[context, batch, nodes] = v0["time_ms"] / v1["time_ms"]
+        rows.append(f"| {context // 1024}K | {batch} | {nodes} | {v0['time_ms']:.3f} | {v1['time_ms']:.3f} | "
+                    f"{ratio:.2f}x | {v1['ideal_ratio']:.1f}x | {v0['bytes'] / 1e6:.1f} / {v1['bytes'] / 1e6:.1f} | "
+                    f"{clock(v1)} |")
+    decode = sorted((r for r in records if r["kernel"] == "nsa-decode"), key=lambda r: (r["context"], r["batch"]))
+    fraction = lambda r: r["gb_per_s"] / r["copy_gb_per_s"]  # noqa: E731
+    decode_rows = [f"| {r['context'] // 1024}K | {r['batch']} | {r['time_ms']:.3f} | {r['bytes'] / 1e6:.1f} | "
+                   f"{r['gb_per_s']:,.0f} | {100 * fraction(r):.1f} % | {clock(r)} |"
+                   for r in decode]
+    at_target = {k: v for k, v in ratios.items() if k[0] == 32768 and k[2] == 64 and 1 <= k[1] <= 8}
+    v1_status = ("not yet measured" if not at_target else
+                 f"**{'met' if min(at_target.values()) >= 3 else 'missed'}**: "
+                 + ", ".join(f"batch {b} {r:.2f}x" for (_, b, _), r in sorted(at_target.items())))
+    best = max(decode, key=fraction, default=None)
+    decode_status = ("not yet measured" if best is None else
+                     f"**{'met' if fraction(best) >= 0.7 else 'missed'}**: at best {100 * fraction(best):.1f} % "
+                     f"({best['context'] // 1024}K x {best['batch']})")
+    return "\n".join([
+        f"- V1 >= 3x V0 at 64 nodes, 32K, batch 1-8: {v1_status}.",
+        f"- Plain NSA decoding >= 70 % of copy bandwidth: {decode_status}.",
+        "",
+        "| context | batch | tree nodes | V0 ms | V1 ms | V0 / V1 | ideal T n / \\|U\\| | MB read V0 / V1 "
+        "| clock, date |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "| context | batch | NSA decode ms | MB read | GB/s | of copy bandwidth | clock, date |",
+        "|---|---|---|---|---|---|---|",
+        *decode_rows,
+    ])
+
+
 def plot(records: list[dict], path: Path) -> None:
     import matplotlib  # the optional [bench] dependency, needed only for the figure
 
