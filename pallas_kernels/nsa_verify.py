@@ -44,8 +44,10 @@ def union_schedule(blocks: jax.Array, num_blocks: int):
     flat = jnp.where(blocks >= 0, blocks, num_blocks).transpose(1, 0, 2).reshape(num_kv_heads, -1)
     chosen = chosen.at[heads, flat].set(True)[:, :num_blocks]
     count = chosen.sum(axis=1)
-    order = jnp.argsort(~chosen, axis=1, stable=True)[:, :width]  # chosen blocks first, ascending
-    union = jnp.where(jnp.arange(width)[None] < count[:, None], order, NO_BLOCK).astype(jnp.int32)
+    # A chosen block's slot is the number of chosen blocks before it: a prefix sum, not a sort of every block.
+    slot = jnp.where(chosen, jnp.cumsum(chosen, axis=1) - 1, width)  # width: dropped
+    union = jnp.full((num_kv_heads, width), NO_BLOCK, jnp.int32).at[heads, slot].set(
+        jnp.arange(num_blocks, dtype=jnp.int32)[None], mode="drop")
     member = jnp.any(union[:, None, :, None] == blocks.transpose(1, 0, 2)[:, :, None, :], axis=-1)
     return union, count, member & (union[:, None, :] >= 0)
 

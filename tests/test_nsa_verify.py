@@ -93,6 +93,24 @@ def test_v1_equals_v0(tree_case):
         np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), atol=1e-6, err_msg=str(key))
 
 
+def test_union_schedule_equals_sets_on_random_selections(rng):
+    """union_schedule against Python sets on random selections: any padding, repeats within and across nodes,
+    unions from empty to every block."""
+    for _ in range(60):
+        nodes, heads, top_n, num_blocks = (int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 6)),
+                                           int(rng.integers(1, 40)))
+        blocks = np.maximum(rng.integers(-num_blocks // 2, num_blocks, (nodes, heads, top_n)), -1).astype(np.int32)
+        union, count, member = map(np.asarray, union_schedule(jnp.asarray(blocks), num_blocks))
+        assert union.shape == (heads, min(nodes * top_n, num_blocks))
+        for head in range(heads):
+            want = sorted({int(b) for b in blocks[:, head].ravel() if b >= 0})
+            assert count[head] == len(want) and list(union[head, :count[head]]) == want
+            assert (union[head, count[head]:] == -1).all()
+            for node in range(nodes):
+                got = {int(u) for u, m in zip(union[head], member[head, node]) if m}
+                assert got == {int(b) for b in blocks[node, head] if b >= 0}
+
+
 def test_union_and_masks_equal_a_brute_force_union(tree_case):
     _, blocks = tree_case["outputs"]["v1", "interpret"]
     blocks = np.asarray(blocks)
