@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import os
 import statistics
@@ -42,6 +43,7 @@ from benchmarks.suite_presets import (  # noqa: E402
     ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, Preset, describe_costs, run_s,
 )
 from benchmarks.suite_records import RecordLog, key_fields_differing, latest_per_key, record_key  # noqa: E402
+from benchmarks.suite_records import find as find_records  # noqa: E402
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
 
 STAGES = ("tune", "heldout", "serve", "scale", "peer")
@@ -334,8 +336,7 @@ def tune(session: Session, length: int, batch: int) -> None:
     while True:
         todo = []
         for method in ("ar",) + SPECULATIVE:
-            records = session.log.find(stage="tune", split="tuning", method=method, batch=batch,
-                                       prompt_tokens=length, temperature=0.0)
+            records = search_records(session.log.find, method, batch, length)
             todo += [(method, cell) for cell in next_cells(method, p.grid, rates_of(records))]
         if not todo:
             return
@@ -351,10 +352,14 @@ def tuned_cells(session: Session, length: int, batch: int) -> dict[str, Cell | N
     p, source = session.preset, session.preset.tuning_batch(batch)
     cells = {}
     for method in SPECULATIVE:
-        records = session.log.find(stage="tune", split="tuning", method=method, batch=source, prompt_tokens=length,
-                                   temperature=0.0)
-        cells[method] = tuned_cell(method, p.grid, rates_of(records))
+        cells[method] = tuned_cell(method, p.grid, rates_of(search_records(session.log.find, method, source, length)))
     return cells
+
+
+def search_records(find, method: str, batch: int, length: int) -> list[dict]:
+    """The records of one method's tuning search at this batch and length; `find(**fields)` is RecordLog.find or
+    suite_records.find over other records."""
+    return find(stage="tune", split="tuning", method=method, batch=batch, prompt_tokens=length, temperature=0.0)
 
 
 def heldout(session: Session, length: int, batch: int) -> None:
@@ -510,29 +515,25 @@ def log_progress(preset: Preset, records: list[dict], model_path: str | None):
     scale stage's name their shapes instead): a tuning search the log completes lacks nothing, a partial one the
     grid cells it has not measured (at most: the search visits fewer); any other unit, the share of its records
     the log lacks."""
-    records = [r for r in records if r.get("stage") == "scale" or r.get("model") == model_path]
+    find = functools.partial(find_records, [r for r in records if r.get("stage") == "scale"
+                                            or r.get("model") == model_path])
 
     def left(stage: str, length: int | None, batch: int, method: str | None, expected: int) -> float:
         if stage == "tune":
             if tuned(method, batch, length) is not None:
                 return 0.0
-            found = tuning(method, batch, length)
-        else:  # a scale case's unit is (context, batch, model)
-            where = "context" if stage == "scale" else "prompt_tokens"
-            found = [r for r in records if r.get("stage") == stage and r.get(where) == length
-                     and r.get("batch") == batch and (method is None or r.get("model") == method)]
+            found = search_records(find, method, batch, length)
+        elif stage == "scale":  # a scale case's unit is (context, batch, model)
+            found = find(stage=stage, context=length, batch=batch, model=method)
+        else:
+            found = find(stage=stage, prompt_tokens=length, batch=batch)
             if stage == "heldout":  # a method tuned to the default cell has one record for both
                 same = sum(tuned(m, preset.tuning_batch(batch), length) == Cell.default(m) for m in SPECULATIVE)
                 expected -= same * (2 if batch in preset.sampled_batches and preset.sampled_defaults else 1)
         return max(0.0, 1.0 - len(found) / expected)
 
-    def tuning(method: str, batch: int, length: int) -> list[dict]:
-        return [r for r in records if r.get("stage") == "tune" and r.get("split") == "tuning"
-                and r.get("method") == method and r.get("batch") == batch and r.get("prompt_tokens") == length
-                and r.get("temperature") == 0.0]
-
     def tuned(method: str, batch: int, length: int) -> Cell | None:
-        return tuned_cell(method, preset.grid, rates_of(tuning(method, batch, length)))
+        return tuned_cell(method, preset.grid, rates_of(search_records(find, method, batch, length)))
 
     return left
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Iterable
 
 KEY_FIELDS = ("stage", "model", "method", "batch", "prompt_tokens", "context", "split", "gamma", "sparse_ratio",
               "knobs", "temperature", "requests")
@@ -35,6 +36,12 @@ def record_key(record: dict) -> str:
 def key_fields_differing(a: dict, b: dict) -> list[str]:
     """The key fields on which two records differ (none: record_key(a) == record_key(b))."""
     return [f for f in KEY_FIELDS if _canonical(a.get(f)) != _canonical(b.get(f))]
+
+
+def find(records: Iterable[dict], **fields) -> list[dict]:
+    """The records whose fields equal these (compared as keys compare them)."""
+    want = {k: _canonical(v) for k, v in fields.items()}
+    return [r for r in records if all(_canonical(r.get(k)) == v for k, v in want.items())]
 
 
 class RecordLog:
@@ -94,8 +101,7 @@ class RecordLog:
 
     def find(self, **fields) -> list[dict]:
         """Records whose fields equal these (compared as keys compare them)."""
-        want = {k: _canonical(v) for k, v in fields.items()}
-        return [r for r in self._by_key.values() if all(_canonical(r.get(k)) == v for k, v in want.items())]
+        return find(self._by_key.values(), **fields)
 
     def append(self, record: dict) -> None:
         self._write(self.path, record)
