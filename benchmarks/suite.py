@@ -538,12 +538,13 @@ def log_progress(preset: Preset, records: list[dict], model_path: str | None):
     return left
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, read_here: bool) -> None:
     """BadFlag naming --model unless the stages that measure SmolLM2 can read it: a GGUF file that exists (the
-    embedded one when None), and the gguf package to read it with."""
+    embedded one when None; checked only if `read_here`: --estimate reads the log alone, whose records may name a
+    path on the device machine), and the gguf package to read it with."""
     import importlib.util
 
-    if model is not None and not Path(model).expanduser().is_file():
+    if read_here and model is not None and not Path(model).expanduser().is_file():
         raise BadFlag(f"--model {model}: no such file")
     if importlib.util.find_spec("gguf") is None:
         raise BadFlag(f"--model {model or '(the embedded SmolLM2)'}: reading a GGUF needs the gguf package "
@@ -591,7 +592,7 @@ def main(argv=None) -> int:
         if args.keep is not None:
             check_appendable(args.keep)
         if set(stages) - {"scale"}:
-            check_model(args.model)
+            check_model(args.model, read_here=not args.estimate)
     except BadFlag as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
