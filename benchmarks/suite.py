@@ -2,7 +2,7 @@
 the paper's model scale and a transformers peer, in device calls that each end inside a time budget.
 
     python -m benchmarks.suite --preset quick --stage tune --model smollm2.gguf     # then heldout, serve, scale, peer
-    python -m benchmarks.suite --preset quick --estimate                           # what the log lacks, in device time; runs nothing
+    python -m benchmarks.suite --preset quick --estimate                           # device time the log lacks
 
 Stages (`--stage`, comma-separated, or `all`):
 - tune: per (length, batch) of the preset, plain decoding once and every speculative method's coordinate search
@@ -18,8 +18,8 @@ Every record is appended to the log (--results, JSON Lines, also copied to $OUT,
 as it is measured; a record already in the log is skipped, so the same command resumes where a call stopped. A
 call stops before a measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to
 resume"); 4 when it skipped measurements that need another stage first (held-out cells not tuned yet: listed as
-"not run"); 0 when its stages are complete. Each call ends by plotting the log (next to it and in $OUT); `python -m benchmarks.report`
-turns the log into the README's results and the same plots.
+"not run"); 0 when its stages are complete. Each call ends by plotting the log (next to it and in $OUT);
+`python -m benchmarks.report` turns the log into the README's results and the same plots.
 """
 
 from __future__ import annotations
@@ -581,7 +581,8 @@ def main(argv=None) -> int:
                         "appended to as the log is; records there the log lacks are added to it first")
     p.add_argument("--lengths", default=None, help="only these of the preset's prompt lengths (comma-separated)")
     p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
-    p.add_argument("--estimate", action="store_true", help="print the estimated device time of what the log lacks and exit")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the estimated device time of what the log lacks and exit (runs nothing)")
     args = p.parse_args(argv)
 
     try:
