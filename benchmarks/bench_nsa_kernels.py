@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
 from benchmarks import suite_scale  # noqa: E402
-from benchmarks.suite_scale import gpu_seconds, kernel_profile, measure_bandwidth  # noqa: E402
+from benchmarks.suite_scale import KERNEL_TIME, WALL_TIME, gpu_seconds, kernel_profile, measure_bandwidth  # noqa: E402
 from models.config import NSA_1B_LAYOUT  # noqa: E402
 from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
@@ -60,7 +60,6 @@ from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 HEADS, KV_HEADS, DIM = 32, 2, 64
 LAYOUT = NSA_1B_LAYOUT
 RESULTS = Path(__file__).parent / "results"
-GPU_TIMER, WALL_TIMER = "gpu kernel time", "wall"
 
 
 def binary_tree(nodes: int) -> np.ndarray:
@@ -125,7 +124,6 @@ def main(argv=None) -> int:
                     name + ".json", None if args.smoke else RESULTS)
     records = log.records
     key = jax.random.PRNGKey(0)
-    timer = GPU_TIMER if jax.default_backend() == "gpu" else WALL_TIMER
 
     def timed(record: dict, fn, arg, want=None, tolerance=0.05):
         """record + time_ms, bytes' GB/s and (against want) max_abs_error; a kernel that fails to run or to match
@@ -146,7 +144,7 @@ def main(argv=None) -> int:
             failures.append(record | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             print("FAILED", failures[-1], flush=True)
             return None
-        record |= dict(time_ms=seconds * 1e3, wall_ms=profile["wall_s"] * 1e3, timer=timer,
+        record |= dict(time_ms=seconds * 1e3, wall_ms=profile["wall_s"] * 1e3, timer=profile["clock"],
                        kernels=profile["kernels"], top_kernels=profile["top_kernels"],
                        gb_per_s=record["bytes"] / seconds / 1e9, copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
         log.add(record)
@@ -205,15 +203,21 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
-def v0_over_v1(records: list[dict]) -> dict:
-    """{(context, batch): [(tree_nodes, V0 time / V1 time, ideal ratio)]}, each schedule at its fastest Pallas
-    impl."""
+def fastest_pallas(records: list[dict]) -> dict[tuple, dict]:
+    """{(context, batch, tree_nodes, schedule): record} of V0 and V1, each at its fastest Pallas impl."""
     best = {}
     for r in records:
         if r["kernel"] in ("v0", "v1") and r["impl"] != "xla":
             k = (r["context"], r["batch"], r["tree_nodes"], r["kernel"])
             if k not in best or r["time_ms"] < best[k]["time_ms"]:
                 best[k] = r
+    return best
+
+
+def v0_over_v1(records: list[dict]) -> dict:
+    """{(context, batch): [(tree_nodes, V0 time / V1 time, ideal ratio)]}, each schedule at its fastest Pallas
+    impl."""
+    best = fastest_pallas(records)
     points = {}
     for (context, batch, nodes, kernel), r in sorted(best.items()):
         if kernel == "v1" and (context, batch, nodes, "v0") in best:
@@ -230,8 +234,8 @@ def newest_on_one_clock(documents: list[dict]) -> list[dict]:
         for r in doc["records"]:
             r = {**r, "date": doc.get("date", "")}
             key = (r["kernel"], r.get("impl"), r["tree_nodes"], r["context"], r["batch"])
-            rank = (r.get("timer") == GPU_TIMER, r["date"])
-            if key not in best or rank >= (best[key].get("timer") == GPU_TIMER, best[key]["date"]):
+            rank = (r.get("timer") == KERNEL_TIME, r["date"])
+            if key not in best or rank >= (best[key].get("timer") == KERNEL_TIME, best[key]["date"]):
                 best[key] = r
     return list(best.values())
 
@@ -240,14 +244,9 @@ def readme_section(records: list[dict]) -> str:
     """The README's tables of issue 20's kernel targets from `newest_on_one_clock` records: V0 against V1 (each at
     its fastest Pallas impl) per context, batch and tree size, plain NSA decoding per context and batch, and each
     target met, missed or not yet measured."""
-    clock = lambda r: (("kernel" if r.get("timer") == GPU_TIMER else "wall (dispatch included)")  # noqa: E731
+    clock = lambda r: (("kernel" if r.get("timer") == KERNEL_TIME else "wall (dispatch included)")  # noqa: E731
                        + f", {r.get('date', '')[:10] or '-'}")
-    fastest = {}
-    for r in records:
-        if r["kernel"] in ("v0", "v1") and r.get("impl") != "xla":
-            key = (r["context"], r["batch"], r["tree_nodes"], r["kernel"])
-            if key not in fastest or r["time_ms"] < fastest[key]["time_ms"]:
-                fastest[key] = r
+    fastest = fastest_pallas(records)
     rows, ratios = [], {}
     for (context, batch, nodes, kernel), v1 in sorted(fastest.items()):
         v0 = fastest.get((context, batch, nodes, "v0"))
@@ -292,8 +291,8 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     # One clock per figure: kernel time where the records have it (older records were timed by wall clock).
-    timer = GPU_TIMER if any(r.get("timer") == GPU_TIMER for r in records) else WALL_TIMER
-    points = v0_over_v1([r for r in records if r.get("timer", WALL_TIMER) == timer])
+    clock = KERNEL_TIME if any(r.get("timer") == KERNEL_TIME for r in records) else WALL_TIME
+    points = v0_over_v1([r for r in records if r.get("timer", WALL_TIME) == clock])
     contexts = sorted({c for c, _ in points})
     if not contexts:
         return
@@ -307,7 +306,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.axhline(3, color="grey", linestyle="--", label="target 3x")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tree nodes")
-        ax.set_ylabel(f"V0 / V1, {timer} (dotted: ideal T n / |U|)")
+        ax.set_ylabel(f"V0 / V1, {clock} (dotted: ideal T n / |U|)")
         ax.set_title(f"NSA-1B shapes, context {context // 1024}K")
         ax.legend()
     fig.tight_layout()

@@ -487,14 +487,14 @@ def test_the_nsa_kernel_tables_judge_issue_20s_targets_from_the_newest_records_o
                 "context": 32768, "batch": batch, "time_ms": ms, "bytes": 10**6, "ideal_ratio": 12.0,
                 "timer": timer, **extra}
 
-    older_gpu = {"date": "2026-12-01", "records": [row("v0", 3.3, timer=nsa.GPU_TIMER),
-                                                    row("v1", 1.0, timer=nsa.GPU_TIMER)]}
+    older_gpu = {"date": "2026-12-01", "records": [row("v0", 3.3, timer=nsa.KERNEL_TIME),
+                                                    row("v1", 1.0, timer=nsa.KERNEL_TIME)]}
     newer_wall = {"date": "2026-12-05", "records": [row("v0", 9.0), row("v1", 9.0)]}
     kept = nsa.newest_on_one_clock([older_gpu, newer_wall])
     assert sorted(r["time_ms"] for r in kept) == [1.0, 3.3]
     assert "**met**: batch 1 3.30x" in nsa.readme_section(kept)
-    batch8 = {"date": "2026-12-06", "records": [row("v0", 2.9, batch=8, timer=nsa.GPU_TIMER),
-                                                 row("v1", 1.0, batch=8, timer=nsa.GPU_TIMER)]}
+    batch8 = {"date": "2026-12-06", "records": [row("v0", 2.9, batch=8, timer=nsa.KERNEL_TIME),
+                                                 row("v1", 1.0, batch=8, timer=nsa.KERNEL_TIME)]}
     text = nsa.readme_section(nsa.newest_on_one_clock([older_gpu, newer_wall, batch8]))
     assert "3x V0 at 64 nodes, 32K, batch 1-8: **missed**: batch 1 3.30x, batch 8 2.90x." in text
     assert "copy bandwidth: not yet measured." in text
