@@ -455,9 +455,8 @@ LOW_ACCEPTANCE_ITERATIONS = 8
 def low_acceptance_warning(metrics: dict) -> str | None:
     """One line when a speculative run's drafts were almost never accepted, else None."""
     rate = metrics.get("acceptance_rate")
-    if rate is None or not metrics.get("gamma") or metrics.get("iterations", 0) < LOW_ACCEPTANCE_ITERATIONS:
-        return None
-    if rate >= LOW_ACCEPTANCE:
+    if (rate is None or rate >= LOW_ACCEPTANCE or not metrics.get("gamma")
+            or metrics.get("iterations", 0) < LOW_ACCEPTANCE_ITERATIONS):
         return None
     return (f"warning: only {rate:.1%} of the drafts were accepted (tau {metrics['tau']:.2f} over "
             f"{metrics['iterations']} iterations): drafting costs more than it yields here; the output is still "
