@@ -42,8 +42,9 @@ from benchmarks.prompt_splits import PromptSet, split_prompts  # noqa: E402
 from benchmarks.suite_presets import (  # noqa: E402
     ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, Preset, describe_costs, run_s,
 )
-from benchmarks.suite_records import RecordLog, key_fields_differing, latest_per_key, record_key  # noqa: E402
-from benchmarks.suite_records import find as find_records  # noqa: E402
+from benchmarks.suite_records import (  # noqa: E402
+    RecordLog, find as find_records, key_fields_differing, latest_per_key, read_logs, record_key,
+)
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
 
 STAGES = ("tune", "heldout", "serve", "scale", "peer")
@@ -606,8 +607,7 @@ def main(argv=None) -> int:
         model_path = str(embedded_smollm2_path())
     log_path = args.results or RESULTS / f"suite-{preset.name}.jsonl"
     # The kept log holds a copy of the log: one record per key.
-    logs = [RecordLog(path.expanduser()) for path in (log_path, args.keep) if path]
-    logged = latest_per_key([r for log in logs for r in log.records])
+    logged = latest_per_key(read_logs([path.expanduser() for path in (log_path, args.keep) if path]))
     print(describe_costs(preset, stages, log_progress(preset, logged, model_path), log_path.name), flush=True)
     if args.estimate:
         return 0
