@@ -139,6 +139,20 @@ def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSAL
     return c, valid, (prefix[None] + path) / l
 
 
+def selected_branch(q, cache: NSALayerCache, blocks, length, *, layout: NSALayout, schedule: str,
+                    v1_launch: V1Launch = V1Launch(), interpret: bool = False):
+    """The Pallas part of the selected branch alone, given each node's blocks [T, H_kv, n]: V0's kernel, or V1's
+    union schedule and kernel (pallas_kernels.nsa_tree_select; q [T, H_q, D], cache arrays [T_cap, H_kv, D]).
+    Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]). The SSV paper's kernel speedup compares these; the
+    rest of a verification pass (compressed scores, top-n, window) is the same work for both schedules."""
+    if schedule == "v0":
+        return v0_selected(q, cache.k, cache.v, blocks, length, select_block=layout.select_block,
+                           interpret=interpret)
+    union, count, member = union_schedule(blocks, num_select_blocks(layout, cache.k.shape[0]))
+    return v1_selected(q, cache.k, cache.v, union, count, member, length, select_block=layout.select_block,
+                       launch=v1_launch, interpret=interpret)
+
+
 def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALayout, schedule: str, kernels,
                      v1_launch: V1Launch):
     """(o, lse) of each node's selected blocks' prefix rows (< length): V0 or V1, in XLA (kernels None) or
@@ -146,13 +160,8 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
     num_nodes, num_kv_heads = blocks.shape[:2]
     sel, capacity = layout.select_block, cache.k.shape[0]  # unbatched: [T_cap, H_kv, D]
     if kernels is not None:
-        interpret = kernels == "interpret"
-        if schedule == "v0":
-            o, lse = v0_selected(q, cache.k, cache.v, blocks, length, select_block=sel, interpret=interpret)
-        else:
-            union, count, member = union_schedule(blocks, num_select_blocks(layout, capacity))
-            o, lse = v1_selected(q, cache.k, cache.v, union, count, member, length, select_block=sel,
-                                 launch=v1_launch, interpret=interpret)
+        o, lse = selected_branch(q, cache, blocks, length, layout=layout, schedule=schedule, v1_launch=v1_launch,
+                                 interpret=kernels == "interpret")
         return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
     scale = 1.0 / math.sqrt(q.shape[-1])
     span = jnp.arange(sel)
