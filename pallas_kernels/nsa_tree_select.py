@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import MASK_VALUE, next_power_of_2, online_softmax_start
 
 MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
+MEMBER_BITS, MEMBER_WORDS = 32, 2  # a union block's member mask: one bit per tree node, 64 nodes at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +82,12 @@ def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, 
 
 
 def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale,
-              group, num_q_heads, num_nodes, nodes_padded, block_r, row_blocks_here, select_block, per_split):
+              group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block, num_splits):
     kv_head, split, program_rows = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, count = length_ref[()], count_ref[()]
+    # The splits share the union's `count` blocks, not its padded width: a padded split would sit idle while the
+    # others walk many blocks each.
+    per_split = (count + num_splits - 1) // num_splits
     first = split * per_split
     steps = jnp.clip(count - first, 0, per_split)
     # Row blocks one after another in this program (row_loop): the split's union blocks, just read for the first
@@ -92,15 +96,15 @@ def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref,
         row = (program_rows * row_blocks_here + here) * block_r + jnp.arange(block_r)
         node = jnp.minimum(row // group, num_nodes - 1)  # rows past the tree repeat its last node; never read back
         q = q_ref[node * num_q_heads + kv_head * group + row % group, :]
+        word_of_row = (node // MEMBER_BITS)[:, None] == jnp.arange(MEMBER_WORDS)[None, :]
+        bit_of_row = node % MEMBER_BITS
 
-        def body(step, carry, node=node, q=q):
+        def body(step, carry, q=q, word_of_row=word_of_row, bit_of_row=bit_of_row):
             u = first + step
             base = union_ref[u] * select_block
-            # The union block's member row [nodes_padded], spread onto the query rows by their nodes (a masked
-            # reduction: register vectors cannot be gathered from).
-            members = member_ref[u, :]
-            picked = jnp.where(node[:, None] == jnp.arange(nodes_padded)[None, :], members[None, :], 0)
-            takes = jnp.max(picked, axis=1) != 0  # [block_r]: the row's node selected this union block
+            # Which rows' nodes selected this union block: bit (node % 32) of the block's member word node // 32.
+            word = jnp.sum(jnp.where(word_of_row, member_ref[u, :][None, :], 0), axis=1)
+            takes = lax.shift_right_logical(word, bit_of_row) & 1 != 0  # [block_r]
             valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
             k = k_ref[pl.ds(base, select_block), :]
             v = v_ref[pl.ds(base, select_block), :]
@@ -111,6 +115,19 @@ def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref,
         o_ref[rows_here, :] = o
         l_ref[rows_here] = l
         m_ref[rows_here] = m
+
+
+def pack_members(member: jax.Array) -> jax.Array:
+    """member [H_kv, T, U] bool (T <= 64) -> [H_kv, U, MEMBER_WORDS] int32: bit b of word w says node 32 w + b
+    selected union block u. A kernel step then reads 8 bytes per block instead of a [T] row."""
+    num_kv_heads, num_nodes, width = member.shape
+    nodes = MEMBER_WORDS * MEMBER_BITS
+    if num_nodes > nodes:
+        raise ValueError(f"member masks hold at most {nodes} nodes, got {num_nodes}")
+    bits = jnp.pad(jnp.swapaxes(member, 1, 2), ((0, 0), (0, 0), (0, nodes - num_nodes))).astype(jnp.uint32)
+    words = (bits.reshape(num_kv_heads, width, MEMBER_WORDS, MEMBER_BITS)
+             << jnp.arange(MEMBER_BITS, dtype=jnp.uint32)).sum(axis=-1, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(words, jnp.int32)
 
 
 def _finish(o, l, m):
@@ -171,18 +188,15 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
     rows = num_nodes * group
     block_r = min(launch.block_rows, max(16, next_power_of_2(rows)))
     row_blocks = pl.cdiv(rows, block_r)
-    width = next_power_of_2(union.shape[1])
+    width = next_power_of_2(union.shape[1])  # Triton loads a power-of-two number of elements
     pad = width - union.shape[1]
     union = jnp.pad(jnp.maximum(union, 0).astype(jnp.int32), ((0, 0), (0, pad)))
-    nodes_padded = next_power_of_2(num_nodes)  # Triton loads a power-of-two number of elements
-    member = jnp.pad(jnp.swapaxes(member, 1, 2).astype(jnp.int32),
-                     ((0, 0), (0, pad), (0, nodes_padded - num_nodes)))
+    member = jnp.pad(pack_members(member), ((0, 0), (0, pad), (0, 0)))
     num_splits = max(1, min(launch.num_splits, width))
-    per_split = pl.cdiv(width, num_splits)
     here = row_blocks if launch.row_loop else 1
     kernel = functools.partial(v1_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group, num_q_heads=num_q_heads,
-                               num_nodes=num_nodes, nodes_padded=nodes_padded, block_r=block_r,
-                               row_blocks_here=here, select_block=select_block, per_split=per_split)
+                               num_nodes=num_nodes, block_r=block_r, row_blocks_here=here,
+                               select_block=select_block, num_splits=num_splits)
     part = lambda *tail: pl.BlockSpec((None, None, here * block_r, *tail),
                                       lambda h, s, r: (s, h, r, *(0,) * len(tail)))
     shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * block_r, *tail), jnp.float32)
@@ -191,7 +205,7 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, r: (0, 0)),
                   _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
                   pl.BlockSpec((None, width), lambda h, s, r: (h, 0)), pl.BlockSpec((None,), lambda h, s, r: (h,)),
-                  pl.BlockSpec((None, width, nodes_padded), lambda h, s, r: (h, 0, 0)),
+                  pl.BlockSpec((None, width, MEMBER_WORDS), lambda h, s, r: (h, 0, 0)),
                   pl.BlockSpec((), lambda h, s, r: ())],
         out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,

@@ -13,7 +13,7 @@ import pytest
 from models.config import NSA_1B_LAYOUT, NSA_PAPER_LAYOUT, NSA_VIEW_LAYOUT
 from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
 from nsa_reference import nsa_rows
-from pallas_kernels.nsa_tree_select import V1Launch
+from pallas_kernels.nsa_tree_select import V1Launch, pack_members, v0_selected, v1_selected
 from pallas_kernels.nsa_verify import nsa_tree_reference, nsa_tree_verify, union_schedule
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -125,3 +125,37 @@ def test_union_and_masks_equal_a_brute_force_union(tree_case):
             assert {int(u) for u, m in zip(union[head], member[head, node]) if m} == chosen
     # The tree's nodes share blocks: the union is smaller than the sum of the selections (V1's saving).
     assert count.max() < len(PARENTS) * tree_case["layout"].top_n
+
+
+def test_member_words_hold_one_bit_per_node(rng):
+    """pack_members against bits set one by one in numpy: nodes past 32 land in the second word."""
+    for nodes in (1, 31, 33, 64):
+        member = rng.random((2, nodes, 5)) < 0.5
+        words = np.asarray(pack_members(jnp.asarray(member))).view(np.uint32)
+        want = np.zeros((2, 5, 2), np.uint64)
+        for h, t, u in zip(*np.nonzero(member)):
+            want[h, u, t // 32] += 1 << (t % 32)
+        np.testing.assert_array_equal(words, want.astype(np.uint32))
+
+
+@pytest.mark.parametrize("nodes", [48, 64])
+def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes):
+    """The kernels alone on random selections of a wide tree (member masks of two words), unions spread over
+    fewer blocks than splits and row blocks that span nodes of both words: V1's (o, lse) equals V0's."""
+    capacity, select_block, top_n = 256, 16, 4
+    q = jnp.asarray(rng.normal(size=(nodes, HEADS, DIM)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(capacity, KV_HEADS, DIM)), jnp.float32) for _ in range(2))
+    # Distinct blocks per node (top-n's output; V0 would count a repeat twice), some -1 pads: a node with none
+    # has lse -inf in both.
+    blocks = np.stack([np.stack([rng.permutation(12)[:top_n] for _ in range(KV_HEADS)]) for _ in range(nodes)])
+    blocks = np.where(rng.random(blocks.shape) < 0.2, -1, blocks).astype(np.int32)
+    length = jnp.int32(150)  # blocks 10 and 11 are past the prefix, 9 partly: masked in both schedules
+    o0, lse0 = v0_selected(q, k, v, jnp.asarray(blocks), length, select_block=select_block, interpret=True)
+    union, count, member = union_schedule(jnp.asarray(blocks), capacity // select_block)
+    for launch in (V1Launch(block_rows=32), V1Launch(block_rows=32, row_loop=True, num_splits=3)):
+        o1, lse1 = v1_selected(q, k, v, union, count, member, length, select_block=select_block, launch=launch,
+                               interpret=True)
+        np.testing.assert_array_equal(np.isfinite(lse1), np.isfinite(lse0))
+        finite = np.isfinite(np.asarray(lse0))
+        np.testing.assert_allclose(np.asarray(lse1)[finite], np.asarray(lse0)[finite], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), atol=1e-5, err_msg=str(launch))
