@@ -11,9 +11,12 @@
 Kernels per (context, batch): nsa-decode (pallas_kernels.nsa_decode: one query per sequence, the 1x baseline;
 tree_nodes 1), and per tree size: v0 and v1 (pallas_kernels.nsa_verify: each node's selection computed in the
 pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_select, impl "pallas" (V1 also
-"pallas-row-loop": a program runs all row blocks of its union split), and by XLA gathers, impl "xla") and dense-tree (the
-tree's rows in pallas_kernels.tree_attention over the whole context, ancestor-masked; its own sweep against the jnp
-path is benchmarks/bench_tree_attention.py). Tree queries are
+"pallas-row-loop": a program runs all row blocks of its union split), and by XLA gathers, impl "xla") and
+dense-tree (the tree's rows in pallas_kernels.tree_attention over the whole context, ancestor-masked; its own
+sweep against the jnp path is benchmarks/bench_tree_attention.py), and v0-selected and v1-selected: the selected branch's kernels alone
+(pallas_kernels.nsa_verify.selected_branch, V1 with its union schedule, also at 4 union splits: impls
+"pallas-4-splits" and "pallas-row-loop-4-splits") on the blocks the pass chose, the part the schedules differ in
+and what the SSV paper's kernel speedup compares. Tree queries are
 q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
 the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
@@ -25,7 +28,8 @@ summed time per call, `timer` "gpu kernel time", against a copy bandwidth timed 
 time, wall_ms, adds about 0.1 ms of dispatch, which hid every one-layer kernel here until 2026-12-03), kernels
 (launched per call) and top_kernels (the longest, mean µs each), max_abs_error, bytes (K/V rows the schedule
 reads: selected or union blocks, compressed rows, window), gb_per_s, copy_gb_per_s
-(benchmarks.suite_scale.measure_bandwidth), union_blocks, overlap. Results: benchmarks/results/nsa-kernels-<date>.json (and $OUT), saved after every record
+(benchmarks.suite_scale.measure_bandwidth), union_blocks, overlap. Results:
+benchmarks/results/nsa-kernels-<date>.json (and $OUT), saved after every record
 (`"complete": false` until the run ends, so a run cut short by a call's limit keeps what it measured), and with
 matplotlib (pip install -e '.[bench]') a PNG beside it: V0's time over V1's (the fastest Pallas impl of each)
 against tree size, per context and batch, beside the ideal ratio T n / |U| and the 3x target.
@@ -190,11 +194,15 @@ def main(argv=None) -> int:
                                union_blocks=union, overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union),
                           run, cache, None if (schedule, impl) == ("v0", "xla") else want)
                 # The selected branch alone, on the blocks the pass chose: the kernels the schedules differ in.
+                # V1 also at 4 union splits: fewer partial outputs to write and merge, fewer programs.
                 want = None
-                for schedule, impl in [("v0", "pallas"), ("v1", "pallas"), ("v1", "pallas-row-loop")]:
+                for schedule, impl, launch in [("v0", "pallas", V1Launch()), ("v1", "pallas", V1Launch()),
+                                               ("v1", "pallas-row-loop", V1Launch(row_loop=True)),
+                                               ("v1", "pallas-4-splits", V1Launch(num_splits=4)),
+                                               ("v1", "pallas-row-loop-4-splits",
+                                                V1Launch(num_splits=4, row_loop=True))]:
                     branch = jax.jit(jax.vmap(functools.partial(
-                        selected_branch, layout=LAYOUT, schedule=schedule, interpret=interpret,
-                        v1_launch=V1Launch(row_loop=impl == "pallas-row-loop"))))
+                        selected_branch, layout=LAYOUT, schedule=schedule, interpret=interpret, v1_launch=launch)))
                     read_blocks = nodes * LAYOUT.top_n if schedule == "v0" else union
                     got = timed(dict(kernel=f"{schedule}-selected", impl=impl, tree_nodes=nodes, context=context,
                                      batch=batch, bytes=int(batch * KV_HEADS * selected_bytes(read_blocks)),
@@ -207,7 +215,7 @@ def main(argv=None) -> int:
                 timed(dict(kernel="dense-tree", tree_nodes=nodes, context=context, batch=batch,
                            bytes=batch * 2 * context * KV_HEADS * DIM * 2, union_blocks=None, overlap=None),
                       dense, cache)
-                print(records[-9:], flush=True)
+                print(records[-11:], flush=True)
     log.finish()
     if not args.smoke:
         try:
