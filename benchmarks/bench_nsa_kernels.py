@@ -16,7 +16,8 @@ dense-tree (the tree's rows in pallas_kernels.tree_attention over the whole cont
 sweep against the jnp path is benchmarks/bench_tree_attention.py), and v0-selected and v1-selected: the selected
 branch's kernels alone (pallas_kernels.nsa_verify.selected_branch, V1 with its union schedule, also at 4 union
 splits: impls "pallas-4-splits" and "pallas-row-loop-4-splits") on the blocks the pass chose, the part the
-schedules differ in and what the SSV paper's kernel speedup compares. Tree queries are q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
+schedules differ in and what the SSV paper's kernel speedup compares. Tree queries are q_root + noise * eps
+(ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
 the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
 
