@@ -44,17 +44,18 @@ def selection_scores(compressed: jax.Array, num_blocks: int, layout: NSALayout) 
     return sum(w * padded[..., m:m + num_blocks * r:r] for m, w in enumerate(weights))
 
 
-def select_blocks(scores: jax.Array, positions: jax.Array, layout: NSALayout) -> jax.Array:
+def select_blocks(scores: jax.Array, positions: jax.Array, layout: NSALayout, top_k=jax.lax.top_k) -> jax.Array:
     """[..., top_n] int32 selection blocks of each query from its block scores [..., NS] (positions [...] its
     position): the forced blocks, then the best-scored ones, none after the query's own block; NO_BLOCK pads.
-    Ties go to the lower block (lax.top_k)."""
+    Ties go to the lower block. top_k(ranked, k) -> (values, indices) with lax.top_k's contract: lax.top_k, or
+    the kernels' pallas_kernels.top_n."""
     block = jnp.arange(scores.shape[-1])
     own = (positions // layout.select_block)[..., None]
     forced = (block < layout.forced_initial) | ((block <= own) & (block > own - layout.forced_local))
     ranked = jnp.where(forced, jnp.inf, scores.astype(jnp.float32))
     ranked = jnp.where(block <= own, ranked, -jnp.inf)
     top = min(layout.top_n, scores.shape[-1])
-    best, index = jax.lax.top_k(ranked, top)
+    best, index = top_k(ranked, top)
     index = jnp.where(best > -jnp.inf, index, NO_BLOCK).astype(jnp.int32)
     if top < layout.top_n:
         index = jnp.pad(index, [(0, 0)] * (index.ndim - 1) + [(0, layout.top_n - top)], constant_values=NO_BLOCK)

@@ -5,7 +5,7 @@ Two kernels per layer, each split so that one sequence with 2 KV heads still lau
   all G query heads of its KV head (padded to 16 rows for the Triton dots), streams its share of the compressed
   keys and values once, and writes its partial softmax (o, l, m) and its raw scaled logits. The logits become
   selection scores in XLA (probabilities through the combined log-sum-exp, summed over the group, spread onto
-  selection blocks, top-n: vegas_jax.attention.nsa's rules, computed there on [H_kv, C] floats).
+  selection blocks, top-n through pallas_kernels.top_n: vegas_jax.attention.nsa's rules, on [H_kv, C] floats).
 - `sparse_window_decode`: the selected and window branches. Grid (KV head, split): the first splits take the
   selected blocks (one block per inner step, a contiguous [l', D] load at the block's row), the rest the window
   rows (16 per step, gathered). Each program's partials belong to one branch, so the gated model combines
@@ -39,6 +39,7 @@ from pallas_kernels._common import (
     split_partial_outputs,
     store_split_partials,
 )
+from pallas_kernels.top_n import top_n
 
 WINDOW_STEP = 16  # window rows per inner step of sparse_window_decode
 _MAX_SPLITS = 64
@@ -239,7 +240,8 @@ def nsa_decode(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None, *, layou
     compressed = functools.partial(_compressed_unbatched, layout=layout, sm_scale=sm_scale, block_c=block_c,
                                    num_splits=cmp_splits, interpret=interpret)
     o_cmp, logits, lse = jax.vmap(compressed)(q, k_cmp, v_cmp, position)
-    blocks = blocks_from_logits(logits, lse, position, layout, capacity)
+    blocks = blocks_from_logits(logits, lse, position, layout, capacity,
+                                top_k=functools.partial(top_n, interpret=interpret))
     sparse = functools.partial(_sparse_window_unbatched, layout=layout, joint=kind == "nsa-view", sm_scale=sm_scale,
                                select_splits=select_splits, window_splits=window_splits, interpret=interpret)
     o_slc, o_win = jax.vmap(sparse)(q, k_cache, v_cache, blocks, position)
@@ -251,13 +253,13 @@ def nsa_decode(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None, *, layou
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-def blocks_from_logits(logits, lse, position, layout: NSALayout, capacity: int):
+def blocks_from_logits(logits, lse, position, layout: NSALayout, capacity: int, top_k=jax.lax.top_k):
     """Selected blocks [B, H_kv, top_n] from compressed logits [B, H_kv, G, C] (scaled; invisible entries
-    arbitrary) and each head's log-sum-exp [B, H_kv, G]."""
+    arbitrary) and each head's log-sum-exp [B, H_kv, G]; top_k as models.nsa_selection.select_blocks."""
     visible = compressed_visible(position, logits.shape[-1], layout)[:, None, None, :]
     probs = jnp.where(visible, jnp.exp(logits - lse[..., None]), 0.0)
     scores = selection_scores(probs.sum(axis=2), num_select_blocks(layout, capacity), layout)
-    return select_blocks(scores, position[:, None], layout)
+    return select_blocks(scores, position[:, None], layout, top_k)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "kind"))

@@ -7,8 +7,9 @@ tree's own rows, the window and the compressed branch.
   (padded to 16 rows) and reads its own blocks, one contiguous [l', D] load each: T * top_n block reads.
 - v1_selected: grid (KV head, split of the union, row block); each program holds up to 128 of the T * G rows
   (row r: node r // G, head r % G) and reads each union block of its split once for all of them, masking a
-  block's columns for the rows whose node did not select it (the block's member row over the nodes): |U| block
-  reads per row block.
+  block's columns for the rows whose node did not select it (the block's member mask, a bit per node) and
+  skipping a block none of its rows' nodes selected: at most |U| block reads per row block. The splits divide
+  the union's count of blocks.
   Splitting over the union gives a small batch (2 KV heads) enough programs. A program's accumulator holds at most
   MAX_ROWS rows, so at NSA-1B's G = 16 a 64-node tree (1024 rows) takes 8 row blocks, each reading the union's
   blocks of its split: V1 reads 8 |U| blocks from memory or L2 against V0's T n, and its advantage rests on
@@ -105,10 +106,16 @@ def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref,
             # Which rows' nodes selected this union block: bit (node % 32) of the block's member word node // 32.
             word = jnp.sum(jnp.where(word_of_row, member_ref[u, :][None, :], 0), axis=1)
             takes = lax.shift_right_logical(word, bit_of_row) & 1 != 0  # [block_r]
-            valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
-            k = k_ref[pl.ds(base, select_block), :]
-            v = v_ref[pl.ds(base, select_block), :]
-            return _step(carry, q, k, v, valid, sm_scale)
+
+            def attend(carry):
+                valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
+                k = k_ref[pl.ds(base, select_block), :]
+                v = v_ref[pl.ds(base, select_block), :]
+                return _step(carry, q, k, v, valid, sm_scale)
+
+            # A block none of this row block's nodes selected costs neither its load nor its masked dots: with
+            # 8 nodes a row block, most of a 64-node tree's union is someone else's.
+            return lax.cond(jnp.max(takes.astype(jnp.int32)) > 0, attend, lambda carry: carry, carry)
 
         o, m, l = lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1]))
         rows_here = pl.ds(here * block_r, block_r)

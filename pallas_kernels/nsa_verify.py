@@ -30,6 +30,7 @@ from models.nsa_cache import NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels.nsa_decode import nsa_decode_reference
 from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v1_selected
+from pallas_kernels.top_n import top_n
 
 MAX_TREE_NODES = 64
 
@@ -221,7 +222,8 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     p_cmp, p_extra = jnp.exp(cmp_logits - lse), jnp.exp(extra_logits - lse)
     compressed = p_cmp.sum(axis=1).at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
     scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)
-    blocks = select_blocks(scores, positions[None, :], layout).transpose(1, 0, 2)  # [T, H_kv, n]
+    top_k = jax.lax.top_k if kernels is None else functools.partial(top_n, interpret=kernels == "interpret")
+    blocks = select_blocks(scores, positions[None, :], layout, top_k).transpose(1, 0, 2)  # [T, H_kv, n]
     if reselect is not None:
         blocks = reselect(blocks, anc, positions)
 

@@ -5,6 +5,8 @@ V1's union and row masks equal a brute-force set union."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,16 +142,19 @@ def test_member_words_hold_one_bit_per_node(rng):
         np.testing.assert_array_equal(words, want.astype(np.uint32))
 
 
-@pytest.mark.parametrize("nodes", [48, 64])
-def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes):
+@pytest.mark.parametrize("nodes, local", [(48, False), (64, False), (64, True)])
+def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
     """The kernels alone on random selections of a wide tree (member masks of two words), unions spread over
-    fewer blocks than splits and row blocks that span nodes of both words: V1's (o, lse) equals V0's."""
+    fewer blocks than splits and row blocks that span nodes of both words: V1's (o, lse) equals V0's. local: each
+    row block's nodes (16 at 32 rows, G 2) pick among 4 blocks of their own, so most union blocks are none of a
+    row block's, which V1 skips."""
     capacity, select_block, top_n = 256, 16, 4
     q = jnp.asarray(rng.normal(size=(nodes, HEADS, DIM)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(capacity, KV_HEADS, DIM)), jnp.float32) for _ in range(2))
     # Distinct blocks per node (top-n's output; V0 would count a repeat twice), some -1 pads: a node with none
     # has lse -inf in both.
-    blocks = np.stack([np.stack([rng.permutation(12)[:top_n] for _ in range(KV_HEADS)]) for _ in range(nodes)])
+    pick = lambda t: (t // 16 % 3) * 4 + rng.permutation(4) if local else rng.permutation(12)[:top_n]  # noqa: E731
+    blocks = np.stack([np.stack([pick(t) for _ in range(KV_HEADS)]) for t in range(nodes)])
     blocks = np.where(rng.random(blocks.shape) < 0.2, -1, blocks).astype(np.int32)
     length = jnp.int32(150)  # blocks 10 and 11 are past the prefix, 9 partly: masked in both schedules
     o0, lse0 = v0_selected(q, k, v, jnp.asarray(blocks), length, select_block=select_block, interpret=True)
@@ -161,3 +166,17 @@ def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes):
         finite = np.isfinite(np.asarray(lse0))
         np.testing.assert_allclose(np.asarray(lse1)[finite], np.asarray(lse0)[finite], atol=1e-5)
         np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), atol=1e-5, err_msg=str(launch))
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_the_v1_kernel_lowers_to_triton_for_h200():
+    """NSA-1B's shapes at 32K with a 64-node tree: member words, count-based splits, 8 row blocks."""
+    from h200_lowering import lower_for_h200
+
+    nodes, capacity, width = 64, 32768, 1024
+    spec = jax.ShapeDtypeStruct
+    lowered = lower_for_h200(
+        jax.jit(functools.partial(v1_selected, select_block=16)), spec((nodes, 32, 64), jnp.bfloat16),
+        spec((capacity, 2, 64), jnp.bfloat16), spec((capacity, 2, 64), jnp.bfloat16), spec((2, width), jnp.int32),
+        spec((2,), jnp.int32), spec((2, nodes, width), jnp.bool_), spec((), jnp.int32))
+    assert lowered.count("__gpu$xla.gpu.triton") == 1

@@ -1,0 +1,62 @@
+"""pallas_kernels.top_n (interpret mode) against numpy's stable argsort: descending values, ties to the lower
+position, +inf first and -inf last, rows of any length and batch shape; its H200 lowering; and NSA's block
+selection through it equals the lax.top_k path."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from h200_lowering import lower_for_h200
+from models.config import NSA_1B_LAYOUT
+from models.nsa_selection import select_blocks
+from pallas_kernels.top_n import MAX_TILE, top_n
+
+
+def numpy_top_n(x: np.ndarray, n: int):
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :n]  # -(-inf) = +inf sorts last; ties keep position order
+    return np.take_along_axis(x, order, -1), order
+
+
+@pytest.mark.parametrize("shape, n", [((3, 5), 5), ((7, 100), 16), ((2, 3, 2048), 16), ((5, 3000), 16),
+                                      ((1, 40), 1), ((4, 64), 64)])
+def test_top_n_equals_a_stable_descending_sort(rng, shape, n):
+    """Coarse values (many ties), +inf and -inf entries, rows mostly -inf: the kernel's values and positions are
+    the first n of a stable descending sort."""
+    x = np.round(rng.normal(size=shape), 1).astype(np.float32)
+    x[rng.random(shape) < 0.1] = np.inf
+    x[rng.random(shape) < 0.3] = -np.inf
+    x.reshape(-1, shape[-1])[0, 1:] = -np.inf  # a row with one finite entry: the rest come back as -inf, in order
+    values, indices = top_n(jnp.asarray(x), n, interpret=True)
+    want_values, want_indices = numpy_top_n(x, n)
+    np.testing.assert_array_equal(np.asarray(indices), want_indices)
+    np.testing.assert_array_equal(np.asarray(values), want_values)
+
+
+def test_top_n_refuses_what_it_cannot_do_and_hands_long_rows_to_lax():
+    with pytest.raises(ValueError, match="n must be in"):
+        top_n(jnp.zeros((2, 8)), 9)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, MAX_TILE + 1)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(top_n(x, 16)[1]), numpy_top_n(np.asarray(x), 16)[1])
+
+
+def test_nsa_selection_through_the_kernel_equals_lax_top_k(rng):
+    """select_blocks with top_n: forced blocks (+inf), blocks past the query's own (-inf), ties among scores."""
+    scores = np.round(rng.random((2, 3, 6, 40)), 2).astype(np.float32)
+    positions = rng.integers(0, 40 * NSA_1B_LAYOUT.select_block, (2, 3, 6))
+    kernel = select_blocks(jnp.asarray(scores), jnp.asarray(positions), NSA_1B_LAYOUT,
+                           functools.partial(top_n, interpret=True))
+    plain = select_blocks(jnp.asarray(scores), jnp.asarray(positions), NSA_1B_LAYOUT)
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(plain))
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("rows, length", [(2, 2048), (1024, 2048), (16, 8192), (3, 37)])
+def test_top_n_lowers_to_triton_for_h200(rows, length):
+    lowered = lower_for_h200(jax.jit(functools.partial(top_n, n=16)),
+                             jax.ShapeDtypeStruct((rows, length), jnp.float32))
+    assert lowered.count("__gpu$xla.gpu.triton") == 1
