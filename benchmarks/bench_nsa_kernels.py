@@ -16,7 +16,9 @@ dense-tree (the tree's rows in pallas_kernels.tree_attention over the whole cont
 sweep against the jnp path is benchmarks/bench_tree_attention.py), and v0-selected and v1-selected: the selected
 branch's kernels alone (pallas_kernels.nsa_verify.selected_branch, V1 with its union schedule, also at 4 union
 splits: impls "pallas-4-splits" and "pallas-row-loop-4-splits") on the blocks the pass chose, the part the
-schedules differ in and what the SSV paper's kernel speedup compares. Tree queries are q_root + noise * eps
+schedules differ in and what the SSV paper's kernel speedup compares; and top-n: the selection alone, the top 16
+of random block scores for 1 (decode) and each tree size's queries per KV head, impl "xla" (lax.top_k, XLA's
+TopK kernel) and "pallas" (pallas_kernels.top_n, which the kernel paths use). Tree queries are q_root + noise * eps
 (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
 queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
 the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
@@ -58,6 +60,7 @@ from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
 from pallas_kernels.nsa_decode import nsa_decode, nsa_decode_reference  # noqa: E402
 from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
+from pallas_kernels.top_n import top_n  # noqa: E402
 from pallas_kernels.nsa_verify import (  # noqa: E402
     ancestor_mask, nsa_tree_verify, selected_branch, union_schedule)
 from pallas_kernels.tree_attention import tree_attention  # noqa: E402
@@ -170,6 +173,17 @@ def main(argv=None) -> int:
                        bytes=batch * (cmp_read + KV_HEADS * selected_bytes(LAYOUT.top_n) + window_read),
                        union_blocks=LAYOUT.top_n, overlap=1.0),
                   lambda c: decode(q1, c.k, c.v, c.k_cmp, c.v_cmp, length, gates1), cache, want)
+            # Selection alone: the top-n of each query's block scores, XLA's TopK kernel against pallas_kernels.top_n.
+            num_blocks = num_select_blocks(LAYOUT, context)
+            for nodes in [1, *trees]:
+                scores = jax.random.normal(key, (batch, KV_HEADS, nodes, num_blocks), jnp.float32)
+                want = None
+                for impl, select in (("xla", jax.lax.top_k), ("pallas", functools.partial(top_n, interpret=interpret))):
+                    got = timed(dict(kernel="top-n", impl=impl, tree_nodes=nodes, context=context, batch=batch,
+                                     bytes=scores.size * 4, union_blocks=None, overlap=None),
+                                jax.jit(lambda x, select=select: select(x, LAYOUT.top_n)), scores, want, tolerance=0.0)
+                    if want is None and got is not None:
+                        want = got[0]
             for nodes in trees:
                 q, tree_k, tree_v, gates = tree_inputs(batch, nodes, args.noise, key)
                 parents = jnp.asarray(binary_tree(nodes))
@@ -296,6 +310,13 @@ def readme_section(records: list[dict]) -> str:
     decode_rows = [f"| {r['context'] // 1024}K | {r['batch']} | {r['time_ms']:.3f} | {r['bytes'] / 1e6:.1f} | "
                    f"{r['gb_per_s']:,.0f} | {100 * fraction(r):.1f} % | {clock(r)} |"
                    for r in decode]
+    selection = {}
+    for r in records:
+        if r["kernel"] == "top-n":
+            selection.setdefault((r["context"], r["batch"], r["tree_nodes"]), {})[r["impl"]] = r
+    selection_rows = [f"| {c // 1024}K | {b} | {t} | {by['xla']['time_ms']:.3f} | {by['pallas']['time_ms']:.3f} | "
+                      f"{by['xla']['time_ms'] / by['pallas']['time_ms']:.1f}x | {clock(by['pallas'])} |"
+                      for (c, b, t), by in sorted(selection.items()) if {"xla", "pallas"} <= set(by)]
     best = max(decode, key=fraction, default=None)
     decode_status = ("not yet measured" if best is None else
                      f"**{'met' if fraction(best) >= 0.7 else 'missed'}**: at best {100 * fraction(best):.1f} % "
@@ -320,6 +341,9 @@ def readme_section(records: list[dict]) -> str:
         "| context | batch | NSA decode ms | MB read | GB/s | of copy bandwidth | clock, date |",
         "|---|---|---|---|---|---|---|",
         *decode_rows,
+        *(["", "Selection alone, the top 16 blocks of each query (per KV head; 1 query: a decode step):", "",
+           "| context | batch | queries | lax.top_k ms | pallas_kernels.top_n ms | speedup | clock, date |",
+           "|---|---|---|---|---|---|---|", *selection_rows] if selection_rows else []),
     ])
 
 

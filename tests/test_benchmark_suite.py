@@ -506,6 +506,12 @@ def test_the_nsa_kernel_tables_judge_issue_20s_targets_from_the_newest_records_o
               row("v1-selected", 0.1, timer=nsa.KERNEL_TIME) | {"impl": "xla"}]
     text = nsa.readme_section(branch)
     assert "union schedule): **met**: batch 1 3.00x." in text and "whole verification pass: not yet measured" in text
+    assert "Selection alone" not in text  # no top-n records, no table
+    selection = [row("top-n", 0.2, timer=nsa.KERNEL_TIME) | {"impl": "xla"},
+                 row("top-n", 0.05, timer=nsa.KERNEL_TIME) | {"impl": "pallas"},
+                 row("top-n", 0.3, batch=8, timer=nsa.KERNEL_TIME) | {"impl": "xla"}]  # no pallas twin: no row
+    text = nsa.readme_section(selection)
+    assert "| 32K | 1 | 64 | 0.200 | 0.050 | 4.0x | kernel, - |" in text and "| 32K | 8 |" not in text
     decode = [row("nsa-decode", 0.1, gb_per_s=2100.0, copy_gb_per_s=3000.0),
               row("nsa-decode", 0.1, batch=8, gb_per_s=600.0, copy_gb_per_s=3000.0)]
     text = nsa.readme_section(decode)
