@@ -21,8 +21,10 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import next_power_of_2
 
-# Scores a program holds in registers (rows x padded length): 64 a thread at 4 warps.
+# Scores a program holds in registers (rows x padded length): 64 a thread at 4 warps; and at most MAX_ROWS rows,
+# so that short rows do not pile up [rows, n] outputs past the registers.
 MAX_TILE = 8192
+MAX_ROWS = 64
 MAX_N = 64
 
 
@@ -54,7 +56,8 @@ def top_n_kernel(scores_ref, values_ref, indices_ref, *, n: int, length: int):
 @functools.partial(jax.jit, static_argnames=("n", "interpret"))
 def top_n(scores: jax.Array, n: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(values [..., n] float32, indices [..., n] int32) of the n largest entries of each row of scores [..., L]
-    (float32 comparisons; no NaN), as `lax.top_k(scores, n)`: descending, ties to the lower position.
+    as `lax.top_k(scores, n)`: descending, ties to the lower position. Compared as float32 values, so -0.0 ties
+    +0.0 (lax.top_k ranks +0.0 first) and NaN is outside the contract; NSA's scores are sums of probabilities.
     n <= min(L, MAX_N). Rows longer than MAX_TILE (NSA's blocks of 16 past 128K positions) do not fit a program's
     registers and go to lax.top_k."""
     *lead, length = scores.shape
@@ -65,7 +68,7 @@ def top_n(scores: jax.Array, n: int, *, interpret: bool = False) -> tuple[jax.Ar
         return top_n_reference(scores, n)
     rows = scores.reshape(-1, length).astype(jnp.float32)
     num_rows = rows.shape[0]
-    block_rows = max(1, MAX_TILE // padded)
+    block_rows = max(1, min(MAX_ROWS, MAX_TILE // padded))
     # Rows and slots padded to powers of two (Triton's block shapes); padded columns are masked in the kernel.
     grid_rows = pl.cdiv(num_rows, block_rows)
     slots = next_power_of_2(n)

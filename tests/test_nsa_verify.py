@@ -146,8 +146,8 @@ def test_member_words_hold_one_bit_per_node(rng):
 def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
     """The kernels alone on random selections of a wide tree (member masks of two words), unions spread over
     fewer blocks than splits and row blocks that span nodes of both words: V1's (o, lse) equals V0's. local: each
-    row block's nodes (16 at 32 rows, G 2) pick among 4 blocks of their own, so most union blocks are none of a
-    row block's, which V1 skips."""
+    32-row block's nodes (16, G 2) pick among 4 blocks of their own, so most union blocks are none of a row
+    block's, which V1 skips; and one KV head selects nothing (an empty union)."""
     capacity, select_block, top_n = 256, 16, 4
     q = jnp.asarray(rng.normal(size=(nodes, HEADS, DIM)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(capacity, KV_HEADS, DIM)), jnp.float32) for _ in range(2))
@@ -159,7 +159,9 @@ def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
     length = jnp.int32(150)  # blocks 10 and 11 are past the prefix, 9 partly: masked in both schedules
     o0, lse0 = v0_selected(q, k, v, jnp.asarray(blocks), length, select_block=select_block, interpret=True)
     union, count, member = union_schedule(jnp.asarray(blocks), capacity // select_block)
-    for launch in (V1Launch(block_rows=32), V1Launch(block_rows=32, row_loop=True, num_splits=3)):
+    blocks[:, 1] = np.where(local, -1, blocks[:, 1])  # local: KV head 1's union is empty (lse -inf everywhere)
+    # 32-row blocks hold 16 nodes (one member word); 128-row blocks 64 (both words).
+    for launch in (V1Launch(block_rows=32), V1Launch(block_rows=32, row_loop=True, num_splits=3), V1Launch()):
         o1, lse1 = v1_selected(q, k, v, union, count, member, length, select_block=select_block, launch=launch,
                                interpret=True)
         np.testing.assert_array_equal(np.isfinite(lse1), np.isfinite(lse0))
