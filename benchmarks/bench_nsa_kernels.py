@@ -15,13 +15,14 @@ pass; the selected blocks read by the Pallas kernels of pallas_kernels.nsa_tree_
 dense-tree (the tree's rows in pallas_kernels.tree_attention over the whole context, ancestor-masked; its own
 sweep against the jnp path is benchmarks/bench_tree_attention.py), and v0-selected and v1-selected: the selected
 branch's kernels alone (pallas_kernels.nsa_verify.selected_branch, V1 with its union schedule, also at 4 union
-splits: impls "pallas-4-splits" and "pallas-row-loop-4-splits") on the blocks the pass chose, the part the
-schedules differ in and what the SSV paper's kernel speedup compares; and top-n: the selection alone, the top 16
-of random block scores for 1 (decode) and each tree size's queries per KV head, impl "xla" (lax.top_k, XLA's
-TopK kernel) and "pallas" (pallas_kernels.top_n, which the kernel paths use). Tree queries are q_root + noise * eps
-(ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets overlap as nearby
-queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with the root's) and
-the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U| follows.
+splits and in row blocks of 32: impls "pallas-4-splits", "pallas-32-rows" and "pallas-32-rows-4-splits") on the
+blocks the pass chose, the part the schedules differ in and what the SSV paper's kernel speedup compares; and
+top-n: the selection alone, the top 16 of random block scores for 1 (decode) and each tree size's queries per KV
+head, impl "xla" (lax.top_k, XLA's TopK kernel) and "pallas" (pallas_kernels.top_n, which the kernel paths use).
+Tree queries are q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets
+overlap as nearby queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with
+the root's) and the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U|
+follows.
 
 Every kernel's output is checked first (nsa-decode against nsa_decode_reference, each tree variant against XLA's
 V0, bf16 tolerance 0.05); a kernel that fails to run or to match goes to `failures` with its error and the run
@@ -208,13 +209,15 @@ def main(argv=None) -> int:
                                union_blocks=union, overlap=overlap, ideal_ratio=nodes * LAYOUT.top_n / union),
                           run, cache, None if (schedule, impl) == ("v0", "xla") else want)
                 # The selected branch alone, on the blocks the pass chose: the kernels the schedules differ in.
-                # V1 also at 4 union splits: fewer partial outputs to write and merge, fewer programs.
+                # V1 also at 4 union splits (fewer partial outputs to write and merge) and in row blocks of 32
+                # (2 nodes at G 16: fewer union blocks each, which the kernel skips, and less masked arithmetic).
                 want = None
                 for schedule, impl, launch in [("v0", "pallas", V1Launch()), ("v1", "pallas", V1Launch()),
                                                ("v1", "pallas-row-loop", V1Launch(row_loop=True)),
                                                ("v1", "pallas-4-splits", V1Launch(num_splits=4)),
-                                               ("v1", "pallas-row-loop-4-splits",
-                                                V1Launch(num_splits=4, row_loop=True))]:
+                                               ("v1", "pallas-32-rows", V1Launch(block_rows=32)),
+                                               ("v1", "pallas-32-rows-4-splits",
+                                                V1Launch(block_rows=32, num_splits=4))]:
                     branch = jax.jit(jax.vmap(functools.partial(
                         selected_branch, layout=LAYOUT, schedule=schedule, interpret=interpret, v1_launch=launch)))
                     read_blocks = nodes * LAYOUT.top_n if schedule == "v0" else union
