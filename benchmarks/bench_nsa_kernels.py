@@ -34,8 +34,9 @@ reads: selected or union blocks, compressed rows, window), gb_per_s, copy_gb_per
 (benchmarks.suite_scale.measure_bandwidth), union_blocks, overlap. Results:
 benchmarks/results/nsa-kernels-<date>.json (and $OUT), saved after every record
 (`"complete": false` until the run ends, so a run cut short by a call's limit keeps what it measured), and with
-matplotlib (pip install -e '.[bench]') a PNG beside it: V0's time over V1's (the fastest Pallas impl of each)
-against tree size, per context and batch, beside the ideal ratio T n / |U| and the 3x target.
+matplotlib (pip install -e '.[bench]') a PNG beside it: V0's time over V1's (the fastest Pallas impl of each;
+the whole pass, and the selected branch alone) against tree size, per context and batch, beside the ideal ratio
+T n / |U| and the 3x target.
 """
 
 from __future__ import annotations
@@ -254,10 +255,10 @@ def fastest_pallas(records: list[dict], part: str = "") -> dict[tuple, dict]:
     return best
 
 
-def v0_over_v1(records: list[dict]) -> dict:
+def v0_over_v1(records: list[dict], part: str = "") -> dict:
     """{(context, batch): [(tree_nodes, V0 time / V1 time, ideal ratio)]}, each schedule at its fastest Pallas
-    impl."""
-    best = fastest_pallas(records)
+    impl; part as fastest_pallas."""
+    best = fastest_pallas(records, part)
     points = {}
     for (context, batch, nodes, kernel), r in sorted(best.items()):
         if kernel == "v1" and (context, batch, nodes, "v0") in best:
@@ -358,7 +359,8 @@ def plot(records: list[dict], path: Path) -> None:
 
     # One clock per figure: kernel time where the records have it (older records were timed by wall clock).
     clock = KERNEL_TIME if any(r.get("timer") == KERNEL_TIME for r in records) else WALL_TIME
-    points = v0_over_v1([r for r in records if r.get("timer", WALL_TIME) == clock])
+    on_clock = [r for r in records if r.get("timer", WALL_TIME) == clock]
+    points, branch = v0_over_v1(on_clock), v0_over_v1(on_clock, "-selected")
     contexts = sorted({c for c, _ in points})
     if not contexts:
         return
@@ -369,12 +371,19 @@ def plot(records: list[dict], path: Path) -> None:
                 nodes, ratio, ideal = zip(*rows)
                 line, = ax.plot(nodes, ratio, marker="o", label=f"batch {batch}")
                 ax.plot(nodes, ideal, linestyle=":", marker="x", color=line.get_color())
+                if (c, batch) in branch:
+                    nodes, ratio, _ = zip(*branch[c, batch])
+                    ax.plot(nodes, ratio, linestyle="-.", marker="s", color=line.get_color())
         ax.axhline(3, color="grey", linestyle="--", label="target 3x")
+        for style, marker, what in (("-", "o", "whole pass"), ("-.", "s", "selected branch alone"),
+                                    (":", "x", "ideal T n / |U|")):
+            ax.plot([], [], color="black", linestyle=style, marker=marker, label=what)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
         ax.set_xlabel("tree nodes")
-        ax.set_ylabel(f"V0 / V1, {clock} (dotted: ideal T n / |U|)")
+        ax.set_ylabel(f"V0 time / V1 time ({clock})")
         ax.set_title(f"NSA-1B shapes, context {context // 1024}K")
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
