@@ -58,14 +58,22 @@ def top_n(scores: jax.Array, n: int, *, interpret: bool = False) -> tuple[jax.Ar
     """(values [..., n] float32, indices [..., n] int32) of the n largest entries of each row of scores [..., L]
     as `lax.top_k(scores, n)`: descending, ties to the lower position. Compared as float32 values, so -0.0 ties
     +0.0 (lax.top_k ranks +0.0 first) and NaN is outside the contract; NSA's scores are sums of probabilities.
-    n <= min(L, MAX_N). Rows longer than MAX_TILE (NSA's blocks of 16 past 128K positions) do not fit a program's
-    registers and go to lax.top_k."""
+    n <= min(L, MAX_N). Rows longer than MAX_TILE (NSA's blocks of 16 past 128K positions) go in two stages: each
+    MAX_TILE chunk's top n, then the top n of those candidates (in chunk order, so ties still go to the lower
+    position; the -inf padding of the last chunk ranks after every real entry of the earlier, full chunks)."""
     *lead, length = scores.shape
     if not 1 <= n <= min(length, MAX_N):
         raise ValueError(f"n must be in [1, min(L, {MAX_N})], got n {n} for rows of {length}")
     padded = next_power_of_2(length)
     if padded > MAX_TILE:
-        return top_n_reference(scores, n)
+        chunks = pl.cdiv(length, MAX_TILE)
+        rows = jnp.pad(scores.reshape(-1, length).astype(jnp.float32), ((0, 0), (0, chunks * MAX_TILE - length)),
+                       constant_values=-jnp.inf)
+        values, indices = top_n(rows.reshape(-1, MAX_TILE), n, interpret=interpret)
+        indices = indices.reshape(-1, chunks, n) + MAX_TILE * jnp.arange(chunks)[:, None]
+        values, picked = top_n(values.reshape(-1, chunks * n), n, interpret=interpret)
+        indices = jnp.take_along_axis(indices.reshape(-1, chunks * n), picked, axis=1)
+        return values.reshape(*lead, n), indices.reshape(*lead, n)
     rows = scores.reshape(-1, length).astype(jnp.float32)
     num_rows = rows.shape[0]
     block_rows = max(1, min(MAX_ROWS, MAX_TILE // padded))
