@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import MASK_VALUE, next_power_of_2, online_softmax_start
+from pallas_kernels._common import MASK_VALUE, TARGET_PROGRAMS, next_power_of_2, online_softmax_start
 
 MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
 MEMBER_BITS, MEMBER_WORDS = 32, 2  # a union block's member mask: one bit per tree node, 64 nodes at most
@@ -43,6 +43,21 @@ class V1Launch:
     num_splits: int = 16
     block_rows: int = MAX_ROWS
     row_loop: bool = False
+
+    @classmethod
+    def for_batch(cls, batch: int, num_kv_heads: int, rows: int) -> "V1Launch":
+        """Union splits for about TARGET_PROGRAMS programs when the call is vmapped over `batch` sequences of
+        `rows` query rows (nodes x G): more splits fill the GPU, but each adds a partial output to write and merge.
+        On the H200 at 32K x 64 nodes, 16 splits were fastest at batch 1 and 4 at batch 8 (2026-12-03), the
+        counts this picks."""
+        row_blocks = pl.cdiv(rows, row_block_size(rows, MAX_ROWS))
+        wanted = TARGET_PROGRAMS // (batch * num_kv_heads * row_blocks)
+        return cls(num_splits=max(1, min(16, next_power_of_2(wanted) if wanted else 1)))
+
+
+def row_block_size(rows: int, block_rows: int) -> int:
+    """V1's query rows per row block: block_rows, or fewer (a power of two, at least 16) for a smaller tree."""
+    return min(block_rows, max(16, next_power_of_2(rows)))
 
 
 def _step(carry, q, k, v, valid, sm_scale):
@@ -193,7 +208,7 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
     capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     rows = num_nodes * group
-    block_r = min(launch.block_rows, max(16, next_power_of_2(rows)))
+    block_r = row_block_size(rows, launch.block_rows)
     row_blocks = pl.cdiv(rows, block_r)
     width = next_power_of_2(union.shape[1])  # Triton loads a power-of-two number of elements
     pad = width - union.shape[1]

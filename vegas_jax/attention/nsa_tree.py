@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from models.config import NSALayout
 from models.kv_cache import write_rows
 from models.nsa_cache import NSALayerCache
+from pallas_kernels.nsa_tree_select import V1Launch
 from pallas_kernels.nsa_verify import nsa_tree_verify
 from vegas_jax.attention.core import masked_attention
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, tree_reselect
@@ -82,11 +83,15 @@ class NSATreeVerify:
             slot = jnp.clip(self.base // mode.share_span, 0, cache.spans.shape[1] - 1)
             stored = cache.spans[jnp.arange(self.base.shape[0]), slot]  # [B, H_kv, n]
 
+        batch, num_nodes, num_q_heads = q.shape[:3]
+        num_kv_heads = k.shape[2]
+        launch = V1Launch.for_batch(batch, num_kv_heads, num_nodes * (num_q_heads // num_kv_heads))
+
         def one(q, layer_cache, k, v, gates, length, stored, injected):
             reselect = None if mode is None else tree_reselect(mode, stored, injected)
             return nsa_tree_verify(q, layer_cache, k, v, gates, length, parents, layout=layout, kind=self.kind,
-                                   schedule=self.schedule, kernels=kernels_of(self.placement), return_blocks=True,
-                                   reselect=reselect)
+                                   schedule=self.schedule, kernels=kernels_of(self.placement), v1_launch=launch,
+                                   return_blocks=True, reselect=reselect)
 
         # The nodes' rows are written first and the pass reads the written cache (it reads only rows before the
         # root, and masks the rest by position, so the result is the same): had it read the cache as it came, XLA
