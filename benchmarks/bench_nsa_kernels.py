@@ -62,9 +62,9 @@ from models.nsa_cache import NSALayerCache, compressed_rows  # noqa: E402
 from models.nsa_selection import num_select_blocks  # noqa: E402
 from pallas_kernels.nsa_decode import nsa_decode, nsa_decode_reference  # noqa: E402
 from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
-from pallas_kernels.top_n import top_n  # noqa: E402
 from pallas_kernels.nsa_verify import (  # noqa: E402
     ancestor_mask, nsa_tree_verify, selected_branch, union_schedule)
+from pallas_kernels.top_n import top_n  # noqa: E402
 from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 2, 64
@@ -255,15 +255,20 @@ def fastest_pallas(records: list[dict], part: str = "") -> dict[tuple, dict]:
     return best
 
 
-def v0_over_v1(records: list[dict], part: str = "") -> dict:
-    """{(context, batch): [(tree_nodes, V0 time / V1 time, ideal ratio)]}, each schedule at its fastest Pallas
-    impl; part as fastest_pallas."""
+def v0_v1_pairs(records: list[dict], part: str = "") -> list[tuple[tuple, dict, dict]]:
+    """[((context, batch, tree_nodes), V0 record, V1 record)] in that order, each schedule at its fastest Pallas
+    impl (fastest_pallas; part as there), where both were measured."""
     best = fastest_pallas(records, part)
+    return [((context, batch, nodes), best[context, batch, nodes, "v0"], v1)
+            for (context, batch, nodes, kernel), v1 in sorted(best.items())
+            if kernel == "v1" and (context, batch, nodes, "v0") in best]
+
+
+def v0_over_v1(records: list[dict], part: str = "") -> dict:
+    """{(context, batch): [(tree_nodes, V0 time / V1 time, ideal ratio)]} from v0_v1_pairs."""
     points = {}
-    for (context, batch, nodes, kernel), r in sorted(best.items()):
-        if kernel == "v1" and (context, batch, nodes, "v0") in best:
-            v0 = best[(context, batch, nodes, "v0")]["time_ms"]
-            points.setdefault((context, batch), []).append((nodes, v0 / r["time_ms"], r["ideal_ratio"]))
+    for (context, batch, nodes), v0, v1 in v0_v1_pairs(records, part):
+        points.setdefault((context, batch), []).append((nodes, v0["time_ms"] / v1["time_ms"], v1["ideal_ratio"]))
     return points
 
 
@@ -290,12 +295,8 @@ def readme_section(records: list[dict]) -> str:
                        + f", {r.get('date', '')[:10] or '-'}")
 
     def v0_against_v1(part: str):
-        fastest = fastest_pallas(records, part)
         rows, at_target = [], {}
-        for (context, batch, nodes, kernel), v1 in sorted(fastest.items()):
-            v0 = fastest.get((context, batch, nodes, "v0"))
-            if kernel != "v1" or v0 is None:
-                continue
+        for (context, batch, nodes), v0, v1 in v0_v1_pairs(records, part):
             ratio = v0["time_ms"] / v1["time_ms"]
             if context == 32768 and nodes == 64 and 1 <= batch <= 8:
                 at_target[batch] = ratio

@@ -52,7 +52,7 @@ class V1Launch:
         counts this picks."""
         row_blocks = pl.cdiv(rows, row_block_size(rows, MAX_ROWS))
         wanted = TARGET_PROGRAMS // (batch * num_kv_heads * row_blocks)
-        return cls(num_splits=max(1, min(16, next_power_of_2(wanted) if wanted else 1)))
+        return cls(num_splits=min(cls.num_splits, next_power_of_2(wanted)))  # at most the default; 0 wanted: 1
 
 
 def row_block_size(rows: int, block_rows: int) -> int:

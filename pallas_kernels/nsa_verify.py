@@ -52,7 +52,7 @@ def union_schedule(blocks: jax.Array, num_blocks: int):
     # Each node's blocks marked at their slots: T n writes, where comparing every node's blocks with every union
     # slot was a [H_kv, T, U, n] reduction (most likely the 17 us reduce fusion of a batch-8 64-node tree's 80 us
     # selected branch on the H200, 2026-12-03).
-    slots = jnp.where(flat < num_blocks, jnp.take_along_axis(slot, jnp.minimum(flat, num_blocks - 1), axis=1), width)
+    slots = jnp.take_along_axis(jnp.pad(slot, ((0, 0), (0, 1)), constant_values=width), flat, axis=1)  # pads: width
     member = jnp.zeros((num_kv_heads, num_nodes, width), bool).at[
         heads[:, :, None], jnp.arange(num_nodes)[None, :, None], slots.reshape(num_kv_heads, num_nodes, top_n)].set(
         True, mode="drop")
