@@ -426,6 +426,17 @@ def test_targets_from_records_met_missed_and_not_yet_measured():
     assert tables.targets([r for r in FIXTURE if r.get("batch") == 64])[0].status == "met"
 
 
+def test_the_tau_target_lists_the_cells_vegas_loses_first():
+    """Five cells, Vegas behind only in the last: the shortened list (four shown) still names it."""
+    records = [r for batch in (1, 8, 16, 32, 64) for r in (
+        _held("vegas", batch, 1000, 6.0 if batch < 64 else 5.5, tuned=False, default=True),
+        _held("quest", batch, 900, 5.8, tuned=False, default=True))]
+    tau = tables.targets(records)[1]
+    assert tau.status == "missed"
+    assert tau.result.startswith("B64 7936 T0: 5.50 vs quest 5.80 (below); B1 7936 T0: 6.00 vs quest 5.80")
+    assert tau.result.endswith("... 1 more")
+
+
 def test_a_target_missed_by_a_hair_never_reads_as_its_bound():
     # Vegas at 1.1497x Stream rounds to 1.15 at two decimals: the table shows the decimals that tell it is below.
     near = [_held("ar", 64, 1000), _held("vegas", 64, 1149.7), _held("streaming", 64, 1000),
