@@ -196,7 +196,7 @@ def main(argv=None) -> int:
                 for schedule, impl in variants:
                     verify = jax.jit(jax.vmap(functools.partial(
                         nsa_tree_verify, layout=LAYOUT, schedule=schedule, return_blocks=True,
-                        kernels=None if impl == "xla" else kernels,
+                        kernels=None if impl == "xla" else kernels, batch=batch,
                         v1_launch=V1Launch(row_loop=impl == "pallas-row-loop")), in_axes=(0, 0, 0, 0, 0, 0, None)))
                     run = lambda c: verify(q, c, tree_k, tree_v, gates, length, parents)
                     if union is None:

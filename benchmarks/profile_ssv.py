@@ -173,7 +173,7 @@ def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, par
         def verify(q, c, k, v, g, n, extra):
             reselect = tree_reselect(mode, stored=extra) if role == "refresh" else tree_reselect(mode, injected=extra)
             return nsa_tree_verify(q, c, k, v, g, n, parents, layout=wide, kind=config.attention, schedule="v1",
-                                   kernels=backend, reselect=reselect)
+                                   kernels=backend, batch=batch, reselect=reselect)
         batched = jax.vmap(verify, in_axes=(0, 0, 0, 0, None if gates is None else 0, 0, 0))
         extra = stored if role == "refresh" else injected
         return per_layer(lambda c: batched(q, c, k, v, gates, length, extra), caches, reps)

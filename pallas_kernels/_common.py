@@ -74,6 +74,20 @@ def online_softmax_start(rows: int, head_dim: int):
     )
 
 
+def online_softmax_step(carry, q, k, v, valid, sm_scale):
+    """One key block of an online softmax inside a kernel: carry (o, m, l) over q [R, D] rows, k, v [N, D], valid
+    [N]. Returns the new carry and the block's scaled logits (masked entries MASK_VALUE)."""
+    o_prev, m_prev, l_prev = carry
+    logits = plt.dot(q, k, trans_b=True) * sm_scale
+    logits = jnp.where(valid[None, :], logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.exp(logits - m_next[:, None])
+    l_next = l_prev * correction + p.sum(axis=1)
+    o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
+    return (o_next, m_next, l_next), logits
+
+
 def store_split_partials(o_ref, l_ref, m_ref, o, l, m, real_rows):
     """Stores one split's unnormalised output and softmax statistics; padded rows are never read back, and not
     storing them saves write bandwidth."""

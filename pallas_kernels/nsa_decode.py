@@ -30,12 +30,12 @@ from jax.experimental.pallas import triton as plt
 from models.config import NSALayout
 from models.nsa_selection import compressed_visible, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels._common import (
-    MASK_VALUE,
     TARGET_PROGRAMS,
     check_power_of_2,
     combine_splits,
     next_power_of_2,
     online_softmax_start,
+    online_softmax_step,
     split_partial_outputs,
     store_split_partials,
 )
@@ -49,18 +49,6 @@ def _group_rows(q_ref, kv_head, group: int, block_h: int):
     """The query heads of one KV head as [block_h, D] rows; rows past the group repeat its last head."""
     lane = jnp.arange(block_h)
     return q_ref[kv_head * group + jnp.minimum(lane, group - 1), :], lane < group
-
-
-def _online_step(carry, q, k, v, valid, sm_scale):
-    o_prev, m_prev, l_prev = carry
-    logits = plt.dot(q, k, trans_b=True) * sm_scale
-    logits = jnp.where(valid[None, :], logits, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, logits.max(axis=1))
-    correction = jnp.exp(m_prev - m_next)
-    p = jnp.exp(logits - m_next[:, None])
-    l_next = l_prev * correction + p.sum(axis=1)
-    o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
-    return (o_next, m_next, l_next), logits
 
 
 def compressed_kernel(q_ref, k_ref, v_ref, position_ref, o_ref, l_ref, m_ref, logits_ref, *, sm_scale, block_c,
@@ -77,7 +65,7 @@ def compressed_kernel(q_ref, k_ref, v_ref, position_ref, o_ref, l_ref, m_ref, lo
         k = k_ref[pl.ds(start, block_c), :]
         v = v_ref[pl.ds(start, block_c), :]
         valid = start + jnp.arange(block_c) < complete
-        carry, logits = _online_step(carry, q, k, v, valid, sm_scale)
+        carry, logits = online_softmax_step(carry, q, k, v, valid, sm_scale)
         logits_ref[:, pl.ds(step * block_c, block_c)] = logits
         return carry
 
@@ -103,7 +91,7 @@ def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l
             valid = (block >= 0) & (rows <= position)
             k = k_ref[pl.ds(base, select_block), :]
             v = v_ref[pl.ds(base, select_block), :]
-            return _online_step(carry, q, k, v, valid, sm_scale)[0]
+            return online_softmax_step(carry, q, k, v, valid, sm_scale)[0]
 
         steps = jnp.clip(top_n - first, 0, blocks_per_split)
         return lax.fori_loop(0, steps, body, start)
@@ -119,7 +107,7 @@ def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l
                 hit = jnp.where((rows // select_block)[:, None] == listed[None, :], 1, 0)
                 valid = valid & (jnp.max(hit, axis=1) == 0)
             safe = jnp.clip(rows, 0, k_ref.shape[0] - 1)
-            return _online_step(carry, q, k_ref[safe, :], v_ref[safe, :], valid, sm_scale)[0]
+            return online_softmax_step(carry, q, k_ref[safe, :], v_ref[safe, :], valid, sm_scale)[0]
 
         return lax.fori_loop(0, window_per_split // WINDOW_STEP, body, start)
 

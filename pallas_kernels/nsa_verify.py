@@ -12,8 +12,10 @@ Two schedules of the selected-block reads, equal in their results:
 - V1, the exact union schedule: per KV head the union U of all nodes' blocks (union_schedule), each block read
   once for all T * G query rows, with a per-block row mask [T, |U|] keeping each node to its own blocks.
 The selected prefix rows go through the Pallas kernels of pallas_kernels.nsa_tree_select or through XLA
-gathers; the tree's own rows (a T x T ancestor-masked segment), the window and the compressed branch are XLA, and
-the segments of a branch are merged by their log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
+gathers, and the compressed branch over the prefix's rows (output and selection probabilities) through those of
+pallas_kernels.nsa_tree_compressed or its XLA twin; the tree's own rows (a T x T ancestor-masked segment), the
+compressed rows the paths complete and the window are XLA, and the segments of a branch are merged by their
+log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
 the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
 """
 
@@ -29,6 +31,7 @@ from models.config import NSALayout
 from models.nsa_cache import NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels.nsa_decode import nsa_decode_reference
+from pallas_kernels.nsa_tree_compressed import compressed_tree_branch, compressed_tree_branch_reference
 from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v1_selected
 from pallas_kernels.top_n import top_n
 
@@ -194,11 +197,12 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
 
 def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
                     kind: str = "nsa", schedule: str = "v1", kernels: str | None = None,
-                    v1_launch: V1Launch = V1Launch(), return_blocks: bool = False, reselect=None):
+                    v1_launch: V1Launch = V1Launch(), batch: int = 1, return_blocks: bool = False, reselect=None):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
     [T_cap, H_kv, D] without the batch axis; length and parents traced). schedule: "v0" | "v1" (module
     docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
-    v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch).
+    v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch); batch: how many
+    sequences the caller vmaps this over (it sizes the compressed branch's grid).
     reselect: None, or (blocks [T, H_kv, n], ancestor mask [T, T], positions [T]) -> the blocks each node attends
     instead of its own (an approximate mode's, vegas_jax.attention.nsa_approx.tree_reselect).
     Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
@@ -217,16 +221,16 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
 
     # Compressed branch and scores: the prefix's complete rows (read once) and the rows each path completes.
     l, d = layout.compress_block, layout.compress_stride
-    prefix_visible = jnp.arange(cache.k_cmp.shape[0]) * d + l - 1 < length  # [C]
-    cmp_logits = _masked(dot(cache.k_cmp, "thgd,chd->hgtc"), prefix_visible)
+    visible = jnp.sum(jnp.arange(cache.k_cmp.shape[0]) * d + l - 1 < length)  # the prefix's complete rows
     c_extra, extra_valid, k_extra = _path_compressed(cache.k, tree_k, anc, positions, length, layout, num_nodes)
     _, _, v_extra = _path_compressed(cache.v, tree_v, anc, positions, length, layout, num_nodes)
     extra_logits = _masked(jnp.einsum("thgd,tehd->hgte", qg, k_extra.astype(q.dtype),
                                       preferred_element_type=jnp.float32) * scale, extra_valid[None, None])
-    lse = jnp.logaddexp(jax.nn.logsumexp(cmp_logits, axis=-1), jax.nn.logsumexp(extra_logits, axis=-1))
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
-    p_cmp, p_extra = jnp.exp(cmp_logits - lse), jnp.exp(extra_logits - lse)
-    compressed = p_cmp.sum(axis=1).at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
+    branch = compressed_tree_branch_reference if kernels is None else functools.partial(
+        compressed_tree_branch, batch=batch, interpret=kernels == "interpret")
+    o_prefix, probs, lse = branch(q, cache.k_cmp, cache.v_cmp, visible, jax.nn.logsumexp(extra_logits, axis=-1))
+    p_extra = jnp.exp(extra_logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    compressed = probs.at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
     scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)
     top_k = jax.lax.top_k if kernels is None else functools.partial(top_n, interpret=kernels == "interpret")
     blocks = select_blocks(scores, positions[None, :], layout, top_k).transpose(1, 0, 2)  # [T, H_kv, n]
@@ -258,9 +262,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
         o_slc = _merge(selected, _segment(_masked(tree_logits, tree_slc[:, None]), tree_values))
         o_win = _merge(_segment(_masked(win_logits, win_valid[None, None]), win_values),
                        _segment(_masked(tree_logits, tree_win[None, None]), tree_values))
-        o_cmp = (jnp.einsum("hgtc,chd->thgd", p_cmp.astype(cache.v_cmp.dtype), cache.v_cmp,
-                            preferred_element_type=jnp.float32)
-                 + jnp.einsum("hgte,tehd->thgd", p_extra, v_extra))
+        o_cmp = o_prefix + jnp.einsum("hgte,tehd->thgd", p_extra, v_extra)
         g = gates.reshape(num_nodes, num_kv_heads, group, 3, 1).astype(jnp.float32)
         out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     out = out.reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)

@@ -91,7 +91,7 @@ class NSATreeVerify:
             reselect = None if mode is None else tree_reselect(mode, stored, injected)
             return nsa_tree_verify(q, layer_cache, k, v, gates, length, parents, layout=layout, kind=self.kind,
                                    schedule=self.schedule, kernels=kernels_of(self.placement), v1_launch=launch,
-                                   return_blocks=True, reselect=reselect)
+                                   batch=batch, return_blocks=True, reselect=reselect)
 
         # The nodes' rows are written first and the pass reads the written cache (it reads only rows before the
         # root, and masks the rest by position, so the result is the same): had it read the cache as it came, XLA
