@@ -47,6 +47,15 @@ def combine_splits(o, l, m):
     return o_total / l_total[..., None]
 
 
+def normalised_with_lse(o, l, m):
+    """Partials o [splits, ..., D], l, m [splits, ...] -> (normalised o, lse; -inf where no row was seen)."""
+    m_max = m.max(axis=0)
+    correction = jnp.exp(m - m_max[None])
+    total = (l * correction).sum(axis=0)
+    out = (o * correction[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out, jnp.where(total > 0, m_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
 def query_rows_by_kv_head(q, num_kv_heads: int, padded_rows: int):
     """q [S, H_q, D] as each KV head's query rows [H_kv, padded_rows, D]: row r is query r // G, head r % G of the
     head's group (GQA: one K/V block load serves every query head of the group and every query); zero past S * G."""

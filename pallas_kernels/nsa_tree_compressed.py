@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import (
     TARGET_PROGRAMS,
     next_power_of_2,
+    normalised_with_lse,
     online_softmax_start,
     online_softmax_step,
     split_partial_outputs,
@@ -37,8 +38,6 @@ from pallas_kernels._common import (
 )
 
 MAX_ROWS = 128  # query rows (nodes x G) per program: the accumulator and a block of logits stay in registers
-
-
 
 
 def node_rows(num_nodes: int, group: int) -> tuple[int, int]:
@@ -127,12 +126,7 @@ def _unbatched(q, k_cmp, v_cmp, visible, extra_lse, *, block_c, num_splits, inte
         compiler_params=params, interpret=interpret, name="nsa_tree_compressed_softmax",
     )(q2, k_cmp, v_cmp, visible)
 
-    m_max = m.max(axis=0)
-    correction = jnp.exp(m - m_max[None])
-    total = (l * correction).sum(axis=0)  # [H_kv, node_blocks * block_r]
-    seen = total > 0
-    o = (o * correction[..., None]).sum(axis=0) / jnp.where(seen, total, 1.0)[..., None]
-    lse_prefix = jnp.where(seen, m_max + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    o, lse_prefix = normalised_with_lse(o, l, m)  # [H_kv, node_blocks * block_r, (D)]
 
     def to_nodes(x):  # [H_kv, node_blocks * block_r, ...] -> [H_kv, T, G, ...]
         x = x.reshape(num_kv_heads, node_blocks, block_r, *x.shape[2:])[:, :, :nodes * group]

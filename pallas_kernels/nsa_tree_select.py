@@ -29,7 +29,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import MASK_VALUE, TARGET_PROGRAMS, next_power_of_2, online_softmax_start
+from pallas_kernels._common import (
+    MASK_VALUE,
+    TARGET_PROGRAMS,
+    next_power_of_2,
+    normalised_with_lse,
+    online_softmax_start,
+)
 
 MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
 MEMBER_BITS, MEMBER_WORDS = 32, 2  # a union block's member mask: one bit per tree node, 64 nodes at most
@@ -152,15 +158,6 @@ def pack_members(member: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(words, jnp.int32)
 
 
-def _finish(o, l, m):
-    """Partials o [splits, ..., D], l, m [splits, ...] -> (normalised o, lse; -inf where no row was seen)."""
-    m_max = m.max(axis=0)
-    correction = jnp.exp(m - m_max[None])
-    total = (l * correction).sum(axis=0)
-    out = (o * correction[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-    return out, jnp.where(total > 0, m_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-
-
 def _head_rows(capacity, head_dim):
     """One KV head's rows of a cache [T_cap, H_kv, D] on a grid whose first axis is the KV head."""
     return pl.BlockSpec((capacity, None, head_dim), lambda h, a, b: (0, h, 0))
@@ -192,7 +189,7 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_s
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v0_selected",
     )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, blocks, length.astype(jnp.int32))
-    return _finish(o[..., :group, :], l[..., :group], m[..., :group])
+    return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
 
 
 @functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))
@@ -235,4 +232,4 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
     )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, union, count.astype(jnp.int32), member,
       length.astype(jnp.int32))
     unpack = lambda x: x[:, :, :rows].reshape(num_splits, num_kv_heads, num_nodes, group, *x.shape[3:])
-    return _finish(unpack(o), unpack(l), unpack(m))
+    return normalised_with_lse(unpack(o), unpack(l), unpack(m))

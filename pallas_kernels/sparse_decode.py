@@ -28,13 +28,13 @@ from jax.experimental.pallas import triton as plt
 
 from models.attention import NewTokens
 from pallas_kernels._common import (
-    MASK_VALUE,
     NUM_SMS,
     TARGET_PROGRAMS,
     check_power_of_2,
     combine_splits,
     next_power_of_2,
     online_softmax_start,
+    online_softmax_step,
     split_partial_outputs,
     store_split_partials,
 )
@@ -127,13 +127,7 @@ def sparse_decode_kernel(
         v = v_ref[rows, :]
         next_rows = block_rows(block + 1)
         in_split = block_start(block) + jnp.arange(block_k) < split_end
-        logits = plt.dot(q, k, trans_b=True) * sm_scale  # [block_h, block_k] float32
-        logits = jnp.where(in_split[None, :], logits, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next[:, None])
-        l_next = l_prev * correction + p.sum(axis=1)
-        o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
+        (o_next, m_next, l_next), _ = online_softmax_step((o_prev, m_prev, l_prev), q, k, v, in_split, sm_scale)
         return o_next, m_next, l_next, next_rows
 
     num_blocks = pl.cdiv(jnp.maximum(split_end - split_start, 0), block_k)
