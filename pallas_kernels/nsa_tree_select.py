@@ -5,16 +5,18 @@ tree's own rows, the window and the compressed branch.
 
 - v0_selected: grid (KV head, node, split of the node's blocks); each program holds one node's G query heads
   (padded to 16 rows) and reads its own blocks, one contiguous [l', D] load each: T * top_n block reads.
-- v1_selected: grid (KV head, split of the union, row block); each program holds up to 128 of the T * G rows
-  (row r: node r // G, head r % G) and reads each union block of its split once for all of them, masking a
-  block's columns for the rows whose node did not select it (the block's member mask, a bit per node) and
-  skipping a block none of its rows' nodes selected: at most |U| block reads per row block. The splits divide
-  the union's count of blocks.
-  Splitting over the union gives a small batch (2 KV heads) enough programs. A program's accumulator holds at most
-  MAX_ROWS rows, so at NSA-1B's G = 16 a 64-node tree (1024 rows) takes 8 row blocks, each reading the union's
-  blocks of its split: V1 reads 8 |U| blocks from memory or L2 against V0's T n, and its advantage rests on
-  |U| << T n / 8 or on the re-reads hitting a cache: in L2 (one program per row block), or in the SM's own cache
-  with row_loop (one program runs its split's row blocks in turn; fewer programs). The benchmark measures both.
+- v1_selected: grid (KV head, split, row block); each program holds up to 128 of the T * G rows (row r: node
+  r // G, head r % G) and walks its row block's own list of union blocks, those some node of the block selected
+  (row_block_slots, from the member masks), reading each once for all the block's rows and masking its columns
+  for the rows whose node did not select it (the block's member mask, a bit per node). The splits divide the
+  list's count. (Until 2026-12-03 a row block walked the whole union and skipped, behind a branch, the blocks
+  none of its nodes selected; the branch kept Triton from pipelining the loads.)
+  Splitting gives a small batch (2 KV heads) enough programs. A program's accumulator holds at most MAX_ROWS
+  rows, so at NSA-1B's G = 16 a 64-node tree (1024 rows) takes 8 row blocks, each reading its union from memory
+  or L2: V1 reads at most 8 |U| blocks against V0's T n, and its advantage rests on the unions of 8 neighbouring
+  nodes being small, or on the re-reads hitting a cache: in L2 (one program per row block), or in the SM's own
+  cache with row_loop (one program runs its split's row blocks in turn; fewer programs). The benchmark measures
+  both.
 """
 
 from __future__ import annotations
@@ -103,46 +105,61 @@ def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, 
     _store(o_ref, l_ref, m_ref, lax.fori_loop(0, steps, body, online_softmax_start(block_h, q.shape[1])))
 
 
-def v1_kernel(q_ref, k_ref, v_ref, union_ref, count_ref, member_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale,
-              group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block, num_splits):
+def v1_kernel(q_ref, k_cache_ref, v_cache_ref, union_ref, slots_ref, counts_ref, member_ref, length_ref, o_ref, l_ref,
+              m_ref, *, sm_scale, group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block, num_splits):
     kv_head, split, program_rows = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length, count = length_ref[()], count_ref[()]
-    # The splits share the union's `count` blocks, not its padded width: a padded split would sit idle while the
-    # others walk many blocks each.
-    per_split = (count + num_splits - 1) // num_splits
-    first = split * per_split
-    steps = jnp.clip(count - first, 0, per_split)
-    # Row blocks one after another in this program (row_loop): the split's union blocks, just read for the first
-    # row block, are read again from this SM's cache by the next.
+    length = length_ref[()]
+    # Row blocks one after another in this program (row_loop): the union blocks just read for one row block may
+    # be read again from this SM's cache by the next.
     for here in range(row_blocks_here):
-        row = (program_rows * row_blocks_here + here) * block_r + jnp.arange(block_r)
+        row_block = program_rows * row_blocks_here + here
+        # This row block's own list of union slots, those some node of its rows selected: every step attends, and
+        # no branch stands between a step's loads and the previous step's math, so the loop pipelines as V0's.
+        # The splits share the list's `count` slots, not its padded width.
+        count = counts_ref[row_block]
+        per_split = (count + num_splits - 1) // num_splits
+        first = split * per_split
+        steps = jnp.clip(count - first, 0, per_split)
+        row = row_block * block_r + jnp.arange(block_r)
         node = jnp.minimum(row // group, num_nodes - 1)  # rows past the tree repeat its last node; never read back
         q = q_ref[node * num_q_heads + kv_head * group + row % group, :]
         word_of_row = (node // MEMBER_BITS)[:, None] == jnp.arange(MEMBER_WORDS)[None, :]
         bit_of_row = node % MEMBER_BITS
 
-        def body(step, carry, q=q, word_of_row=word_of_row, bit_of_row=bit_of_row):
-            u = first + step
+        def body(step, carry, q=q, word_of_row=word_of_row, bit_of_row=bit_of_row, row_block=row_block):
+            u = slots_ref[row_block, first + step]
             base = union_ref[u] * select_block
             # Which rows' nodes selected this union block: bit (node % 32) of the block's member word node // 32.
             word = jnp.sum(jnp.where(word_of_row, member_ref[u, :][None, :], 0), axis=1)
             takes = lax.shift_right_logical(word, bit_of_row) & 1 != 0  # [block_r]
-
-            def attend(carry):
-                valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
-                k = k_ref[pl.ds(base, select_block), :]
-                v = v_ref[pl.ds(base, select_block), :]
-                return _step(carry, q, k, v, valid, sm_scale)
-
-            # A block none of this row block's nodes selected costs neither its load nor its masked dots: with
-            # 8 nodes a row block, most of a 64-node tree's union is someone else's.
-            return lax.cond(jnp.max(takes.astype(jnp.int32)) > 0, attend, lambda carry: carry, carry)
+            valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
+            k = k_cache_ref[pl.ds(base, select_block), :]
+            v = v_cache_ref[pl.ds(base, select_block), :]
+            return _step(carry, q, k, v, valid, sm_scale)
 
         o, m, l = lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1]))
         rows_here = pl.ds(here * block_r, block_r)
         o_ref[rows_here, :] = o
         l_ref[rows_here] = l
         m_ref[rows_here] = m
+
+
+def row_block_slots(member: jax.Array, group: int, block_r: int) -> tuple[jax.Array, jax.Array]:
+    """Each row block's union slots: member [H_kv, T, U] bool -> (slots [H_kv, RB, U] int32, ascending, the
+    slots some node with rows in the block selected first; counts [H_kv, RB]). Row r is node r // G."""
+    num_kv_heads, num_nodes, width = member.shape
+    row_blocks = pl.cdiv(num_nodes * group, block_r)
+    first_row, rows_end = jnp.arange(num_nodes) * group, (jnp.arange(num_nodes) + 1) * group
+    starts = jnp.arange(row_blocks) * block_r
+    in_block = (first_row[None, :] < starts[:, None] + block_r) & (rows_end[None, :] > starts[:, None])  # [RB, T]
+    wanted = jnp.einsum("rt,htu->hru", in_block.astype(jnp.int32), member.astype(jnp.int32)) > 0
+    counts = wanted.sum(axis=-1)
+    # A wanted slot's place in its block's list is the number of wanted slots before it (as union_schedule).
+    place = jnp.where(wanted, jnp.cumsum(wanted, axis=-1) - 1, width)  # width: dropped
+    heads, blocks = jnp.arange(num_kv_heads)[:, None, None], jnp.arange(row_blocks)[None, :, None]
+    slots = jnp.zeros((num_kv_heads, row_blocks, width), jnp.int32).at[heads, blocks, place].set(
+        jnp.arange(width, dtype=jnp.int32)[None, None], mode="drop")
+    return slots, counts
 
 
 def pack_members(member: jax.Array) -> jax.Array:
@@ -193,9 +210,9 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))
-def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_block: int,
+def v1_selected(q, k_cache, v_cache, union, member, length, *, select_block: int,
                 launch: V1Launch = V1Launch(), interpret: bool = False):
-    """q [T, H_q, D]; caches [T_cap, H_kv, D]; union [H_kv, U] (ascending, -1 past count [H_kv]); member
+    """q [T, H_q, D]; caches [T_cap, H_kv, D]; union [H_kv, U] (ascending, -1 past its count); member
     [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]).
 
     launch.row_loop: each program runs all row blocks of its union split one after another (the split's blocks
@@ -210,6 +227,8 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
     width = next_power_of_2(union.shape[1])  # Triton loads a power-of-two number of elements
     pad = width - union.shape[1]
     union = jnp.pad(jnp.maximum(union, 0).astype(jnp.int32), ((0, 0), (0, pad)))
+    slots, counts = row_block_slots(member, group, block_r)
+    slots = jnp.pad(slots, ((0, 0), (0, 0), (0, pad)))
     member = jnp.pad(pack_members(member), ((0, 0), (0, pad), (0, 0)))
     num_splits = max(1, min(launch.num_splits, width))
     here = row_blocks if launch.row_loop else 1
@@ -223,13 +242,15 @@ def v1_selected(q, k_cache, v_cache, union, count, member, length, *, select_blo
         kernel, grid=(num_kv_heads, num_splits, row_blocks // here),
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, r: (0, 0)),
                   _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
-                  pl.BlockSpec((None, width), lambda h, s, r: (h, 0)), pl.BlockSpec((None,), lambda h, s, r: (h,)),
+                  pl.BlockSpec((None, width), lambda h, s, r: (h, 0)),
+                  pl.BlockSpec((None, row_blocks, width), lambda h, s, r: (h, 0, 0)),
+                  pl.BlockSpec((None, row_blocks), lambda h, s, r: (h, 0)),
                   pl.BlockSpec((None, width, MEMBER_WORDS), lambda h, s, r: (h, 0, 0)),
                   pl.BlockSpec((), lambda h, s, r: ())],
         out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v1_selected",
-    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, union, count.astype(jnp.int32), member,
-      length.astype(jnp.int32))
+    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, union, slots, counts.astype(jnp.int32),
+      member, length.astype(jnp.int32))
     unpack = lambda x: x[:, :, :rows].reshape(num_splits, num_kv_heads, num_nodes, group, *x.shape[3:])
     return normalised_with_lse(unpack(o), unpack(l), unpack(m))

@@ -158,8 +158,8 @@ def selected_branch(q, cache: NSALayerCache, blocks, length, *, layout: NSALayou
     if schedule == "v0":
         return v0_selected(q, cache.k, cache.v, blocks, length, select_block=layout.select_block,
                            interpret=interpret)
-    union, count, member = union_schedule(blocks, num_select_blocks(layout, cache.k.shape[0]))
-    return v1_selected(q, cache.k, cache.v, union, count, member, length, select_block=layout.select_block,
+    union, _, member = union_schedule(blocks, num_select_blocks(layout, cache.k.shape[0]))
+    return v1_selected(q, cache.k, cache.v, union, member, length, select_block=layout.select_block,
                        launch=v1_launch, interpret=interpret)
 
 

@@ -15,7 +15,7 @@ import pytest
 from models.config import NSA_1B_LAYOUT, NSA_PAPER_LAYOUT, NSA_VIEW_LAYOUT
 from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
 from nsa_reference import nsa_rows
-from pallas_kernels.nsa_tree_select import V1Launch, pack_members, v0_selected, v1_selected
+from pallas_kernels.nsa_tree_select import V1Launch, pack_members, row_block_slots, v0_selected, v1_selected
 from pallas_kernels.nsa_verify import nsa_tree_reference, nsa_tree_verify, union_schedule
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -115,6 +115,23 @@ def test_union_schedule_equals_sets_on_random_selections(rng):
                 assert got == {int(b) for b in blocks[node, head] if b >= 0}
 
 
+@pytest.mark.parametrize("group, block_r", [(16, 128), (16, 32), (3, 16), (5, 16)])
+def test_row_block_slots_are_the_slots_their_nodes_selected(rng, group, block_r):
+    """V1's per-row-block lists against Python sets: a node whose G rows straddle two row blocks (G 3, 5) is
+    in both, and a block with no selected slot has an empty list."""
+    nodes, heads, width = 20, 2, 24
+    member = rng.random((heads, nodes, width)) < 0.15
+    member[:, : block_r // group + 1] = False  # the first row block (and a straddling node) selected nothing
+    slots, counts = map(np.asarray, row_block_slots(jnp.asarray(member), group, block_r))
+    assert slots.shape == (heads, -(-nodes * group // block_r), width)
+    for head in range(heads):
+        for rb in range(slots.shape[1]):
+            touching = [t for t in range(nodes) if t * group < (rb + 1) * block_r and (t + 1) * group > rb * block_r]
+            want = sorted({u for t in touching for u in range(width) if member[head, t, u]})
+            assert counts[head, rb] == len(want) and list(slots[head, rb, :counts[head, rb]]) == want
+    assert (counts[:, 0] == 0).all()
+
+
 def test_union_and_masks_equal_a_brute_force_union(tree_case):
     _, blocks = tree_case["outputs"]["v1", "interpret"]
     blocks = np.asarray(blocks)
@@ -158,11 +175,11 @@ def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
     blocks = np.where(rng.random(blocks.shape) < 0.2, -1, blocks).astype(np.int32)
     length = jnp.int32(150)  # blocks 10 and 11 are past the prefix, 9 partly: masked in both schedules
     o0, lse0 = v0_selected(q, k, v, jnp.asarray(blocks), length, select_block=select_block, interpret=True)
-    union, count, member = union_schedule(jnp.asarray(blocks), capacity // select_block)
+    union, _, member = union_schedule(jnp.asarray(blocks), capacity // select_block)
     blocks[:, 1] = np.where(local, -1, blocks[:, 1])  # local: KV head 1's union is empty (lse -inf everywhere)
     # 32-row blocks hold 16 nodes (one member word); 128-row blocks 64 (both words).
     for launch in (V1Launch(block_rows=32), V1Launch(block_rows=32, row_loop=True, num_splits=3), V1Launch()):
-        o1, lse1 = v1_selected(q, k, v, union, count, member, length, select_block=select_block, launch=launch,
+        o1, lse1 = v1_selected(q, k, v, union, member, length, select_block=select_block, launch=launch,
                                interpret=True)
         np.testing.assert_array_equal(np.isfinite(lse1), np.isfinite(lse0))
         finite = np.isfinite(np.asarray(lse0))
@@ -172,7 +189,7 @@ def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_the_v1_kernel_lowers_to_triton_for_h200():
-    """NSA-1B's shapes at 32K with a 64-node tree: member words, count-based splits, 8 row blocks."""
+    """NSA-1B's shapes at 32K with a 64-node tree: member words, per-row-block slot lists, 8 row blocks."""
     from h200_lowering import lower_for_h200
 
     nodes, capacity, width = 64, 32768, 1024
@@ -180,7 +197,7 @@ def test_the_v1_kernel_lowers_to_triton_for_h200():
     lowered = lower_for_h200(
         jax.jit(functools.partial(v1_selected, select_block=16)), spec((nodes, 32, 64), jnp.bfloat16),
         spec((capacity, 2, 64), jnp.bfloat16), spec((capacity, 2, 64), jnp.bfloat16), spec((2, width), jnp.int32),
-        spec((2,), jnp.int32), spec((2, nodes, width), jnp.bool_), spec((), jnp.int32))
+        spec((2, nodes, width), jnp.bool_), spec((), jnp.int32))
     assert lowered.count("__gpu$xla.gpu.triton") == 1
 
 
