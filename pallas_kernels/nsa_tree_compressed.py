@@ -96,7 +96,9 @@ def probs_kernel(q_ref, k_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, blo
         valid = start + jnp.arange(block_c) < visible
         logits = plt.dot(q, k_ref[pl.ds(start, block_c), :], trans_b=True) * sm_scale
         p = jnp.where(real[:, None] & valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
-        probs_ref[:, pl.ds(step * block_c, block_c)] = plt.dot(selector, p, allow_tf32=False)
+        # Only the program's nodes: the selector's padding rows (half of them at G 16) are never written.
+        plt.store(probs_ref.at[:, pl.ds(step * block_c, block_c)], plt.dot(selector, p, allow_tf32=False),
+                  mask=(jnp.arange(nodes_padded) < rows["nodes"])[:, None])
         return carry
 
     # Every block of the split, so rows past `visible` come back as zeros.
