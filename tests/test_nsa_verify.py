@@ -164,7 +164,7 @@ def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
     """The kernels alone on random selections of a wide tree (member masks of two words), unions spread over
     fewer blocks than splits and row blocks that span nodes of both words: V1's (o, lse) equals V0's. local: each
     32-row block's nodes (16, G 2) pick among 4 blocks of their own, so most union blocks are none of a row
-    block's, which V1 skips; and one KV head selects nothing (an empty union)."""
+    block's, which its list leaves out; and one KV head selects nothing (an empty union)."""
     capacity, select_block, top_n = 256, 16, 4
     q = jnp.asarray(rng.normal(size=(nodes, HEADS, DIM)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(capacity, KV_HEADS, DIM)), jnp.float32) for _ in range(2))
@@ -173,10 +173,11 @@ def test_v1_kernel_equals_v0_kernel_past_32_nodes(rng, nodes, local):
     pick = lambda t: (t // 16 % 3) * 4 + rng.permutation(4) if local else rng.permutation(12)[:top_n]  # noqa: E731
     blocks = np.stack([np.stack([pick(t) for _ in range(KV_HEADS)]) for t in range(nodes)])
     blocks = np.where(rng.random(blocks.shape) < 0.2, -1, blocks).astype(np.int32)
+    blocks[:, 1] = np.where(local, -1, blocks[:, 1])  # local: KV head 1's union is empty (lse -inf everywhere)
     length = jnp.int32(150)  # blocks 10 and 11 are past the prefix, 9 partly: masked in both schedules
     o0, lse0 = v0_selected(q, k, v, jnp.asarray(blocks), length, select_block=select_block, interpret=True)
-    union, _, member = union_schedule(jnp.asarray(blocks), capacity // select_block)
-    blocks[:, 1] = np.where(local, -1, blocks[:, 1])  # local: KV head 1's union is empty (lse -inf everywhere)
+    union, count, member = union_schedule(jnp.asarray(blocks), capacity // select_block)
+    assert (np.asarray(count)[1] == 0) == local
     # 32-row blocks hold 16 nodes (one member word); 128-row blocks 64 (both words).
     for launch in (V1Launch(block_rows=32), V1Launch(block_rows=32, row_loop=True, num_splits=3), V1Launch()):
         o1, lse1 = v1_selected(q, k, v, union, member, length, select_block=select_block, launch=launch,
