@@ -19,6 +19,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def whole_block_splits(programs: int, blocks: int, max_splits: int | None = None) -> int:
+    """Splits of a stream of `blocks` key blocks for about TARGET_PROGRAMS programs when `programs` already run
+    per split (batch x heads x ...): a power of two at most max_splits, or the block count itself when smaller,
+    dividing the blocks so that every split holds whole blocks."""
+    splits = max(1, min(next_power_of_2(pl.cdiv(TARGET_PROGRAMS, programs)), max_splits or blocks, blocks))
+    while blocks % splits:
+        splits //= 2
+    return splits
+
+
 def check_power_of_2(name: str, value: int, minimum: int = 1):
     if value < minimum or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")

@@ -30,14 +30,15 @@ from jax.experimental.pallas import triton as plt
 from models.config import NSALayout
 from models.nsa_selection import compressed_visible, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels._common import (
-    TARGET_PROGRAMS,
     check_power_of_2,
     combine_splits,
     next_power_of_2,
+    normalised_with_lse,
     online_softmax_start,
     online_softmax_step,
     split_partial_outputs,
     store_split_partials,
+    whole_block_splits,
 )
 from pallas_kernels.top_n import top_n
 
@@ -115,15 +116,6 @@ def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, real)
 
 
-def _normalised(o, l, m):
-    """combine_splits, with zero for a row that saw no key at all."""
-    m_max = m.max(axis=0)
-    correction = jnp.exp(m - m_max[None])
-    l_total = (l * correction).sum(axis=0)
-    o_total = (o * correction[..., None]).sum(axis=0)
-    return o_total / jnp.where(l_total > 0, l_total, 1.0)[..., None], m_max + jnp.log(jnp.maximum(l_total, 1e-30))
-
-
 def _compressed_unbatched(q, k_cmp, v_cmp, position, *, layout, sm_scale, block_c, num_splits, interpret):
     num_q_heads, head_dim = q.shape
     rows, num_kv_heads, _ = k_cmp.shape
@@ -145,7 +137,7 @@ def _compressed_unbatched(q, k_cmp, v_cmp, position, *, layout, sm_scale, block_
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_compressed_decode",
     )(q, k_cmp, v_cmp, position)
-    out, lse = _normalised(o[:, :, :group], l[:, :, :group], m[:, :, :group])
+    out, lse = normalised_with_lse(o[:, :, :group], l[:, :, :group], m[:, :, :group])
     logits = jnp.moveaxis(logits[:, :, :group], 0, 2).reshape(num_kv_heads, group, rows)
     return out, logits, lse  # [H_kv, G, D], [H_kv, G, C], [H_kv, G]
 
@@ -187,11 +179,7 @@ def default_splits(batch: int, num_kv_heads: int, layout: NSALayout, compressed_
     """(compressed splits, selected splits, window splits): about TARGET_PROGRAMS programs for the compressed
     stream (whole blocks per split), one selected block per program, window steps of 16 rows spread over up to
     as many programs as the selected blocks take."""
-    pairs = batch * num_kv_heads
-    blocks = compressed_rows // block_c
-    compressed = max(1, min(next_power_of_2(pl.cdiv(TARGET_PROGRAMS, pairs)), _MAX_SPLITS, blocks))
-    while blocks % compressed:
-        compressed //= 2
+    compressed = whole_block_splits(batch * num_kv_heads, compressed_rows // block_c, _MAX_SPLITS)
     window_steps = layout.window // WINDOW_STEP
     window = 0 if window_steps == 0 else math.gcd(window_steps, next_power_of_2(layout.top_n))
     return compressed, layout.top_n, window

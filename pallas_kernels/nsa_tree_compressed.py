@@ -28,13 +28,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (
-    TARGET_PROGRAMS,
     next_power_of_2,
     normalised_with_lse,
     online_softmax_start,
     online_softmax_step,
     split_partial_outputs,
     store_split_partials,
+    whole_block_splits,
 )
 
 MAX_ROWS = 128  # query rows (nodes x G) per program: the accumulator and a block of logits stay in registers
@@ -48,12 +48,8 @@ def node_rows(num_nodes: int, group: int) -> tuple[int, int]:
 
 def default_splits(batch: int, num_kv_heads: int, node_blocks: int, compressed_rows: int, block_c: int) -> int:
     """Splits of the compressed rows for about TARGET_PROGRAMS programs over `batch` vmapped sequences, dividing
-    the row blocks so that every split holds whole blocks (nsa_decode.default_splits' rule)."""
-    blocks = compressed_rows // block_c
-    splits = max(1, min(next_power_of_2(pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * node_blocks)), blocks))
-    while blocks % splits:
-        splits //= 2
-    return splits
+    the row blocks so that every split holds whole blocks."""
+    return whole_block_splits(batch * num_kv_heads * node_blocks, compressed_rows // block_c)
 
 
 def _program_rows(q_ref, kv_head, node_block, *, group, num_q_heads, num_nodes, nodes, block_r):
