@@ -165,6 +165,8 @@ def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, block_c: int 
     lse [H_kv, G, T]: the total), p = exp(logit - lse)."""
     num_nodes, num_q_heads, _ = q.shape
     compressed_rows, num_kv_heads, _ = k_cmp.shape
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
     if compressed_rows % block_c:
         raise ValueError(f"compressed rows {compressed_rows} must be a multiple of block_c {block_c}")
     nodes, _ = node_rows(num_nodes, num_q_heads // num_kv_heads)

@@ -65,6 +65,17 @@ def test_splits_hold_whole_blocks_and_aim_at_the_target_programs():
     assert default_splits(1, 2, 1, 192, 64) == 3  # 3 blocks: a split each
 
 
+@pytest.mark.parametrize("rows, options, needle", [
+    (100, {}, "compressed rows 100 must be a multiple of block_c 64"),
+    (192, {"num_splits": 2}, "num_splits 2 must divide the 3 blocks"),
+    (128, {"batch": 0}, "batch must be at least 1"),
+])
+def test_bad_arguments_are_one_clear_error(rows, options, needle):
+    q, cache = jnp.zeros((2, 4, 16)), jnp.zeros((rows, 2, 16))
+    with pytest.raises(ValueError, match=needle):
+        compressed_tree_branch(q, cache, cache, jnp.int32(0), jnp.zeros((2, 2, 2)), interpret=True, **options)
+
+
 def test_lowers_for_the_h200_at_nsa_1b_shapes():
     """64 nodes, 32 query / 2 KV heads, D 64, 32K context (2,048 compressed rows), bf16: both kernels lower."""
     shapes = (jax.ShapeDtypeStruct((64, 32, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 2, 64), jnp.bfloat16),
