@@ -18,7 +18,8 @@ branch's kernels alone (pallas_kernels.nsa_verify.selected_branch, V1 with its u
 splits and in row blocks of 32: impls "pallas-4-splits", "pallas-32-rows" and "pallas-32-rows-4-splits") on the
 blocks the pass chose, the part the schedules differ in and what the SSV paper's kernel speedup compares; and
 top-n: the selection alone, the top 16 of random block scores for 1 (decode) and each tree size's queries per KV
-head, impl "xla" (lax.top_k, XLA's TopK kernel) and "pallas" (pallas_kernels.top_n, which the kernel paths use).
+head, impl "xla" (lax.top_k, XLA's TopK kernel), "pallas" (pallas_kernels.top_n, which the kernel paths use) and
+"pallas-packed" (top_n with its launch until 2026-12-04: up to 64 rows a 4-warp program, rows whole).
 Tree queries are q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets
 overlap as nearby queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with
 the root's) and the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U|
@@ -64,7 +65,8 @@ from pallas_kernels.nsa_decode import nsa_decode, nsa_decode_reference  # noqa: 
 from pallas_kernels.nsa_tree_select import V1Launch  # noqa: E402
 from pallas_kernels.nsa_verify import (  # noqa: E402
     ancestor_mask, nsa_tree_verify, selected_branch, union_schedule)
-from pallas_kernels.top_n import top_n  # noqa: E402
+from pallas_kernels._common import next_power_of_2  # noqa: E402
+from pallas_kernels.top_n import MAX_TILE, TopNLaunch, top_n  # noqa: E402
 from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 2, 64
@@ -180,7 +182,11 @@ def main(argv=None) -> int:
             for nodes in [1, *trees]:
                 scores = jax.random.normal(key, (batch, KV_HEADS, nodes, num_blocks), jnp.float32)
                 want = None
-                for impl, select in (("xla", jax.lax.top_k), ("pallas", functools.partial(top_n, interpret=interpret))):
+                # "pallas-packed": top_n's launch until 2026-12-04, up to 64 rows (8,192 scores) to a 4-warp program.
+                packed = TopNLaunch(chunk=MAX_TILE, block_rows=min(64, MAX_TILE // next_power_of_2(num_blocks)),
+                                    num_warps=4)
+                for impl, select in (("xla", jax.lax.top_k), ("pallas", functools.partial(top_n, interpret=interpret)),
+                                     ("pallas-packed", functools.partial(top_n, launch=packed, interpret=interpret))):
                     got = timed(dict(kernel="top-n", impl=impl, tree_nodes=nodes, context=context, batch=batch,
                                      bytes=scores.size * 4, union_blocks=None, overlap=None),
                                 jax.jit(lambda x, select=select: select(x, LAYOUT.top_n)), scores, want, tolerance=0.0)
@@ -319,8 +325,10 @@ def readme_section(records: list[dict]) -> str:
     for r in records:
         if r["kernel"] == "top-n":
             selection.setdefault((r["context"], r["batch"], r["tree_nodes"]), {})[r["impl"]] = r
-    selection_rows = [f"| {c // 1024}K | {b} | {t} | {by['xla']['time_ms']:.3f} | {by['pallas']['time_ms']:.3f} | "
-                      f"{by['xla']['time_ms'] / by['pallas']['time_ms']:.1f}x | {clock(by['pallas'])} |"
+    packed = lambda by: f"{by['pallas-packed']['time_ms']:.3f}" if "pallas-packed" in by else "-"  # noqa: E731
+    selection_rows = [f"| {c // 1024}K | {b} | {t} | {by['xla']['time_ms']:.3f} | {packed(by)} | "
+                      f"{by['pallas']['time_ms']:.3f} | {by['xla']['time_ms'] / by['pallas']['time_ms']:.1f}x | "
+                      f"{clock(by['pallas'])} |"
                       for (c, b, t), by in sorted(selection.items()) if {"xla", "pallas"} <= set(by)]
     best = max(decode, key=fraction, default=None)
     decode_status = ("not yet measured" if best is None else
@@ -347,8 +355,9 @@ def readme_section(records: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
         *decode_rows,
         *(["", "Selection alone, the top 16 blocks of each query (per KV head; 1 query: a decode step):", "",
-           "| context | batch | queries | lax.top_k ms | pallas_kernels.top_n ms | speedup | clock, date |",
-           "|---|---|---|---|---|---|---|", *selection_rows] if selection_rows else []),
+           "| context | batch | queries | lax.top_k ms | top_n packed (until 2026-12-04) ms | pallas_kernels.top_n ms "
+           "| speedup over lax.top_k | clock, date |",
+           "|---|---|---|---|---|---|---|---|", *selection_rows] if selection_rows else []),
     ])
 
 

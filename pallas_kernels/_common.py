@@ -19,6 +19,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def previous_power_of_2(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
 def whole_block_splits(programs: int, blocks: int, max_splits: int | None = None) -> int:
     """Splits of a stream of `blocks` key blocks for about TARGET_PROGRAMS programs when `programs` already run
     per split (batch x heads x ...): a power of two at most max_splits, or the block count itself when smaller,

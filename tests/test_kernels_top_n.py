@@ -14,7 +14,7 @@ import pytest
 from h200_lowering import lower_for_h200
 from models.config import NSA_1B_LAYOUT
 from models.nsa_selection import select_blocks
-from pallas_kernels.top_n import MAX_TILE, top_n
+from pallas_kernels.top_n import MAX_TILE, TopNLaunch, top_n
 
 
 def numpy_top_n(x: np.ndarray, n: int):
@@ -37,9 +37,35 @@ def test_top_n_equals_a_stable_descending_sort(rng, shape, n):
     np.testing.assert_array_equal(np.asarray(values), want_values)
 
 
+@pytest.mark.parametrize("launch", [TopNLaunch(chunk=16, block_rows=4, num_warps=1),
+                                    TopNLaunch(chunk=32, block_rows=1, num_warps=2),
+                                    TopNLaunch(chunk=256, block_rows=2, num_warps=4)])
+def test_every_launch_returns_the_same_top_n(rng, launch):
+    """Chunks shorter than a row (two stages, ties across chunks, a padded last chunk), several rows a program,
+    rows fewer than a program holds: each launch still returns a stable descending sort's first n."""
+    x = np.round(rng.normal(size=(5, 200)), 1).astype(np.float32)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    x[1, 3:] = -np.inf
+    values, indices = top_n(jnp.asarray(x), 16, launch=launch, interpret=True)
+    want_values, want_indices = numpy_top_n(x, 16)
+    np.testing.assert_array_equal(np.asarray(indices), want_indices)
+    np.testing.assert_array_equal(np.asarray(values), want_values)
+
+
+@pytest.mark.parametrize("rows, length, want", [
+    (24, 128, TopNLaunch(chunk=128, block_rows=1, num_warps=1)),  # a batch-8 SmolLM2 decode: a program a row
+    (2, 2048, TopNLaunch(chunk=256, block_rows=1, num_warps=1)),  # NSA-1B at 32K, batch 1: 8 chunks a row
+    (1024, 2048, TopNLaunch(chunk=2048, block_rows=2, num_warps=4)),  # 64-node trees at batch 8: rows whole
+])
+def test_the_default_launch_spreads_rows_over_programs(rows, length, want):
+    assert TopNLaunch.for_rows(rows, length) == want
+
+
 def test_top_n_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="n must be in"):
         top_n(jnp.zeros((2, 8)), 9)
+    with pytest.raises(ValueError, match="launch.chunk must be a power of two >= 16"):
+        top_n(jnp.zeros((2, 64)), 9, launch=TopNLaunch(chunk=8, block_rows=1, num_warps=1))
 
 
 @pytest.mark.parametrize("length", [MAX_TILE + 1, 3 * MAX_TILE - 5])
@@ -71,4 +97,5 @@ def test_nsa_selection_through_the_kernel_equals_lax_top_k(rng):
 def test_top_n_lowers_to_triton_for_h200(rows, length):
     lowered = lower_for_h200(jax.jit(functools.partial(top_n, n=16)),
                              jax.ShapeDtypeStruct((rows, length), jnp.float32))
-    assert lowered.count("__gpu$xla.gpu.triton") == (1 if length <= MAX_TILE else 2)  # long rows: two stages
+    two_stages = TopNLaunch.for_rows(rows, length).chunk < length  # few or long rows: chunks, then their candidates
+    assert lowered.count("__gpu$xla.gpu.triton") == 1 + two_stages
