@@ -9,7 +9,10 @@ step), and reports the GPU time per matmul (kernel durations from the profiler) 
 second against a device copy measured in the same run. --integer-dot adds, at up to 16 rows, the kernel's integer
 path (x quantized to int8; one row PTX dp4a, more an int8 tensor-core dot), an approximation of the product that a
 draft could use, on the codes as stored (backend "pallas-integer") and, at one row, packed four rows a word
-(pack_code_words, "pallas-integer-words").
+(pack_code_words, "pallas-integer-words"). --nibble-unpack ops,prmt times the int4 dot kernels (2+ rows) with
+each way of unpacking code bytes (config suffix "/prmt"). Every quantized variant's product is checked against
+the float32 product of the dequantised weight first (relative_error; above MAX_RELATIVE_ERROR it is an error,
+not timed).
 Prints a table; writes JSON to $OUT (or --out).
 
 Under Nsight Compute, `--ncu` runs each configuration once at one layer without JAX's profiler (both would use
@@ -92,6 +95,22 @@ def quantized(key, k, n, bits, group):
     return q, scale, offset
 
 
+# x quantized to int8 (the integer path) is about 1 % off the product; bf16 outputs round at 0.4 %.
+MAX_RELATIVE_ERROR = 0.05
+
+
+def relative_error(fn, x, weight, bits, group) -> float:
+    """max |fn(x, weight) - x @ w| / max |x @ w| for one layer's weight, against the float32 product of the
+    dequantised weight."""
+    q, scale, offset = weight
+    if q.dtype == jnp.int32:  # codes four rows a word (pack_code_words): back to rows of bytes
+        q = ((q[:, None, :] >> (8 * jnp.arange(4))[None, :, None]) & 0xFF).reshape(-1, q.shape[1])
+        q = q.astype(jnp.uint8) if bits == 4 else q.astype(jnp.uint8).view(jnp.int8)
+    want = weight_only_matmul_reference(x.astype(jnp.float32), q, scale, offset, bits=bits, group=group)
+    got = jax.jit(fn)(x, weight).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
 def xla_path(bits, group):
     """What XLA gets when left alone: dequantise (convert, scale) and a bf16 dot."""
     def fn(x, w):
@@ -116,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--integer-dot", action="store_true",
                    help="int8 at one row: also x quantized per --x-group and multiplied in integers (dp4a)")
     p.add_argument("--x-group", type=int, default=128, help="--integer-dot: x's quantization group along K")
+    p.add_argument("--nibble-unpack", default="ops",
+                   help="int4 at 2+ rows: how the dot kernels unpack code bytes (comma-separated: ops, prmt)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--ncu", action="store_true", help="each configuration once, one layer, no profiler trace")
     p.add_argument("--tag", default="")
@@ -152,12 +173,17 @@ def main(argv=None) -> int:
                 words = ([(pack_code_words(q), scale, offset) for q, scale, offset in w] if integer_dot and m == 1
                          else None)
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
-                for (bk, bn), warps, stages in ((b, int(wp), int(st)) for b in blocks for wp in args.warps.split(",")
-                                                for st in args.stages.split(",")):
+                # Unpacking matters to the int4 dot kernels only (2+ rows); elsewhere "ops" alone.
+                unpacks = args.nibble_unpack.split(",") if bits == 4 and m > 1 else ["ops"]
+                for (bk, bn), warps, stages, unpack in ((b, int(wp), int(st), u) for b in blocks
+                                                        for wp in args.warps.split(",")
+                                                        for st in args.stages.split(",") for u in unpacks):
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
-                                           num_warps=warps, num_stages=stages, interpret=interpret)
-                    variants.append((f"int{bits}", "pallas", bits, fn, w, f"{bk}x{bn}/w{warps}s{stages}"))
-                    if integer_dot and args.x_group % bk == 0:
+                                           num_warps=warps, num_stages=stages, interpret=interpret,
+                                           nibble_unpack=unpack)
+                    label = f"{bk}x{bn}/w{warps}s{stages}" + ("" if unpack == "ops" else f"/{unpack}")
+                    variants.append((f"int{bits}", "pallas", bits, fn, w, label))
+                    if integer_dot and args.x_group % bk == 0 and unpack == unpacks[0]:  # unpacking not its own
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
                         variants += [(f"int{bits}", backend, bits, integer, codes, f"{bk}x{bn}/w{warps}s{stages}")
                                      for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))
@@ -166,6 +192,10 @@ def main(argv=None) -> int:
                 record = {"matrix": name, "k": k, "n": n, "rows": m, "weights": weights_kind, "backend": backend,
                           "config": config, "weight_bytes": k * n * bits // 8}
                 try:
+                    if bits != 16:  # checked first: a kernel that computes the wrong product is not timed
+                        record["relative_error"] = relative_error(fn, x, w[0], bits, k if bits == 8 else args.group)
+                        if record["relative_error"] > MAX_RELATIVE_ERROR:
+                            raise ValueError(f"relative error {record['relative_error']:.3g} against the reference")
                     ms = time_chain_ms(fn, x, w, args.repeats, untraced=args.ncu)
                     record |= {"ms": ms, "weight_gb_per_s": record["weight_bytes"] / ms / 1e6,
                                "fraction_of_copy_read": record["weight_bytes"] / ms / 1e6 / (bandwidth / 2)}

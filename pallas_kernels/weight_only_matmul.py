@@ -45,12 +45,12 @@ def _block_partial(x, q, scale, offset):
 
 
 def _nibble_partial(x, nibbles, scale, offset):
-    """_block_partial for 4-bit values [bk, bn] (int32, 0..15) without an int -> float convert: the bf16 with
-    bits 0x4300 | v is exactly 128 + v (its exponent puts the unit in the last mantissa bit), so the dot gives
-    x @ q + 128 rowsum(x), and the offset term takes the 128 back. Other dtypes of x convert."""
+    """_block_partial for 4-bit values [bk, bn] without an int -> float convert: nibbles are the bf16 128 + v
+    of each value v (_nibble_tiles), so the dot gives x @ q + 128 rowsum(x), and the offset term takes the 128
+    back. Other dtypes of x take the values (nibbles - 128) and convert."""
     if x.dtype != jnp.bfloat16:
-        return _block_partial(x, nibbles, scale, offset)
-    w = _nibble_bf16(nibbles)
+        return _block_partial(x, nibbles.astype(jnp.float32) - 128.0, scale, offset)
+    w = nibbles
     rowsum = jnp.sum(x.astype(jnp.float32), axis=1)[:, None]
     shift = -128.0 * scale if offset is None else offset - 128.0 * scale
     return plt.dot(x, w, allow_tf32=False) * scale[None, :] + rowsum * shift[None, :]
@@ -66,7 +66,7 @@ def _rows_of_x(bits: int, group: int, k0):
 
 
 def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
-                              blocks_per_split: int):
+                              blocks_per_split: int, unpack: str, interpret: bool):
     """One (column block, K split) program. x_ref [M, K]; q_ref [K or K/2, bn]; scale_ref, offset_ref
     [K / group, bn]; o_ref [M, bn] this split's partial output."""
     split = pl.program_id(1)
@@ -82,9 +82,9 @@ def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bit
         scale, offset = scale_row(scale_ref, g), scale_row(offset_ref, g)
         if bits == 8:
             return acc + _block_partial(x_ref[:, pl.ds(low_rows, block_k)], q, scale, offset)
-        q = q.astype(jnp.int32)
-        acc += _nibble_partial(x_ref[:, pl.ds(low_rows, block_k)], q & 0xF, scale, offset)
-        return acc + _nibble_partial(x_ref[:, pl.ds(high_rows, block_k)], q >> 4, scale, offset)
+        low, high = _nibble_tiles(q, unpack, interpret)
+        acc += _nibble_partial(x_ref[:, pl.ds(low_rows, block_k)], low, scale, offset)
+        return acc + _nibble_partial(x_ref[:, pl.ds(high_rows, block_k)], high, scale, offset)
 
     acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((m, o_ref.shape[1]), jnp.float32))
     o_ref[...] = acc
@@ -258,7 +258,7 @@ def quantize_rows_int8(x, x_group: int):
 
 
 def weight_only_swapped_kernel(xt_ref, q_ref, scale_ref, offset_ref, o_ref, *, group: int, block_k: int,
-                               blocks_per_split: int):
+                               blocks_per_split: int, unpack: str, interpret: bool):
     """int4 at a few rows: the product transposed, out^T [block_n, R] = w^T [block_n, K] @ x^T [K, R], so that the
     weight tile just dequantised in registers is the dot's first operand and x (R = 16 padded rows) the small
     second one. At 8 rows it read int4 codes at up to 1.25x the rate of weight_only_matmul_kernel, whose weight
@@ -268,12 +268,11 @@ def weight_only_swapped_kernel(xt_ref, q_ref, scale_ref, offset_ref, o_ref, *, g
 
     def body(i, acc):
         k0 = (split * blocks_per_split + i) * block_k
-        q = q_ref[pl.ds(k0, block_k), :].astype(jnp.int32)
+        low, high = _nibble_tiles(q_ref[pl.ds(k0, block_k), :], unpack, interpret)
         low_rows, high_rows, g = _rows_of_x(4, group, k0)
         x_low, x_high = xt_ref[pl.ds(low_rows, block_k), :], xt_ref[pl.ds(high_rows, block_k), :]
         scale = scale_ref[g, :].astype(jnp.float32)
-        products = (plt.dot(_nibble_bf16(q & 0xF).T, x_low, allow_tf32=False)
-                    + plt.dot(_nibble_bf16(q >> 4).T, x_high, allow_tf32=False))
+        products = plt.dot(low.T, x_low, allow_tf32=False) + plt.dot(high.T, x_high, allow_tf32=False)
         rowsum = jnp.sum(x_low.astype(jnp.float32), axis=0) + jnp.sum(x_high.astype(jnp.float32), axis=0)
         shift = -128.0 * scale if offset_ref is None else offset_ref[g, :].astype(jnp.float32) - 128.0 * scale
         return acc + products * scale[:, None] + rowsum[None, :] * shift[:, None]
@@ -282,8 +281,86 @@ def weight_only_swapped_kernel(xt_ref, q_ref, scale_ref, offset_ref, o_ref, *, g
 
 
 def _nibble_bf16(nibbles):
-    """bf16 128 + v for int32 v in 0..15 (_nibble_partial's bits)."""
+    """bf16 128 + v for int32 v in 0..15: the bf16 with bits 0x4300 | v (its exponent puts the unit in the last
+    mantissa bit)."""
     return lax.bitcast_convert_type((nibbles | 0x4300).astype(jnp.uint16), jnp.bfloat16)
+
+
+UNPACKS = ("ops", "prmt")  # how a kernel turns int4 code bytes into bf16 tiles (_nibble_tiles)
+# The "prmt" program, four code bytes b0..b3 of one 32-bit register at a time: two byte permutes spread them over
+# the low halves of two words (b0 | b1 << 16, b2 | b3 << 16; byte selector 4 is the zero operand's), then for
+# the high nibbles a shift by 4, and one LOP3 each keeps the nibble of both halves and sets the bf16 exponent
+# 0x4300: two bf16 of 128 + v a word. 4-6 instructions for 8 weights against about 3 a weight (convert to
+# int32, mask, or, narrow) for "ops".
+SPREAD_LOW, SPREAD_HIGH = 0x4140, 0x4342  # prmt selectors: (b0, 0, b1, 0) and (b2, 0, b3, 0)
+NIBBLE_MASK, BF16_128 = 0x000F000F, 0x43004300
+AND_THEN_OR = 0xEA  # LOP3's truth table for (a & b) | c
+
+
+def _nibble_tiles(q_bytes, unpack: str, interpret: bool = False):
+    """(low, high): bf16 128 + the low and high nibble of each code byte of q_bytes [bk, bn] uint8. "prmt" in
+    interpret mode (no PTX) runs the same program in integers on words of four neighbouring bytes: the asm is
+    elementwise within its four bytes, so any grouping checks it."""
+    if unpack == "ops":
+        q = q_bytes.astype(jnp.int32)
+        return _nibble_bf16(q & 0xF), _nibble_bf16(q >> 4)
+    if interpret:
+        rows, cols = q_bytes.shape
+        codes = q_bytes.astype(jnp.uint32).reshape(rows, cols // 4, 4)
+        words = functools.reduce(jnp.bitwise_or, [codes[..., i] << (8 * i) for i in range(4)])
+
+        def emulated(high: bool):
+            out = nibble_program(words, high)
+            halves = jnp.stack([out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16], axis=-1)
+            return lax.bitcast_convert_type(halves.reshape(rows, cols).astype(jnp.uint16), jnp.bfloat16)
+
+        return emulated(False), emulated(True)
+
+    def nibbles(shift: str):
+        asm = (f"{{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, {SPREAD_LOW:#x}; prmt.b32 t1, $2, 0, {SPREAD_HIGH:#x}; "
+               f"{shift}lop3.b32 $0, t0, {NIBBLE_MASK:#010x}, {BF16_128:#x}, {AND_THEN_OR:#x}; "
+               f"lop3.b32 $1, t1, {NIBBLE_MASK:#010x}, {BF16_128:#x}, {AND_THEN_OR:#x}; }}")
+        (out,) = plt.elementwise_inline_asm(asm, args=[q_bytes], constraints="=r,=r,r", pack=4,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(q_bytes.shape, jnp.bfloat16)])
+        return out
+
+    return nibbles(""), nibbles("shr.u32 t0, t0, 4; shr.u32 t1, t1, 4; ")
+
+
+def nibble_program(words, high: bool):
+    """The "prmt" program in integers on 32-bit words of four code bytes (Python ints or uint32 arrays): the two
+    output words, each two bf16 (low half first) of 128 + a nibble of bytes (0, 1) and (2, 3)."""
+    spread = [prmt_emulated(words, selector) for selector in (SPREAD_LOW, SPREAD_HIGH)]
+    if high:
+        spread = [t >> 4 for t in spread]
+    return [lop3_emulated(t, NIBBLE_MASK, BF16_128, AND_THEN_OR) for t in spread]
+
+
+def prmt_emulated(word, selector: int):
+    """PTX prmt.b32 (default mode) of `word` and a zero second operand: byte i of the result is byte
+    (selector >> 4 i) & 7 of the eight (word's four, then four zeros); bit 3 of a selector would replicate that
+    byte's sign, which no selector here asks for."""
+    out = 0
+    for i in range(4):
+        pick = (selector >> (4 * i)) & 0xF
+        if pick & 0x8:
+            raise ValueError(f"selector {selector:#x}: sign-replicate mode is not emulated")
+        if pick < 4:
+            out = out | (((word >> (8 * pick)) & 0xFF) << (8 * i))
+    return out
+
+
+def lop3_emulated(a, b: int, c: int, table: int):
+    """PTX lop3.b32 with a truth table: bit (4 a_i + 2 b_i + c_i) of `table` is result bit i."""
+    if not isinstance(a, int):  # a uint32 array: constants past int32's range must be uint32 too
+        b, c = jnp.uint32(b), jnp.uint32(c)
+    bits = 0xFFFFFFFF if isinstance(a, int) else jnp.uint32(0xFFFFFFFF)
+    out = 0
+    for inputs in range(8):
+        if table >> inputs & 1:
+            out = out | ((a if inputs & 4 else a ^ bits) & (b if inputs & 2 else b ^ bits)
+                         & (c if inputs & 1 else c ^ bits))
+    return out
 
 
 def default_splits(column_blocks: int, k_blocks: int) -> int:
@@ -296,16 +373,22 @@ def default_splits(column_blocks: int, k_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group", "block_k", "block_n", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "out_dtype", "integer_dot", "x_group"))
+                                             "num_stages", "interpret", "out_dtype", "integer_dot", "x_group",
+                                             "nibble_unpack"))
 def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block_k: int = 64, block_n: int = 128,
                        num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                       interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128):
+                       interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128,
+                       nibble_unpack: str = "ops"):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
     docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (1-16
     rows): x quantized to int8 per x_group positions and multiplied in integers (one row: weight_only_integer_kernel;
     more: weight_only_integer_rows_kernel), the exact product of those quantized rows, an approximation of x @ w
-    within x's quantization error."""
+    within x's quantization error. nibble_unpack (int4 at 2 rows or more, the dot kernels): how code bytes become
+    bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte permutes, four bytes an instruction;
+    _nibble_tiles), the same values either way."""
     m, k = x.shape
+    if nibble_unpack not in UNPACKS:
+        raise ValueError(f"nibble_unpack must be one of {', '.join(UNPACKS)}, got {nibble_unpack!r}")
     if integer_dot and (m > _MIN_ROWS or k % x_group or (bits == 4 and x_group % group)):
         raise ValueError(f"integer_dot multiplies up to {_MIN_ROWS} rows quantized in x groups dividing K (int4: "
                          f"whole weight groups); got {m} rows, K = {k}, x_group {x_group}, {bits}-bit group {group}")
@@ -356,13 +439,15 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     elif layout == "swapped":
         xs = (jnp.zeros((k, _MIN_ROWS), x.dtype).at[:, :m].set(x.T),)
         kernel = functools.partial(weight_only_swapped_kernel, group=group, block_k=block_k,
-                                   blocks_per_split=blocks_per_split)
+                                   blocks_per_split=blocks_per_split, unpack=nibble_unpack, interpret=interpret)
         out_block, out_index, out_shape = (None, block_n, _MIN_ROWS), lambda j, s: (s, j, 0), (splits, n, _MIN_ROWS)
     else:
         rows = 1 if layout == "vector" else max(_MIN_ROWS, next_power_of_2(m))
         xs = (x if layout == "vector" else jnp.zeros((rows, k), x.dtype).at[:m].set(x),)
-        body = weight_only_vector_kernel if layout == "vector" else weight_only_matmul_kernel
-        kernel = functools.partial(body, bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
+        kernel = functools.partial(weight_only_vector_kernel if layout == "vector" else weight_only_matmul_kernel,
+                                   bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
+        if layout != "vector":
+            kernel = functools.partial(kernel, unpack=nibble_unpack, interpret=interpret)
         out_block, out_index, out_shape = (None, rows, block_n), lambda j, s: (s, 0, j), (splits, rows, n)
     partial = pl.pallas_call(
         kernel if offset is not None else _without_offset(kernel),

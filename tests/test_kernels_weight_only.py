@@ -10,7 +10,7 @@ import pytest
 
 from h200_lowering import lower_for_h200
 from pallas_kernels.weight_only_matmul import (
-    _dp4a_emulated, _layout, dequantize, pack_code_words, quantize_rows_int8, weight_only_matmul,
+    _dp4a_emulated, _layout, dequantize, nibble_program, pack_code_words, quantize_rows_int8, weight_only_matmul,
     weight_only_matmul_reference,
 )
 
@@ -72,12 +72,43 @@ def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, sp
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("m", [2, 8, 17])  # the swapped kernel (bf16, up to 16 rows), then the row-major dot
+def test_prmt_unpacking_gives_the_same_products(rng, m):
+    """nibble_unpack "prmt" (in interpret mode its PTX program run in integers) multiplies as "ops" does, to the
+    bit, and both match float64 within bf16's rounding."""
+    k, n, group = 256, 64, 64
+    q, scale, offset = random_weight(rng, 4, group, True, k, n)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    run = lambda unpack: np.asarray(weight_only_matmul(  # noqa: E731
+        x, jnp.asarray(q), scale, offset, bits=4, group=group, block_k=32, block_n=32, interpret=True,
+        nibble_unpack=unpack), np.float64)
+    expected = np.asarray(x, np.float64) @ numpy_weight(q, scale, offset, 4, group)
+    np.testing.assert_array_equal(run("prmt"), run("ops"))
+    np.testing.assert_allclose(run("prmt"), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+
+
+def test_the_prmt_program_makes_bf16_128_plus_each_nibble():
+    """nibble_program (byte permutes, shift, LOP3, emulated from PTX's definitions) on every byte value in every
+    byte position of a word: output half j is the bf16 with bits 0x4300 | nibble of byte j, numpy's own value."""
+    for position in range(4):
+        for byte in range(256):
+            word = byte << (8 * position) | (0xA5 << (8 * ((position + 1) % 4)))  # a neighbour that must not leak
+            for high, nibble in ((False, byte & 0xF), (True, byte >> 4)):
+                out = nibble_program(word, high)
+                half = (out[position // 2] >> (16 * (position % 2))) & 0xFFFF
+                value = np.array([half], np.uint16).view(jnp.bfloat16)[0]
+                assert half == 0x4300 | nibble and float(value) == 128 + nibble, (position, byte, high)
+
+
 def test_bad_layouts_are_refused():
     x = jnp.ones((2, 128), jnp.float32)
     with pytest.raises(ValueError, match="not a 4-bit weight"):
         weight_only_matmul(x, jnp.zeros((128, 32), jnp.uint8), jnp.ones((2, 32)), bits=4, group=64)
     with pytest.raises(ValueError, match="scale"):
         weight_only_matmul(x, jnp.zeros((128, 32), jnp.int8), jnp.ones((3, 32)), bits=8, group=64)
+    with pytest.raises(ValueError, match="nibble_unpack must be one of ops, prmt"):
+        weight_only_matmul(x, jnp.zeros((64, 32), jnp.uint8), jnp.ones((2, 32)), bits=4, group=64,
+                           nibble_unpack="lut")
 
 
 @pytest.mark.parametrize("rows,layout", [(1, "vector"), (8, "swapped"), (32, "rows")])
@@ -91,6 +122,11 @@ def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
                           spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
                           group=group)
     assert f"weight_only_matmul_{layout}" in text
+    if layout != "vector":  # the dot kernels' byte-permute unpacking: four code bytes an instance of the asm
+        text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
+                              spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
+                              group=group, nibble_unpack="prmt")
+        assert "prmt.b32" in text
 
 
 # ---- the integer dot (int8 or int4 codes, one row of x quantized to int8)-----------------------------------------
