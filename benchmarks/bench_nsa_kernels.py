@@ -19,7 +19,8 @@ splits and in row blocks of 32: impls "pallas-4-splits", "pallas-32-rows" and "p
 blocks the pass chose, the part the schedules differ in and what the SSV paper's kernel speedup compares; and
 top-n: the selection alone, the top 16 of random block scores for 1 (decode) and each tree size's queries per KV
 head, impl "xla" (lax.top_k, XLA's TopK kernel), "pallas" (pallas_kernels.top_n, which the kernel paths use) and
-"pallas-packed" (top_n with its launch until 2026-12-04: up to 64 rows a 4-warp program, rows whole).
+"pallas-packed" (top_n with its launch until 2026-12-04: up to 64 rows a 4-warp program, rows whole) and
+"pallas-one-stage" (the default launch without chunks: rows whole, no second stage).
 Tree queries are q_root + noise * eps (ssv-nsa.md 4.5) with eps from --noise, so that the nodes' block sets
 overlap as nearby queries' do; each record states the overlap it measured (mean Jaccard of a node's blocks with
 the root's) and the union size |U| (blocks per KV head, mean over the batch), from which the ideal ratio T n / |U|
@@ -185,8 +186,12 @@ def main(argv=None) -> int:
                 # "pallas-packed": top_n's launch until 2026-12-04, up to 64 rows (8,192 scores) to a 4-warp program.
                 packed = TopNLaunch(chunk=MAX_TILE, block_rows=min(64, MAX_TILE // next_power_of_2(num_blocks)),
                                     num_warps=4)
+                # "pallas-one-stage": the default's rows per program and warps, but rows whole (no chunks).
+                whole = TopNLaunch.for_rows(batch * KV_HEADS * nodes, num_blocks, min_chunk=MAX_TILE)
                 for impl, select in (("xla", jax.lax.top_k), ("pallas", functools.partial(top_n, interpret=interpret)),
-                                     ("pallas-packed", functools.partial(top_n, launch=packed, interpret=interpret))):
+                                     ("pallas-packed", functools.partial(top_n, launch=packed, interpret=interpret)),
+                                     ("pallas-one-stage", functools.partial(top_n, launch=whole,
+                                                                            interpret=interpret))):
                     got = timed(dict(kernel="top-n", impl=impl, tree_nodes=nodes, context=context, batch=batch,
                                      bytes=scores.size * 4, union_blocks=None, overlap=None),
                                 jax.jit(lambda x, select=select: select(x, LAYOUT.top_n)), scores, want, tolerance=0.0)
@@ -325,10 +330,10 @@ def readme_section(records: list[dict]) -> str:
     for r in records:
         if r["kernel"] == "top-n":
             selection.setdefault((r["context"], r["batch"], r["tree_nodes"]), {})[r["impl"]] = r
-    packed = lambda by: f"{by['pallas-packed']['time_ms']:.3f}" if "pallas-packed" in by else "-"  # noqa: E731
-    selection_rows = [f"| {c // 1024}K | {b} | {t} | {by['xla']['time_ms']:.3f} | {packed(by)} | "
-                      f"{by['pallas']['time_ms']:.3f} | {by['xla']['time_ms'] / by['pallas']['time_ms']:.1f}x | "
-                      f"{clock(by['pallas'])} |"
+    ms = lambda by, impl: f"{by[impl]['time_ms']:.3f}" if impl in by else "-"  # noqa: E731
+    selection_rows = [f"| {c // 1024}K | {b} | {t} | {ms(by, 'xla')} | {ms(by, 'pallas-packed')} | "
+                      f"{ms(by, 'pallas-one-stage')} | {ms(by, 'pallas')} | "
+                      f"{by['xla']['time_ms'] / by['pallas']['time_ms']:.1f}x | {clock(by['pallas'])} |"
                       for (c, b, t), by in sorted(selection.items()) if {"xla", "pallas"} <= set(by)]
     best = max(decode, key=fraction, default=None)
     decode_status = ("not yet measured" if best is None else
@@ -355,9 +360,9 @@ def readme_section(records: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
         *decode_rows,
         *(["", "Selection alone, the top 16 blocks of each query (per KV head; 1 query: a decode step):", "",
-           "| context | batch | queries | lax.top_k ms | top_n packed (until 2026-12-04) ms | pallas_kernels.top_n ms "
-           "| speedup over lax.top_k | clock, date |",
-           "|---|---|---|---|---|---|---|---|", *selection_rows] if selection_rows else []),
+           "| context | batch | queries | lax.top_k ms | top_n packed (until 2026-12-04) ms | top_n rows whole ms "
+           "| pallas_kernels.top_n ms | speedup over lax.top_k | clock, date |",
+           "|---|---|---|---|---|---|---|---|---|", *selection_rows] if selection_rows else []),
     ])
 
 

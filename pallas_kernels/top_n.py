@@ -73,7 +73,7 @@ class TopNLaunch:
         its threads, so the rounds of a few long rows run faster cut into chunks on more SMs (plus a second stage
         over the chunks' candidates) and few short rows faster one a program on a single warp (reductions in
         shuffles, no barrier) than packed into one program of 4 warps, as until 2026-12-04: 33 us a call for the
-        24 rows of 128 blocks of a batch-8 SmolLM2 NSA-view decode step, 1.0 of its 2.4 ms. min_chunk MAX_TILE:
+        24 rows of 512 blocks of a batch-8 SmolLM2 NSA-view decode step at 8K, 1.0 of its 2.4 ms. min_chunk MAX_TILE:
         one stage wherever a row fits a program (the second stage's own launch)."""
         padded = next_power_of_2(length)
         per_program = next_power_of_2(pl.cdiv(padded * num_rows, TARGET_PROGRAMS))

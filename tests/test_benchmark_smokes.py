@@ -63,7 +63,8 @@ def test_bench_nsa_kernels(tmp_path, monkeypatch):
     assert {"nsa-decode", "v0", "v1", "dense-tree", "v0-selected", "v1-selected", "top-n"} == {
         r["kernel"] for r in doc["records"]}
     assert {(r["impl"], r["tree_nodes"]) for r in doc["records"] if r["kernel"] == "top-n"} == {
-        (impl, nodes) for impl in ("xla", "pallas", "pallas-packed") for nodes in (1, 4)}
+        (impl, nodes) for impl in ("xla", "pallas", "pallas-packed", "pallas-one-stage")
+        for nodes in (1, 4)}
     for r in doc["records"]:
         has_fields(r, "kernel", "tree_nodes", "context", "batch", "bytes", "kernels", "top_kernels")
         finite_positive(r, "time_ms", "wall_ms", "gb_per_s")

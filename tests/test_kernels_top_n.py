@@ -53,7 +53,8 @@ def test_every_launch_returns_the_same_top_n(rng, launch):
 
 
 @pytest.mark.parametrize("rows, length, want", [
-    (24, 128, TopNLaunch(chunk=128, block_rows=1, num_warps=1)),  # a batch-8 SmolLM2 decode: a program a row
+    (24, 512, TopNLaunch(chunk=256, block_rows=1, num_warps=1)),  # a batch-8 SmolLM2 view step at 8K: 2 chunks a row
+    (744, 128, TopNLaunch(chunk=128, block_rows=1, num_warps=1)),  # short rows: a program a row, one warp
     (2, 2048, TopNLaunch(chunk=256, block_rows=1, num_warps=1)),  # NSA-1B at 32K, batch 1: 8 chunks a row
     (1024, 2048, TopNLaunch(chunk=2048, block_rows=2, num_warps=4)),  # 64-node trees at batch 8: rows whole
 ])
