@@ -10,8 +10,8 @@ H200, 2026-12-03). The kernels keep the logits in registers and write only [H_kv
   heads of a few nodes (row r: node r // G, head r % G) and streams its split's compressed keys and values once,
   writing split partials (o, l, m).
 - `compressed_probs`: the same grid, given each row's total log-sum-exp: it recomputes the logits and writes
-  sum over a node's heads of exp(logit - lse) through a 0/1 selector matrix (one exact float32 dot), so no row
-  of logits leaves the program.
+  sum over a node's heads of exp(logit - lse) through a 0/1 selector matrix (three bf16 tensor-core dots that
+  together carry float32's precision, `_float32_sums`), so no row of logits leaves the program.
 The compressed keys are read twice (256 KB per KV head at 32K: from L2 the second time).
 `compressed_tree_branch_reference` is the XLA twin.
 """
@@ -84,8 +84,8 @@ def probs_kernel(q_ref, k_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, blo
     q, real, local = _program_rows(q_ref, kv_head, node_block, **rows)
     lse = lse_ref[...]
     visible, first = visible_ref[()], split * chunk
-    # selector[n, r]: row r is one of node n's heads; selector @ p sums each node's heads (exact in float32).
-    selector = ((jnp.arange(nodes_padded)[:, None] == local[None, :]) & real[None, :]).astype(jnp.float32)
+    # selector[n, r]: row r is one of node n's heads; selector @ p sums each node's heads.
+    selector = ((jnp.arange(nodes_padded)[:, None] == local[None, :]) & real[None, :]).astype(jnp.bfloat16)
 
     def body(step, carry):
         start = first + step * block_c
@@ -93,12 +93,25 @@ def probs_kernel(q_ref, k_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, blo
         logits = plt.dot(q, k_ref[pl.ds(start, block_c), :], trans_b=True) * sm_scale
         p = jnp.where(real[:, None] & valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
         # Only the program's nodes: the selector's padding rows (half of them at G 16) are never written.
-        plt.store(probs_ref.at[:, pl.ds(step * block_c, block_c)], plt.dot(selector, p, allow_tf32=False),
+        plt.store(probs_ref.at[:, pl.ds(step * block_c, block_c)], _float32_sums(selector, p),
                   mask=(jnp.arange(nodes_padded) < rows["nodes"])[:, None])
         return carry
 
     # Every block of the split, so rows past `visible` come back as zeros.
     lax.fori_loop(0, chunk // block_c, body, 0)
+
+
+def _float32_sums(selector, p):
+    """selector [N, R] (0/1, bf16) @ p [R, C] float32 to float32 accuracy on the tensor cores: p is the sum of
+    three bf16 terms (8 significant bits each, the next 8 and the last 8 of float32's 24), each product of a 0/1
+    weight by a term is exact, and the dots accumulate in float32. A float32 dot without TF32 runs on the FMA
+    units instead, 16 multiply-adds per probability at 16 nodes a program (until 2026-12-04: 84 us of a 64-node
+    batch-8 pass at 32K, the longest kernel, benchmarks/results/nsa-kernels-2026-12-04-050556.json)."""
+    high = p.astype(jnp.bfloat16)
+    rest = p - high.astype(jnp.float32)
+    middle = rest.astype(jnp.bfloat16)
+    low = (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16)
+    return sum(plt.dot(selector, term) for term in (high, middle, low))  # float32 results
 
 
 def _unbatched(q, k_cmp, v_cmp, visible, extra_lse, *, block_c, num_splits, interpret):
