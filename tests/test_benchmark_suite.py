@@ -525,6 +525,12 @@ def test_the_nsa_kernel_tables_judge_issue_20s_targets_from_the_newest_records_o
     text = nsa.readme_section(selection)
     # Launches not measured (here the rows-whole one) show "-".
     assert "| 32K | 1 | 64 | 0.200 | 0.100 | - | 0.050 | 4.0x | kernel, - |" in text and "| 32K | 8 |" not in text
+    # The view's records get their own table and never judge the targets (NSA-1B's shapes).
+    view = {"date": "2026-12-07", "records": [row("v0", 0.5, timer=nsa.KERNEL_TIME, shapes="smollm2-view"),
+                                               row("v1", 0.1, timer=nsa.KERNEL_TIME, shapes="smollm2-view")]}
+    text = nsa.readme_section(nsa.newest_on_one_clock([older_gpu, view]))
+    assert "whole verification pass: **met**: batch 1 3.30x." in text
+    assert text.split("SmolLM2's NSA view")[1].count("| 32K | 1 | 64 | 0.500 | 0.100 | 5.00x |") == 1
     decode = [row("nsa-decode", 0.1, gb_per_s=2100.0, copy_gb_per_s=3000.0),
               row("nsa-decode", 0.1, batch=8, gb_per_s=600.0, copy_gb_per_s=3000.0)]
     text = nsa.readme_section(decode)

@@ -1,5 +1,6 @@
 """The weight-only quantized matmul kernel (interpret mode) and its jnp twin against float64 numpy, int8 and
-packed int4, with and without offsets, on fresh random inputs every run; a failing test prints its seed, and KERNEL_TEST_SEED=<seed> replays it."""
+packed int4, with and without offsets, on fresh random inputs every run; a failing test prints its seed, and
+KERNEL_TEST_SEED=<seed> replays it."""
 
 from __future__ import annotations
 
