@@ -27,8 +27,8 @@ from pallas_kernels._common import TARGET_PROGRAMS, check_power_of_2, next_power
 MAX_TILE = 8192
 MAX_ROWS = 64
 MAX_N = 64
-# The shortest chunk a row is cut into (shorter ones would make the second stage's candidates outnumber the row),
-# and the scores a thread holds before a program takes another warp.
+# The shortest chunk a row is cut into (each chunk leaves n candidates: shorter chunks would leave the second
+# stage nearly the row's length), and the scores a thread holds before a program takes another warp.
 MIN_CHUNK = 256
 ENTRIES_PER_THREAD = 16
 
