@@ -409,6 +409,9 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     if integer_dot and x_group % block_k:
         raise ValueError(f"x_group {x_group} does not tile into blocks of {block_k}")
     check_power_of_2("block_n", block_n, 16)
+    if nibble_unpack == "prmt" and (block_k * block_n) % (4 * 32 * num_warps):
+        raise ValueError(f"nibble_unpack 'prmt' takes four code bytes a thread at a time: a {block_k} x {block_n} "
+                         f"block gives {num_warps * 32} threads {block_k * block_n / (num_warps * 32):g} each")
     if rows_per_group % block_k or block_rows % block_k or n % block_n:
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into blocks of {block_k} x {block_n}")
     k_blocks = block_rows // block_k

@@ -107,6 +107,9 @@ def test_bad_layouts_are_refused():
         weight_only_matmul(x, jnp.zeros((128, 32), jnp.uint8), jnp.ones((2, 32)), bits=4, group=64)
     with pytest.raises(ValueError, match="scale"):
         weight_only_matmul(x, jnp.zeros((128, 32), jnp.int8), jnp.ones((3, 32)), bits=8, group=64)
+    with pytest.raises(ValueError, match="four code bytes a thread at a time: a 16 x 16 block gives 128 threads 2"):
+        weight_only_matmul(jnp.ones((2, 64)), jnp.zeros((32, 16), jnp.uint8), jnp.ones((1, 16)), bits=4, group=64,
+                           block_k=16, block_n=16, nibble_unpack="prmt")
     with pytest.raises(ValueError, match="nibble_unpack must be one of ops, prmt"):
         weight_only_matmul(x, jnp.zeros((64, 32), jnp.uint8), jnp.ones((2, 32)), bits=4, group=64,
                            nibble_unpack="lut")
