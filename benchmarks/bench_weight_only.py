@@ -10,7 +10,9 @@ second against a device copy measured in the same run. --integer-dot adds, at up
 path (x quantized to int8; one row PTX dp4a, more an int8 tensor-core dot), an approximation of the product that a
 draft could use, on the codes as stored (backend "pallas-integer") and, at one row, packed four rows a word
 (pack_code_words, "pallas-integer-words"). --nibble-unpack ops,prmt times the int4 dot kernels (2+ rows) with
-each way of unpacking code bytes (config suffix "/prmt"). Every quantized variant's product is checked against
+each way of unpacking code bytes (config suffix "/prmt"); --split-factors 1,2,4 each kernel at its default K
+splits and at multiples of them (suffix "/splitsN": more programs in flight to hide the loads' latency, where
+the default aims at two per SM). Every quantized variant's product is checked against
 the float32 product of the dequantised weight first (relative_error; above MAX_RELATIVE_ERROR it is an error,
 not timed).
 Prints a table; writes JSON to $OUT (or --out).
@@ -44,7 +46,7 @@ from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, measure_bandwidth, median_seconds  # noqa: E402
 from pallas_kernels.weight_only_matmul import (  # noqa: E402
-    pack_code_words, weight_only_matmul, weight_only_matmul_reference,
+    default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
 )
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
@@ -135,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--integer-dot", action="store_true",
                    help="int8 at one row: also x quantized per --x-group and multiplied in integers (dp4a)")
     p.add_argument("--x-group", type=int, default=128, help="--integer-dot: x's quantization group along K")
+    p.add_argument("--split-factors", default="1",
+                   help="K splits as multiples of the kernel's default (comma-separated, e.g. 1,2,4): more programs "
+                        "in flight, more partial sums to add")
     p.add_argument("--nibble-unpack", default="ops",
                    help="int4 at 2+ rows: how the dot kernels unpack code bytes (comma-separated: ops, prmt)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
@@ -175,17 +180,25 @@ def main(argv=None) -> int:
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
                 # Unpacking matters to the int4 dot kernels only (2+ rows); elsewhere "ops" alone.
                 unpacks = args.nibble_unpack.split(",") if bits == 4 and m > 1 else ["ops"]
-                for (bk, bn), warps, stages, unpack in ((b, int(wp), int(st), u) for b in blocks
-                                                        for wp in args.warps.split(",")
-                                                        for st in args.stages.split(",") for u in unpacks):
+                for (bk, bn), warps, stages, unpack, factor in (
+                        (b, int(wp), int(st), u, int(f)) for b in blocks for wp in args.warps.split(",")
+                        for st in args.stages.split(",") for u in unpacks for f in args.split_factors.split(",")):
+                    splits = _splits(bits, k, n, group, bk, bn, factor)
+                    if factor != 1 and splits is None:
+                        continue  # the K blocks do not split that many ways: nothing to time
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
                                            num_warps=warps, num_stages=stages, interpret=interpret,
-                                           nibble_unpack=unpack)
-                    label = f"{bk}x{bn}/w{warps}s{stages}" + ("" if unpack == "ops" else f"/{unpack}")
+                                           nibble_unpack=unpack, num_splits=splits)
+                    label = (f"{bk}x{bn}/w{warps}s{stages}" + ("" if unpack == "ops" else f"/{unpack}")
+                             + ("" if splits is None else f"/splits{splits}"))
                     variants.append((f"int{bits}", "pallas", bits, fn, w, label))
-                    if integer_dot and args.x_group % bk == 0 and unpack == unpacks[0]:  # unpacking not its own
+                    # The integer path (x_group a multiple of block_k: the same K blocks, so the same splits), once
+                    # for all unpackings, which it does not use.
+                    if integer_dot and args.x_group % bk == 0 and unpack == unpacks[0]:
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
-                        variants += [(f"int{bits}", backend, bits, integer, codes, f"{bk}x{bn}/w{warps}s{stages}")
+                        splits_label = "" if splits is None else f"/splits{splits}"
+                        variants += [(f"int{bits}", backend, bits, integer, codes,
+                                      f"{bk}x{bn}/w{warps}s{stages}{splits_label}")
                                      for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))
                                      if codes is not None]
             for weights_kind, backend, bits, fn, w, config in variants:
@@ -217,6 +230,17 @@ def main(argv=None) -> int:
     for r in best.values():
         print(_line(r))
     return 0
+
+
+def _splits(bits: int, k: int, n: int, group: int, block_k: int, block_n: int, factor: int) -> int | None:
+    """None (the kernel's default) for factor 1, else that default times `factor`, block_k clamped as the float
+    kernels clamp it; None too where the K blocks do not split that many ways."""
+    if factor == 1:
+        return None
+    code_rows = k if bits == 8 else k // 2
+    k_blocks = code_rows // min(block_k, group if bits == 8 else group // 2, code_rows)
+    splits = default_splits(n // block_n, k_blocks) * factor
+    return splits if k_blocks % splits == 0 else None
 
 
 def _pallas(x, w, **kw):
