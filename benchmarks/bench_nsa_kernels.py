@@ -181,8 +181,8 @@ def main(argv=None) -> int:
             failures.append(record | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
             print("FAILED", failures[-1], flush=True)
             return None
-        record |= dict(shapes=args.shapes, time_ms=seconds * 1e3, wall_ms=profile["wall_s"] * 1e3, timer=profile["clock"],
-                       kernels=profile["kernels"], top_kernels=profile["top_kernels"],
+        record |= dict(shapes=args.shapes, time_ms=seconds * 1e3, wall_ms=profile["wall_s"] * 1e3,
+                       timer=profile["clock"], kernels=profile["kernels"], top_kernels=profile["top_kernels"],
                        gb_per_s=record["bytes"] / seconds / 1e9, copy_gb_per_s=bandwidth["copy_bandwidth_gbps"])
         log.add(record)
         return got

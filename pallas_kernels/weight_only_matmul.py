@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import ptx
 from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2
 
 _MIN_ROWS = 16  # Triton dots need every dimension >= 16
@@ -153,7 +154,7 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_r
     (2026-12-02, benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster, int4 1.3-2.1x;
     benchmarks/bench_weight_only.py --integer-dot measures both forms here."""
     split = pl.program_id(1)
-    dot4 = _dp4a_emulated if interpret else _dp4a
+    dot4 = ptx.dp4a_emulated if interpret else ptx.dp4a
     words_per_block = block_k // 4
 
     def body(i, acc):
@@ -209,20 +210,6 @@ def weight_only_integer_rows_kernel(xq_ref, xs_ref, q_ref, scale_ref, offset_ref
         return acc + x_scale * partial
 
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
-
-
-def _dp4a(a, b, c):
-    """c + the four signed byte products of int32 words a and b, summed: PTX dp4a.s32.s32, one instruction."""
-    (out,) = plt.elementwise_inline_asm("dp4a.s32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
-                                        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
-    return out
-
-
-def _dp4a_emulated(a, b, c):
-    """_dp4a in integer arithmetic (interpret mode has no PTX): byte j sign-extended by shifting it to the top."""
-    for j in range(4):
-        c = c + ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
-    return c
 
 
 def _words(codes):
@@ -287,80 +274,17 @@ def _nibble_bf16(nibbles):
 
 
 UNPACKS = ("ops", "prmt")  # how a kernel turns int4 code bytes into bf16 tiles (_nibble_tiles)
-# The "prmt" program, four code bytes b0..b3 of one 32-bit register at a time: two byte permutes spread them over
-# the low halves of two words (b0 | b1 << 16, b2 | b3 << 16; byte selector 4 is the zero operand's), then for
-# the high nibbles a shift by 4, and one LOP3 each keeps the nibble of both halves and sets the bf16 exponent
-# 0x4300: two bf16 of 128 + v a word. 4-6 instructions for 8 weights against about 3 a weight (convert to
-# int32, mask, or, narrow) for "ops".
-SPREAD_LOW, SPREAD_HIGH = 0x4140, 0x4342  # prmt selectors: (b0, 0, b1, 0) and (b2, 0, b3, 0)
-NIBBLE_MASK, BF16_128 = 0x000F000F, 0x43004300
-AND_THEN_OR = 0xEA  # LOP3's truth table for (a & b) | c
 
 
 def _nibble_tiles(q_bytes, unpack: str, interpret: bool = False):
-    """(low, high): bf16 128 + the low and high nibble of each code byte of q_bytes [bk, bn] uint8. "prmt" in
-    interpret mode (no PTX) runs the same program in integers on words of four neighbouring bytes: the asm is
-    elementwise within its four bytes, so any grouping checks it."""
+    """(low, high): bf16 128 + the low and high nibble of each code byte of q_bytes [bk, bn] uint8, by integer
+    operations a weight ("ops") or by PTX byte permutes four bytes at a time ("prmt": 4-6 instructions for 8
+    weights against about 3 a weight; pallas_kernels.ptx)."""
     if unpack == "ops":
         q = q_bytes.astype(jnp.int32)
         return _nibble_bf16(q & 0xF), _nibble_bf16(q >> 4)
-    if interpret:
-        rows, cols = q_bytes.shape
-        codes = q_bytes.astype(jnp.uint32).reshape(rows, cols // 4, 4)
-        words = functools.reduce(jnp.bitwise_or, [codes[..., i] << (8 * i) for i in range(4)])
-
-        def emulated(high: bool):
-            out = nibble_program(words, high)
-            halves = jnp.stack([out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16], axis=-1)
-            return lax.bitcast_convert_type(halves.reshape(rows, cols).astype(jnp.uint16), jnp.bfloat16)
-
-        return emulated(False), emulated(True)
-
-    def nibbles(shift: str):
-        asm = (f"{{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, {SPREAD_LOW:#x}; prmt.b32 t1, $2, 0, {SPREAD_HIGH:#x}; "
-               f"{shift}lop3.b32 $0, t0, {NIBBLE_MASK:#010x}, {BF16_128:#x}, {AND_THEN_OR:#x}; "
-               f"lop3.b32 $1, t1, {NIBBLE_MASK:#010x}, {BF16_128:#x}, {AND_THEN_OR:#x}; }}")
-        (out,) = plt.elementwise_inline_asm(asm, args=[q_bytes], constraints="=r,=r,r", pack=4,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(q_bytes.shape, jnp.bfloat16)])
-        return out
-
-    return nibbles(""), nibbles("shr.u32 t0, t0, 4; shr.u32 t1, t1, 4; ")
-
-
-def nibble_program(words, high: bool):
-    """The "prmt" program in integers on 32-bit words of four code bytes (Python ints or uint32 arrays): the two
-    output words, each two bf16 (low half first) of 128 + a nibble of bytes (0, 1) and (2, 3)."""
-    spread = [prmt_emulated(words, selector) for selector in (SPREAD_LOW, SPREAD_HIGH)]
-    if high:
-        spread = [t >> 4 for t in spread]
-    return [lop3_emulated(t, NIBBLE_MASK, BF16_128, AND_THEN_OR) for t in spread]
-
-
-def prmt_emulated(word, selector: int):
-    """PTX prmt.b32 (default mode) of `word` and a zero second operand: byte i of the result is byte
-    (selector >> 4 i) & 7 of the eight (word's four, then four zeros); bit 3 of a selector would replicate that
-    byte's sign, which no selector here asks for."""
-    out = 0
-    for i in range(4):
-        pick = (selector >> (4 * i)) & 0xF
-        if pick & 0x8:
-            raise ValueError(f"selector {selector:#x}: sign-replicate mode is not emulated")
-        if pick < 4:
-            out = out | (((word >> (8 * pick)) & 0xFF) << (8 * i))
-    return out
-
-
-def lop3_emulated(a, b: int, c: int, table: int):
-    """PTX lop3.b32 with a truth table: bit (4 a_i + 2 b_i + c_i) of `table` is result bit i."""
-    if not isinstance(a, int):  # a uint32 array: constants past int32's range must be uint32 too
-        b, c = jnp.uint32(b), jnp.uint32(c)
-    bits = 0xFFFFFFFF if isinstance(a, int) else jnp.uint32(0xFFFFFFFF)
-    out = 0
-    for inputs in range(8):
-        if table >> inputs & 1:
-            out = out | ((a if inputs & 4 else a ^ bits) & (b if inputs & 2 else b ^ bits)
-                         & (c if inputs & 1 else c ^ bits))
-    return out
+    return ptx.nibbles_to_bf16(q_bytes, high=False, interpret=interpret), ptx.nibbles_to_bf16(
+        q_bytes, high=True, interpret=interpret)
 
 
 def default_splits(column_blocks: int, k_blocks: int) -> int:

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 from h200_lowering import lower_for_h200
+from pallas_kernels.ptx import dp4a_emulated, nibble_program
 from pallas_kernels.weight_only_matmul import (
-    _dp4a_emulated, _layout, dequantize, nibble_program, pack_code_words, quantize_rows_int8, weight_only_matmul,
-    weight_only_matmul_reference,
+    _layout, dequantize, pack_code_words, quantize_rows_int8, weight_only_matmul, weight_only_matmul_reference,
 )
 
 
@@ -149,7 +149,7 @@ def test_the_emulated_dp4a_sums_four_signed_byte_products(rng):
     a, b, c = (rng.integers(-2**31, 2**31, 4096).astype(np.int32) for _ in range(3))
     signed_bytes = lambda w: w.view(np.int8).reshape(-1, 4).astype(np.int64)  # little-endian: byte j of each word
     expected = (c.astype(np.int64) + (signed_bytes(a) * signed_bytes(b)).sum(-1) + 2**31) % 2**32 - 2**31
-    np.testing.assert_array_equal(np.asarray(_dp4a_emulated(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))),
+    np.testing.assert_array_equal(np.asarray(dp4a_emulated(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))),
                                   expected)
 
 
