@@ -22,6 +22,12 @@ NIBBLE_MASK, BF16_128 = 0x000F000F, 0x43004300
 AND_THEN_OR = 0xEA  # LOP3's truth table for (a & b) | c
 
 
+def byte_words(codes):
+    """Four integer arrays of byte codes -> one array of 32-bit words (the codes' dtype, int32 or uint32), byte j
+    holding codes[j]: the operands dp4a and the "prmt" program take."""
+    return functools.reduce(jnp.bitwise_or, [(c & 0xFF) << (8 * j) for j, c in enumerate(codes)])
+
+
 def dp4a(a, b, c):
     """c + the four signed byte products of int32 words a and b, summed: PTX dp4a.s32.s32, one instruction."""
     (out,) = plt.elementwise_inline_asm("dp4a.s32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
@@ -43,8 +49,7 @@ def nibbles_to_bf16(q_bytes, *, high: bool, interpret: bool):
     if interpret:
         rows, cols = q_bytes.shape
         codes = q_bytes.astype(jnp.uint32).reshape(rows, cols // 4, 4)
-        words = functools.reduce(jnp.bitwise_or, [codes[..., i] << (8 * i) for i in range(4)])
-        out = nibble_program(words, high)
+        out = nibble_program(byte_words([codes[..., i] for i in range(4)]), high)
         halves = jnp.stack([out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16], axis=-1)
         return lax.bitcast_convert_type(halves.reshape(rows, cols).astype(jnp.uint16), jnp.bfloat16)
     shift = "shr.u32 t0, t0, 4; shr.u32 t1, t1, 4; " if high else ""

@@ -162,7 +162,7 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_r
         if q_ref.dtype == jnp.int32:  # stored as words (pack_code_words)
             words = q_ref[pl.ds(k0 // 4, words_per_block), :]
         else:
-            words = _words([q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32) for j in range(4)])
+            words = ptx.byte_words([q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32) for j in range(4)])
         low_rows, high_rows, g = _rows_of_x(bits, group, k0)
         x_runs = [xw_ref[0, pl.ds(low_rows // 4, words_per_block)]]
         if bits == 8:
@@ -212,17 +212,12 @@ def weight_only_integer_rows_kernel(xq_ref, xs_ref, q_ref, scale_ref, offset_ref
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def _words(codes):
-    """Four int32 arrays of int8 codes -> one int32 array of words, byte j holding codes[j]."""
-    return functools.reduce(jnp.bitwise_or, [(c & 0xFF) << (8 * j) for j, c in enumerate(codes)])
-
-
 def pack_code_words(q):
     """Codes [R, N] as stored (int8, or uint8 bytes of two int4 nibbles) -> int32 [R / 4, N]: byte j of word (r, n)
     is q[4r + j, n] (the integer kernel's words)."""
     r, n = q.shape
     codes = q.astype(jnp.int32).reshape(r // 4, 4, n)
-    return _words([codes[:, j] for j in range(4)])
+    return ptx.byte_words([codes[:, j] for j in range(4)])
 
 
 def int8_rows(x, x_group: int):
@@ -241,7 +236,7 @@ def quantize_rows_int8(x, x_group: int):
     4r + j), and its scales."""
     codes, scales = int8_rows(x, x_group)
     codes = codes.reshape(x.shape[0], -1, 4)
-    return _words([codes[..., j] for j in range(4)]), scales
+    return ptx.byte_words([codes[..., j] for j in range(4)]), scales
 
 
 def weight_only_swapped_kernel(xt_ref, q_ref, scale_ref, offset_ref, o_ref, *, group: int, block_k: int,
