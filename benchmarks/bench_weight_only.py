@@ -46,7 +46,7 @@ from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, measure_bandwidth, median_seconds  # noqa: E402
 from pallas_kernels.weight_only_matmul import (  # noqa: E402
-    default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
+    code_blocks, default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
 )
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
@@ -101,14 +101,9 @@ def quantized(key, k, n, bits, group):
 MAX_RELATIVE_ERROR = 0.05
 
 
-def relative_error(fn, x, weight, bits, group) -> float:
-    """max |fn(x, weight) - x @ w| / max |x @ w| for one layer's weight, against the float32 product of the
-    dequantised weight."""
-    q, scale, offset = weight
-    if q.dtype == jnp.int32:  # codes four rows a word (pack_code_words): back to rows of bytes
-        q = ((q[:, None, :] >> (8 * jnp.arange(4))[None, :, None]) & 0xFF).reshape(-1, q.shape[1])
-        q = q.astype(jnp.uint8) if bits == 4 else q.astype(jnp.uint8).view(jnp.int8)
-    want = weight_only_matmul_reference(x.astype(jnp.float32), q, scale, offset, bits=bits, group=group)
+def relative_error(fn, x, weight, want) -> float:
+    """max |fn(x, weight) - want| / max |want| for one layer's weight; want: the float32 product of the
+    dequantised weight (whatever form the codes take in `weight`)."""
     got = jax.jit(fn)(x, weight).astype(jnp.float32)
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
@@ -168,6 +163,7 @@ def main(argv=None) -> int:
         bf16 = [jax.random.normal(kk, (k, n), jnp.bfloat16) for kk in keys]
         for m in (int(r) for r in args.rows.split(",")):
             x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            want = {}  # bits -> the reference product of this x and the first layer's weight
             variants = [("bf16", "xla", 16, lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
                          .astype(x.dtype), bf16, None)]
             for bits in (int(b) for b in args.bits.split(",")):
@@ -178,27 +174,28 @@ def main(argv=None) -> int:
                 words = ([(pack_code_words(q), scale, offset) for q, scale, offset in w] if integer_dot and m == 1
                          else None)
                 variants.append((f"int{bits}", "xla", bits, xla_path(bits, group), w, None))
+                # Every variant of these codes is checked against one product of the first layer's weight.
+                want[bits] = xla_path(bits, group)(x.astype(jnp.float32), w[0])
                 # Unpacking matters to the int4 dot kernels only (2+ rows); elsewhere "ops" alone.
                 unpacks = args.nibble_unpack.split(",") if bits == 4 and m > 1 else ["ops"]
                 for (bk, bn), warps, stages, unpack, factor in (
                         (b, int(wp), int(st), u, int(f)) for b in blocks for wp in args.warps.split(",")
                         for st in args.stages.split(",") for u in unpacks for f in args.split_factors.split(",")):
-                    splits = _splits(bits, k, n, group, bk, bn, factor)
+                    splits = _splits(bits, k, n, group, bk, bn, factor)  # None: the kernel's own
                     if factor != 1 and splits is None:
                         continue  # the K blocks do not split that many ways: nothing to time
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
                                            num_warps=warps, num_stages=stages, interpret=interpret,
                                            nibble_unpack=unpack, num_splits=splits)
-                    label = (f"{bk}x{bn}/w{warps}s{stages}" + ("" if unpack == "ops" else f"/{unpack}")
-                             + ("" if splits is None else f"/splits{splits}"))
-                    variants.append((f"int{bits}", "pallas", bits, fn, w, label))
+                    config = f"{bk}x{bn}/w{warps}s{stages}"
+                    split_suffix = "" if splits is None else f"/splits{splits}"
+                    unpack_suffix = "" if unpack == "ops" else f"/{unpack}"
+                    variants.append((f"int{bits}", "pallas", bits, fn, w, config + unpack_suffix + split_suffix))
                     # The integer path (x_group a multiple of block_k: the same K blocks, so the same splits), once
                     # for all unpackings, which it does not use.
                     if integer_dot and args.x_group % bk == 0 and unpack == unpacks[0]:
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
-                        splits_label = "" if splits is None else f"/splits{splits}"
-                        variants += [(f"int{bits}", backend, bits, integer, codes,
-                                      f"{bk}x{bn}/w{warps}s{stages}{splits_label}")
+                        variants += [(f"int{bits}", backend, bits, integer, codes, config + split_suffix)
                                      for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))
                                      if codes is not None]
             for weights_kind, backend, bits, fn, w, config in variants:
@@ -206,7 +203,7 @@ def main(argv=None) -> int:
                           "config": config, "weight_bytes": k * n * bits // 8}
                 try:
                     if bits != 16:  # checked first: a kernel that computes the wrong product is not timed
-                        record["relative_error"] = relative_error(fn, x, w[0], bits, k if bits == 8 else args.group)
+                        record["relative_error"] = relative_error(fn, x, w[0], want[bits])
                         if record["relative_error"] > MAX_RELATIVE_ERROR:
                             raise ValueError(f"relative error {record['relative_error']:.3g} against the reference")
                     ms = time_chain_ms(fn, x, w, args.repeats, untraced=args.ncu)
@@ -233,12 +230,12 @@ def main(argv=None) -> int:
 
 
 def _splits(bits: int, k: int, n: int, group: int, block_k: int, block_n: int, factor: int) -> int | None:
-    """None (the kernel's default) for factor 1, else that default times `factor`, block_k clamped as the float
-    kernels clamp it; None too where the K blocks do not split that many ways."""
+    """None (the kernel's default) for factor 1, else that default times `factor` (the float kernels' K blocks;
+    the integer path's are the same where x_group is a multiple of block_k); None too where the K blocks do not
+    split that many ways."""
     if factor == 1:
         return None
-    code_rows = k if bits == 8 else k // 2
-    k_blocks = code_rows // min(block_k, group if bits == 8 else group // 2, code_rows)
+    _, k_blocks = code_blocks(bits, k, group, block_k)
     splits = default_splits(n // block_n, k_blocks) * factor
     return splits if k_blocks % splits == 0 else None
 

@@ -282,6 +282,14 @@ def _nibble_tiles(q_bytes, unpack: str, interpret: bool = False):
         q_bytes, high=True, interpret=interpret)
 
 
+def code_blocks(bits: int, k: int, group: int, block_k: int, x_group: int | None = None) -> tuple[int, int]:
+    """(block_k as the kernels take it, the number of K blocks): block_k counts rows of the codes (positions for
+    int8, bytes for int4) and is clamped to one scale group, the codes and (integer path) one x group."""
+    block_rows = k if bits == 8 else k // 2
+    block_k = min(block_k, group if bits == 8 else group // 2, block_rows, x_group or block_rows)
+    return block_k, block_rows // block_k
+
+
 def default_splits(column_blocks: int, k_blocks: int) -> int:
     """Halve the K range of each program while the launch has fewer than about two programs per SM, keeping at
     least two K blocks per program."""
@@ -323,7 +331,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
                          f"[K / group, N] = [{k // group}, {n}]")
     rows_per_group = group if bits == 8 else group // 2  # rows of q under one scale
-    block_k = min(block_k, rows_per_group, block_rows, x_group if integer_dot else block_rows)
+    block_k, k_blocks = code_blocks(bits, k, group, block_k, x_group if integer_dot else None)
     check_power_of_2("block_k", block_k, 16)
     if integer_dot and x_group % block_k:
         raise ValueError(f"x_group {x_group} does not tile into blocks of {block_k}")
@@ -333,7 +341,6 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
                          f"block gives {num_warps * 32} threads {block_k * block_n / (num_warps * 32):g} each")
     if rows_per_group % block_k or block_rows % block_k or n % block_n:
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into blocks of {block_k} x {block_n}")
-    k_blocks = block_rows // block_k
     splits = num_splits or default_splits(n // block_n, k_blocks)
     if k_blocks % splits:
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
