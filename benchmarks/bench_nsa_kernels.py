@@ -136,7 +136,12 @@ def main(argv=None) -> int:
     if args.plot:
         if args.figure is None:
             parser.error("--plot needs --figure PATH.png")
-        plot([r for path in args.plot for r in json.loads(path.read_text())["records"]], args.figure)
+        records = [r for path in args.plot for r in json.loads(path.read_text())["records"]]
+        shapes = sorted({r.get("shapes", "nsa-1b") for r in records})  # records before `shapes`: NSA-1B's
+        if len(shapes) > 1:  # the figure's points are keyed by context, batch and tree size alone
+            print(f"error: --plot: one figure per shapes; these files mix {', '.join(shapes)}", file=sys.stderr)
+            return 2
+        plot(records, args.figure)
         return 0
     contexts = [32768] if args.quick else [8192, 32768, 65536, 131072]
     batches = [1, 8] if args.quick else [1, 4, 8, 16, 64]

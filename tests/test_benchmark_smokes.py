@@ -57,7 +57,7 @@ def test_bench_kernels(tmp_path, monkeypatch):
         finite_positive(r, "time_ms")
 
 
-def test_bench_nsa_kernels(tmp_path, monkeypatch):
+def test_bench_nsa_kernels(tmp_path, monkeypatch, capsys):
     (doc,) = run_smoke("bench_nsa_kernels", tmp_path, monkeypatch)
     assert doc["failures"] == []
     assert {"nsa-decode", "v0", "v1", "dense-tree", "v0-selected", "v1-selected", "top-n"} == {
@@ -81,6 +81,13 @@ def test_bench_nsa_kernels(tmp_path, monkeypatch):
     (saved,) = tmp_path.glob("nsa-kernels-*.json")
     assert module.main(["--plot", str(saved), str(saved), "--figure", str(tmp_path / "figure.png")]) == 0
     assert (tmp_path / "figure.png").stat().st_size > 0
+    # A run at the view's shapes beside it would merge points of different shapes: refused.
+    view = json.loads(saved.read_text())
+    view["records"] = [r | {"shapes": "smollm2-view"} for r in view["records"]]
+    (tmp_path / "view.json").write_text(json.dumps(view))
+    assert module.main(["--plot", str(saved), str(tmp_path / "view.json"), "--figure", str(tmp_path / "x.png")]) == 2
+    assert "one figure per shapes; these files mix nsa-1b, smollm2-view" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_bench_tree_attention(tmp_path, monkeypatch):
