@@ -46,7 +46,7 @@ from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, measure_bandwidth, median_seconds  # noqa: E402
 from pallas_kernels.weight_only_matmul import (  # noqa: E402
-    code_blocks, default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
+    UNPACKS, code_blocks, default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
 )
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
@@ -142,6 +142,13 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    unpacks = args.nibble_unpack.split(",")
+    if not set(unpacks) <= set(UNPACKS):
+        print(f"error: --nibble-unpack {args.nibble_unpack}: each one of {', '.join(UNPACKS)}", file=sys.stderr)
+        return 2
+    if not all(f.isdigit() and int(f) >= 1 for f in args.split_factors.split(",")):
+        print(f"error: --split-factors {args.split_factors}: whole numbers >= 1, comma-separated", file=sys.stderr)
+        return 2
     if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
         args.rows, args.blocks, args.layers, args.repeats = ("1,4" if args.integer_dot else "8"), "64x64", 2, 1
     if args.ncu:
@@ -177,10 +184,11 @@ def main(argv=None) -> int:
                 # Every variant of these codes is checked against one product of the first layer's weight.
                 want[bits] = xla_path(bits, group)(x.astype(jnp.float32), w[0])
                 # Unpacking matters to the int4 dot kernels only (2+ rows); elsewhere "ops" alone.
-                unpacks = args.nibble_unpack.split(",") if bits == 4 and m > 1 else ["ops"]
+                variant_unpacks = unpacks if bits == 4 and m > 1 else ["ops"]
                 for (bk, bn), warps, stages, unpack, factor in (
                         (b, int(wp), int(st), u, int(f)) for b in blocks for wp in args.warps.split(",")
-                        for st in args.stages.split(",") for u in unpacks for f in args.split_factors.split(",")):
+                        for st in args.stages.split(",") for u in variant_unpacks
+                        for f in args.split_factors.split(",")):
                     splits = _splits(bits, k, n, group, bk, bn, factor)  # None: the kernel's own
                     if factor != 1 and splits is None:
                         continue  # the K blocks do not split that many ways: nothing to time
@@ -193,7 +201,7 @@ def main(argv=None) -> int:
                     variants.append((f"int{bits}", "pallas", bits, fn, w, config + unpack_suffix + split_suffix))
                     # The integer path (x_group a multiple of block_k: the same K blocks, so the same splits), once
                     # for all unpackings, which it does not use.
-                    if integer_dot and args.x_group % bk == 0 and unpack == unpacks[0]:
+                    if integer_dot and args.x_group % bk == 0 and unpack == variant_unpacks[0]:
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
                         variants += [(f"int{bits}", backend, bits, integer, codes, config + split_suffix)
                                      for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))
