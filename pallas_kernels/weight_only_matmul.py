@@ -290,11 +290,18 @@ def code_blocks(bits: int, k: int, group: int, block_k: int, x_group: int | None
     return block_k, block_rows // block_k
 
 
+PROGRAMS_PER_SM = 4
+
+
 def default_splits(column_blocks: int, k_blocks: int) -> int:
-    """Halve the K range of each program while the launch has fewer than about two programs per SM, keeping at
-    least two K blocks per program."""
+    """Halve the K range of each program while the launch has fewer than PROGRAMS_PER_SM programs per SM, keeping
+    at least two K blocks per program. Four, not two (until 2026-12-04): at Llama-3.1-8B's gate_up (4096 x 28672,
+    int4) twice the splits of the two-per-SM rule took 40.9 us against 44.9 at one row (32 x 256 blocks) and 59.6
+    against 66.9 at eight (64 x 128), and four times 41.6 and 61.6 (H200, bench_weight_only.py --split-factors,
+    weight-only-2026-12-04-prmt-splits.json): more programs hide the loads' latency, until the partial sums cost."""
     splits = 1
-    while column_blocks * splits < 2 * NUM_SMS and k_blocks % (2 * splits) == 0 and k_blocks // (2 * splits) >= 2:
+    while (column_blocks * splits < PROGRAMS_PER_SM * NUM_SMS and k_blocks % (2 * splits) == 0
+           and k_blocks // (2 * splits) >= 2):
         splits *= 2
     return splits
 

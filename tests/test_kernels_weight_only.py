@@ -12,7 +12,8 @@ import pytest
 from h200_lowering import lower_for_h200
 from pallas_kernels.ptx import dp4a_emulated, nibble_program
 from pallas_kernels.weight_only_matmul import (
-    _layout, dequantize, pack_code_words, quantize_rows_int8, weight_only_matmul, weight_only_matmul_reference,
+    _layout, code_blocks, default_splits, dequantize, pack_code_words, quantize_rows_int8, weight_only_matmul,
+    weight_only_matmul_reference,
 )
 
 
@@ -224,3 +225,16 @@ def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
         text = lower_for_h200(weight_only_matmul, spec((8, k), jnp.bfloat16), spec((rows, n), dtype), scales, offset,
                               bits=bits, group=group, block_k=64, block_n=128, integer_dot=True)
         assert "weight_only_matmul_integer_rows" in text
+
+
+@pytest.mark.parametrize("block_k, block_n, measured_best", [(32, 256, 8), (64, 128, 4)])
+def test_default_splits_are_the_measured_best_at_8b_gate_up(block_k, block_n, measured_best):
+    """Llama-3.1-8B's gate_up in int4 (4096 x 28672, groups of 64): the split counts the H200 timed fastest of the
+    two-per-SM rule's and its double and quadruple (weight-only-2026-12-04-prmt-splits.json); every split keeps
+    whole K blocks, at least two a program, for all four of the model's matrices."""
+    _, k_blocks = code_blocks(4, 4096, 64, block_k)
+    assert default_splits(28672 // block_n, k_blocks) == measured_best
+    for k, n in [(4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)]:
+        _, k_blocks = code_blocks(4, k, 64, block_k)
+        splits = default_splits(n // block_n, k_blocks)
+        assert k_blocks % splits == 0 and k_blocks // splits >= 2
