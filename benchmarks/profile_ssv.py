@@ -15,9 +15,10 @@ context) of the grid:
   reads no cache), i.e. weights, MLP, norms and the LM head;
 - attention of one layer, the mean over 4 distinct layer caches run in sequence (one cache would sit in L2 at
   small shapes): plain decoding of the exact target (pallas_kernels.nsa_decode), a refresh layer (the mean over
-  a span: its anchor derives a selection, the other steps read it) and a reuse layer of each approximate mode (vegas_jax.attention.nsa_approx, the reuse layer through the fused kernel), and exact tree
-  verification of each tree shape (pallas_kernels.nsa_verify V1, selected blocks through its Pallas kernels;
-  the commit of the accepted path is not timed);
+  a span: its anchor derives a selection, the other steps read it) and a reuse layer of each approximate mode
+  (vegas_jax.attention.nsa_approx, the reuse layer through the fused kernel), and exact tree verification of each
+  tree shape (pallas_kernels.nsa_verify with the loop's schedule, nsa_tree.TREE_SCHEDULE, selected blocks through
+  its Pallas kernels; the commit of the accepted path is not timed);
 - checks: the fused reuse kernel against its jnp twin on each (mode, batch, context), before it is timed;
 - drafts: the n-gram drafter's device work per tree shape, modelled as a match of the last two tokens against
   every position and the continuations of the best `branching` matches gathered (the drafter lives with the
@@ -54,7 +55,7 @@ from models.nsa_cache import NSACache, NSALayerCache, compressed_rows  # noqa: E
 from pallas_kernels.nsa_verify import ancestor_mask, nsa_tree_verify  # noqa: E402
 from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
-from vegas_jax.attention.nsa_tree import SinkWindowDraft  # noqa: E402
+from vegas_jax.attention.nsa_tree import TREE_SCHEDULE, SinkWindowDraft  # noqa: E402
 from vegas_jax.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
 from vegas_jax.precision import ApproxMode  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
@@ -172,8 +173,8 @@ def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, par
     def one(role):
         def verify(q, c, k, v, g, n, extra):
             reselect = tree_reselect(mode, stored=extra) if role == "refresh" else tree_reselect(mode, injected=extra)
-            return nsa_tree_verify(q, c, k, v, g, n, parents, layout=wide, kind=config.attention, schedule="v1",
-                                   kernels=backend, batch=batch, reselect=reselect)
+            return nsa_tree_verify(q, c, k, v, g, n, parents, layout=wide, kind=config.attention,
+                                   schedule=TREE_SCHEDULE, kernels=backend, batch=batch, reselect=reselect)
         batched = jax.vmap(verify, in_axes=(0, 0, 0, 0, None if gates is None else 0, 0, 0))
         extra = stored if role == "refresh" else injected
         return per_layer(lambda c: batched(q, c, k, v, gates, length, extra), caches, reps)
@@ -345,10 +346,11 @@ def main(argv=None) -> int:
                 q, k, v = tree.rotated()
                 gates_axis = None if tree.gates is None else 0
                 verify = jax.vmap(functools.partial(nsa_tree_verify, layout=config.nsa, kind=config.attention,
-                                                    schedule="v1", kernels=backend),
+                                                    schedule=TREE_SCHEDULE, kernels=backend),
                                   in_axes=(0, 0, 0, 0, gates_axis, 0, None))
                 t_tree = per_layer(lambda c: verify(q, c, k, v, tree.gates, length, parents), caches, args.reps)
-                record(kernels, kernel="tree-v1", rows=rows, batch=batch, context=context, ms=t_tree)
+                record(kernels, kernel="tree", schedule=TREE_SCHEDULE, rows=rows, batch=batch, context=context,
+                       ms=t_tree)
                 record(passes, mode="exact", rows=rows, batch=batch, context=context,
                        ms=linear[rows] + layers * t_tree, source="composed")
                 record(drafts, drafter="ngram", nodes=rows - 1, batch=batch, context=context,
@@ -361,10 +363,10 @@ def main(argv=None) -> int:
                 for mode in modes:
                     refresh, reuse = approx_tree_ms(config, mode, caches, q, k, v, tree.gates, length, parents,
                                                     backend, args.reps)
-                    record(kernels, kernel="tree-v1-refresh", mode=mode.name(), rows=rows, batch=batch,
-                           context=context, ms=refresh)
-                    record(kernels, kernel="tree-v1-reuse", mode=mode.name(), rows=rows, batch=batch,
-                           context=context, ms=reuse)
+                    record(kernels, kernel="tree-refresh", schedule=TREE_SCHEDULE, mode=mode.name(), rows=rows,
+                           batch=batch, context=context, ms=refresh)
+                    record(kernels, kernel="tree-reuse", schedule=TREE_SCHEDULE, mode=mode.name(), rows=rows,
+                           batch=batch, context=context, ms=reuse)
                     refreshing = sum(mode.refreshes(layer) for layer in range(layers))
                     record(passes, mode=mode.name(), rows=rows, batch=batch, context=context,
                            ms=linear[rows] + refreshing * refresh + (layers - refreshing) * reuse, source="composed")

@@ -81,7 +81,7 @@ class NSAFamily:
 
     def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
                               request: ScoreRequest | None = None) -> NSATreeVerify:
-        """Exact NSA verification of every node of `tree` (V1; vegas_jax.attention.nsa_tree)."""
+        """Exact NSA verification of every node of `tree` (vegas_jax.attention.nsa_tree)."""
         if request is not None:
             raise ValueError("NSA models verify without selection scores (no dense draft policy serves them)")
         return NSATreeVerify(base, tree.parents, config.nsa, config.attention, placement,

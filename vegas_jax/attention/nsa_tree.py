@@ -4,7 +4,7 @@ verification pass, and the self drafter's cheaper pass.
 
 - NSATreeVerify: every node attends exactly as plain NSA decoding of its root-to-node path would
   (pallas_kernels.nsa_verify.nsa_tree_verify: each node's selection computed in the pass, the compressed blocks its
-  path completes included; the selected rows through V1's union schedule, as Pallas kernels on the kernel backend
+  path completes included; the selected rows through TREE_SCHEDULE, as Pallas kernels on the kernel backend
   and as their XLA twin elsewhere). Only the nodes' raw K/V are written (to their scratch rows); the compressed
   rows of the blocks a path completes are pooled when the accepted path is committed (NSAFamily.commit_path).
   With an approximate mode (vegas_jax.precision.ApproxMode) it verifies the mode's modified target instead:
@@ -53,6 +53,13 @@ def raw_rows(cache) -> NSALayerCache:
     return cache.nsa if isinstance(cache, ApproxLayerCache) else cache
 
 
+# V0 (each node its own blocks), not V1's union: the H200 ran the whole pass faster with V0 in every cell measured,
+# 0.68-0.98x V1's time at NSA-1B's shapes (8K-128K, 16-64 nodes) and 0.84x at the loop's own (SmolLM2's view,
+# batch 8 x 8K, a 4x2 tree's 31 nodes; README, "Native Sparse Attention (NSA) models"): blocks of 16 keys make
+# V0's re-reads cheap.
+TREE_SCHEDULE = "v0"
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NSATreeVerify:
@@ -66,7 +73,7 @@ class NSATreeVerify:
     layout: NSALayout = dataclasses.field(metadata=dict(static=True))
     kind: str = dataclasses.field(default="nsa", metadata=dict(static=True))
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
-    schedule: str = dataclasses.field(default="v1", metadata=dict(static=True))
+    schedule: str = dataclasses.field(default=TREE_SCHEDULE, metadata=dict(static=True))
     return_blocks: bool = dataclasses.field(default=False, metadata=dict(static=True))
     mode: ApproxMode | None = dataclasses.field(default=None, metadata=dict(static=True))
     carried: jax.Array | None = None  # [B, R, H_kv, n]
