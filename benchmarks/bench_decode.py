@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from vegas_jax import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -113,6 +114,8 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
     }
     if with_breakdown:
         record["breakdown"] = phases
+    if state.gamma_control is not None:  # adaptive γ: the drafts its iterations chose
+        record.update(adaptive_gamma.summary(started.config.placement.fetch(state.gamma_control.chosen)))
     output = np.asarray(state.output)
     return record, [output[b, : generated[b]] for b in range(len(prompts))]
 

@@ -121,6 +121,20 @@ def ablation_table(records: list[dict]) -> str:
     return t.md_table(["prompt x batch", "T", "ablation", "at Vegas's tuned cell", "tok/s", "τ"], lines) if lines else ""
 
 
+def adaptive_table(records: list[dict]) -> str:
+    lines = []
+    for c in t.adaptive_comparisons(records):
+        auto, plain, best = c["auto"], c["plain"], c["best_fixed"]
+        chosen = auto.get("gamma_chosen_mean")
+        lines.append([f"{auto['prompt_tokens']} x {auto['batch']}", t.rate_cell(records, plain),
+                      t.rate_cell(records, best) + (f", {Cell.of(best).label()}" if best else ""),
+                      t.rate_cell(records, auto), "-" if chosen is None else f"{chosen:.2f}", f"{auto['tau']:.2f}",
+                      f"{auto['decode_tokens_per_s'] / plain['decode_tokens_per_s']:.2f}x" if plain else "-",
+                      f"{auto['decode_tokens_per_s'] / best['decode_tokens_per_s']:.2f}x" if best else "-"])
+    return t.md_table(["prompt x batch", "plain tok/s", "best fixed γ tok/s", "auto tok/s", "mean γ chosen", "τ",
+                       "auto / plain", "auto / best fixed"], lines) if lines else ""
+
+
 def serve_table(records: list[dict]) -> str:
     rows = [r for r in records if r.get("stage") == "serve"]
     lines = []
@@ -243,6 +257,11 @@ def section(records: list[dict], legacy: list[dict], plots: dict[str, Path] | No
         out += ["Ablations (their τ is the comparison: the verification kernel collects only Vegas's two score rows, "
                 "so an ablation's verification runs the jnp path and its tok/s is not comparable):", "", ablations,
                 ""] if ablations else []
+        adaptive = adaptive_table(records)
+        out += ["Adaptive γ (issue 19; `--gamma auto`, γ at most 8, at Vegas's tuned sparse ratio; its cost model "
+                "timed by a first run of its own, as `generate` does, then given to the measured runs), held-out, "
+                "greedy, against plain decoding and the fastest fixed γ measured on the same prompts (Vegas at "
+                "its tuned and default cells):", "", adaptive, ""] if adaptive else []
     else:
         out += ["Suite (tuned, held-out, repeats): **not yet measured**. Until it is, the tables below are the "
                 "measurements made before the suite: single runs at the default settings on the tuning split's "
@@ -305,7 +324,9 @@ def one_preset_per_row(records: list[dict]) -> list[dict]:
     presets tune on different grids, so their tuned cells differ and a row mixing them would compare one preset's
     Vegas with another's baselines; the common default cells and plain decoding, measured alike, come along."""
     rank = {f"suite-{name}": i for i, name in enumerate(PRESETS)}
-    rows = [((r["stage"], r["prompt_tokens"], r["batch"]) if r.get("stage") in ("heldout", "serve") else None,
+    # An adaptive-γ record goes with its held-out row, whose rates it is judged against.
+    stage = lambda r: "heldout" if r.get("stage") == "adaptive" else r.get("stage")  # noqa: E731
+    rows = [((stage(r), r["prompt_tokens"], r["batch"]) if stage(r) in ("heldout", "serve") else None,
              rank.get(r.get("log"), -1)) for r in records]
     best: dict[tuple, int] = {}
     for row, order in rows:

@@ -10,6 +10,8 @@ Stages (`--stage`, comma-separated, or `all`):
 - heldout: per (length, batch), on the held-out split, plain decoding and each method at its tuned cell and at the
   common default (γ 6, 7 %, default knobs), greedy and (preset's batches) at temperature 0.7, each measured
   `repeats` times after a warm-up (median, min, max); the ablations vegas-all and last at Vegas's tuned cell;
+- adaptive: per (length, batch) of the preset's adaptive batches, Vegas with `--gamma auto` (γ_max 8) at its tuned
+  sparse ratio on the held-out prompts, greedy, against plain decoding and the best fixed γ measured there;
 - serve: continuous batching (128 requests through 64 slots) of plain decoding, Vegas and the baselines, tuned;
 - scale: Llama-3.1-8B and Qwen3-8B shapes, random weights (benchmarks/suite_scale.py);
 - peer: transformers' generate on the same GGUF and prompts (benchmarks/suite_peer.py; run it in its own call).
@@ -25,6 +27,7 @@ resume"); 4 when it skipped measurements that need another stage first (held-out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -46,8 +49,9 @@ from benchmarks.suite_records import (  # noqa: E402
     RecordLog, find as find_records, key_fields_differing, latest_per_key, read_logs, record_key,
 )
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
+from vegas_jax.adaptive_gamma import AUTO  # noqa: E402
 
-STAGES = ("tune", "heldout", "serve", "scale", "peer")
+STAGES = ("tune", "heldout", "adaptive", "serve", "scale", "peer")
 RESULTS = REPO / "benchmarks" / "results"
 STOPPED = 3  # exit status of a call that stopped for its budget
 INCOMPLETE = 4  # ... that skipped measurements needing another stage first (listed as "not run")
@@ -100,7 +104,7 @@ def summarize_runs(runs: list[dict], rate: str = "decode_tokens_per_s") -> dict:
         "prefills_reused": sum(bool(r.get("prefill_reused")) for r in runs),
         "acceptance_by_position": middle["acceptance_by_position"],
     }
-    for extra in ("decode_calls", "refill"):
+    for extra in ("decode_calls", "refill", "gamma_chosen_mean", "gamma_chosen_histogram"):
         if extra in middle:
             out[extra] = middle[extra]
     return out
@@ -311,13 +315,17 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
     def run() -> dict:
         engine = session.engine
         options = options_for(session.preset, method, cell, length, new_tokens, temperature)
+        measured_costs = {}
+        if options.auto_gamma:
+            options, measured_costs = with_measured_costs(engine, prompts.prompts, options)
         runs, tokens = [], None
         for _ in range(runs_needed):
             record, tokens = run_one(engine, prompts.prompts, options, False, 1, reuse_prefill=session.reuse)
             runs.append(record)
         session.compiled.add(loop_key(method, cell, batch, length, sampled))
         out = {**summarize_runs(runs[session.preset.warmup:]), "compile_s": runs[0]["compile_s"],
-               "new_tokens": new_tokens, "prompts_sha256": prompts.provenance["prompts_sha256"], **(extra or {})}
+               "new_tokens": new_tokens, "prompts_sha256": prompts.provenance["prompts_sha256"], **measured_costs,
+               **(extra or {})}
         if method == "ar" and not sampled:
             session.ar_tokens[(split, batch, length)] = tokens
         elif not sampled and (split, batch, length) in session.ar_tokens:
@@ -326,8 +334,22 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
             out["sequences_identical_to_ar"] = differences.count(None)
         return out
 
-    estimate = session.estimate(method, cell, batch, length, new_tokens, runs_needed, sampled=sampled)
+    estimate = session.estimate(method, cell, batch, length, new_tokens, runs_needed + cell.auto_gamma,
+                                sampled=sampled)
     return session.measure(fields, estimate, run)
+
+
+def with_measured_costs(engine, prompts, options) -> tuple:
+    """Adaptive γ's options with the cost model that a first run of theirs measures and keeps
+    (vegas_jax.adaptive_gamma.Warmup: what `generate` does for a new configuration), given to the measured runs,
+    which then decode in one call as every other method's do (bench_decode.run_one); and that cost model for
+    the record."""
+    costs = engine.generate(prompts, options, steps_per_call=None).metrics["gamma_costs"]
+    if costs is None:
+        raise RuntimeError(f"adaptive γ: {options.max_new_tokens} new tokens ended its first run before its cost "
+                           "model was timed (vegas_jax.adaptive_gamma.Warmup: 20 iterations)")
+    return (dataclasses.replace(options, draft_cost=costs["draft"], verify_cost=costs["verify"]),
+            {"gamma_costs": costs})
 
 
 def tune(session: Session, length: int, batch: int) -> None:
@@ -390,6 +412,19 @@ def heldout(session: Session, length: int, batch: int) -> None:
                                   **_compile_time(compiled, method, cell)})
 
 
+def adaptive(session: Session, length: int, batch: int) -> None:
+    """Vegas with adaptive γ at the sparse ratio (and knobs) of its tuned cell, so that what differs from the
+    fixed-γ runs of `heldout` is how many drafts each iteration makes; greedy, held-out prompts."""
+    p = session.preset
+    tuned = tuned_cells(session, length, batch)["vegas"]
+    if tuned is None:
+        session.incomplete.append(f"adaptive γ at {length} x {batch}: Vegas not tuned yet (--stage tune)")
+        return
+    measure_static(session, "adaptive", "heldout", "vegas", dataclasses.replace(tuned, gamma=AUTO), batch, length,
+                   0.0, new_tokens=p.new_tokens, repeats=p.repeats,
+                   extra={"tuned": False, "at_cell_of": "vegas", "tuned_at_batch": p.tuning_batch(batch)})
+
+
 def _compile_time(compiled: dict, method: str, cell: Cell) -> dict:
     """A record's compile_s when its loop was compiled ahead (its own warm-up then compiles nothing)."""
     return {"compile_s": compiled[method, cell]} if (method, cell) in compiled else {}
@@ -446,6 +481,8 @@ def run_stages(session: Session, stages: list[str]) -> None:
                 tune(session, length, batch)
             if "heldout" in stages:
                 heldout(session, length, batch)
+            if "adaptive" in stages and batch in p.adaptive_batches:
+                adaptive(session, length, batch)
     if "serve" in stages:
         serve(session)
     if "scale" in stages:

@@ -57,10 +57,13 @@ class Preset:
     warmup: int = 1  # runs before the measured ones (compilation, allocation, CUDA graph instantiation)
     # (batch, batch whose tuned cells it takes): batches left out of tuning to save its compilations
     borrowed_tuning: tuple[tuple[int, int], ...] = ()
+    # batches whose held-out prompts also run Vegas with `--gamma auto` at its tuned sparse ratio (issue 19)
+    adaptive_batches: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Everything measured at a batch takes that batch's tuned cells (serving: its slots').
         for name, batches in [("sampled_batches", self.sampled_batches), ("ablation_batches", self.ablation_batches),
+                              ("adaptive_batches", self.adaptive_batches),
                               ("serve slots", [c.slots for c in self.serve]),
                               ("borrowed_tuning", [b for pair in self.borrowed_tuning for b in pair])]:
             if set(batches) - set(self.batches):
@@ -74,13 +77,14 @@ class Preset:
 
     def narrowed(self, lengths: tuple[int, ...], batches: tuple[int, ...]) -> Preset:
         """This preset measuring only these of its lengths and batches: its serving cases, transformers peers,
-        sampled and ablation batches and borrowed tunings outside them dropped (its scale stage, on random
+        sampled, ablation and adaptive batches and borrowed tunings outside them dropped (its scale stage, on random
         weights of its own shapes, kept)."""
         return dataclasses.replace(
             self, lengths=tuple(n for n in self.lengths if n in lengths),
             batches=tuple(b for b in self.batches if b in batches),
             sampled_batches=tuple(b for b in self.sampled_batches if b in batches),
             ablation_batches=tuple(b for b in self.ablation_batches if b in batches),
+            adaptive_batches=tuple(b for b in self.adaptive_batches if b in batches),
             serve=tuple(c for c in self.serve if c.prompt_tokens in lengths and c.slots in batches),
             peer=tuple((b, n) for b, n in self.peer if b in batches and n in lengths),
             borrowed_tuning=tuple(pair for pair in self.borrowed_tuning if set(pair) <= set(batches)))
@@ -105,7 +109,7 @@ _PAPER_GRID = Grid(gammas=(2, 3, 4, 6, 8), ratios=(0.03, 0.05, 0.07, 0.10, 0.15)
                    refine=True)
 
 PRESETS = {
-    # Every stage once, small (about 6 minutes of H200 time, mostly compilation; 30 on a CPU), numbers
+    # Every stage but adaptive once, small (about 6 minutes of H200 time, mostly compilation; 30 on a CPU), numbers
     # meaningless: a check of the pipeline before a long run.
     "smoke": Preset(
         name="smoke", lengths=(512,), batches=(2,),
@@ -114,6 +118,7 @@ PRESETS = {
         tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(), sampled_defaults=False,
         ablation_batches=(2,), serve=(ServeCase(6, 2, 512, all_baselines=False),),
         scale=(ScaleCase("smollm2-135m", 4096, (1,)),), scale_iterations=4, peer=((2, 512),),
+        # no adaptive γ: timing its cost model takes about 20 iterations, more than 16 new tokens last
     ),
     # The issue's main cells (8K prompts, batches 64 and 8, serving) in about 15 minutes of H200 time (SmolLM2
     # stages); batch 8 takes the cells tuned at batch 64, which halves the compilations.
@@ -122,7 +127,7 @@ PRESETS = {
         tune_new_tokens=128, tune_repeats=1, new_tokens=256, repeats=3, sampled_batches=(64,), sampled_defaults=False,
         ablation_batches=(64,), serve=(ServeCase(128, 64, 7936, all_baselines=False),),
         scale=(ScaleCase("llama-3.1-8b", 32768, (1, 8)), ScaleCase("qwen3-8b", 32768, (1, 8))),
-        scale_iterations=8, peer=((8, 7936), (64, 7936)), borrowed_tuning=((8, 64),),
+        scale_iterations=8, peer=((8, 7936), (64, 7936)), borrowed_tuning=((8, 64),), adaptive_batches=(64, 8),
     ),
     # Everything the issue asks for; several sessions of device time.
     "paper": Preset(
@@ -134,6 +139,7 @@ PRESETS = {
                     for context, batches in ((32768, (1, 2, 4, 8, 16)), (131072, (1, 2, 4, 8, 16)))),
         scale_iterations=8,
         peer=tuple((batch, length) for length in (7936, 4096, 2048) for batch in (1, 8, 32, 64)),
+        adaptive_batches=(64, 32, 8, 1),
     ),
 }
 
@@ -195,7 +201,7 @@ def _everything_left(*_) -> float:
 def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost]:
     """The most each stage can cost (every search sweep measured, every cell distinct), of what `left` says the
     log lacks; a unit's compilations and runs count in proportion."""
-    p, costs = preset, {stage: Cost() for stage in ("tune", "heldout", "serve", "scale", "peer")}
+    p, costs = preset, {stage: Cost() for stage in ("tune", "heldout", "adaptive", "serve", "scale", "peer")}
 
     def add(stage: str, fraction: float, compiles: int, runs: int, seconds: float) -> None:
         costs[stage].add(round(fraction * compiles), round(fraction * runs), fraction * seconds)
@@ -229,6 +235,9 @@ def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost
             if sampled:  # another sampling mode: every configuration compiles again
                 add("heldout", fraction, sampled, sampled * per_record,
                     COMPILE_S["ar"] + (sampled - 1) * COMPILE_S["speculative"] + sampled * per_record * run)
+            if batch in p.adaptive_batches:  # one loop; a first run of its own prefill times the cost model
+                add("adaptive", left("adaptive", length, batch, None, 1), 1, per_record + 1,
+                    COMPILE_S["speculative"] + run_s(batch, length, p.new_tokens) + per_record * run)
     for case in p.serve:
         methods = 2 + (len(BASELINES) if case.all_baselines else 1)
         # 128 requests through 64 slots: the prefill of every request, about twice a static batch's decode

@@ -96,6 +96,13 @@ def target_vegas_over_baselines(records, need: float = 1.15) -> Target:
                   "; ".join(parts) or "-")
 
 
+def _worst_first(checks: list[bool], parts: list[str]) -> str:
+    """The cells a target misses first, four at most shown, so a shortened list still shows why it is missed."""
+    parts = [part for _, part in sorted(zip(checks, parts), key=lambda pair: pair[0])]
+    shown = parts if len(parts) <= 4 else parts[:4] + [f"... {len(parts) - 4} more"]
+    return "; ".join(shown) or "-"
+
+
 def target_tau(records, legacy=()) -> Target:
     """τ of Vegas >= every baseline's at equal γ and budget (the common default cell), greedy and sampled."""
     def check(rows, label):
@@ -111,8 +118,7 @@ def target_tau(records, legacy=()) -> Target:
             checks.append(vegas[0]["tau"] >= best["tau"])
             worst.append(f"B{batch} {length} T{temperature:g}: {vegas[0]['tau']:.2f} vs {best['method']} "
                          f"{best['tau']:.2f}" + ("" if checks[-1] else " (below)"))
-        # The cells Vegas loses come first, so a shortened list still shows why the target is missed.
-        return checks, [part for _, part in sorted(zip(checks, worst), key=lambda pair: pair[0])]
+        return checks, worst
 
     rows = [r for r in heldout_rows(records, default=True) if r["method"] != "ar"]
     checks, parts = check(rows, "suite")
@@ -121,9 +127,8 @@ def target_tau(records, legacy=()) -> Target:
         checks, parts = check([r for r in legacy if r.get("gamma") == 6 and r.get("sparse_ratio") == 0.07
                                and r["method"] != "ar"], "legacy")
         source = " (before the suite: one run each, `e2e-2026-11-30-policies-*-logit.json`)"
-    shown = parts if len(parts) <= 4 else parts[:4] + [f"... {len(parts) - 4} more"]
     return Target("τ of Vegas >= every baseline's at equal γ and budget", _status(checks),
-                  "; ".join(shown) + source if shown else "-")
+                  _worst_first(checks, parts) + source if parts else "-")
 
 
 def _scale_value(records, model: str, context: int, batch: int, method: str, field: str):
@@ -155,9 +160,43 @@ def target_iteration(records, most: float = 3.0) -> Target:
                   "; ".join(parts) or "-")
 
 
+def adaptive_comparisons(records) -> list[dict]:
+    """Per adaptive-γ record (the suite's adaptive stage), the rates it is judged against, measured on the same
+    held-out prompts, batch and length: plain decoding's and the fastest fixed γ's (Vegas at its tuned and at the
+    default cell). Longest prompts and largest batches first."""
+    out = []
+    for r in (r for r in records if r.get("stage") == "adaptive"):
+        same = [o for o in heldout_rows(records, temperature=r["temperature"])
+                if (o["batch"], o["prompt_tokens"]) == (r["batch"], r["prompt_tokens"])]
+        fixed = [o for o in same if o["method"] == "vegas"]
+        out.append({"auto": r, "plain": next((o for o in same if o["method"] == "ar"), None),
+                    "best_fixed": max(fixed, key=lambda o: o["decode_tokens_per_s"]) if fixed else None})
+    return sorted(out, key=lambda c: (-c["auto"]["prompt_tokens"], -c["auto"]["batch"]))
+
+
+def targets_adaptive(records, floor: float = 0.97, within: float = 0.05) -> list[Target]:
+    """Issue 19's: `--gamma auto` never below 0.97x plain decoding at any batch and length measured, and within
+    5 % of the best fixed γ."""
+    over_plain, over_best = ([], []), ([], [])
+    for c in adaptive_comparisons(records):
+        auto, label = c["auto"], f"B{c['auto']['batch']} {c['auto']['prompt_tokens']}"
+        if c["plain"]:
+            ratio = auto["decode_tokens_per_s"] / c["plain"]["decode_tokens_per_s"]
+            over_plain[0].append(ratio >= floor)
+            over_plain[1].append(f"{label}: {_digits(ratio, floor, 2)}x")
+        if c["best_fixed"]:
+            ratio = auto["decode_tokens_per_s"] / c["best_fixed"]["decode_tokens_per_s"]
+            over_best[0].append(ratio >= 1 - within)
+            over_best[1].append(f"{label}: {_digits(ratio, 1 - within, 2)}x γ {c['best_fixed']['gamma']}")
+    return [Target(f"`--gamma auto` >= {floor:g}x plain decoding at every batch and length (issue 19)",
+                   _status(over_plain[0]), _worst_first(*over_plain)),
+            Target(f"`--gamma auto` within {100 * within:g} % of the best fixed γ (issue 19)",
+                   _status(over_best[0]), _worst_first(*over_best))]
+
+
 def targets(records, legacy=()) -> list[Target]:
     return [target_vegas_over_baselines(records), target_tau(records, legacy), target_roofline(records, 8, 0.85),
-            target_roofline(records, 1, 0.75), target_iteration(records)]
+            target_roofline(records, 1, 0.75), target_iteration(records), *targets_adaptive(records)]
 
 
 # ---- projection at SmolLM2's τ -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+from vegas_jax.adaptive_gamma import AUTO
 from vegas_jax.options import METHOD_KNOBS, GenerationOptions
 
 DEFAULT_GAMMA = GenerationOptions.gamma
@@ -29,10 +30,10 @@ def default_knobs(method: str) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One configuration of a method: γ (0 for plain decoding), sparse ratio (None for plain decoding) and the
-    method's knobs as sorted (name, value) pairs."""
+    """One configuration of a method: γ (0 for plain decoding; "auto" for adaptive γ, which no search visits),
+    sparse ratio (None for plain decoding) and the method's knobs as sorted (name, value) pairs."""
 
-    gamma: int
+    gamma: int | str
     sparse_ratio: float | None
     knobs: tuple[tuple[str, int], ...] = ()
 
@@ -50,6 +51,10 @@ class Cell:
         if axis in ("gamma", "sparse_ratio"):
             return dataclasses.replace(self, **{axis: value})
         return dataclasses.replace(self, knobs=tuple(sorted({**dict(self.knobs), axis: value}.items())))
+
+    @property
+    def auto_gamma(self) -> bool:
+        return self.gamma == AUTO
 
     def value(self, axis: str):
         return getattr(self, axis) if axis in ("gamma", "sparse_ratio") else dict(self.knobs)[axis]

@@ -134,6 +134,8 @@ def rate(cell: Cell) -> float:
     """A made-up tokens/s: best at γ 4, ratio 0.03, sinks 64, chunk 16, every 2; not separable in γ and ratio."""
     if not cell.gamma:
         return 50.0
+    if cell.auto_gamma:
+        return 99.0
     knobs = dict(cell.knobs)
     score = -abs(cell.gamma - 4) - 30 * abs(cell.sparse_ratio - 0.03) - 0.5 * (cell.gamma == 8) * cell.sparse_ratio
     score -= abs(knobs.get("stream_sinks", 64) - 64) / 64 + (knobs.get("retrieval_chunk", 16) != 16)
@@ -190,7 +192,7 @@ def test_grid_must_hold_the_defaults():
 TINY = Preset(name="tiny", lengths=(7936,), batches=(64, 32), grid=GRID, tune_new_tokens=8, tune_repeats=1,
               new_tokens=16, repeats=3, sampled_batches=(64,), sampled_defaults=False, ablation_batches=(64,),
               serve=(ServeCase(128, 64, 7936, all_baselines=False),), scale=(), scale_iterations=1, peer=(),
-              borrowed_tuning=((32, 64),))
+              borrowed_tuning=((32, 64),), adaptive_batches=(64,))
 
 
 @pytest.fixture
@@ -288,6 +290,9 @@ def test_the_estimate_counts_what_the_log_lacks(stage_session):
         suite.heldout(session, 7936, batch)
     done = stage_costs(TINY, left())
     assert done["heldout"].seconds == 0 and done["serve"] == scratch["serve"]
+    assert done["adaptive"] == scratch["adaptive"] and scratch["adaptive"].compiles == 1  # batch 64 alone
+    suite.adaptive(session, 7936, 64)
+    assert stage_costs(TINY, left())["adaptive"].seconds == 0
     # Half of vegas's search forgotten: its share of the tuning is back, no more than its cells from scratch.
     vegas = [r for r in session.log.records if r["stage"] == "tune" and r["method"] == "vegas"]
     cut = [r for r in session.log.records if r not in vegas[len(vegas) // 2:]]
@@ -296,6 +301,51 @@ def test_the_estimate_counts_what_the_log_lacks(stage_session):
     assert 0 < partial.seconds <= only_vegas.seconds and partial.compiles <= GRID.size("vegas")
     # Another model's records measure nothing for this one (the session keys records by its model).
     assert stage_costs(TINY, suite.log_progress(TINY, session.log.records, "other.gguf")) == scratch
+
+
+def test_adaptive_gamma_runs_at_vegas_tuned_cell_on_its_batches_only(stage_session):
+    """The adaptive stage measures Vegas with γ auto at the sparse ratio Vegas was tuned to, on the held-out split,
+    greedy; before tuning it reports the batch as not run, and a second call measures nothing again."""
+    session = stage_session
+    suite.adaptive(session, 7936, 64)
+    assert not session.log.records and session.incomplete == ["adaptive γ at 7936 x 64: Vegas not tuned yet "
+                                                              "(--stage tune)"]
+    suite.tune(session, 7936, 64)
+    suite.run_stages(session, ["adaptive"])  # batch 32 is not among the preset's adaptive batches
+    (r,) = [r for r in session.log.records if r["stage"] == "adaptive"]
+    chosen = tuned_cell("vegas", GRID, search("vegas"))
+    assert (r["method"], r["batch"], r["split"], r["temperature"]) == ("vegas", 64, "heldout", 0.0)
+    assert Cell.of(r) == dataclasses.replace(chosen, gamma="auto") and r["at_cell_of"] == "vegas"
+    runs = session.runs
+    suite.adaptive(session, 7936, 64)
+    assert session.runs == runs
+
+
+def test_the_adaptive_stage_measures_with_the_costs_a_first_run_timed_and_stays_lossless(tmp_path, monkeypatch):
+    """On a real (tiny) engine: the cost model a first run of adaptive γ timed is given to the measured runs and
+    recorded with the choices they made, and greedy output equals plain decoding's on the same prompts."""
+    from benchmarks.prompt_splits import PromptSet
+    from benchmarks.random_model import TINY as TINY_MODEL, random_model
+    from vegas_jax.engine import Engine
+
+    preset = dataclasses.replace(TINY, lengths=(48,), batches=(2,), borrowed_tuning=(), sampled_batches=(),
+                                 ablation_batches=(), serve=(), adaptive_batches=(2,), new_tokens=200, repeats=1)
+    session = suite.Session(preset, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
+                            dtype="float32")
+    session._engine = Engine(random_model(TINY_MODEL, jnp.float32))
+    rng = np.random.default_rng(1)
+    prompts = PromptSet([rng.integers(0, TINY_MODEL.vocab_size, 48).tolist() for _ in range(2)],
+                        {"prompts_sha256": "test"})
+    monkeypatch.setattr(session, "prompts", lambda split, count, length: prompts)
+    suite.measure_static(session, "heldout", "heldout", "ar", Cell.default("ar"), 2, 48, 0.0, new_tokens=200,
+                         repeats=1)
+    record = suite.measure_static(session, "adaptive", "heldout", "vegas", Cell("auto", 0.25), 2, 48, 0.0,
+                                  new_tokens=200, repeats=1)
+    assert record["gamma"] == "auto" and record["sequences_identical_to_ar"] == 2
+    assert set(record["gamma_costs"]) == {"draft", "verify"} and all(v > 0 for v in record["gamma_costs"].values())
+    histogram = record["gamma_chosen_histogram"]
+    assert len(histogram) == 9 and sum(histogram) > 0  # γ 0 to γ_max 8, one count an iteration
+    assert record["gamma_chosen_mean"] == pytest.approx(np.dot(np.arange(9), histogram) / sum(histogram))
 
 
 def test_a_measurement_past_the_budget_stops_before_running(tmp_path):
@@ -416,7 +466,7 @@ FIXTURE = [
 
 def test_targets_from_records_met_missed_and_not_yet_measured():
     status = {x.name: (x.status, x.result) for x in tables.targets(FIXTURE)}
-    (vegas, tau, b8, b1, iteration) = status.values()
+    (vegas, tau, b8, b1, iteration, auto_plain, auto_best) = status.values()
     assert vegas == ("missed", "B64: 1.20x streaming; B32: 1.10x streaming")
     assert tau[0] == "missed" and "6.30 vs streaming 6.40" in tau[1]
     assert b8 == ("met", "llama-3.1-8b 86 %") and b1 == ("missed", "llama-3.1-8b 60 %")
@@ -424,6 +474,23 @@ def test_targets_from_records_met_missed_and_not_yet_measured():
     assert all(x.status == "not yet measured" for x in tables.targets([]))
     # Only batch 64 measured, and Vegas 1.2x there: met.
     assert tables.targets([r for r in FIXTURE if r.get("batch") == 64])[0].status == "met"
+
+
+def test_adaptive_gamma_targets_against_plain_and_the_fastest_fixed_gamma():
+    """Issue 19's two: auto at 0.98x plain meets the 0.97x floor; against the fastest fixed γ measured on the same
+    cell (the default, faster than the tuned one here) 1,764 / 1,900 = 0.928 misses the 5 %; an auto record
+    without held-out rates to compare with counts for neither; cells that miss are listed first."""
+    auto = lambda batch, rate_, length=7936: {**_held("vegas", batch, rate_, tuned=False, cell=Cell("auto", 0.05)),  # noqa: E731
+                                              "stage": "adaptive", "prompt_tokens": length, "gamma_chosen_mean": 3.5}
+    records = FIXTURE + [_held("vegas", 64, 1900, tuned=False, default=True), auto(64, 1764), auto(32, 1089),
+                         auto(8, 500, length=4096)]
+    plain, best = tables.targets_adaptive(records)
+    assert plain.status == "met" and plain.result == "B64 7936: 1.76x; B32 7936: 1.36x"
+    assert best.status == "missed" and best.result == "B64 7936: 0.93x γ 6; B32 7936: 0.99x γ 4"
+    assert "1.76x" not in tables.targets_adaptive(records, floor=1.8)[0].result.split(";")[1]  # worst first
+    assert [x.status for x in tables.targets_adaptive(FIXTURE)] == ["not yet measured"] * 2
+    table = report.adaptive_table(records)
+    assert "| 7936 x 64 | 1,000 (900-1,100) | 1,900 (1,710-2,090), 1.90x, γ 6, 7 % | 1,764 (1,588-1,940) | 3.50 |" in table
 
 
 def test_the_tau_target_lists_the_cells_vegas_loses_first():
@@ -442,7 +509,7 @@ def test_a_target_missed_by_a_hair_never_reads_as_its_bound():
     near = [_held("ar", 64, 1000), _held("vegas", 64, 1149.7), _held("streaming", 64, 1000),
             _scale("llama-3.1-8b", 8, "ar", 12.0, fraction=0.8496), _scale("llama-3.1-8b", 8, "vegas", 36.0,
                                                                             steps=3.004)]
-    (vegas, _, b8, _, iteration) = tables.targets(near)
+    (vegas, _, b8, _, iteration, *_) = tables.targets(near)
     assert (vegas.status, vegas.result) == ("missed", "B64: 1.1497x streaming")
     assert (b8.status, b8.result) == ("missed", "llama-3.1-8b 84.96 %")
     assert (iteration.status, iteration.result) == ("missed", "llama-3.1-8b 3.004 plain steps")
@@ -483,7 +550,7 @@ def test_report_section_from_records_and_its_splice_into_the_readme():
     with pytest.raises(ValueError, match="no generated block between"):
         report.splice("no markers", text)
     empty = report.section([], [], plots=None)
-    assert empty.count("**not yet measured**") == 6 and "matplotlib" not in empty  # nothing to plot anyway
+    assert empty.count("**not yet measured**") == 8 and "matplotlib" not in empty  # nothing to plot anyway
     assert "matplotlib is not installed" in report.section(FIXTURE, [], plots=None)
 
 
@@ -571,6 +638,7 @@ def test_presets_hold_what_the_issue_asks():
     assert paper.grid.gammas == (2, 3, 4, 6, 8) and paper.grid.ratios == (0.03, 0.05, 0.07, 0.10, 0.15)
     assert set(paper.batches) == {1, 8, 32, 64} and set(paper.lengths) == {2048, 4096, 7936}
     assert paper.repeats >= 3 and paper.serve[0].requests == 128 and paper.serve[0].slots == 64
+    assert paper.adaptive_batches == paper.batches  # issue 19: adaptive γ "at any batch and length measured"
     assert all(p.max_model_len[n] <= 8192 for p in PRESETS.values() for n in p.lengths)  # SmolLM2's context
 
 
@@ -660,7 +728,7 @@ def test_compile_ahead_compiles_each_loop_once_and_the_records_keep_its_time(tmp
     from vegas_jax.engine import Engine
 
     preset = dataclasses.replace(TINY, lengths=(48,), batches=(2,), borrowed_tuning=(), sampled_batches=(),
-                                 ablation_batches=(), serve=(), tune_new_tokens=4, new_tokens=4)
+                                 ablation_batches=(), serve=(), tune_new_tokens=4, new_tokens=4, adaptive_batches=())
     session = suite.Session(preset, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
                             dtype="float32")
     session._engine = Engine(random_model(TINY_MODEL, jnp.float32))
