@@ -321,22 +321,29 @@ def test_adaptive_gamma_runs_at_vegas_tuned_cell_on_its_batches_only(stage_sessi
     assert session.runs == runs
 
 
-def test_the_adaptive_stage_measures_with_the_costs_a_first_run_timed_and_stays_lossless(tmp_path, monkeypatch):
-    """On a real (tiny) engine: the cost model a first run of adaptive γ timed is given to the measured runs and
-    recorded with the choices they made, and greedy output equals plain decoding's on the same prompts."""
+def tiny_engine_session(tmp_path, monkeypatch, *, seed: int, **preset_fields) -> suite.Session:
+    """A session of TINY cut to 2 prompts of 48 random tokens, on a real engine of the tiny random model."""
     from benchmarks.prompt_splits import PromptSet
     from benchmarks.random_model import TINY as TINY_MODEL, random_model
     from vegas_jax.engine import Engine
 
-    preset = dataclasses.replace(TINY, lengths=(48,), batches=(2,), borrowed_tuning=(), sampled_batches=(),
-                                 ablation_batches=(), serve=(), adaptive_batches=(2,), new_tokens=200, repeats=1)
+    preset = dataclasses.replace(TINY, **{"lengths": (48,), "batches": (2,), "borrowed_tuning": (),
+                                          "sampled_batches": (), "ablation_batches": (), "serve": (),
+                                          "adaptive_batches": (), **preset_fields})
     session = suite.Session(preset, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
                             dtype="float32")
     session._engine = Engine(random_model(TINY_MODEL, jnp.float32))
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     prompts = PromptSet([rng.integers(0, TINY_MODEL.vocab_size, 48).tolist() for _ in range(2)],
                         {"prompts_sha256": "test"})
     monkeypatch.setattr(session, "prompts", lambda split, count, length: prompts)
+    return session
+
+
+def test_the_adaptive_stage_measures_with_the_costs_a_first_run_timed_and_stays_lossless(tmp_path, monkeypatch):
+    """On a real (tiny) engine: the cost model a first run of adaptive γ timed is given to the measured runs and
+    recorded with the choices they made, and greedy output equals plain decoding's on the same prompts."""
+    session = tiny_engine_session(tmp_path, monkeypatch, seed=1, adaptive_batches=(2,), new_tokens=200, repeats=1)
     suite.measure_static(session, "heldout", "heldout", "ar", Cell.default("ar"), 2, 48, 0.0, new_tokens=200,
                          repeats=1)
     record = suite.measure_static(session, "adaptive", "heldout", "vegas", Cell("auto", 0.25), 2, 48, 0.0,
@@ -721,21 +728,7 @@ def test_estimate_prints_every_stage_and_runs_nothing(capsys, tmp_path):
 def test_compile_ahead_compiles_each_loop_once_and_the_records_keep_its_time(tmp_path, monkeypatch):
     """compile_ahead starts the configurations side by side on a real (tiny) engine; the measurements after it
     compile nothing more, and their records carry the compile time it measured."""
-    import jax.numpy as jnp
-
-    from benchmarks.prompt_splits import PromptSet
-    from benchmarks.random_model import TINY as TINY_MODEL, random_model
-    from vegas_jax.engine import Engine
-
-    preset = dataclasses.replace(TINY, lengths=(48,), batches=(2,), borrowed_tuning=(), sampled_batches=(),
-                                 ablation_batches=(), serve=(), tune_new_tokens=4, new_tokens=4, adaptive_batches=())
-    session = suite.Session(preset, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
-                            dtype="float32")
-    session._engine = Engine(random_model(TINY_MODEL, jnp.float32))
-    rng = np.random.default_rng(0)
-    prompts = PromptSet([rng.integers(0, TINY_MODEL.vocab_size, 48).tolist() for _ in range(2)],
-                        {"prompts_sha256": "test"})
-    monkeypatch.setattr(session, "prompts", lambda split, count, length: prompts)
+    session = tiny_engine_session(tmp_path, monkeypatch, seed=0, tune_new_tokens=4, new_tokens=4)
     configurations = [("vegas", Cell(4, 0.07)), ("vegas", Cell(6, 0.07)), ("streaming", Cell.default("streaming"))]
     compiled = suite.compile_ahead(session, "tune", "tuning", configurations, 2, 48, 0.0, 4)
     assert set(compiled) == set(configurations) and all(t > 0 for t in compiled.values())
