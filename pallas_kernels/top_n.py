@@ -31,6 +31,11 @@ MAX_N = 64
 # stage nearly the row's length), and the scores a thread holds before a program takes another warp.
 MIN_CHUNK = 256
 ENTRIES_PER_THREAD = 16
+# Rows this long or shorter stay whole (one stage): on the H200 (2026-12-04, nsa-kernels-2026-12-04-114806.json
+# and -115235-smollm2-view.json) rows of 512 and 2,048 scores took 6.8-10.6 us whole against 7.7-16.3 in chunks
+# (a second launch's cost, never repaid at these lengths), while rows of 8,192 took 11.7-12.1 us in chunks against
+# 33.1 whole (-122244.json).
+WHOLE_ROW = 2048
 
 
 def top_n_kernel(scores_ref, values_ref, indices_ref, *, n: int, length: int):
@@ -73,11 +78,12 @@ class TopNLaunch:
         its threads, so the rounds of a few long rows run faster cut into chunks on more SMs (plus a second stage
         over the chunks' candidates) and few short rows faster one a program on a single warp (reductions in
         shuffles, no barrier) than packed into one program of 4 warps, as until 2026-12-04: 33 us a call for the
-        24 rows of 512 blocks of a batch-8 SmolLM2 NSA-view decode step at 8K, 1.0 of its 2.4 ms. min_chunk MAX_TILE:
-        one stage wherever a row fits a program (the second stage's own launch)."""
+        24 rows of 512 blocks of a batch-8 SmolLM2 NSA-view decode step at 8K, 1.0 of its 2.4 ms. Rows of up to
+        WHOLE_ROW scores stay whole whatever their number. min_chunk MAX_TILE: one stage wherever a row fits a
+        program (the second stage's own launch)."""
         padded = next_power_of_2(length)
         per_program = next_power_of_2(pl.cdiv(padded * num_rows, TARGET_PROGRAMS))
-        chunk = min(padded, MAX_TILE, max(min_chunk, per_program))
+        chunk = padded if padded <= WHOLE_ROW else min(padded, MAX_TILE, max(min_chunk, per_program))
         chunks = pl.cdiv(length, chunk)
         block_rows = min(MAX_ROWS, MAX_TILE // chunk, previous_power_of_2(max(1, num_rows * chunks // TARGET_PROGRAMS)))
         warps = min(4, previous_power_of_2(max(1, block_rows * chunk // ENTRIES_PER_THREAD // 32)))

@@ -53,10 +53,11 @@ def test_every_launch_returns_the_same_top_n(rng, launch):
 
 
 @pytest.mark.parametrize("rows, length, want", [
-    (24, 512, TopNLaunch(chunk=256, block_rows=1, num_warps=1)),  # a batch-8 SmolLM2 view step at 8K: 2 chunks a row
+    (24, 512, TopNLaunch(chunk=512, block_rows=1, num_warps=1)),  # a batch-8 SmolLM2 view step at 8K: rows whole
     (744, 128, TopNLaunch(chunk=128, block_rows=1, num_warps=1)),  # short rows: a program a row, one warp
-    (2, 2048, TopNLaunch(chunk=256, block_rows=1, num_warps=1)),  # NSA-1B at 32K, batch 1: 8 chunks a row
+    (2, 2048, TopNLaunch(chunk=2048, block_rows=1, num_warps=4)),  # NSA-1B at 32K, batch 1: rows whole, 4 warps
     (1024, 2048, TopNLaunch(chunk=2048, block_rows=2, num_warps=4)),  # 64-node trees at batch 8: rows whole
+    (2, 8192, TopNLaunch(chunk=256, block_rows=1, num_warps=1)),  # NSA-1B at 128K, batch 1: 32 chunks a row
 ])
 def test_the_default_launch_spreads_rows_over_programs(rows, length, want):
     assert TopNLaunch.for_rows(rows, length) == want
