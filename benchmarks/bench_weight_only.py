@@ -12,7 +12,7 @@ draft could use, on the codes as stored (backend "pallas-integer") and, at one r
 (pack_code_words, "pallas-integer-words"). --nibble-unpack ops,prmt times the int4 dot kernels (2+ rows) with
 each way of unpacking code bytes (config suffix "/prmt"); --split-factors 1,2,4 each kernel at its default K
 splits and at multiples of them (suffix "/splitsN": more programs in flight to hide the loads' latency, where
-the default aims at two per SM). Every quantized variant's product is checked against
+the default aims at four per SM). Every quantized variant's product is checked against
 the float32 product of the dequantised weight first (relative_error; above MAX_RELATIVE_ERROR it is an error,
 not timed).
 Prints a table; writes JSON to $OUT (or --out).

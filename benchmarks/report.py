@@ -324,15 +324,18 @@ def one_preset_per_row(records: list[dict]) -> list[dict]:
     presets tune on different grids, so their tuned cells differ and a row mixing them would compare one preset's
     Vegas with another's baselines; the common default cells and plain decoding, measured alike, come along."""
     rank = {f"suite-{name}": i for i, name in enumerate(PRESETS)}
-    # An adaptive-γ record goes with its held-out row, whose rates it is judged against.
-    stage = lambda r: "heldout" if r.get("stage") == "adaptive" else r.get("stage")  # noqa: E731
-    rows = [((stage(r), r["prompt_tokens"], r["batch"]) if stage(r) in ("heldout", "serve") else None,
-             rank.get(r.get("log"), -1)) for r in records]
+    # An adaptive-γ record goes with its held-out row, whose rates it is judged against, but does not choose the
+    # row's log: a log may time adaptive γ at a row whose held-out runs only another log has.
+    def row_of(r: dict) -> tuple | None:
+        if r.get("stage") not in ("heldout", "serve", "adaptive"):
+            return None
+        return "heldout" if r["stage"] == "adaptive" else r["stage"], r["prompt_tokens"], r["batch"]
+
     best: dict[tuple, int] = {}
-    for row, order in rows:
-        if row:
-            best[row] = max(best.get(row, -1), order)
-    return [r for r, (row, order) in zip(records, rows) if not row or order == best[row]]
+    for r in records:
+        if r.get("stage") in ("heldout", "serve"):
+            best[row_of(r)] = max(best.get(row_of(r), -1), rank.get(r.get("log"), -1))
+    return [r for r in records if row_of(r) not in best or rank.get(r.get("log"), -1) == best[row_of(r)]]
 
 
 def main(argv=None) -> int:

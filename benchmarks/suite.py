@@ -61,6 +61,10 @@ class OutOfTime(Exception):
     """The next measurement would pass the call's budget."""
 
 
+class CostsNotTimed(RuntimeError):
+    """Adaptive γ's first run ended (every request done) before its cost model was timed."""
+
+
 class BadFlag(ValueError):
     """A flag's value the suite cannot run: one `error:` line, exit status 2."""
 
@@ -342,14 +346,16 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
 def with_measured_costs(engine, prompts, options) -> tuple:
     """Adaptive γ's options with the cost model that a first run of theirs measures and keeps
     (vegas_jax.adaptive_gamma.Warmup: what `generate` does for a new configuration), given to the measured runs,
-    which then decode in one call as every other method's do (bench_decode.run_one); and that cost model for
-    the record."""
-    costs = engine.generate(prompts, options, steps_per_call=None).metrics["gamma_costs"]
+    which then decode in one call as every other method's do (bench_decode.run_one); and, for the record, that
+    cost model and the first run's compile time (the measured runs find its loop compiled)."""
+    metrics = engine.generate(prompts, options, steps_per_call=None).metrics
+    costs = metrics["gamma_costs"]
     if costs is None:
-        raise RuntimeError(f"adaptive γ: {options.max_new_tokens} new tokens ended its first run before its cost "
-                           "model was timed (vegas_jax.adaptive_gamma.Warmup: 20 iterations)")
+        raise CostsNotTimed(f"its first run ended before its cost model was timed ({options.max_new_tokens} new "
+                            "tokens at most, every request done within vegas_jax.adaptive_gamma.Warmup's 20 "
+                            "iterations)")
     return (dataclasses.replace(options, draft_cost=costs["draft"], verify_cost=costs["verify"]),
-            {"gamma_costs": costs})
+            {"gamma_costs": costs, "compile_s": metrics["compile_s"]})
 
 
 def tune(session: Session, length: int, batch: int) -> None:
@@ -420,9 +426,12 @@ def adaptive(session: Session, length: int, batch: int) -> None:
     if tuned is None:
         session.incomplete.append(f"adaptive γ at {length} x {batch}: Vegas not tuned yet (--stage tune)")
         return
-    measure_static(session, "adaptive", "heldout", "vegas", dataclasses.replace(tuned, gamma=AUTO), batch, length,
-                   0.0, new_tokens=p.new_tokens, repeats=p.repeats,
-                   extra={"tuned": False, "at_cell_of": "vegas", "tuned_at_batch": p.tuning_batch(batch)})
+    try:
+        measure_static(session, "adaptive", "heldout", "vegas", dataclasses.replace(tuned, gamma=AUTO), batch,
+                       length, 0.0, new_tokens=p.new_tokens, repeats=p.repeats,
+                       extra={"tuned": False, "at_cell_of": "vegas", "tuned_at_batch": p.tuning_batch(batch)})
+    except CostsNotTimed as e:  # greedy: a rerun would end the same way; the other cells still run
+        session.incomplete.append(f"adaptive γ at {length} x {batch}: {e}")
 
 
 def _compile_time(compiled: dict, method: str, cell: Cell) -> dict:

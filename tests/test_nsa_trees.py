@@ -146,11 +146,13 @@ def test_sampled_nsa_trees_keep_the_distribution():
 
 
 def test_the_loops_tree_verification_lowers_to_triton_for_h200():
-    """NSATreeVerify's vmap over the batch of nsa_tree_verify with its Pallas kernels (V1), at NSA-1B's heads."""
+    """NSATreeVerify's vmap over the batch of nsa_tree_verify with its Pallas kernels and the loop's schedule
+    (TREE_SCHEDULE), at NSA-1B's heads."""
     from h200_lowering import lower_for_h200
     from models.config import NSA_1B_LAYOUT
     from models.nsa_cache import NSALayerCache, compressed_rows
     from pallas_kernels.nsa_verify import nsa_tree_verify
+    from vegas_jax.attention.nsa_tree import TREE_SCHEDULE
     from vegas_jax.tree import TreeShape
 
     tree, batch, capacity, heads, kv_heads, dim = TreeShape.full(4, 2), 2, 4096, 32, 2, 64
@@ -158,7 +160,8 @@ def test_the_loops_tree_verification_lowers_to_triton_for_h200():
         jax.ShapeDtypeStruct
 
     def verify(q, cache, tree_k, tree_v, gates, length):
-        one = lambda *a: nsa_tree_verify(*a, parents, layout=NSA_1B_LAYOUT, kind="nsa", kernels="pallas")
+        one = lambda *a: nsa_tree_verify(*a, parents, layout=NSA_1B_LAYOUT, kind="nsa", kernels="pallas",
+                                         schedule=TREE_SCHEDULE)
         return jax.vmap(one)(q, cache, tree_k, tree_v, gates, length)
 
     kv = lambda n: spec((batch, n, kv_heads, dim), jnp.bfloat16)
