@@ -43,7 +43,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.prompt_splits import PromptSet, split_prompts  # noqa: E402
 from benchmarks.suite_presets import (  # noqa: E402
-    ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, Preset, describe_costs, run_s,
+    ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, STAGES, Preset, describe_costs,
+    run_s,
 )
 from benchmarks.suite_records import (  # noqa: E402
     RecordLog, find as find_records, key_fields_differing, latest_per_key, read_logs, record_key,
@@ -51,7 +52,6 @@ from benchmarks.suite_records import (  # noqa: E402
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
 from vegas_jax.adaptive_gamma import AUTO  # noqa: E402
 
-STAGES = ("tune", "heldout", "adaptive", "serve", "scale", "peer")
 RESULTS = REPO / "benchmarks" / "results"
 STOPPED = 3  # exit status of a call that stopped for its budget
 INCOMPLETE = 4  # ... that skipped measurements needing another stage first (listed as "not run")

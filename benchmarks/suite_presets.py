@@ -20,6 +20,7 @@ SPECULATIVE = ("vegas", "streaming", "quest", "retrieval")
 ABLATIONS = ("vegas-all", "last")
 BASELINES = ("streaming", "quest", "retrieval")
 SAMPLED_TEMPERATURE = 0.7
+STAGES = ("tune", "heldout", "adaptive", "serve", "scale", "peer")  # in the order a call runs them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +202,7 @@ def _everything_left(*_) -> float:
 def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost]:
     """The most each stage can cost (every search sweep measured, every cell distinct), of what `left` says the
     log lacks; a unit's compilations and runs count in proportion."""
-    p, costs = preset, {stage: Cost() for stage in ("tune", "heldout", "adaptive", "serve", "scale", "peer")}
+    p, costs = preset, {stage: Cost() for stage in STAGES}
 
     def add(stage: str, fraction: float, compiles: int, runs: int, seconds: float) -> None:
         costs[stage].add(round(fraction * compiles), round(fraction * runs), fraction * seconds)
