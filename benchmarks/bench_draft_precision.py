@@ -3,7 +3,7 @@ the cost of a draft step and of a Vegas iteration at the scale of an 8B model.
 
     python benchmarks/bench_draft_precision.py --part real        # SmolLM2 (the embedded GGUF), real prompts
     python benchmarks/bench_draft_precision.py --part random --models llama-3.1-8b --batches 1,8,16 --contexts 32K \
-        --tau-from benchmarks/results/draft-precision-<date>-real.json
+        --tau-from benchmarks/results/draft-precision-<date>-<time>-real.json
     python benchmarks/bench_draft_precision.py --smoke --out /tmp/dp  # a tiny random model on a CPU: checks this script
 
 Part `real`: SmolLM2-135M-Instruct on real long prompts (benchmarks/prompts.py), greedy, γ 6: τ and acceptance by
@@ -18,7 +18,7 @@ configuration is checked against the memory plan first and skipped if it does no
 `projection` (random weights accept nothing, so their own τ means nothing).
 
 Records: model, batch, context, draft_weights, gamma, ms_per_iteration, plain_ms_per_step, draft_ms_per_step, and
-tau for real-weight runs. Every record is saved as it is made (benchmarks/results/draft-precision-<date>-<part>
+tau for real-weight runs. Every record is saved as it is made (benchmarks/results/draft-precision-<date>-<time>-<part>
 [-tag].json or --out, and $OUT; "complete": false until the part ends; --smoke: --out and $OUT only); a run stops
 starting configurations after --budget-s seconds (default 480, under the device tool's 10 minutes per command).
 Prints a table at the end.
@@ -67,7 +67,8 @@ class Recorder:
 
     def __init__(self, args, part: str):
         self.args, self.started = args, time.perf_counter()
-        stamp = datetime.date.today().isoformat()
+        # The time too: a second run the same day must not overwrite the first.
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
         name = f"draft-precision-{stamp}-{part}" + (f"-{args.tag}" if args.tag else "") + ".json"
         folder = args.out or (None if args.smoke else RESULTS)
         self.log = RecordLog(run_metadata(attention_backend=default_backend()), name, folder)
