@@ -10,7 +10,8 @@ chunks (S in the hundreds) are tiled in row blocks, a third grid axis, and each 
 own last query.
 
 Score collection (Vegas' Collect-2-Query) for every key t <= start[b]: the mean over all H_q heads and over the
-query rows 0 and S-1 of
+query rows 0 and scored_row[b] (default S-1: the last draft, whose output predicts the bonus token; adaptive γ
+drafts g < S-1 tokens into a pass of fixed width, and its last draft is row g) of
   - "logit": the raw q.k (unscaled). Linear in the rows, so each program sums its 2G scored rows' logits while the
     logit tile is in registers and writes one float per key; a tiny XLA reduction sums the KV heads.
   - "weight": the softmax probability exp(sm_scale * q.k - lse_row). A second dot multiplies the key block by the
@@ -65,6 +66,7 @@ def verify_attention_kernel(
     k_ref,  # [T, D] one KV head's keys
     v_ref,  # [T, D]
     start_ref,  # [] position of query 0
+    scored_row_ref,  # [] the query scored besides query 0
     o_ref,  # [block_q, D] this split's unnormalised output
     l_ref,  # [block_q]
     m_ref,  # [block_q]
@@ -81,6 +83,7 @@ def verify_attention_kernel(
     split = pl.program_id(1)
     row_block = pl.program_id(2)
     start = start_ref[()]
+    scored_row = scored_row_ref[()]
     row = row_block * block_q + jnp.arange(block_q)
     last_query = jnp.minimum(((row_block + 1) * block_q - 1) // group, num_queries - 1)
     # Never past the cache: a prefill chunk's padding may run beyond it.
@@ -90,14 +93,14 @@ def verify_attention_kernel(
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
     last_visible_key = start + row // group
     q = q_ref[...]
-    # Scored rows: the G heads of query 0, then those of query S-1 (the same rows twice when S == 1, matching a
-    # mean over the two row slots).
-    slots = (row < group).astype(jnp.float32) + (row // group == num_queries - 1).astype(jnp.float32)
+    # Scored rows: the G heads of query 0, then those of query scored_row (the same rows twice when it is 0,
+    # matching a mean over the two row slots).
+    slots = (row < group).astype(jnp.float32) + (row // group == scored_row).astype(jnp.float32)
     if score_mode == "weight":
         # As the columns of a second dot: scored column c is query row source_row[c]; padded columns are zero.
         column = jnp.arange(block_s)
         real_column = column < 2 * group
-        source_row = jnp.where(column < group, 0, num_queries - 1) * group + column % group
+        source_row = jnp.where(column < group, 0, scored_row) * group + column % group
         source_row = jnp.where(real_column, source_row, 0)
         q_scored = jnp.where(real_column[:, None], q_ref[source_row, :], 0).astype(q.dtype)
 
@@ -117,7 +120,7 @@ def verify_attention_kernel(
         v = plt.load(v_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
 
-        candidate = in_split & (key <= start)  # visible to both scored queries
+        candidate = in_split & (key <= start)  # visible to both scored queries (query 0 sees the fewest)
         if score_mode == "logit":
             (score_ref,) = score_refs
             summed = jnp.sum(raw * slots[:, None], axis=0)
@@ -150,6 +153,7 @@ def verify_attention_unbatched(
     k_cache,  # [T, H_kv, D]
     v_cache,  # [T, H_kv, D]
     start,  # []
+    scored_row,  # []
     *,
     score_mode: str | None,
     sm_scale: float,
@@ -198,21 +202,22 @@ def verify_attention_unbatched(
             head_rows,
             head_rows,
             pl.BlockSpec((), lambda h, s, r: ()),
+            pl.BlockSpec((), lambda h, s, r: ()),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"verify_attention_{score_mode or 'plain'}",
-    )(q_rows, k_cache, v_cache, start)
+    )(q_rows, k_cache, v_cache, start, scored_row)
     o, l, m = o[:, :, :query_rows], l[:, :, :query_rows], m[:, :, :query_rows]
     out = heads_of_query_rows(combine_splits(o, l, m), num_queries).astype(q.dtype)
     if score_mode != "weight":
         return out, (score_partials[0] if score_partials else None)
     m_max = m.max(axis=0)
     lse = m_max + jnp.log((l * jnp.exp(m - m_max[None])).sum(axis=0))  # [H_kv, S * G]
-    last = (num_queries - 1) * group
-    scored_lse = jnp.concatenate([lse[:, :group], lse[:, last : last + group]], axis=1)  # [H_kv, 2G]
+    last_scored = lax.dynamic_slice_in_dim(lse, scored_row * group, group, axis=1)
+    scored_lse = jnp.concatenate([lse[:, :group], last_scored], axis=1)  # [H_kv, 2G]
     below_max, block_max = (x.reshape(num_kv_heads, -1, 2 * group) for x in score_partials)
     return out, (below_max, block_max, scored_lse)
 
@@ -254,6 +259,7 @@ def verify_attention(
     k_cache: jax.Array,  # [B, T, H_kv, D]
     v_cache: jax.Array,  # [B, T, H_kv, D]
     start: jax.Array,  # [B] int32
+    scored_row: jax.Array | None = None,  # [B] int32 in [0, S); None: S - 1
     *,
     score_mode: str | None = None,
     sm_scale: float | None = None,
@@ -268,7 +274,8 @@ def verify_attention(
     that position (up to T - 1 for queries past the cache, such as a prefill chunk's padding).
 
     Returns (out [B, S, H_q, D] in q's dtype, scores [B, T] float32 or None). scores (score_mode "logit" or
-    "weight", see the module docstring) cover keys t <= start[b] and are -inf beyond.
+    "weight", see the module docstring: of query rows 0 and scored_row[b]) cover keys t <= start[b] and are -inf
+    beyond.
 
     block_k: keys per inner step (power of two >= 16; None: 128 for head dim 64 with more than 16 query rows per
     program, else 64).
@@ -291,6 +298,7 @@ def verify_attention(
     row_blocks = pl.cdiv(query_rows, block_q)
     if start.shape != (batch,):
         raise ValueError(f"start must have shape ({batch},), got {start.shape}")
+    scored_row = default_scored_row(scored_row, batch, num_queries)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, capacity, block_k, row_blocks)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -306,7 +314,7 @@ def verify_attention(
         interpret=interpret,
     )
     start = start.astype(jnp.int32)
-    out, partials = jax.vmap(inner)(q, k_cache, v_cache, start)
+    out, partials = jax.vmap(inner)(q, k_cache, v_cache, start, scored_row)
     if score_mode is None:
         return out, None
     if score_mode == "logit":
@@ -321,8 +329,17 @@ def verify_attention(
     return out, jnp.where(candidate, summed / (2 * num_q_heads), -jnp.inf)
 
 
+def default_scored_row(scored_row: jax.Array | None, batch: int, num_queries: int) -> jax.Array:
+    """[B] int32: the given rows (checked for shape), or the last query's."""
+    if scored_row is None:
+        return jnp.full((batch,), num_queries - 1, jnp.int32)
+    if scored_row.shape != (batch,):
+        raise ValueError(f"scored_row must have shape ({batch},), got {scored_row.shape}")
+    return scored_row.astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("score_mode", "sm_scale"))
-def verify_attention_reference(q, k_cache, v_cache, start, *, score_mode=None, sm_scale=None):
+def verify_attention_reference(q, k_cache, v_cache, start, scored_row=None, *, score_mode=None, sm_scale=None):
     """XLA twin of verify_attention: dense masked attention over the whole cache capacity."""
     batch, num_queries, num_q_heads, head_dim = q.shape
     capacity, num_kv_heads = k_cache.shape[1:3]
@@ -340,6 +357,8 @@ def verify_attention_reference(q, k_cache, v_cache, start, *, score_mode=None, s
     if score_mode is None:
         return out, None
     per_head = raw if score_mode == "logit" else probs  # [B, H_kv, G, S, T]
-    scored = per_head[:, :, :, 0].mean(axis=(1, 2)) + per_head[:, :, :, -1].mean(axis=(1, 2))
+    scored_row = default_scored_row(scored_row, batch, num_queries)
+    second = jnp.take_along_axis(per_head, scored_row[:, None, None, None, None], axis=3)[:, :, :, 0]
+    scored = per_head[:, :, :, 0].mean(axis=(1, 2)) + second.mean(axis=(1, 2))
     candidate = t[None, :] <= start[:, None]
     return out, jnp.where(candidate, scored / 2, -jnp.inf)

@@ -38,10 +38,12 @@ def make_case(rng, *, capacity, kv_heads, group, head_dim, queries, starts, dtyp
     return as_array(q), as_array(k), as_array(v), jnp.asarray(starts, jnp.int32)
 
 
-def expected(q, k, v, start, score_mode):
-    """float64 causal attention and the Collect-2-Query scores ([B, T], -inf past start)."""
+def expected(q, k, v, start, score_mode, scored_row=None):
+    """float64 causal attention and the Collect-2-Query scores of rows 0 and scored_row[b] (default the last;
+    [B, T], -inf past start)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, queries, num_q_heads, head_dim = q.shape
+    scored_row = np.full(batch, queries - 1) if scored_row is None else np.asarray(scored_row)
     capacity, kv_heads = k.shape[1:3]
     group = num_q_heads // kv_heads
     out = np.empty_like(q)
@@ -56,8 +58,8 @@ def expected(q, k, v, start, score_mode):
                 weights = np.exp(raw / np.sqrt(head_dim) - (raw / np.sqrt(head_dim)).max())
                 weights /= weights.sum()
                 out[b, i, h] = weights @ v[b, :visible, h // group]
-                # Rows 0 and S-1 each count once (the same row twice when S == 1).
-                slots = (i == 0) + (i == queries - 1)
+                # Rows 0 and scored_row each count once (the same row twice when it is 0).
+                slots = int(i == 0) + int(i == scored_row[b])
                 per_key = raw if score_mode == "logit" else weights
                 score_sum += slots * per_key[:seen]
         scores[b, :seen] = score_sum / (2 * num_q_heads)
@@ -70,8 +72,8 @@ def relative_error(actual, wanted, what):
     return np.abs(actual - wanted).max() / np.abs(wanted).max()
 
 
-def assert_matches(out, scores, case, score_mode, dtype):
-    want_out, want_scores = expected(*case, score_mode)
+def assert_matches(out, scores, case, score_mode, dtype, scored_row=None):
+    want_out, want_scores = expected(*case, score_mode, scored_row)
     error = relative_error(out, want_out, "output")
     assert error <= OUTPUT_TOLERANCE[dtype], f"output relative error {error:.2e}"
     if score_mode is None:
@@ -163,6 +165,24 @@ def test_single_query_scores_its_only_row(rng, score_mode):
                      dtype=jnp.float32)
     out, scores = verify_attention(*case, score_mode=score_mode, block_k=16, num_splits=2, interpret=True)
     assert_matches(out, scores, case, score_mode, jnp.float32)
+
+
+@pytest.mark.parametrize("score_mode", ["logit", "weight"])
+def test_scores_the_given_row_besides_row_0(rng, score_mode):
+    """Adaptive γ drafts fewer tokens than the pass is wide: the second scored row is each sequence's last draft
+    (here rows 2, 0 and 5 of 7), not the last row; the kernel and its reference both follow it."""
+    shape = dict(CASES["gqa3_d64"], starts=[143, 40, 77])
+    del shape["block_k"], shape["num_splits"]
+    case = make_case(rng, dtype=jnp.float32, **shape)
+    scored_row = jnp.asarray([2, 0, 5], jnp.int32)
+    out, scores = verify_attention(*case, scored_row, score_mode=score_mode, interpret=True)
+    assert_matches(out, scores, case, score_mode, jnp.float32, scored_row)
+    finite = lambda x: jnp.nan_to_num(x, nan=7.0)
+    q, k, v, start = case
+    out, scores = verify_attention_reference(q, finite(k), finite(v), start, scored_row, score_mode=score_mode)
+    assert_matches(out, scores, case, score_mode, jnp.float32, scored_row)
+    _, last_row_scores = verify_attention(*case, score_mode=score_mode, interpret=True)
+    assert not np.allclose(np.asarray(scores)[:, :40], np.asarray(last_row_scores)[:, :40])  # the row matters
 
 
 @pytest.mark.parametrize("score_mode", [None, "logit", "weight"])

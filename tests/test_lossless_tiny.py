@@ -23,6 +23,7 @@ from vegas_jax import draft_kernel
 from vegas_jax.draft_kernel import with_kernel
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.metrics import request_metrics
 from vegas_jax.selection import POLICIES
 from vegas_jax.sharding import Placement
 
@@ -364,3 +365,25 @@ def test_auto_gamma_falls_back_to_plain_steps_when_drafts_do_not_pay(greedy_setu
     chosen = result.metrics["gamma_chosen_histogram"]
     assert chosen[0] >= 0.8 * sum(chosen) and sum(chosen[1:]) > 0, chosen
     assert result.metrics["gamma_costs"] == {"draft": pytest.approx(0.3), "verify": pytest.approx(1.1)}
+
+
+def test_auto_gamma_scores_its_last_draft_as_fixed_gamma_does(greedy_setup):
+    """Adaptive γ drafts g < γ_max tokens into a verification pass of γ_max + 1 rows. Vegas selects from rows 0
+    and g (the last draft), never from a placeholder row after it: forced to g = 3 in a loop of γ_max 5, every
+    request's drafts are accepted exactly as with a fixed γ of 3 (the same selections make the same drafts)."""
+    engine, batch, plain = greedy_setup
+    fixed = engine.generate(batch, dataclasses.replace(GREEDY, method="vegas", gamma=3))
+    options = dataclasses.replace(GREEDY, method="vegas", gamma="auto", gamma_max=5, draft_cost=0.1, verify_cost=1.0)
+    started = engine.start(batch, options)
+    state = adaptive_gamma.with_control(started.state, started.config.placement, 3, (0.1, 1.0))
+    state = started.decode(engine.model.params, started.draft_params, state, jnp.int32(2**31 - 1),
+                           jnp.int32(len(batch)))
+    chosen = np.asarray(state.gamma_control.chosen).tolist()
+    # g 3 throughout, but at the very end: never more drafts than any request may still take.
+    assert chosen[3] >= int(state.step) - 1 and chosen[4:] == [0, 0], chosen
+    for i, request in enumerate(fixed.requests):
+        generated = int(state.num_generated[i])
+        assert np.asarray(state.output)[i, :generated].tolist() == request.tokens == plain.requests[i].tokens
+        mine = request_metrics(generated, int(state.metrics.iterations[i]), np.asarray(state.metrics.drafted)[i, :3],
+                               np.asarray(state.metrics.accepted)[i, :3])
+        assert mine == request.metrics

@@ -92,9 +92,9 @@ class DecodeConfig:
         """The model's attention family running this loop's mode (vegas_jax.attention.family)."""
         return family_of(self.model, self.mode)
 
-    def verify_attention(self, active: jax.Array | None = None):
+    def verify_attention(self, active: jax.Array | None = None, last_draft: jax.Array | None = None):
         request = self.policy.score_request(self.score_mode) if self.policy else None
-        return self.family.full_attention(self.model, self.placement, request, active)
+        return self.family.full_attention(self.model, self.placement, request, active, last_draft)
 
     def forward(self, params, tokens, positions, cache, attention, logit_rows=None):
         """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
@@ -349,13 +349,17 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
     return cache, drafts, probs, finite
 
 
-def verify(params, state: DecodeState, cache: KVCache, drafts: jax.Array, config: DecodeConfig):
+def verify(params, state: DecodeState, cache: KVCache, drafts: jax.Array, config: DecodeConfig,
+           steps: jax.Array | None = None):
     """The full-attention pass over each sequence's newest token and its drafts [B, γ]: (logits [B, γ+1, V], cache,
-    per-layer selection scores averaged over every head)."""
+    per-layer selection scores averaged over every head). steps: adaptive γ's g, the drafts made (None: γ); the
+    scores take row g as the last draft's."""
     gamma = drafts.shape[1]
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
-    logits, cache, scores = config.forward(params, tokens, positions, cache, config.verify_attention(~state.done))
+    last_draft = None if steps is None else jnp.full(state.committed.shape, steps, jnp.int32)
+    attention = config.verify_attention(~state.done, last_draft)
+    logits, cache, scores = config.forward(params, tokens, positions, cache, attention)
     # One collective for every layer's scores (each shard has averaged its own heads).
     return logits, cache, config.placement.mean_over_model(scores)
 
@@ -395,14 +399,14 @@ def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConf
     active = ~state.done
     num_drafts = counted_drafts(state, most_drafts)
     keys = step_keys(state.keys, request_step(state), gamma + 2)
+    steps = None if isinstance(most_drafts, int) else most_drafts
     if gamma:
-        steps = None if isinstance(most_drafts, int) else most_drafts
         cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts, steps)
     else:
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)
 
-    logits, cache, scores = verify(params, state, cache, drafts, config)
+    logits, cache, scores = verify(params, state, cache, drafts, config, steps)
     finite = draft_finite & _check_finite(logits, num_drafts + 1)
     accepted, next_token = accept(state, logits, drafts, draft_probs, num_drafts, keys, config)
     return conclude(state, config, cache=cache, drafts=drafts, accepted=accepted, next_token=next_token,

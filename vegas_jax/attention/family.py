@@ -37,8 +37,8 @@ class DenseFamily:
         return KVCache.create(config, batch, capacity, dtype)
 
     def full_attention(self, config: ModelConfig, placement: Placement, request: ScoreRequest | None = None,
-                       active=None) -> VerifyAttention:
-        return VerifyAttention(request, config.num_layers, placement, active)
+                       active=None, last_draft=None) -> VerifyAttention:
+        return VerifyAttention(request, config.num_layers, placement, active, last_draft)
 
     def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
                               request: ScoreRequest | None = None) -> TreeAttention:
@@ -72,7 +72,7 @@ class NSAFamily:
         return ApproxNSACache.create(config, self.mode, batch, capacity, dtype)
 
     def full_attention(self, config: ModelConfig, placement: Placement, request: ScoreRequest | None = None,
-                       active=None):
+                       active=None, last_draft=None):
         if request is not None:
             raise ValueError("NSA models verify without selection scores (no dense draft policy serves them)")
         if self.mode.is_exact:

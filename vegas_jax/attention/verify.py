@@ -15,7 +15,8 @@ from vegas_jax.sharding import Placement
 
 SCORE_MODES = ("logit", "weight")
 # Which verification rows are scored: 'boundary' = rows 0 and γ (Vegas), 'all' = every row (mean),
-# 'each' = every row kept apart ([B, γ+1, T]; the policy picks one after acceptance).
+# 'each' = every row kept apart ([B, γ+1, T]; the policy picks one after acceptance). With fewer drafts than the
+# pass is wide (adaptive γ), γ is the last real draft's row (VerifyAttention.last_draft).
 SCORE_ROWS = ("boundary", "all", "each")
 
 
@@ -46,6 +47,9 @@ class VerifyAttention:
     # [B] bool or None (all). The kernel skips the keys of inactive sequences (finished ones, whose results the
     # loop discards): their outputs and scores are unspecified. The jnp path computes them anyway.
     active: jax.Array | None = None
+    # [B] int32 or None (S - 1): the row of each sequence's last draft. Adaptive γ drafts g tokens into a pass
+    # of γ_max + 1 rows; the rows after g hold placeholders whose queries must not steer the selection.
+    last_draft: jax.Array | None = None
 
     def collects(self, layer: int) -> bool:
         if self.request is None:
@@ -75,7 +79,7 @@ class VerifyAttention:
             if self.active is not None:
                 start = jnp.where(self.active, start, 0)  # reads only the first S rows
             out, scores = verify_attention(
-                q, k_cache, v_cache, start, score_mode=mode, interpret=self.placement.interpret
+                q, k_cache, v_cache, start, self.last_draft, score_mode=mode, interpret=self.placement.interpret
             )
             return out, k_cache, v_cache, scores
         mask = causal_mask(positions, k_cache.shape[1])
@@ -83,10 +87,13 @@ class VerifyAttention:
             return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
         out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
         per_row = row_scores(self.request.mode, raw, lse, mask, q.shape[-1])
+        num_rows = per_row.shape[1]
+        last = jnp.full(per_row.shape[:1], num_rows - 1) if self.last_draft is None else self.last_draft
         if self.request.rows == "boundary":
-            scores = 0.5 * (per_row[:, 0] + per_row[:, -1])
+            scores = 0.5 * (per_row[:, 0] + jnp.take_along_axis(per_row, last[:, None, None], axis=1)[:, 0])
         elif self.request.rows == "all":
-            scores = jnp.mean(per_row, axis=1)
+            drafted = jnp.arange(num_rows)[None, :] <= last[:, None]  # [B, S]
+            scores = jnp.sum(jnp.where(drafted[..., None], per_row, 0), axis=1) / (last[:, None] + 1)
         else:
             scores = per_row
         candidate = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, :1]  # [B, T]
