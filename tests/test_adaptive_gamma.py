@@ -67,16 +67,20 @@ def test_estimates_decay_towards_the_prior_and_probe_again():
 
 
 def test_warmup_plan_and_cost_fit():
-    """The warm-up forces γ_max (untimed, then timed), 1 and 0; seconds per iteration t(g) = 1 ms x cost(g) with
-    cost(g) = 1.25 + 0.25 g give back draft 0.25 and verify 1.25 (plain steps)."""
+    """The warm-up forces γ_max, 1 and 0, each in an untimed call, a short and a long one; seconds per
+    iteration t(g) = 1 ms x cost(g) with cost(g) = 1.25 + 0.25 g, and every call paying 3 ms of its own (the
+    H200's dispatch and transfers), give back draft 0.25 and verify 1.25 plain steps: the calls' own time is no
+    part of an iteration's."""
     warm = Warmup(5, None)
     forced = []
     while not warm.done:
         g, most = warm.next_call()
-        forced.append(g)
+        forced.append((g, most))
         per_iteration = 1e-3 * (1.0 if g == 0 else 1.25 + 0.25 * g)
-        warm.record(most, per_iteration * most)
-    assert forced == [5, 5, 1, 0] and warm.next_call() == (-1, None)
+        warm.record(most, 3e-3 + per_iteration * most)
+    short, long = Warmup.SHORT, Warmup.LONG
+    assert forced == [(g, n) for g in (5, 1, 0) for n in (1, short, long)]
+    assert warm.next_call() == (-1, None)
     assert warm.costs == pytest.approx((0.25, 1.25))
     given = Warmup(5, (0.4, 1.2))
     assert given.done and given.next_call() == (-1, None) and given.costs == (0.4, 1.2)

@@ -345,8 +345,8 @@ def test_quantized_drafts_equal_plain(greedy_setup, draft_weights, gamma):
     assert engine.model.drafts[draft_weights]["layers"][0]["qkv_proj"].bits == int(draft_weights[3:])
     if gamma == "auto":
         chosen = result.metrics["gamma_chosen_histogram"]
-        warm = adaptive_gamma.Warmup.WARM_ITERATIONS
-        assert len(chosen) == 6 and chosen[0] >= warm and chosen[1] >= warm and chosen[5] >= warm + 2
+        warm = 1 + adaptive_gamma.Warmup.SHORT + adaptive_gamma.Warmup.LONG  # iterations forced per timed g
+        assert len(chosen) == 6 and chosen[0] >= warm and chosen[1] >= warm and chosen[5] >= warm
         assert sum(chosen) == max(r.metrics["iterations"] for r in result.requests)  # one g per loop iteration
         costs = result.metrics["gamma_costs"]
         assert costs["draft"] > 0 and costs["verify"] >= 1

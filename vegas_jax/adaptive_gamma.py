@@ -21,7 +21,8 @@ their counts decay, so a run that fell back to plain decoding probes speculation
 log(batch) / (1 - DECAY) iterations), and one whose acceptance improves finds its way back to longer drafts.
 
 The costs come from timing the compiled loop itself at the start of a run (`Warmup`: a few iterations each with g
-forced to γ_max, 1 and 0, which decode real tokens), or are given (`GenerationOptions.draft_cost`, `verify_cost`).
+forced to γ_max, 1 and 0, which decode real tokens, timed without the calls' own overhead), or are given
+(`GenerationOptions.draft_cost`, `verify_cost`).
 On the host, `RunControl` sets each decode call's force and costs and times the call, and an engine's `CostBook`
 keeps the measured costs so that a later run of the same loop does not time it again.
 """
@@ -113,20 +114,23 @@ def summary(chosen: np.ndarray) -> dict:
 
 class Warmup:
     """Host side of the cost measurement: which g the next decode calls force, for how many iterations, and the
-    costs from their timings. Each forced g runs WARM_ITERATIONS iterations (after one untimed call, which pays
-    for first-execution work): a draft step costs (t(γ_max) - t(1)) / (γ_max - 1), the fixed part t(1) minus
-    one draft step, both divided by t(0). Host overhead per call is the same in every call, so it cancels in the
-    draft cost and biases the others by (overhead / iterations) / t(0)."""
+    costs from their timings. Each forced g runs an untimed call of one iteration (its branch's first execution
+    does one-off work: 6 ms against 0.4 ms an iteration for a tiny model on a CPU), then a call of SHORT and one
+    of LONG iterations: the difference of their times over the difference of their iterations is an iteration's
+    time without the call's own (dispatch, host transfers: about 3 ms on the H200, which divided over a few
+    iterations made a plain step look a third dearer than it is). A draft step costs (t(γ_max) - t(1)) /
+    (γ_max - 1), the fixed part t(1) minus one draft step, both divided by t(0)."""
 
-    WARM_ITERATIONS = 6
+    SHORT, LONG = 2, 8
 
     def __init__(self, gamma_max: int, costs: tuple[float, float] | None):
         self.gamma_max = gamma_max
         self.costs = costs
-        plan = [(gamma_max, 2, False), (gamma_max, self.WARM_ITERATIONS, True), (1, self.WARM_ITERATIONS, True),
-                (0, self.WARM_ITERATIONS, True)]
+        plan = []
+        for g in (gamma_max, 1, 0):
+            plan += [(g, 1, False), (g, self.SHORT, True), (g, self.LONG, True)]
         self.pending = [] if costs is not None else plan
-        self.seconds: dict[int, float] = {}  # per forced g: seconds per iteration
+        self.calls: dict[int, list[tuple[int, float]]] = {}  # per forced g: (iterations, seconds) of its calls
 
     @property
     def done(self) -> bool:
@@ -145,13 +149,20 @@ class Warmup:
             return
         g, _, timed = self.pending.pop(0)
         if timed:
-            self.seconds[g] = seconds / iterations
+            self.calls.setdefault(g, []).append((iterations, seconds))
         if not self.pending:
             self.costs = self._fit()
 
+    def _per_iteration(self, g: int) -> float:
+        (short, short_s), (long, long_s) = self.calls[g]
+        if long > short and long_s > short_s:
+            return (long_s - short_s) / (long - short)
+        # The batch ended as the long call began, or the timer's noise swamped the difference: the call's own
+        # time is left in.
+        return long_s / long
+
     def _fit(self) -> tuple[float, float]:
-        t = self.seconds
-        plain, one, full = t[0], t[1], t[self.gamma_max]
+        plain, one, full = (self._per_iteration(g) for g in (0, 1, self.gamma_max))
         draft = (full - one) / (self.gamma_max - 1) if self.gamma_max > 1 else (one - plain)
         draft = max(draft, MIN_DRAFT * plain)
         return draft / plain, max(one - draft, MIN_VERIFY * plain) / plain
