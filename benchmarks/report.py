@@ -125,9 +125,14 @@ def adaptive_table(records: list[dict]) -> str:
     lines = []
     for c in t.adaptive_comparisons(records):
         auto, plain, best = c["auto"], c["plain"], c["best_fixed"]
+        length, batch = c["cell"]
+        best_cell = t.rate_cell(records, best) + (f", {Cell.of(best).label()}" if best else "")
+        measured = [t.rate_cell(records, plain), best_cell]
+        if auto is None:
+            lines.append([f"{length} x {batch}", *measured, "not yet measured", "-", "-", "-", "-"])
+            continue
         chosen = auto.get("gamma_chosen_mean")
-        lines.append([f"{auto['prompt_tokens']} x {auto['batch']}", t.rate_cell(records, plain),
-                      t.rate_cell(records, best) + (f", {Cell.of(best).label()}" if best else ""),
+        lines.append([f"{length} x {batch}", *measured,
                       t.rate_cell(records, auto), "-" if chosen is None else f"{chosen:.2f}", f"{auto['tau']:.2f}",
                       f"{auto['decode_tokens_per_s'] / plain['decode_tokens_per_s']:.2f}x" if plain else "-",
                       f"{auto['decode_tokens_per_s'] / best['decode_tokens_per_s']:.2f}x" if best else "-"])

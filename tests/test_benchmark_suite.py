@@ -518,6 +518,22 @@ def test_adaptive_gamma_targets_against_plain_and_the_fastest_fixed_gamma():
     assert "| 7936 x 64 | 1,000 (900-1,100) | 1,900 (1,710-2,090), 1.90x, γ 6, 7 % | 1,764 (1,588-1,940) | 3.50 |" in table
 
 
+def test_adaptive_cells_the_preset_lacks_are_listed_and_a_target_met_so_far_says_so():
+    """The quick preset times adaptive γ at batches 64 and 8: with held-out rows at both and an auto record at 64
+    only, the targets met at 64 are met so far, name the cell still to measure, and the table lists it."""
+    quick = lambda r: {**r, "log": "suite-quick"}  # noqa: E731
+    auto = {**_held("vegas", 64, 1800, tuned=False, cell=Cell("auto", 0.05)), "stage": "adaptive",
+            "gamma_chosen_mean": 5.0}
+    records = [quick(r) for r in (_held("ar", 64, 1000), _held("vegas", 64, 1850), _held("ar", 8, 300),
+                                  _held("vegas", 8, 400), _held("ar", 32, 600), auto)]
+    plain, best = tables.targets_adaptive(records)
+    assert plain.status == best.status == "met so far"
+    assert best.result == "B64 7936: 0.97x γ 4 (not yet measured: 7936 x 8)"  # batch 32: not an adaptive batch
+    table = report.adaptive_table(records)
+    assert "| 7936 x 8 | 300 (270-330) | 400 (360-440), 1.33x, γ 4, 5 % | not yet measured |" in table
+    assert "7936 x 32" not in table
+
+
 def test_the_tau_target_lists_the_cells_vegas_loses_first():
     """Five cells, Vegas behind only in the last: the shortened list (four shown) still names it."""
     records = [r for batch in (1, 8, 16, 32, 64) for r in (

@@ -15,10 +15,14 @@ The model, in units of a plain step:
                                                   with score collection and selection; draft: one draft step)
 
 and g maximises E / cost. β_k is estimated from decayed counts pooled over the batch (on a mesh over every data
-shard: one g for the whole batch, the same on all devices), with a prior of a good draft's acceptance (PRIOR_RATE
-per position) and made non-increasing in k. Positions not drafted for a while drift back towards the prior as
-their counts decay, so a run that fell back to plain decoding probes speculation again now and then (after about
-log(batch) / (1 - DECAY) iterations), and one whose acceptance improves finds its way back to longer drafts.
+shard: one g for the whole batch, the same on all devices), made non-increasing in k, with a prior at each
+position that continues the acceptance before it: β_{k-1} times the conditional acceptance β_{k-1} / β_{k-2} of
+position k-1 (the drafts' usual geometric decay; position 1's prior is PRIOR_RATE, a good draft's), raised by
+OPTIMISM standard errors (an upper confidence bound: what is little sampled gets tried). A run that starts from no
+counts (a later run of a configuration, its costs kept) climbs one position at a time to its best g instead of
+stopping where a fixed prior says the next draft will not pay; positions not drafted for a while drift towards
+the prior as their counts decay, so a run that fell back to plain decoding probes speculation again now and then
+(after about log(batch) / (1 - DECAY) iterations).
 
 The costs come from timing the compiled loop itself at the start of a run (`Warmup`: a few iterations each with g
 forced to γ_max, 1 and 0, which decode real tokens, timed without the calls' own overhead), or are given
@@ -40,9 +44,13 @@ from models.logical_axes import Axes, axes_field
 # Per iteration: the estimates follow about the last 200 iterations. With useless drafts a probe (a few drafts)
 # comes every ~log(batch) / -log(DECAY) iterations or more: about 1 % of plain decoding's time at batch 1.
 DECAY = 0.995
-# The prior: PRIOR_WEIGHT pseudo-observations at each position k of drafts 1..k accepted with probability
-# PRIOR_RATE ** k, a good draft's: what positions without recent evidence drift back to.
+# The prior: PRIOR_WEIGHT pseudo-observations at each position; with no evidence anywhere drafts 1..k are
+# accepted with probability PRIOR_RATE ** k, a good draft's.
 PRIOR_WEIGHT, PRIOR_RATE = 1.0, 0.9
+# Optimism for what is little sampled: a position's estimate is raised by OPTIMISM standard errors, so a few
+# unlucky samples at the edge of the drafted positions do not stop the loop below its best g for hundreds of
+# iterations (until their counts decay); at positions drafted every iteration the raise is about 1 %.
+OPTIMISM = 1.0
 DEFAULT_GAMMA_MAX = 8
 AUTO = "auto"
 # Costs are clamped to what an iteration can cost: its fixed part at least a plain step, a draft step above 0.
@@ -68,10 +76,20 @@ class GammaControl:
 
 
 def acceptance(control: GammaControl) -> jax.Array:
-    """[γ_max] β_k: estimated P(drafts 1..k all accepted), non-increasing."""
-    prior = PRIOR_RATE ** jnp.arange(1, control.drafted.shape[0] + 1, dtype=jnp.float32)
-    estimate = (control.accepted + PRIOR_WEIGHT * prior) / (control.drafted + PRIOR_WEIGHT)
-    return jax.lax.cummin(estimate, axis=0)
+    """[γ_max] β_k: estimated P(drafts 1..k all accepted), non-increasing; each position's prior continues the
+    conditional acceptance of the position before it (the module doc)."""
+
+    def position(carry, counts):
+        before, rate = carry  # β_{k-1}, and position k-1's conditional acceptance
+        drafted, accepted = counts
+        weight = drafted + PRIOR_WEIGHT
+        mean = (accepted + PRIOR_WEIGHT * before * rate) / weight
+        optimism = OPTIMISM * jnp.sqrt(mean * (1 - mean) / weight)
+        estimate = jnp.minimum(mean + optimism, before)
+        return (estimate, jnp.where(before > 0, estimate / before, 0.0)), estimate
+
+    start = (jnp.float32(1.0), jnp.float32(PRIOR_RATE))
+    return jax.lax.scan(position, start, (control.drafted, control.accepted))[1]
 
 
 def best_gamma(beta: jax.Array, draft_cost: jax.Array, verify_cost: jax.Array) -> jax.Array:
