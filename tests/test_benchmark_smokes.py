@@ -179,8 +179,10 @@ def test_bench_lm_head(tmp_path, monkeypatch):
 
 
 def test_bench_draft_precision(tmp_path, monkeypatch):
-    random, real = run_smoke("bench_draft_precision", tmp_path, monkeypatch, "--precisions",
-                             "bf16,int8,int4-a8")  # by name: -random.json, -real.json
+    assert len(run_smoke("bench_draft_precision", tmp_path, monkeypatch, "--precisions", "bf16,int8,int4-a8")) == 2
+    # The names carry the time each part began (the real part first), then the part.
+    random, real = (json.loads(next(tmp_path.glob(f"draft-precision-*-{part}.json")).read_text())
+                    for part in ("random", "real"))
     assert real["records"][0]["model"].startswith("tiny (random weights, smoke)")
     for doc in (real, random):
         assert doc["complete"] is True
