@@ -354,7 +354,8 @@ def with_measured_costs(engine, prompts, options) -> tuple:
         raise CostsNotTimed(f"its first run ended before its cost model was timed ({options.max_new_tokens} new "
                             "tokens at most, every request done within vegas_jax.adaptive_gamma.Warmup's forced "
                             "iterations)")
-    return (dataclasses.replace(options, draft_cost=costs["draft"], verify_cost=costs["verify"]),
+    return (dataclasses.replace(options, draft_cost=costs["draft"], verify_cost=costs["verify"],
+                                verify_row_cost=costs["row"]),
             {"gamma_costs": costs, "compile_s": metrics["compile_s"]})
 
 

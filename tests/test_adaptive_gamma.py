@@ -13,10 +13,33 @@ from vegas_jax import adaptive_gamma
 from vegas_jax.adaptive_gamma import GammaControl, Warmup
 
 
-def brute_force_gamma(beta, draft_cost, verify_cost) -> int:
-    """argmax over g of (1 + sum_{k<=g} beta_k) / cost(g), cost(0) = 1, cost(g) = verify + g * draft; float64."""
-    rates = [1.0] + [(1 + sum(beta[:g])) / (verify_cost + g * draft_cost) for g in range(1, len(beta) + 1)]
-    return int(np.argmax(rates))
+def pass_drafts(g: int, gamma_max: int) -> int:
+    """The drafts the verification pass of g drafts holds, written out: 2, 4, 8, ... up to γ_max - 2, then γ_max."""
+    width = 2
+    while width < g and width <= gamma_max - 2:
+        width *= 2
+    return width if g <= width <= gamma_max - 2 else gamma_max
+
+
+def rates_by_gamma(beta, draft_cost, verify_cost, row_cost=0.0) -> list[float]:
+    """(1 + sum_{k<=g} beta_k) / cost(g) for g = 0..γ_max, cost(0) = 1, cost(g) = max(verify - row (γ_max -
+    w(g)), 1) + g draft; float64."""
+    gamma_max = len(beta)
+    fixed = lambda g: max(verify_cost - row_cost * (gamma_max - pass_drafts(g, gamma_max)), 1.0)  # noqa: E731
+    return [1.0] + [(1 + sum(beta[:g])) / (fixed(g) + g * draft_cost) for g in range(1, gamma_max + 1)]
+
+
+def brute_force_gamma(beta, draft_cost, verify_cost, row_cost=0.0) -> int:
+    return int(np.argmax(rates_by_gamma(beta, draft_cost, verify_cost, row_cost)))
+
+
+def test_pass_widths():
+    assert [adaptive_gamma.pass_widths(n) for n in (1, 2, 3, 4, 5, 8, 9, 10, 16)] == [
+        (1,), (2,), (3,), (2, 4), (2, 5), (2, 4, 8), (2, 4, 9), (2, 4, 8, 10), (2, 4, 8, 16)]
+    for gamma_max in range(1, 17):
+        widths = adaptive_gamma.pass_widths(gamma_max)
+        got = [widths[int(adaptive_gamma.pass_of(jnp.int32(g), gamma_max))] for g in range(1, gamma_max + 1)]
+        assert got == [pass_drafts(g, gamma_max) for g in range(1, gamma_max + 1)], gamma_max
 
 
 def test_best_gamma_against_brute_force(rng):
@@ -25,13 +48,22 @@ def test_best_gamma_against_brute_force(rng):
     for _ in range(300):
         gamma_max = int(rng.integers(1, 13))
         beta = np.cumprod(rng.uniform(0.0, 1.0, gamma_max) ** rng.uniform(0.05, 3))  # non-increasing
-        draft, verify = rng.uniform(0.01, 1.0), rng.uniform(1.0, 2.0)
-        want = brute_force_gamma(beta, draft, verify)
-        got = int(choose(jnp.asarray(beta, jnp.float32), jnp.float32(draft), jnp.float32(verify)))
-        rates = [1.0] + [(1 + beta[:g].sum()) / (verify + g * draft) for g in range(1, gamma_max + 1)]
+        draft, verify, row = rng.uniform(0.01, 1.0), rng.uniform(1.0, 2.0), rng.uniform(0.0, 0.1)
+        want = brute_force_gamma(beta, draft, verify, row)
+        got = int(choose(jnp.asarray(beta, jnp.float32), jnp.float32(draft), jnp.float32(verify), jnp.float32(row)))
+        rates = rates_by_gamma(beta, draft, verify, row)
         assert got == want or abs(rates[got] - rates[want]) < 1e-6 * rates[want]  # a float32 near-tie
         seen.add(min(got, 2))
     assert seen == {0, 1, 2}  # plain steps, single drafts and longer ones all chosen
+
+
+def test_narrower_passes_make_fewer_drafts_pay():
+    """β 0.9^k, a draft step 0.3 and the widest pass's fixed part 1.6 plain steps, γ_max 8: without a saving per
+    row 7 drafts are best; at 0.05 a plain step per draft a pass holds less, the 4-draft pass (0.2 cheaper) wins."""
+    beta = 0.9 ** np.arange(1, 9)
+    assert brute_force_gamma(beta, 0.3, 1.6) == 7 and brute_force_gamma(beta, 0.3, 1.6, 0.05) == 4
+    choose = jax.jit(adaptive_gamma.best_gamma)
+    assert int(choose(jnp.asarray(beta, jnp.float32), 0.3, 1.6, 0.05)) == 4
 
 
 def test_choose_forces_and_caps():
@@ -46,7 +78,7 @@ def test_estimates_decay_towards_the_prior_and_probe_again():
     """A batch of 4 whose drafts are always rejected: adaptive γ falls back to plain steps, the counts decay until
     the prior makes drafts worth a try again, which are rejected again: rare probes at a steady rhythm."""
     gamma_max, batch = 4, 4
-    control = GammaControl(jnp.zeros(gamma_max), jnp.zeros(gamma_max), jnp.asarray([0.3, 1.1]), jnp.int32(-1),
+    control = GammaControl(jnp.zeros(gamma_max), jnp.zeros(gamma_max), jnp.asarray([0.3, 1.1, 0.0]), jnp.int32(-1),
                            jnp.zeros(gamma_max + 1, jnp.int32))
 
     def step(control, _):
@@ -79,7 +111,7 @@ def test_climbs_to_the_best_gamma_from_no_evidence():
     best = brute_force_gamma(beta, draft, verify)
     value = lambda g: (1 + beta[:g].sum()) / (verify + g * draft) if g else 1.0  # noqa: E731
     assert best == 6
-    control = GammaControl(jnp.zeros(gamma_max), jnp.zeros(gamma_max), jnp.asarray([draft, verify]),
+    control = GammaControl(jnp.zeros(gamma_max), jnp.zeros(gamma_max), jnp.asarray([draft, verify, 0.0]),
                            jnp.int32(-1), jnp.zeros(gamma_max + 1, jnp.int32))
 
     def step(control, key):
@@ -97,20 +129,26 @@ def test_climbs_to_the_best_gamma_from_no_evidence():
 
 
 def test_warmup_plan_and_cost_fit():
-    """The warm-up forces γ_max, 1 and 0, each in an untimed call, a short and a long one; seconds per
-    iteration t(g) = 1 ms x cost(g) with cost(g) = 1.25 + 0.25 g, and every call paying 3 ms of its own (the
-    H200's dispatch and transfers), give back draft 0.25 and verify 1.25 plain steps: the calls' own time is no
-    part of an iteration's."""
-    warm = Warmup(5, None)
+    """The warm-up forces γ_max, the fewest drafts of the widest pass (5 of γ_max 8's 2 / 4 / 8), 1 and 0, each in
+    an untimed call, a short and a long one. Seconds per iteration t(g) = 1 ms x cost(g), cost(g) = 1.5 - 0.05 x
+    (8 - w(g)) + 0.25 g (the widest pass's fixed part 1.5 plain steps, 0.05 saved per draft a pass holds less),
+    every call paying 3 ms of its own (the H200's dispatch and transfers): the fit gives back draft 0.25, verify
+    1.5 and row 0.05, the calls' own time no part of an iteration's."""
+    warm = Warmup(8, None)
     forced = []
     while not warm.done:
         g, most = warm.next_call()
         forced.append((g, most))
-        per_iteration = 1e-3 * (1.0 if g == 0 else 1.25 + 0.25 * g)
+        per_iteration = 1e-3 * (1.0 if g == 0 else 1.5 - 0.05 * (8 - pass_drafts(g, 8)) + 0.25 * g)
         warm.record(most, 3e-3 + per_iteration * most)
     short, long = Warmup.SHORT, Warmup.LONG
-    assert forced == [(g, n) for g in (5, 1, 0) for n in (1, short, long)]
+    assert forced == [(g, n) for g in (8, 5, 1, 0) for n in (1, short, long)]
     assert warm.next_call() == (-1, None)
-    assert warm.costs == pytest.approx((0.25, 1.25))
-    given = Warmup(5, (0.4, 1.2))
-    assert given.done and given.next_call() == (-1, None) and given.costs == (0.4, 1.2)
+    assert warm.costs == pytest.approx((0.25, 1.5, 0.05))
+    one_pass = Warmup(3, None)  # γ_max 3: one pass, so no row cost to time
+    while not one_pass.done:
+        g, most = one_pass.next_call()
+        one_pass.record(most, 3e-3 + 1e-3 * most * (1.0 if g == 0 else 1.5 + 0.4 * g))
+    assert one_pass.costs == pytest.approx((0.4, 1.5, 0.0))
+    given = Warmup(5, (0.4, 1.2, 0.0))
+    assert given.done and given.next_call() == (-1, None) and given.costs == (0.4, 1.2, 0.0)

@@ -366,7 +366,9 @@ def test_the_adaptive_stage_measures_with_the_costs_a_first_run_timed_and_stays_
     record = suite.measure_static(session, "adaptive", "heldout", "vegas", Cell("auto", 0.25), 2, 48, 0.0,
                                   new_tokens=200, repeats=1)
     assert record["gamma"] == "auto" and record["sequences_identical_to_ar"] == 2
-    assert set(record["gamma_costs"]) == {"draft", "verify"} and all(v > 0 for v in record["gamma_costs"].values())
+    costs = record["gamma_costs"]
+    assert set(costs) == {"draft", "verify", "row"}
+    assert costs["draft"] > 0 and costs["verify"] >= 1 and costs["row"] >= 0
     assert record["compile_s"] > 0.05  # the first run's, which compiled the loop the measured runs reuse
     histogram = record["gamma_chosen_histogram"]
     assert len(histogram) == 9 and sum(histogram) > 0  # γ 0 to γ_max 8, one count an iteration

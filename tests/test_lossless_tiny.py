@@ -364,26 +364,31 @@ def test_auto_gamma_falls_back_to_plain_steps_when_drafts_do_not_pay(greedy_setu
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
     chosen = result.metrics["gamma_chosen_histogram"]
     assert chosen[0] >= 0.8 * sum(chosen) and sum(chosen[1:]) > 0, chosen
-    assert result.metrics["gamma_costs"] == {"draft": pytest.approx(0.3), "verify": pytest.approx(1.1)}
+    assert result.metrics["gamma_costs"] == {"draft": pytest.approx(0.3), "verify": pytest.approx(1.1), "row": 0.0}
 
 
-def test_auto_gamma_scores_its_last_draft_as_fixed_gamma_does(greedy_setup):
-    """Adaptive γ drafts g < γ_max tokens into a verification pass of γ_max + 1 rows. Vegas selects from rows 0
-    and g (the last draft), never from a placeholder row after it: forced to g = 3 in a loop of γ_max 5, every
-    request's drafts are accepted exactly as with a fixed γ of 3 (the same selections make the same drafts)."""
+@pytest.mark.parametrize("forced,kernels", [(2, False), (3, False), (3, True)])
+def test_auto_gamma_scores_its_last_draft_as_fixed_gamma_does(greedy_setup, forced, kernels, monkeypatch):
+    """Adaptive γ verifies g < γ_max drafts in the narrowest compiled pass that holds them (γ_max 5: passes of 2
+    and 5 drafts), so g 3 goes through a pass with placeholder rows after its drafts. Vegas selects from rows 0
+    and g (the last draft), never from a placeholder: forced to g = 2 or 3 in a loop of γ_max 5, every request's
+    drafts are accepted exactly as with a fixed γ of g (the same selections make the same drafts); also with the
+    kernels (interpret mode), whose verification takes the scored row per sequence."""
     engine, batch, plain = greedy_setup
-    fixed = engine.generate(batch, dataclasses.replace(GREEDY, method="vegas", gamma=3))
+    if kernels:
+        monkeypatch.setenv("VEGAS_KERNELS", "interpret")
+    fixed = engine.generate(batch, dataclasses.replace(GREEDY, method="vegas", gamma=forced))
     options = dataclasses.replace(GREEDY, method="vegas", gamma="auto", gamma_max=5, draft_cost=0.1, verify_cost=1.0)
     started = engine.start(batch, options)
-    state = adaptive_gamma.with_control(started.state, started.config.placement, 3, (0.1, 1.0))
+    state = adaptive_gamma.with_control(started.state, started.config.placement, forced, (0.1, 1.0, 0.0))
     state = started.decode(engine.model.params, started.draft_params, state, jnp.int32(2**31 - 1),
                            jnp.int32(len(batch)))
     chosen = np.asarray(state.gamma_control.chosen).tolist()
-    # g 3 throughout, but at the very end: never more drafts than any request may still take.
-    assert chosen[3] >= int(state.step) - 1 and chosen[4:] == [0, 0], chosen
+    # g forced throughout, but at the very end: never more drafts than any request may still take.
+    assert chosen[forced] >= int(state.step) - 1 and not any(chosen[forced + 1:]), chosen
     for i, request in enumerate(fixed.requests):
         generated = int(state.num_generated[i])
         assert np.asarray(state.output)[i, :generated].tolist() == request.tokens == plain.requests[i].tokens
-        mine = request_metrics(generated, int(state.metrics.iterations[i]), np.asarray(state.metrics.drafted)[i, :3],
-                               np.asarray(state.metrics.accepted)[i, :3])
+        drafted, accepted = (np.asarray(c)[i, :forced] for c in (state.metrics.drafted, state.metrics.accepted))
+        mine = request_metrics(generated, int(state.metrics.iterations[i]), drafted, accepted)
         assert mine == request.metrics

@@ -1,18 +1,22 @@
 """Adaptive γ (`--gamma auto`): the number of drafts of each iteration, chosen to maximise expected tokens per
 second from the cost of a draft step against a verification pass and the running acceptance by draft position.
 
-Compiled shapes stay those of γ_max: the loop drafts g <= γ_max tokens (its draft loop stops after g steps), the
-verification pass keeps its γ_max + 1 rows and counts only the first g drafts (the others are treated as rejected,
-so acceptance and the bonus token are those of an iteration of g drafts), and g = 0 is a plain decoding step (a
-one-row verification, no score collection, no selection; the selection of the last speculative iteration stays,
-its recent range covering everything since). Choosing g from earlier iterations' outcomes keeps the output exact:
-speculative sampling emits the target's distribution for any number of drafts fixed before the iteration's draws.
+Compiled shapes are fixed: the loop drafts g <= γ_max tokens (its draft loop stops after g steps) and verifies
+them in the narrowest of a few compiled passes that holds g drafts (`pass_widths`: 2, 4 and 8 drafts for γ_max 8;
+a pass of γ_max + 1 rows whatever g is cost a fixed γ of 4 seven per cent at batch 32 x 8K), counting only the
+first g drafts (the others are treated as rejected, so acceptance and the bonus token are those of an iteration
+of g drafts); g = 0 is a plain decoding step (a one-row verification, no score collection, no selection; the
+selection of the last speculative iteration stays, its recent range covering everything since). Choosing g from
+earlier iterations' outcomes keeps the output exact: speculative sampling emits the target's distribution for any
+number of drafts fixed before the iteration's draws.
 
 The model, in units of a plain step:
 
     E[tokens | g] = 1 + sum_{k=1..g} β_k        (β_k: P(the first k drafts are all accepted))
-    cost(0) = 1,  cost(g) = verify + g * draft  (verify: the iteration's fixed part, a (γ_max+1)-row verification
-                                                  with score collection and selection; draft: one draft step)
+    cost(0) = 1,  cost(g) = verify - row * (γ_max - w(g)) + g * draft
+                         (verify: the iteration's fixed part with the widest pass, its verification, score collection
+                          and selection; row: what a pass saves per draft it holds less; w(g): the drafts of g's pass;
+                          draft: one draft step)
 
 and g maximises E / cost. β_k is estimated from decayed counts pooled over the batch (on a mesh over every data
 shard: one g for the whole batch, the same on all devices), made non-increasing in k, with a prior at each
@@ -55,6 +59,7 @@ DEFAULT_GAMMA_MAX = 8
 AUTO = "auto"
 # Costs are clamped to what an iteration can cost: its fixed part at least a plain step, a draft step above 0.
 MIN_VERIFY, MIN_DRAFT = 1.0, 1e-3
+UNTIMED = (MIN_DRAFT, MIN_VERIFY, 0.0)  # the costs a loop holds until they are given or timed
 
 
 @jax.tree_util.register_dataclass
@@ -64,14 +69,14 @@ class GammaControl:
 
     drafted: jax.Array = axes_field(None)  # [γ_max] float32 decayed count of drafts made at each position
     accepted: jax.Array = axes_field(None)  # [γ_max] float32 decayed count of those accepted
-    costs: jax.Array = axes_field(None)  # [2] float32 (draft step, verify): the cost model, in plain steps
+    costs: jax.Array = axes_field(None)  # [3] float32 (draft step, verify, row): the cost model, in plain steps
     force: jax.Array = axes_field()  # int32: -1 chooses g; g >= 0 forces it (warm-up timing)
     chosen: jax.Array = axes_field(None)  # [γ_max + 1] int32 iterations run with each g
 
     @classmethod
     def create(cls, gamma_max: int) -> "GammaControl":
         zeros = jnp.zeros((gamma_max,), jnp.float32)
-        return cls(zeros, zeros, jnp.asarray([MIN_DRAFT, MIN_VERIFY], jnp.float32), jnp.asarray(-1, jnp.int32),
+        return cls(zeros, zeros, jnp.asarray(UNTIMED, jnp.float32), jnp.asarray(-1, jnp.int32),
                    jnp.zeros((gamma_max + 1,), jnp.int32))
 
 
@@ -92,13 +97,33 @@ def acceptance(control: GammaControl) -> jax.Array:
     return jax.lax.scan(position, start, (control.drafted, control.accepted))[1]
 
 
-def best_gamma(beta: jax.Array, draft_cost: jax.Array, verify_cost: jax.Array) -> jax.Array:
-    """The g in [0, γ_max] maximising (1 + sum_{k<=g} β_k) / cost(g) (the smallest on ties)."""
-    gamma_max = beta.shape[0]
+def pass_widths(gamma_max: int) -> tuple[int, ...]:
+    """The drafts each compiled verification pass holds, narrowest first: powers of two from 2 that leave the
+    widest pass (γ_max) at least two draft counts of its own, so that the warm-up can time a draft step inside it."""
+    narrower = []
+    while 2 ** (len(narrower) + 1) <= gamma_max - 2:
+        narrower.append(2 ** (len(narrower) + 1))
+    return (*narrower, gamma_max)
+
+
+def pass_of(g: jax.Array, gamma_max: int) -> jax.Array:
+    """The index in pass_widths(γ_max) of the narrowest pass that holds g >= 1 drafts."""
+    return jnp.searchsorted(jnp.asarray(pass_widths(gamma_max)), g).astype(jnp.int32)
+
+
+def iteration_costs(gamma_max: int, draft_cost, verify_cost, row_cost) -> jax.Array:
+    """[γ_max + 1] cost(g) in plain steps (the module doc), cost(0) = 1."""
+    widths = np.asarray(pass_widths(gamma_max))
+    width = np.concatenate([[gamma_max], widths[np.searchsorted(widths, np.arange(1, gamma_max + 1))]])
     g = jnp.arange(gamma_max + 1)
+    fixed = jnp.maximum(verify_cost - row_cost * (gamma_max - width), MIN_VERIFY)
+    return jnp.where(g == 0, 1.0, fixed + g * draft_cost)
+
+
+def best_gamma(beta: jax.Array, draft_cost, verify_cost, row_cost=0.0) -> jax.Array:
+    """The g in [0, γ_max] maximising (1 + sum_{k<=g} β_k) / cost(g) (the smallest on ties)."""
     tokens = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(beta)])
-    cost = jnp.where(g == 0, 1.0, verify_cost + g * draft_cost)
-    return jnp.argmax(tokens / cost).astype(jnp.int32)
+    return jnp.argmax(tokens / iteration_costs(beta.shape[0], draft_cost, verify_cost, row_cost)).astype(jnp.int32)
 
 
 def choose(control: GammaControl, most_useful: jax.Array) -> jax.Array:
@@ -106,7 +131,7 @@ def choose(control: GammaControl, most_useful: jax.Array) -> jax.Array:
     unfinished request may still take)."""
     draft_cost = jnp.maximum(control.costs[0], MIN_DRAFT)
     verify_cost = jnp.maximum(control.costs[1], MIN_VERIFY)
-    best = best_gamma(acceptance(control), draft_cost, verify_cost)
+    best = best_gamma(acceptance(control), draft_cost, verify_cost, jnp.maximum(control.costs[2], 0.0))
     g = jnp.where(control.force >= 0, control.force, best)
     return jnp.clip(g, 0, most_useful).astype(jnp.int32)
 
@@ -135,17 +160,20 @@ class Warmup:
     costs from their timings. Each forced g runs an untimed call of one iteration (its branch's first execution
     does one-off work: 6 ms against 0.4 ms an iteration for a tiny model on a CPU), then a call of SHORT and one
     of LONG iterations: the difference of their times over the difference of their iterations is an iteration's
-    time without the call's own (dispatch, host transfers: about 3 ms on the H200, which divided over a few
-    iterations made a plain step look a third dearer than it is). A draft step costs (t(γ_max) - t(1)) /
-    (γ_max - 1), the fixed part t(1) minus one draft step, both divided by t(0)."""
+    time t(g) without the call's own (dispatch, host transfers: about 3 ms on the H200, which divided over a few
+    iterations made a plain step look a third dearer than it is). The forced g: γ_max and the fewest drafts of the
+    widest pass (a draft step: the difference over the difference of drafts), 1 (the narrowest pass's fixed part,
+    hence the saving per draft a pass holds less) and 0 (the unit), each divided by t(0)."""
 
     SHORT, LONG = 2, 8
 
-    def __init__(self, gamma_max: int, costs: tuple[float, float] | None):
+    def __init__(self, gamma_max: int, costs: tuple[float, float, float] | None):
         self.gamma_max = gamma_max
         self.costs = costs
+        widths = pass_widths(gamma_max)
+        self.fewest_in_widest = widths[-2] + 1 if len(widths) > 1 else 1
         plan = []
-        for g in (gamma_max, 1, 0):
+        for g in dict.fromkeys((gamma_max, self.fewest_in_widest, 1, 0)):
             plan += [(g, 1, False), (g, self.SHORT, True), (g, self.LONG, True)]
         self.pending = [] if costs is not None else plan
         self.calls: dict[int, list[tuple[int, float]]] = {}  # per forced g: (iterations, seconds) of its calls
@@ -179,15 +207,22 @@ class Warmup:
         # time is left in.
         return long_s / long
 
-    def _fit(self) -> tuple[float, float]:
-        plain, one, full = (self._per_iteration(g) for g in (0, 1, self.gamma_max))
-        draft = (full - one) / (self.gamma_max - 1) if self.gamma_max > 1 else (one - plain)
-        draft = max(draft, MIN_DRAFT * plain)
-        return draft / plain, max(one - draft, MIN_VERIFY * plain) / plain
+    def _fit(self) -> tuple[float, float, float]:
+        gamma_max, fewest = self.gamma_max, self.fewest_in_widest
+        t = {g: self._per_iteration(g) for g in self.calls}
+        plain = t[0]
+        if gamma_max == 1:
+            return max(t[1] - plain, MIN_DRAFT * plain) / plain, 1.0, 0.0
+        draft = max((t[gamma_max] - t[fewest]) / (gamma_max - fewest), MIN_DRAFT * plain)
+        widest = max(t[gamma_max] - gamma_max * draft, MIN_VERIFY * plain)
+        narrowest = max(t[1] - draft, MIN_VERIFY * plain)
+        narrowest_width = pass_widths(gamma_max)[0]
+        row = max(widest - narrowest, 0.0) / (gamma_max - narrowest_width) if narrowest_width < gamma_max else 0.0
+        return draft / plain, widest / plain, row / plain
 
 
-def with_control(state, placement, force: int, costs: tuple[float, float]):
-    """The decode state with adaptive γ's force (-1: choose) and cost model (draft step, verify) set."""
+def with_control(state, placement, force: int, costs: tuple[float, float, float]):
+    """The decode state with adaptive γ's force (-1: choose) and cost model (draft step, verify, row) set."""
     control = dataclasses.replace(state.gamma_control, force=placement.put(np.int32(force), Axes()),
                                   costs=placement.put(np.asarray(costs, np.float32), Axes(None)))
     return dataclasses.replace(state, gamma_control=control)
@@ -198,7 +233,7 @@ class RunControl:
     the call's step limit, cut to the warm-up phase's iterations), after it the call's timing. A run without
     adaptive γ passes through unchanged."""
 
-    def __init__(self, config, book: CostBook, given: tuple[float, float] | None, key: tuple):
+    def __init__(self, config, book: CostBook, given: tuple[float, float, float] | None, key: tuple):
         self.placement = config.placement
         self.book, self.given, self.key = book, given, key
         self.warmup = None if not config.adaptive_gamma else Warmup(config.gamma, given or book.costs.get(key))
@@ -208,7 +243,7 @@ class RunControl:
         if self.warmup is None:
             return state, limit
         force, most = self.warmup.next_call()
-        costs = self.warmup.costs or (MIN_DRAFT, MIN_VERIFY)
+        costs = self.warmup.costs or UNTIMED
         limit = limit if most is None else min(limit, step + most)
         return with_control(state, self.placement, force, costs), limit
 
@@ -226,7 +261,7 @@ class RunControl:
             return {}
         report = summary(self.placement.fetch(state.gamma_control.chosen))
         costs = self.warmup.costs
-        report["gamma_costs"] = None if costs is None else {"draft": costs[0], "verify": costs[1]}
+        report["gamma_costs"] = None if costs is None else dict(zip(("draft", "verify", "row"), costs))
         return report
 
 
@@ -235,7 +270,7 @@ class CostBook:
     later run of the same loop starts from them instead of timing the loop again."""
 
     def __init__(self):
-        self.costs: dict[tuple, tuple[float, float]] = {}
+        self.costs: dict[tuple, tuple[float, float, float]] = {}
 
-    def for_run(self, config, given: tuple[float, float] | None, rows: int, capacity: int) -> RunControl:
+    def for_run(self, config, given: tuple[float, float, float] | None, rows: int, capacity: int) -> RunControl:
         return RunControl(config, self, given, (config, rows, capacity))

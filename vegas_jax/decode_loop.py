@@ -1,11 +1,12 @@
 """The compiled decode loop: one `lax.while_loop` of iterations of the configured kind. A chain of γ drafts
-(vegas_jax.loop.chain_iteration); with adaptive γ a chain of the g drafts chosen for that iteration, g = 0 being a
-plain step (vegas_jax.adaptive_gamma); or a draft tree (vegas_jax.tree_decode). Trees build on the chain's phases,
-so the choice between them is made here, above both."""
+(vegas_jax.loop.chain_iteration); with adaptive γ a chain of the g drafts chosen for that iteration, verified in
+the narrowest compiled pass that holds them, g = 0 being a plain step (vegas_jax.adaptive_gamma); or a draft tree
+(vegas_jax.tree_decode). Trees build on the chain's phases, so the choice between them is made here, above both."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +24,13 @@ def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig)
     control = state.gamma_control
     owed = jnp.where(state.done, 0, state.max_new - state.num_generated - 1)
     g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)))
-    # Every device takes the same branch: g comes from statistics that every device holds alike.
-    after = jax.lax.cond(
-        g > 0,
-        lambda s: chain_iteration(params, draft_params, s, config, g),
-        lambda s: chain_iteration(params, None, s, config.plain(), 0),
-        state,
-    )
+    # Branch 0 is a plain step, branch 1 + i verifies in the i-th pass of adaptive_gamma.pass_widths. Every device
+    # takes the same branch: g comes from statistics that every device holds alike.
+    plain = [lambda s: chain_iteration(params, None, s, config.plain(), 0)]
+    speculative = [functools.partial(lambda width, s: chain_iteration(params, draft_params, s, config, g, width), w)
+                   for w in adaptive_gamma.pass_widths(config.gamma)]
+    branch = jnp.where(g > 0, 1 + adaptive_gamma.pass_of(g, config.gamma), 0)
+    after = jax.lax.switch(branch, plain + speculative, state)
     pooled = lambda counts: config.placement.sum_over_data(jnp.sum(counts, axis=0)).astype(jnp.float32)  # noqa: E731
     drafted = pooled(after.metrics.drafted - state.metrics.drafted)
     accepted = pooled(after.metrics.accepted - state.metrics.accepted)

@@ -109,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-cost", type=float, default=None,
                    help="with --gamma auto: a draft step's cost in plain steps (with --verify-cost; default: timed)")
     p.add_argument("--verify-cost", type=float, default=None,
-                   help="with --gamma auto: a speculative iteration's fixed part (verification, selection) in plain "
-                        "steps (with --draft-cost; default: timed)")
+                   help="with --gamma auto: a speculative iteration's fixed part (verification, selection) with the "
+                        "widest verification pass, in plain steps (with --draft-cost; default: timed)")
+    p.add_argument("--verify-row-cost", type=float, default=None,
+                   help="with --draft-cost and --verify-cost: what a narrower verification pass saves per draft it "
+                        "holds less, in plain steps (default 0)")
     p.add_argument("--draft-weights", default=GenerationOptions.draft_weights,
                    help="what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 (groups); "
                         "verification always reads the model's weights")
@@ -482,7 +485,8 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
                      f"{plan['measured_ms_per_token']:.3f}")
     if m.get("gamma_chosen_histogram") is not None:
         costs = m["gamma_costs"]
-        cost_text = "" if costs is None else f", costs draft {costs['draft']:.3f} verify {costs['verify']:.3f}"
+        cost_text = "" if costs is None else (f", costs draft {costs['draft']:.3f} verify {costs['verify']:.3f} "
+                                              f"row {costs['row']:.3f}")
         mean = m["gamma_chosen_mean"]
         line += (f"  gamma auto: mean {mean if mean is None else round(mean, 2)} iterations by gamma "
                  f"{m['gamma_chosen_histogram']}{cost_text}")

@@ -392,9 +392,11 @@ def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
     return jnp.clip(state.max_new - state.num_generated - 1, 0, most_drafts)
 
 
-def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts) -> DecodeState:
+def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts,
+                    width: int | None = None) -> DecodeState:
     """One draft -> verify -> accept -> select round for every unfinished sequence, with at most `most_drafts`
-    drafts (γ, or adaptive γ's traced g; 0 and no draft params: a plain step)."""
+    drafts (γ, or adaptive γ's traced g; 0 and no draft params: a plain step), verified in a pass of `width` drafts
+    (default γ; adaptive γ: the narrowest compiled pass that holds g)."""
     gamma = config.gamma
     active = ~state.done
     num_drafts = counted_drafts(state, most_drafts)
@@ -402,6 +404,9 @@ def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConf
     steps = None if isinstance(most_drafts, int) else most_drafts
     if gamma:
         cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts, steps)
+        if width is not None:  # positions from g on hold no drafts: the pass verifies the first `width`
+            drafts = drafts[:, :width]
+            draft_probs = None if draft_probs is None else draft_probs[:, :width]
     else:
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)

@@ -74,10 +74,12 @@ class GenerationOptions:
     # positions, multiplied in integers at one row where kernels run; vegas_jax.draft_kernel).
     draft_activations: str = "bf16"
     gamma_max: int | None = None  # with gamma "auto": the most drafts of an iteration (default 8)
-    # With gamma "auto", the cost model in plain steps: one draft step, and the fixed part of a speculative
-    # iteration (its verification, score collection and selection). Both or neither; None: timed at the start.
+    # With gamma "auto", the cost model in plain steps: one draft step, the fixed part of a speculative iteration
+    # with the widest verification pass (its verification, score collection and selection), and what a narrower
+    # pass saves per draft it holds less (default 0). The first two or none; None: timed at the start.
     draft_cost: float | None = None
     verify_cost: float | None = None
+    verify_row_cost: float | None = None
     # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
     # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
     # an NSA model's sink-and-window draft, with method ar) or ngram (prompt lookup, with method ar: no draft pass,
@@ -165,6 +167,11 @@ class GenerationOptions:
             (self.verify_cost is None or 1 <= self.verify_cost < math.inf,
              "{verify_cost} must be a finite number >= 1 (plain steps per speculative iteration's fixed part), got {}",
              self.verify_cost),
+            (self.verify_row_cost is None or self.draft_cost is not None,
+             "{verify_row_cost}: only with {draft_cost} and {verify_cost}"),
+            (self.verify_row_cost is None or 0 <= self.verify_row_cost < math.inf,
+             "{verify_row_cost} must be a finite number >= 0 (plain steps per draft a pass holds), got {}",
+             self.verify_row_cost),
             (self.stream_sinks >= 1, "{stream_sinks} must be >= 1, got {}", self.stream_sinks),
             # Pages and chunks tile the cache, whose capacity is a multiple of CAPACITY_ALIGN.
             (self.quest_page >= 1 and CAPACITY_ALIGN % self.quest_page == 0,
@@ -241,6 +248,7 @@ class GenerationOptions:
         planner (a pinned approximate mode stays: plain decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
                                    draft_activations="bf16", gamma_max=None, draft_cost=None, verify_cost=None,
+                                   verify_row_cost=None,
                                    draft_tree=None, drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
@@ -250,8 +258,8 @@ class GenerationOptions:
                 self.frequency_penalty)
 
     @property
-    def given_costs(self) -> tuple[float, float] | None:
-        return None if self.draft_cost is None else (self.draft_cost, self.verify_cost)
+    def given_costs(self) -> tuple[float, float, float] | None:
+        return None if self.draft_cost is None else (self.draft_cost, self.verify_cost, self.verify_row_cost or 0.0)
 
     @property
     def policy_knobs(self) -> dict[str, int]:
