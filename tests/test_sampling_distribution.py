@@ -250,19 +250,22 @@ def test_sampled_joint_distribution_is_exact(runs, exact, method, setting, seeds
 
 
 # int4 drafts (groups, with offsets) multiplying int8-rounded activations, and adaptive γ with fixed costs, whose
-# choices here are γ 3 (the prior's good drafts), then 1 twice (positions 2 and 3 hold no drafts and count as
-# rejected), then 0 (a plain step).
+# choices here are γ 3 (the prior's good drafts), then fewer (the positions past g hold no drafts and count as
+# rejected), then 0 (a plain step). γ_max 3: one verification pass, so g < 3 leaves placeholder positions in it.
 QUANTIZED_AUTO = dict(draft_weights="int4", draft_activations="int8", gamma="auto", gamma_max=GAMMA, draft_cost=0.3,
                       verify_cost=1.0)
 
 
-def test_int4_drafts_int8_activations_and_auto_gamma_keep_the_distribution(model, exact):
+@pytest.mark.parametrize("gamma_max", [GAMMA, GAMMA + 1], ids=["one-pass", "passes-of-2-and-4"])
+def test_int4_drafts_int8_activations_and_auto_gamma_keep_the_distribution(model, exact, gamma_max):
+    """Also at γ_max 4, whose g 1 and 2 are verified in a pass of 2 drafts and g 3 in one of 4 (never 4 drafts
+    here: no request owes more than 3 tokens after its drafts' bonus)."""
     engine, prompt, _ = model
-    counts, _, result = sample(engine, prompt, dataclasses.replace(options("vegas", "t1.0-k3-p0.9"),
-                                                                   **QUANTIZED_AUTO), 10_000)
+    opts = dataclasses.replace(options("vegas", "t1.0-k3-p0.9"), **{**QUANTIZED_AUTO, "gamma_max": gamma_max})
+    counts, _, result = sample(engine, prompt, opts, 10_000)
     chosen = result.metrics["gamma_chosen_histogram"]
     assert chosen[0] and chosen[GAMMA] and sum(chosen[1:GAMMA]), chosen  # plain steps, fewer drafts, all of them
-    by_position = result.metrics["acceptance_by_position"]
+    by_position = result.metrics["acceptance_by_position"][:GAMMA]
     assert all(0.05 < a < 0.95 for a in by_position), by_position  # drafts accepted and rejected everywhere
     p_value = chi_square_p_value(counts, exact["t1.0-k3-p0.9"])
     assert p_value > P_VALUE_OK, f"p = {p_value:.2e}"

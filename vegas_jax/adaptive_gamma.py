@@ -22,15 +22,16 @@ and g maximises E / cost. β_k is estimated from decayed counts pooled over the 
 shard: one g for the whole batch, the same on all devices), made non-increasing in k, with a prior at each
 position that continues the acceptance before it: β_{k-1} times the conditional acceptance β_{k-1} / β_{k-2} of
 position k-1 (the drafts' usual geometric decay; position 1's prior is PRIOR_RATE, a good draft's), raised by
-OPTIMISM standard errors (an upper confidence bound: what is little sampled gets tried). A run that starts from no
-counts (a later run of a configuration, its costs kept) climbs one position at a time to its best g instead of
-stopping where a fixed prior says the next draft will not pay; positions not drafted for a while drift towards
-the prior as their counts decay, so a run that fell back to plain decoding probes speculation again now and then
-(after about log(batch) / (1 - DECAY) iterations).
+OPTIMISM standard errors of its evidence (an upper confidence bound: a position with a few unlucky samples gets
+tried again). A run that starts from no counts (a later run of a configuration, its costs kept) climbs to its
+best g as its drafted positions show their acceptance, instead of stopping where a fixed prior says the next
+draft will not pay; positions not drafted for a while drift towards their prior as their counts decay, so a run
+that fell back to plain decoding probes speculation again now and then (after about log(batch) / (1 - DECAY)
+iterations).
 
 The costs come from timing the compiled loop itself at the start of a run (`Warmup`: a few iterations each with g
-forced to γ_max, 1 and 0, which decode real tokens, timed without the calls' own overhead), or are given
-(`GenerationOptions.draft_cost`, `verify_cost`).
+forced to γ_max, the widest pass's fewest drafts, 1 and 0, which decode real tokens, timed without the calls' own
+overhead), or are given (`GenerationOptions.draft_cost`, `verify_cost`, `verify_row_cost`).
 On the host, `RunControl` sets each decode call's force and costs and times the call, and an engine's `CostBook`
 keeps the measured costs so that a later run of the same loop does not time it again.
 """
@@ -89,7 +90,9 @@ def acceptance(control: GammaControl) -> jax.Array:
         drafted, accepted = counts
         weight = drafted + PRIOR_WEIGHT
         mean = (accepted + PRIOR_WEIGHT * before * rate) / weight
-        optimism = OPTIMISM * jnp.sqrt(mean * (1 - mean) / weight)
+        # A standard error of the evidence only: the prior's single pseudo-observation would make one of about
+        # 0.3-0.5 at any position never drafted, and every such position look certain.
+        optimism = OPTIMISM * (drafted / weight) * jnp.sqrt(mean * (1 - mean) / weight)
         estimate = jnp.minimum(mean + optimism, before)
         return (estimate, jnp.where(before > 0, estimate / before, 0.0)), estimate
 
@@ -133,7 +136,7 @@ def choose(control: GammaControl, most_useful: jax.Array) -> jax.Array:
     verify_cost = jnp.maximum(control.costs[1], MIN_VERIFY)
     best = best_gamma(acceptance(control), draft_cost, verify_cost, jnp.maximum(control.costs[2], 0.0))
     g = jnp.where(control.force >= 0, control.force, best)
-    return jnp.clip(g, 0, most_useful).astype(jnp.int32)
+    return jnp.clip(g, 0, jnp.minimum(most_useful, control.drafted.shape[0])).astype(jnp.int32)
 
 
 def update(control: GammaControl, g: jax.Array, drafted: jax.Array, accepted: jax.Array) -> GammaControl:
@@ -199,17 +202,21 @@ class Warmup:
         if not self.pending:
             self.costs = self._fit()
 
-    def _per_iteration(self, g: int) -> float:
-        (short, short_s), (long, long_s) = self.calls[g]
-        if long > short and long_s > short_s:
-            return (long_s - short_s) / (long - short)
-        # The batch ended as the long call began, or the timer's noise swamped the difference: the call's own
-        # time is left in.
-        return long_s / long
+    def _per_iteration(self) -> dict[int, float]:
+        """t(g) per forced g: the difference of its two calls over their difference of iterations; where any g's
+        calls cannot give one (the batch ended during them, or the timer's noise swamped the difference), every
+        g's long call over its iterations, the calls' own time left in alike rather than in some g only."""
+        differences = {}
+        for g, ((short, short_s), (long, long_s)) in self.calls.items():
+            if long - short >= self.SHORT and long_s > short_s:
+                differences[g] = (long_s - short_s) / (long - short)
+        if len(differences) == len(self.calls):
+            return differences
+        return {g: long_s / long for g, (_, (long, long_s)) in self.calls.items()}
 
     def _fit(self) -> tuple[float, float, float]:
         gamma_max, fewest = self.gamma_max, self.fewest_in_widest
-        t = {g: self._per_iteration(g) for g in self.calls}
+        t = self._per_iteration()
         plain = t[0]
         if gamma_max == 1:
             return max(t[1] - plain, MIN_DRAFT * plain) / plain, 1.0, 0.0

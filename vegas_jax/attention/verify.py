@@ -47,8 +47,9 @@ class VerifyAttention:
     # [B] bool or None (all). The kernel skips the keys of inactive sequences (finished ones, whose results the
     # loop discards): their outputs and scores are unspecified. The jnp path computes them anyway.
     active: jax.Array | None = None
-    # [B] int32 or None (S - 1): the row of each sequence's last draft. Adaptive γ drafts g tokens into a pass
-    # of γ_max + 1 rows; the rows after g hold placeholders whose queries must not steer the selection.
+    # [B] int32 or None (S - 1): the row of each sequence's last draft. Adaptive γ drafts g tokens into the
+    # narrowest compiled pass that holds them; its rows after g hold placeholders whose queries must not steer
+    # the selection.
     last_draft: jax.Array | None = None
 
     def collects(self, layer: int) -> bool:
