@@ -152,3 +152,23 @@ def test_warmup_plan_and_cost_fit():
     assert one_pass.costs == pytest.approx((0.4, 1.5, 0.0))
     given = Warmup(5, (0.4, 1.2, 0.0))
     assert given.done and given.next_call() == (-1, None) and given.costs == (0.4, 1.2, 0.0)
+
+
+def test_warmup_falls_back_to_call_means_for_every_g_alike():
+    """The batch ends during γ_max's long call (3 iterations instead of 8: too few beyond the short call's to
+    time a difference): every g is then timed by its long call's mean, the 3 ms of each call included alike,
+    rather than one g with its call's time and the others without."""
+    warm = Warmup(8, None)
+    means = {}
+    while not warm.done:
+        g, most = warm.next_call()
+        ran = 3 if (g == 8 and most == Warmup.LONG) else most
+        per_iteration = 1e-3 * (1.0 if g == 0 else 1.5 + 0.25 * g)
+        warm.record(ran, 3e-3 + per_iteration * ran)
+        if most == Warmup.LONG:
+            means[g] = (3e-3 + per_iteration * ran) / ran
+    plain = means[0]
+    draft = (means[8] - means[5]) / 3  # the fit on those means, its bounds included: a fixed part >= a plain step
+    widest, narrowest = max(means[8] - 8 * draft, plain), max(means[1] - draft, plain)
+    want = (draft / plain, widest / plain, max(widest - narrowest, 0.0) / 6 / plain)
+    assert warm.costs == pytest.approx(want) and warm.costs != pytest.approx((0.25, 1.5, 0.0))
