@@ -513,11 +513,11 @@ def configure_compilation_cache(folder: str) -> None:
         jax.config.update("jax_compilation_cache_dir", str(Path(folder).resolve()))
 
 
-def parse_stages(text: str) -> list[str]:
+def parse_stages(text: str, flag: str = "--stage") -> list[str]:
     stages = list(STAGES) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     if unknown or not stages:
-        raise BadFlag(f"--stage {text}: choose from {', '.join(STAGES)} or all (comma-separated)")
+        raise BadFlag(f"{flag} {text}: choose from {', '.join(STAGES)} or all (comma-separated)")
     return stages
 
 
@@ -631,11 +631,16 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
     p.add_argument("--estimate", action="store_true",
                    help="print the estimated device time of what the log lacks and exit (runs nothing)")
+    p.add_argument("--remeasure", default=None,
+                   help="comma-separated stages whose records other code measured (another source digest) leave "
+                        "the log (and --keep) to be measured again; records this code made stay, so the same "
+                        "command resumes")
     args = p.parse_args(argv)
 
     try:
         preset = narrowed(narrowed(PRESETS[args.preset], "--lengths", args.lengths), "--batches", args.batches)
         stages = parse_stages(args.stage)
+        remeasured = parse_stages(args.remeasure, "--remeasure") if args.remeasure else []
         if args.budget_s <= 0:
             raise BadFlag(f"--budget-s {args.budget_s:g}: must be > 0")
         if args.keep is not None:
@@ -653,14 +658,23 @@ def main(argv=None) -> int:
 
         model_path = str(embedded_smollm2_path())
     log_path = args.results or RESULTS / f"suite-{preset.name}.jsonl"
+    digest = source_digest()
+
+    def stale(record: dict) -> bool:
+        return record.get("stage") in remeasured and record.get("source_digest") != digest
+
     # The kept log holds a copy of the log: one record per key.
-    logged = latest_per_key(read_logs([path.expanduser() for path in (log_path, args.keep) if path]))
+    logged = [r for r in latest_per_key(read_logs([path.expanduser() for path in (log_path, args.keep) if path]))
+              if not stale(r)]
     print(describe_costs(preset, stages, log_progress(preset, logged, model_path), log_path.name), flush=True)
     if args.estimate:
         return 0
     configure_compilation_cache(args.compilation_cache)
     out = os.environ.get("OUT")
     log = RecordLog(log_path, Path(out) if out else None, args.keep)
+    if remeasured:
+        print(f"--remeasure: {log.drop(stale)} record(s) of {', '.join(remeasured)} from other code left "
+              f"{log.path.name}", flush=True)
     session = Session(preset, log, args.budget_s, model_path, args.dtype)
     try:
         run_stages(session, stages)

@@ -103,12 +103,30 @@ class RecordLog:
         """Records whose fields equal these (compared as keys compare them)."""
         return find(self._by_key.values(), **fields)
 
+    def drop(self, stale) -> int:
+        """Removes the records for which stale(record) holds from the log and from `keep` (rewritten whole, then
+        moved into place), and from the mirror's copy; returns how many the log held."""
+        dropped = [key for key, record in self._by_key.items() if stale(record)]
+        for key in dropped:
+            del self._by_key[key]
+        for path in (self.path, self.keep):
+            if path is not None and path.exists():
+                kept = [r for r in self._read(path) if not stale(r)]
+                temporary = path.with_name(path.name + ".partial")
+                temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+                temporary.replace(path)
+        self._mirror()
+        return len(dropped)
+
     def append(self, record: dict) -> None:
         self._write(self.path, record)
         if self.keep:
             self._write(self.keep, record)
         self._by_key[record_key(record)] = record
-        if self.mirror:
+        self._mirror()
+
+    def _mirror(self) -> None:
+        if self.mirror and self.path.exists():
             self.mirror.mkdir(parents=True, exist_ok=True)
             temporary = self.mirror / (self.path.name + ".partial")
             shutil.copyfile(self.path, temporary)

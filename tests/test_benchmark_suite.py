@@ -79,6 +79,37 @@ def test_a_kept_log_gives_back_what_a_replaced_log_lost(tmp_path):
     assert len(RecordLog(path, keep=keep).records) == 3 and len(path.read_text().splitlines()) == 3
 
 
+def test_remeasure_drops_a_stage_measured_by_other_code_and_resumes(tmp_path, capsys, monkeypatch):
+    """--remeasure adaptive: the adaptive records another source digest made leave the log, the kept log and the
+    mirror (a later call's log would otherwise get them back from --keep); this code's records stay, so running
+    the same command again resumes instead of starting over; other stages are untouched; --estimate changes no
+    file; a stage that does not exist is one error line naming the flag."""
+    path, keep, out = tmp_path / "suite-smoke.jsonl", tmp_path / "home" / "kept.jsonl", tmp_path / "out"
+    base = {"method": "vegas", "batch": 8, "prompt_tokens": 4096, "split": "heldout", "sparse_ratio": 0.05,
+            "knobs": {}, "temperature": 0.0, "decode_tokens_per_s": 1.0}
+    ours, theirs = suite.source_digest(), "0123456789abcdef"
+    records = [{**base, "stage": "adaptive", "gamma": "auto", "source_digest": theirs},
+               {**base, "stage": "adaptive", "gamma": "auto", "batch": 1, "source_digest": ours},
+               {**base, "stage": "heldout", "gamma": 4, "source_digest": theirs}]
+    log = RecordLog(path, keep=keep)
+    for r in records:
+        log.append(r)
+    before = path.read_text()
+    assert suite.main(["--preset", "smoke", "--estimate", "--results", str(path), "--remeasure", "adaptive"]) == 0
+    assert path.read_text() == before
+    monkeypatch.setenv("OUT", str(out))
+    run = ["--preset", "smoke", "--stage", "adaptive", "--results", str(path), "--keep", str(keep), "--remeasure",
+           "adaptive", "--compilation-cache", ""]  # the smoke preset times no adaptive cell: nothing runs
+    for dropped in (1, 0):  # the same command again: this code's records stay
+        assert suite.main(run) == 0
+        assert f"--remeasure: {dropped} record(s) of adaptive from other code left" in capsys.readouterr().out
+        for again in (RecordLog(path, keep=keep), RecordLog(out / path.name), RecordLog(keep)):
+            assert sorted((r["stage"], r["batch"]) for r in again.records) == [("adaptive", 1), ("heldout", 8)]
+    assert suite.main(["--preset", "smoke", "--estimate", "--remeasure", "adaptive,tunes"]) == 2
+    assert capsys.readouterr().err == ("error: --remeasure adaptive,tunes: choose from " + ", ".join(suite.STAGES)
+                                       + " or all (comma-separated)\n")
+
+
 # ---- prompt splits -------------------------------------------------------------------------------------------
 
 
