@@ -85,7 +85,7 @@ class RecordLog:
     def _write(path: Path, record: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+            f.write(_line(record))
             f.flush()
             os.fsync(f.fileno())
 
@@ -113,7 +113,7 @@ class RecordLog:
             if path is not None and path.exists():
                 kept = [r for r in self._read(path) if not stale(r)]
                 temporary = path.with_name(path.name + ".partial")
-                temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+                temporary.write_text("".join(map(_line, kept)))
                 temporary.replace(path)
         self._mirror()
         return len(dropped)
@@ -131,6 +131,11 @@ class RecordLog:
             temporary = self.mirror / (self.path.name + ".partial")
             shutil.copyfile(self.path, temporary)
             temporary.replace(self.mirror / self.path.name)
+
+
+def _line(record: dict) -> str:
+    """A record as the log stores it: one line of JSON (numpy scalars as floats)."""
+    return json.dumps(record, default=float) + "\n"
 
 
 def read_logs(paths: list[Path]) -> list[dict]:

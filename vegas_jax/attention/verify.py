@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from models.kv_cache import write_rows
 from pallas_kernels import MAX_QUERY_ROWS, verify_attention
+from pallas_kernels.verify_attention import default_scored_row
 from vegas_jax.attention.core import causal_mask, masked_attention
 from vegas_jax.sharding import Placement
 
@@ -89,7 +90,7 @@ class VerifyAttention:
         out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
         per_row = row_scores(self.request.mode, raw, lse, mask, q.shape[-1])
         num_rows = per_row.shape[1]
-        last = jnp.full(per_row.shape[:1], num_rows - 1) if self.last_draft is None else self.last_draft
+        last = default_scored_row(self.last_draft, per_row.shape[0], num_rows)
         if self.request.rows == "boundary":
             scores = 0.5 * (per_row[:, 0] + jnp.take_along_axis(per_row, last[:, None, None], axis=1)[:, 0])
         elif self.request.rows == "all":
