@@ -163,8 +163,9 @@ class Warmup:
     costs from their timings. Each forced g runs an untimed call of one iteration (its branch's first execution
     does one-off work: 6 ms against 0.4 ms an iteration for a tiny model on a CPU), then a call of SHORT and one
     of LONG iterations: the difference of their times over the difference of their iterations is an iteration's
-    time t(g) without the call's own (dispatch, host transfers: about 3 ms on the H200, which divided over a few
-    iterations made a plain step look a third dearer than it is). The forced g: γ_max and the fewest drafts of the
+    time t(g) without the call's own (dispatch, host transfers: about 3 ms on the H200, inferred from the costs
+    reported against the iterations the suite measured at 9bb8ff8; divided over a few iterations, it made a plain
+    step look up to a third dearer than it is). The forced g: γ_max and the fewest drafts of the
     widest pass (a draft step: the difference over the difference of drafts), 1 (the narrowest pass's fixed part,
     hence the saving per draft a pass holds less) and 0 (the unit), each divided by t(0)."""
 
