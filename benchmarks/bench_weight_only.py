@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                         "in flight, more partial sums to add")
     p.add_argument("--nibble-unpack", default="ops",
                    help="int4 at 2+ rows: how the dot kernels unpack code bytes (comma-separated: ops, prmt)")
+    p.add_argument("--prefetch", default="0",
+                   help="one row: 0 and / or 1 (comma-separated), each program loading its next K block's codes "
+                        "before it multiplies the current one")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--ncu", action="store_true", help="each configuration once, one layer, no profiler trace")
     p.add_argument("--tag", default="")
@@ -148,6 +151,9 @@ def main(argv=None) -> int:
         return 2
     if not all(f.isdigit() and int(f) >= 1 for f in args.split_factors.split(",")):
         print(f"error: --split-factors {args.split_factors}: whole numbers >= 1, comma-separated", file=sys.stderr)
+        return 2
+    if not set(args.prefetch.split(",")) <= {"0", "1"}:
+        print(f"error: --prefetch {args.prefetch}: 0, 1 or 0,1", file=sys.stderr)
         return 2
     if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
         args.rows, args.blocks, args.layers, args.repeats = ("1,4" if args.integer_dot else "8"), "64x64", 2, 1
@@ -185,17 +191,18 @@ def main(argv=None) -> int:
                 want[bits] = xla_path(bits, group)(x.astype(jnp.float32), w[0])
                 # Unpacking matters to the int4 dot kernels only (2+ rows); elsewhere "ops" alone.
                 variant_unpacks = unpacks if bits == 4 and m > 1 else ["ops"]
-                for (bk, bn), warps, stages, unpack, factor in (
-                        (b, int(wp), int(st), u, int(f)) for b in blocks for wp in args.warps.split(",")
+                prefetches = [int(f) for f in args.prefetch.split(",")] if m == 1 else [0]  # one-row kernels' own
+                for (bk, bn), warps, stages, unpack, factor, prefetch in (
+                        (b, int(wp), int(st), u, int(f), pf) for b in blocks for wp in args.warps.split(",")
                         for st in args.stages.split(",") for u in variant_unpacks
-                        for f in args.split_factors.split(",")):
+                        for f in args.split_factors.split(",") for pf in prefetches):
                     splits = _splits(bits, k, n, group, bk, bn, factor)  # None: the kernel's own
                     if factor != 1 and splits is None:
                         continue  # the K blocks do not split that many ways: nothing to time
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
                                            num_warps=warps, num_stages=stages, interpret=interpret,
-                                           nibble_unpack=unpack, num_splits=splits)
-                    config = f"{bk}x{bn}/w{warps}s{stages}"
+                                           nibble_unpack=unpack, num_splits=splits, prefetch=bool(prefetch))
+                    config = f"{bk}x{bn}/w{warps}s{stages}" + ("/prefetch" if prefetch else "")
                     split_suffix = "" if splits is None else f"/splits{splits}"
                     unpack_suffix = "" if unpack == "ops" else f"/{unpack}"
                     variants.append((f"int{bits}", "pallas", bits, fn, w, config + unpack_suffix + split_suffix))

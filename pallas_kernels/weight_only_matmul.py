@@ -66,6 +66,22 @@ def _rows_of_x(bits: int, group: int, k0):
     return k0 + g * half, k0 + (g + 1) * half, g
 
 
+def _walk_blocks(load, step, blocks_per_split: int, init, prefetch: bool):
+    """fori_loop over a program's K blocks: step(i, tile, carry) with tile = load(i). prefetch: the loop carries
+    block i + 1's tile, loaded before block i is multiplied, so a program keeps a second tile's loads in flight
+    while it computes (a one-row product has no dot for Triton's pipeliner to stage its loads through; the float
+    kernel held a quarter of the SM's warps, limited by its registers, Nsight Compute 2026-12-02)."""
+    if not prefetch:
+        return lax.fori_loop(0, blocks_per_split, lambda i, carry: step(i, load(i), carry), init)
+
+    def body(i, state):
+        carry, tile = state
+        upcoming = load(jnp.minimum(i + 1, blocks_per_split - 1))  # the last block loads itself again, unused
+        return step(i, tile, carry), upcoming
+
+    return lax.fori_loop(0, blocks_per_split, body, (init, load(0)))[0]
+
+
 def weight_only_matmul_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
                               blocks_per_split: int, unpack: str, interpret: bool):
     """One (column block, K split) program. x_ref [M, K]; q_ref [K or K/2, bn]; scale_ref, offset_ref
@@ -103,7 +119,7 @@ def _unsigned_float(q):
 
 
 def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int, block_k: int,
-                              blocks_per_split: int):
+                              blocks_per_split: int, prefetch: bool):
     """weight_only_matmul_kernel for one row of x: no dot (a dot pads the row to 16 and sends each weight tile
     through shared memory into the tensor cores' layout). The codes become exact floats in registers and are
     multiplied by x; since a K block lies in one scale group, a block's products are scaled once per element
@@ -114,10 +130,13 @@ def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bit
     benchmarks/results/weight-only-2026-12-02-int4-variants.json)."""
     split = pl.program_id(1)
 
-    def body(i, carry):
+    def load(i):
+        return q_ref[pl.ds((split * blocks_per_split + i) * block_k, block_k), :]
+
+    def step(i, q, carry):
         acc, offsets = carry
         k0 = (split * blocks_per_split + i) * block_k
-        q = q_ref[pl.ds(k0, block_k), :].astype(jnp.int32)
+        q = q.astype(jnp.int32)
         low_rows, high_rows, g = _rows_of_x(bits, group, k0)
         x_low = x_ref[0, pl.ds(low_rows, block_k)].astype(jnp.float32)
         if bits == 8:
@@ -134,12 +153,13 @@ def weight_only_vector_kernel(x_ref, q_ref, scale_ref, offset_ref, o_ref, *, bit
 
     block_n = o_ref.shape[1]
     carry = jnp.zeros((block_k, block_n), jnp.float32), jnp.zeros((block_n,), jnp.float32)
-    acc, offsets = lax.fori_loop(0, blocks_per_split, body, carry)
+    acc, offsets = _walk_blocks(load, step, blocks_per_split, carry, prefetch)
     o_ref[...] = (jnp.sum(acc, axis=0) + offsets)[None, :]
 
 
 def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int,
-                               x_group: int, block_k: int, blocks_per_split: int, interpret: bool):
+                               x_group: int, block_k: int, blocks_per_split: int, interpret: bool,
+                               prefetch: bool):
     """Integer codes times one row of x in integers: x quantized to int8 per `x_group` positions along K (xw_ref
     [1, K / 4] int32, four consecutive codes a word, byte j holding position 4r + j; xs_ref [1, K / x_group] their
     scales), and each program's rows of codes gathered four at a time (rows k0 + j, k0 + 4 + j, ... by strided
@@ -157,12 +177,15 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_r
     dot4 = ptx.dp4a_emulated if interpret else ptx.dp4a
     words_per_block = block_k // 4
 
-    def body(i, acc):
+    def load(i):
         k0 = (split * blocks_per_split + i) * block_k
         if q_ref.dtype == jnp.int32:  # stored as words (pack_code_words)
-            words = q_ref[pl.ds(k0 // 4, words_per_block), :]
-        else:
-            words = ptx.byte_words([q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32) for j in range(4)])
+            return q_ref[pl.ds(k0 // 4, words_per_block), :]
+        return ptx.byte_words([q_ref[pl.ds(k0 + j, words_per_block, stride=4), :].astype(jnp.int32)
+                               for j in range(4)])
+
+    def step(i, words, acc):
+        k0 = (split * blocks_per_split + i) * block_k
         low_rows, high_rows, g = _rows_of_x(bits, group, k0)
         x_runs = [xw_ref[0, pl.ds(low_rows // 4, words_per_block)]]
         if bits == 8:
@@ -179,7 +202,8 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_r
             partial += x_sum.astype(jnp.float32) * offset_ref[g, :].astype(jnp.float32)
         return acc + xs_ref[0, low_rows // x_group] * partial
 
-    o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((o_ref.shape[1],), jnp.float32))[None, :]
+    o_ref[...] = _walk_blocks(load, step, blocks_per_split, jnp.zeros((o_ref.shape[1],), jnp.float32),
+                              prefetch)[None, :]
 
 
 def weight_only_integer_rows_kernel(xq_ref, xs_ref, q_ref, scale_ref, offset_ref, o_ref, *, bits: int, group: int,
@@ -308,18 +332,19 @@ def default_splits(column_blocks: int, k_blocks: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("bits", "group", "block_k", "block_n", "num_splits", "num_warps",
                                              "num_stages", "interpret", "out_dtype", "integer_dot", "x_group",
-                                             "nibble_unpack"))
+                                             "nibble_unpack", "prefetch"))
 def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block_k: int = 64, block_n: int = 128,
                        num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
                        interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128,
-                       nibble_unpack: str = "ops"):
+                       nibble_unpack: str = "ops", prefetch: bool = False):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
     docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (1-16
     rows): x quantized to int8 per x_group positions and multiplied in integers (one row: weight_only_integer_kernel;
     more: weight_only_integer_rows_kernel), the exact product of those quantized rows, an approximation of x @ w
     within x's quantization error. nibble_unpack (int4 at 2 rows or more, the dot kernels): how code bytes become
     bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte permutes, four bytes an instruction;
-    _nibble_tiles), the same values either way."""
+    _nibble_tiles), the same values either way. prefetch (one row): each program loads its next K block's codes
+    before it multiplies the current one (_walk_blocks)."""
     m, k = x.shape
     if nibble_unpack not in UNPACKS:
         raise ValueError(f"nibble_unpack must be one of {', '.join(UNPACKS)}, got {nibble_unpack!r}")
@@ -362,7 +387,8 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     if layout == "integer":
         xs = quantize_rows_int8(x, x_group)
         kernel = functools.partial(weight_only_integer_kernel, bits=bits, group=group, x_group=x_group,
-                                   block_k=block_k, blocks_per_split=blocks_per_split, interpret=interpret)
+                                   block_k=block_k, blocks_per_split=blocks_per_split, interpret=interpret,
+                                   prefetch=prefetch)
         out_block, out_index, out_shape = (None, 1, block_n), lambda j, s: (s, 0, j), (splits, 1, n)
     elif layout == "integer_rows":
         codes, scales = int8_rows(x, x_group)
@@ -382,8 +408,8 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         xs = (x if layout == "vector" else jnp.zeros((rows, k), x.dtype).at[:m].set(x),)
         kernel = functools.partial(weight_only_vector_kernel if layout == "vector" else weight_only_matmul_kernel,
                                    bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
-        if layout != "vector":
-            kernel = functools.partial(kernel, unpack=nibble_unpack, interpret=interpret)
+        kernel = functools.partial(kernel, **({"prefetch": prefetch} if layout == "vector"
+                                              else {"unpack": nibble_unpack, "interpret": interpret}))
         out_block, out_index, out_shape = (None, rows, block_n), lambda j, s: (s, 0, j), (splits, rows, n)
     partial = pl.pallas_call(
         kernel if offset is not None else _without_offset(kernel),
