@@ -25,9 +25,9 @@ position k-1 (the drafts' usual geometric decay; position 1's prior is PRIOR_RAT
 OPTIMISM standard errors of its evidence (an upper confidence bound: a position with a few unlucky samples gets
 tried again). A run that starts from no counts (a later run of a configuration, its costs kept) climbs to its
 best g as its drafted positions show their acceptance, instead of stopping where a fixed prior says the next
-draft will not pay; positions not drafted for a while drift towards their prior as their counts decay, so a run
-that fell back to plain decoding probes speculation again now and then (after about log(batch) / (1 - DECAY)
-iterations).
+draft will not pay; positions not drafted for a while drift towards their prior as their counts decay, and a run
+that fell back to plain decoding probes speculation again now and then: when the prior says drafts pay, or at the
+latest once position 1's counts have decayed below PROBE_BELOW (a run with no counts at all probes first).
 
 The costs come from timing the compiled loop itself at the start of a run (`Warmup`: a few iterations each with g
 forced to γ_max, the widest pass's fewest drafts, 1 and 0, which decode real tokens, timed without the calls' own
@@ -56,6 +56,12 @@ PRIOR_WEIGHT, PRIOR_RATE = 1.0, 0.9
 # unlucky samples at the edge of the drafted positions do not stop the loop below its best g for hundreds of
 # iterations (until their counts decay); at positions drafted every iteration the raise is about 1 %.
 OPTIMISM = 1.0
+# A probe: with fewer than this many (decayed) drafts at position 1 the loop drafts at least the narrowest pass's,
+# whatever the model says: at the start of a run with no counts, and after a fall-back to plain steps, whose
+# evidence never grows (with a prior or costs that say drafts lose, g = 0 would otherwise hold for good: the
+# H200 suite's adaptive stage at batch 8 x 4,096, code c6e47ed, ran 255 plain steps where γ 2 gives 1.2x).
+# After a probe of a batch of B the next comes within ln(2 B) / (1 - DECAY) iterations: 140 at batch 1.
+PROBE_BELOW = 0.5
 DEFAULT_GAMMA_MAX = 8
 AUTO = "auto"
 # Costs are clamped to what an iteration can cost: its fixed part at least a plain step, a draft step above 0.
@@ -97,7 +103,8 @@ def acceptance(control: GammaControl) -> jax.Array:
         return (estimate, jnp.where(before > 0, estimate / before, 0.0)), estimate
 
     start = (jnp.float32(1.0), jnp.float32(PRIOR_RATE))
-    return jax.lax.scan(position, start, (control.drafted, control.accepted))[1]
+    # Unrolled: a rolled scan is a loop of its own inside every iteration (γ_max launches of a few tiny kernels).
+    return jax.lax.scan(position, start, (control.drafted, control.accepted), unroll=True)[1]
 
 
 def pass_widths(gamma_max: int) -> tuple[int, ...]:
@@ -130,12 +137,14 @@ def best_gamma(beta: jax.Array, draft_cost, verify_cost, row_cost=0.0) -> jax.Ar
 
 
 def choose(control: GammaControl, most_useful: jax.Array) -> jax.Array:
-    """This iteration's g: forced, or the model's best; never more than `most_useful` (the most drafts any
-    unfinished request may still take)."""
+    """This iteration's g: forced, or the model's best, at least the narrowest pass's drafts when position 1 has
+    next to no evidence (a probe, `PROBE_BELOW`); never more than `most_useful` (the most drafts any unfinished
+    request may still take)."""
     draft_cost = jnp.maximum(control.costs[0], MIN_DRAFT)
     verify_cost = jnp.maximum(control.costs[1], MIN_VERIFY)
     best = best_gamma(acceptance(control), draft_cost, verify_cost, jnp.maximum(control.costs[2], 0.0))
-    g = jnp.where(control.force >= 0, control.force, best)
+    probe = jnp.where(control.drafted[0] < PROBE_BELOW, pass_widths(control.drafted.shape[0])[0], 0)
+    g = jnp.where(control.force >= 0, control.force, jnp.maximum(best, probe))
     return jnp.clip(g, 0, jnp.minimum(most_useful, control.drafted.shape[0])).astype(jnp.int32)
 
 
