@@ -1,10 +1,11 @@
 """Adaptive γ (`--gamma auto`): the number of drafts of each iteration, chosen to maximise expected tokens per
 second from the cost of a draft step against a verification pass and the running acceptance by draft position.
 
-Compiled shapes are fixed: the loop drafts g <= γ_max tokens (its draft loop stops after g steps) and verifies
-them in the narrowest of a few compiled passes that holds g drafts (`pass_widths`: 2, 4 and 8 drafts for γ_max 8;
-a pass of γ_max + 1 rows whatever g is cost a fixed γ of 4 seven per cent at batch 32 x 8K), counting only the
-first g drafts (the others are treated as rejected, so acceptance and the bonus token are those of an iteration
+Compiled shapes are fixed: each g <= γ_max has its own branch of the loop (`lax.switch`), which drafts g tokens in
+a loop of g steps known at compile time (a traced count made the GPU wait on the host at every draft step) and
+verifies them in the narrowest of a few compiled passes that holds g drafts (`pass_widths`: 2, 4 and 8 drafts for
+γ_max 8; a pass of γ_max + 1 rows whatever g is cost a fixed γ of 4 seven per cent at batch 32 x 8K), counting only
+the first g drafts (the others are treated as rejected, so acceptance and the bonus token are those of an iteration
 of g drafts); g = 0 is a plain decoding step (a one-row verification, no score collection, no selection; the
 selection of the last speculative iteration stays, its recent range covering everything since). Choosing g from
 earlier iterations' outcomes keeps the output exact: speculative sampling emits the target's distribution for any
@@ -116,15 +117,14 @@ def pass_widths(gamma_max: int) -> tuple[int, ...]:
     return (*narrower, gamma_max)
 
 
-def pass_of(g: jax.Array, gamma_max: int) -> jax.Array:
-    """The index in pass_widths(γ_max) of the narrowest pass that holds g >= 1 drafts."""
-    return jnp.searchsorted(jnp.asarray(pass_widths(gamma_max)), g).astype(jnp.int32)
+def pass_width(g: int, gamma_max: int) -> int:
+    """The drafts of the narrowest pass in pass_widths(γ_max) that holds g >= 1 drafts."""
+    return next(width for width in pass_widths(gamma_max) if width >= g)
 
 
 def iteration_costs(gamma_max: int, draft_cost, verify_cost, row_cost) -> jax.Array:
     """[γ_max + 1] cost(g) in plain steps (the module doc), cost(0) = 1."""
-    widths = np.asarray(pass_widths(gamma_max))
-    width = np.concatenate([[gamma_max], widths[np.searchsorted(widths, np.arange(1, gamma_max + 1))]])
+    width = np.asarray([gamma_max] + [pass_width(g, gamma_max) for g in range(1, gamma_max + 1)])
     g = jnp.arange(gamma_max + 1)
     fixed = jnp.maximum(verify_cost - row_cost * (gamma_max - width), MIN_VERIFY)
     return jnp.where(g == 0, 1.0, fixed + g * draft_cost)

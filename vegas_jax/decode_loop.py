@@ -24,13 +24,15 @@ def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig)
     control = state.gamma_control
     owed = jnp.where(state.done, 0, state.max_new - state.num_generated - 1)
     g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)))
-    # Branch 0 is a plain step, branch 1 + i verifies in the i-th pass of adaptive_gamma.pass_widths. Every device
-    # takes the same branch: g comes from statistics that every device holds alike.
+    # Branch g: a plain step for 0, else g drafts, a number fixed at compile time, verified in the narrowest pass
+    # that holds them. A traced count of drafts made the draft loop wait on the host for its condition at every
+    # step (an iteration of g 2 cost 3.53 ms against a fixed γ 2's 3.30 at batch 8 x 7,936 on the H200, code
+    # a9efb6e). Every device takes the same branch: g comes from statistics that every device holds alike.
     plain = [lambda s: chain_iteration(params, None, s, config.plain(), 0)]
-    speculative = [functools.partial(lambda width, s: chain_iteration(params, draft_params, s, config, g, width), w)
-                   for w in adaptive_gamma.pass_widths(config.gamma)]
-    branch = jnp.where(g > 0, 1 + adaptive_gamma.pass_of(g, config.gamma), 0)
-    after = jax.lax.switch(branch, plain + speculative, state)
+    speculative = [functools.partial(lambda g, s: chain_iteration(params, draft_params, s, config, g,
+                                                                  adaptive_gamma.pass_width(g, config.gamma)), g)
+                   for g in range(1, config.gamma + 1)]
+    after = jax.lax.switch(g, plain + speculative, state)
     pooled = lambda counts: config.placement.sum_over_data(jnp.sum(counts, axis=0)).astype(jnp.float32)  # noqa: E731
     drafted = pooled(after.metrics.drafted - state.metrics.drafted)
     accepted = pooled(after.metrics.accepted - state.metrics.accepted)

@@ -314,7 +314,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
 
 def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num_drafts: jax.Array,
           steps: int | jax.Array | None = None):
-    """`steps` (default γ; adaptive γ: a traced g <= γ) sequential single-token forwards with sparse attention,
+    """`steps` (default γ; adaptive γ: its g <= γ) sequential single-token forwards with sparse attention,
     reading `draft_params` (quantized weights) over `params` where given. Returns (cache, drafts [B, γ], draft
     probs [B, γ, V] or None, finite [B]: every counted draft step had finite logits); positions from `steps` on
     hold zeros."""
@@ -395,13 +395,13 @@ def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
 def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts,
                     width: int | None = None) -> DecodeState:
     """One draft -> verify -> accept -> select round for every unfinished sequence, with at most `most_drafts`
-    drafts (γ, or adaptive γ's traced g; 0 and no draft params: a plain step), verified in a pass of `width` drafts
+    drafts (γ, or adaptive γ's g; 0 and no draft params: a plain step), verified in a pass of `width` drafts
     (default γ; adaptive γ: the narrowest compiled pass that holds g)."""
     gamma = config.gamma
     active = ~state.done
     num_drafts = counted_drafts(state, most_drafts)
     keys = step_keys(state.keys, request_step(state), gamma + 2)
-    steps = None if isinstance(most_drafts, int) else most_drafts
+    steps = None if isinstance(most_drafts, int) and most_drafts == gamma else most_drafts  # None: γ
     if gamma:
         cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts, steps)
         if width is not None:  # positions from g on hold no drafts: the pass verifies the first `width`
