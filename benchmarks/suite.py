@@ -235,7 +235,8 @@ class Session:
     def estimate(self, method: str, cell: Cell, batch: int, length: int, new_tokens: int, runs: int, *,
                  sampled: bool, served: bool = False) -> float:
         compiled = loop_key(method, cell, batch, length, sampled, served) in self.compiled
-        compile_s = 0.0 if compiled else COMPILE_S["ar" if method == "ar" else "speculative"]
+        kind = "ar" if method == "ar" else "adaptive" if cell.auto_gamma else "speculative"
+        compile_s = 0.0 if compiled else COMPILE_S[kind]
         return compile_s + runs * run_s(batch, length, new_tokens) * (3 if served else 1)
 
 

@@ -147,7 +147,9 @@ PRESETS = {
 
 # ---- cost model (seconds on one H200, SmolLM2-135M bf16) ------------------------------------------------------
 
-COMPILE_S = {"ar": 9.0, "speculative": 13.0}
+# Adaptive γ's loop holds a branch per g (nine for γ_max 8): 84-105 s on the H200 (compile_s of
+# benchmarks/results/adaptive-branches-2026-12-04.jsonl, code cb195a7); at 13 s its cells overran --budget-s.
+COMPILE_S = {"ar": 9.0, "speculative": 13.0, "adaptive": 105.0}
 # A configuration's share of a round compiled side by side (benchmarks/suite.py, compile_ahead): 4.6-4.9 s in the
 # paper preset's first tuning rounds of 13-21 configurations at 64 x 7.9K (suite-paper.jsonl, 2026-12-02).
 SIDE_BY_SIDE_COMPILE_S = 5.0
@@ -238,7 +240,7 @@ def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost
                     COMPILE_S["ar"] + (sampled - 1) * COMPILE_S["speculative"] + sampled * per_record * run)
             if batch in p.adaptive_batches:  # one loop; a first run of its own prefill times the cost model
                 add("adaptive", left("adaptive", length, batch, None, 1), 1, per_record + 1,
-                    COMPILE_S["speculative"] + run_s(batch, length, p.new_tokens) + per_record * run)
+                    COMPILE_S["adaptive"] + run_s(batch, length, p.new_tokens) + per_record * run)
     for case in p.serve:
         methods = 2 + (len(BASELINES) if case.all_baselines else 1)
         # 128 requests through 64 slots: the prefill of every request, about twice a static batch's decode
