@@ -137,9 +137,9 @@ def main(argv=None) -> int:
                         "in flight, more partial sums to add")
     p.add_argument("--nibble-unpack", default="ops",
                    help="int4 at 2+ rows: how the dot kernels unpack code bytes (comma-separated: ops, prmt)")
-    p.add_argument("--prefetch", default="0",
-                   help="one row: 0 and / or 1 (comma-separated), each program loading its next K block's codes "
-                        "before it multiplies the current one")
+    p.add_argument("--prefetch", default="auto",
+                   help="one row: auto (the kernel's default), 0, 1, comma-separated; 1: each program loads its next "
+                        "K block's codes before it multiplies the current one")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--ncu", action="store_true", help="each configuration once, one layer, no profiler trace")
     p.add_argument("--tag", default="")
@@ -152,8 +152,9 @@ def main(argv=None) -> int:
     if not all(f.isdigit() and int(f) >= 1 for f in args.split_factors.split(",")):
         print(f"error: --split-factors {args.split_factors}: whole numbers >= 1, comma-separated", file=sys.stderr)
         return 2
-    if not set(args.prefetch.split(",")) <= {"0", "1"}:
-        print(f"error: --prefetch {args.prefetch}: 0, 1 or 0,1", file=sys.stderr)
+    prefetch_choices = {"auto": None, "0": False, "1": True}
+    if not set(args.prefetch.split(",")) <= set(prefetch_choices):
+        print(f"error: --prefetch {args.prefetch}: auto, 0 or 1, comma-separated", file=sys.stderr)
         return 2
     if args.smoke:  # one row count and one block per precision: interpret mode compiles each for seconds
         args.rows, args.blocks, args.layers, args.repeats = ("1,4" if args.integer_dot else "8"), "64x64", 2, 1
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
                 want[bits] = xla_path(bits, group)(x.astype(jnp.float32), w[0])
                 # Unpacking matters to the int4 dot kernels only (2+ rows); elsewhere "ops" alone.
                 variant_unpacks = unpacks if bits == 4 and m > 1 else ["ops"]
-                prefetches = [int(f) for f in args.prefetch.split(",")] if m == 1 else [0]  # one-row kernels' own
+                # one-row kernels' own
+                prefetches = [prefetch_choices[f] for f in args.prefetch.split(",")] if m == 1 else [None]
                 for (bk, bn), warps, stages, unpack, factor, prefetch in (
                         (b, int(wp), int(st), u, int(f), pf) for b in blocks for wp in args.warps.split(",")
                         for st in args.stages.split(",") for u in variant_unpacks
@@ -201,8 +203,8 @@ def main(argv=None) -> int:
                         continue  # the K blocks do not split that many ways: nothing to time
                     fn = functools.partial(_pallas, bits=bits, group=group, block_k=bk, block_n=bn,
                                            num_warps=warps, num_stages=stages, interpret=interpret,
-                                           nibble_unpack=unpack, num_splits=splits, prefetch=bool(prefetch))
-                    config = f"{bk}x{bn}/w{warps}s{stages}" + ("/prefetch" if prefetch else "")
+                                           nibble_unpack=unpack, num_splits=splits, prefetch=prefetch)
+                    config = f"{bk}x{bn}/w{warps}s{stages}" + PREFETCH_LABELS[prefetch]
                     split_suffix = "" if splits is None else f"/splits{splits}"
                     unpack_suffix = "" if unpack == "ops" else f"/{unpack}"
                     variants.append((f"int{bits}", "pallas", bits, fn, w, config + unpack_suffix + split_suffix))
@@ -242,6 +244,9 @@ def main(argv=None) -> int:
     for r in best.values():
         print(_line(r))
     return 0
+
+
+PREFETCH_LABELS = {None: "", True: "/prefetch", False: "/no-prefetch"}  # None: the kernel's own choice
 
 
 def _splits(bits: int, k: int, n: int, group: int, block_k: int, block_n: int, factor: int) -> int | None:

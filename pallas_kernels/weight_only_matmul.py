@@ -358,6 +358,8 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     stored_words = q.dtype == jnp.int32  # codes four rows a word (pack_code_words): the one-row integer path's own
     if stored_words and not (integer_dot and m == 1):
         raise ValueError("codes stored as words (int32) are multiplied by integer_dot at one row only")
+    if prefetch and m > 1:
+        raise ValueError(f"prefetch is the one-row kernels' (x has {m} rows)")
     prefetch = stored_words if prefetch is None else prefetch
     block_rows = k if bits == 8 else k // 2  # rows of the codes, what block_k counts: positions (int8), bytes (int4)
     rows_of_q = block_rows // 4 if stored_words else block_rows

@@ -4,6 +4,8 @@ the choice is tested in test_lossless_tiny.py (greedy), test_sampling_distributi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,12 @@ def test_choose_forces_and_caps():
     assert int(adaptive_gamma.choose(control, jnp.int32(2))) == 2  # never more than a request may still take
     forced = GammaControl(control.drafted, control.accepted, control.costs, jnp.int32(3), control.chosen)
     assert int(adaptive_gamma.choose(forced, jnp.int32(6))) == 3
+    # With no counts the probe asks for 2 drafts at least; a request's cap and a force both come before it.
+    useless = dataclasses.replace(control, costs=jnp.asarray([0.9, 2.0, 0.0]))  # no g pays under the prior
+    assert int(adaptive_gamma.choose(useless, jnp.int32(6))) == 2
+    assert int(adaptive_gamma.choose(useless, jnp.int32(1))) == 1
+    for force in (0, 1):
+        assert int(adaptive_gamma.choose(dataclasses.replace(useless, force=jnp.int32(force)), jnp.int32(6))) == force
 
 
 def test_estimates_decay_towards_the_prior_and_probe_again():

@@ -195,22 +195,23 @@ def test_integer_dot_matches_float64_of_the_quantized_row(rng, bits, group, x_gr
     assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("integer_dot,stored_words", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("splits", [1, 2])
-def test_prefetch_gives_the_same_one_row_products(rng, integer_dot, stored_words, splits):
+@pytest.mark.parametrize("bits,integer_dot,stored_words", [(4, False, False), (4, True, False), (4, True, True),
+                                                           (8, True, True)])
+@pytest.mark.parametrize("splits", [1, 2, 16])  # 16: one block a program (int4: 256 byte rows, blocks of 16)
+def test_prefetch_gives_the_same_one_row_products(rng, bits, integer_dot, stored_words, splits):
     """prefetch (the one-row kernels loading a block ahead) multiplies the same blocks in the same order: the same
     bits as without it, with one and with several K blocks a program (the last block loaded twice), and float64
     numpy within float32's rounding."""
     k, n, group = 512, 64, 64
-    q, scale, offset = random_weight(rng, 4, group, True, k, n)
+    q, scale, offset = random_weight(rng, bits, group, bits == 4, k, n, lowest_int8=-127)
     x = rng.normal(size=(1, k)).astype(np.float32)
     codes_in = pack_code_words(jnp.asarray(q)) if stored_words else jnp.asarray(q)
     run = lambda prefetch: np.asarray(weight_only_matmul(  # noqa: E731
-        jnp.asarray(x), codes_in, scale, offset, bits=4, group=group, block_k=16, block_n=32, num_splits=splits,
+        jnp.asarray(x), codes_in, scale, offset, bits=bits, group=group, block_k=16, block_n=32, num_splits=splits,
         interpret=True, integer_dot=integer_dot, x_group=group, prefetch=prefetch), np.float64)
     got = run(True)
     np.testing.assert_array_equal(got, run(False))
-    w = numpy_weight(q, scale, offset, 4, group)
+    w = numpy_weight(q, scale, offset, bits, group)
     x_rows = x.astype(np.float64)  # what the kernel multiplies: x, or its int8 rows
     if integer_dot:
         codes, scales = numpy_int8_rows(x, group)

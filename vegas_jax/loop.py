@@ -313,7 +313,7 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
 
 
 def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: DecodeConfig, num_drafts: jax.Array,
-          steps: int | jax.Array | None = None):
+          steps: int | None = None):
     """`steps` (default γ; adaptive γ: its g <= γ) sequential single-token forwards with sparse attention,
     reading `draft_params` (quantized weights) over `params` where given. Returns (cache, drafts [B, γ], draft
     probs [B, γ, V] or None, finite [B]: every counted draft step had finite logits); positions from `steps` on
@@ -350,7 +350,7 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
 
 
 def verify(params, state: DecodeState, cache: KVCache, drafts: jax.Array, config: DecodeConfig,
-           steps: jax.Array | None = None):
+           steps: int | None = None):
     """The full-attention pass over each sequence's newest token and its drafts [B, γ]: (logits [B, γ+1, V], cache,
     per-layer selection scores averaged over every head). steps: adaptive γ's g, the drafts made (None: γ); the
     scores take row g as the last draft's."""
@@ -392,7 +392,7 @@ def counted_drafts(state: DecodeState, most_drafts) -> jax.Array:
     return jnp.clip(state.max_new - state.num_generated - 1, 0, most_drafts)
 
 
-def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts,
+def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConfig, most_drafts: int,
                     width: int | None = None) -> DecodeState:
     """One draft -> verify -> accept -> select round for every unfinished sequence, with at most `most_drafts`
     drafts (γ, or adaptive γ's g; 0 and no draft params: a plain step), verified in a pass of `width` drafts
@@ -401,7 +401,9 @@ def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConf
     active = ~state.done
     num_drafts = counted_drafts(state, most_drafts)
     keys = step_keys(state.keys, request_step(state), gamma + 2)
-    steps = None if isinstance(most_drafts, int) and most_drafts == gamma else most_drafts  # None: γ
+    if not isinstance(most_drafts, int):  # a traced count would make the GPU wait on the host at every draft step
+        raise TypeError(f"the drafts of an iteration are known when it is compiled, got {most_drafts!r}")
+    steps = None if most_drafts == gamma else most_drafts  # None: γ
     if gamma:
         cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts, steps)
         if width is not None:  # positions from g on hold no drafts: the pass verifies the first `width`
