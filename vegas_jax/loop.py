@@ -352,12 +352,12 @@ def draft(params, draft_params, state: DecodeState, keys: jax.Array, config: Dec
 def verify(params, state: DecodeState, cache: KVCache, drafts: jax.Array, config: DecodeConfig,
            steps: int | None = None):
     """The full-attention pass over each sequence's newest token and its drafts [B, γ]: (logits [B, γ+1, V], cache,
-    per-layer selection scores averaged over every head). steps: adaptive γ's g, the drafts made (None: γ); the
-    scores take row g as the last draft's."""
+    per-layer selection scores averaged over every head). steps: the drafts made (None: all γ; adaptive γ's g may
+    be fewer than its pass holds); the scores take row g as the last draft's."""
     gamma = drafts.shape[1]
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     positions = state.committed[:, None] + jnp.arange(gamma + 1)[None, :]
-    last_draft = None if steps is None else jnp.full(state.committed.shape, steps, jnp.int32)
+    last_draft = None if steps in (None, gamma) else jnp.full(state.committed.shape, steps, jnp.int32)
     attention = config.verify_attention(~state.done, last_draft)
     logits, cache, scores = config.forward(params, tokens, positions, cache, attention)
     # One collective for every layer's scores (each shard has averaged its own heads).
@@ -397,15 +397,15 @@ def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConf
     """One draft -> verify -> accept -> select round for every unfinished sequence, with at most `most_drafts`
     drafts (γ, or adaptive γ's g; 0 and no draft params: a plain step), verified in a pass of `width` drafts
     (default γ; adaptive γ: the narrowest compiled pass that holds g)."""
+    if not isinstance(most_drafts, int):  # a traced count would make the GPU wait on the host at every draft step
+        raise TypeError(f"the drafts of an iteration are known when it is compiled, got {most_drafts!r}")
     gamma = config.gamma
     active = ~state.done
     num_drafts = counted_drafts(state, most_drafts)
     keys = step_keys(state.keys, request_step(state), gamma + 2)
-    if not isinstance(most_drafts, int):  # a traced count would make the GPU wait on the host at every draft step
-        raise TypeError(f"the drafts of an iteration are known when it is compiled, got {most_drafts!r}")
-    steps = None if most_drafts == gamma else most_drafts  # None: γ
     if gamma:
-        cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts, steps)
+        cache, drafts, draft_probs, draft_finite = draft(params, draft_params, state, keys, config, num_drafts,
+                                                         most_drafts)
         if width is not None:  # positions from g on hold no drafts: the pass verifies the first `width`
             drafts = drafts[:, :width]
             draft_probs = None if draft_probs is None else draft_probs[:, :width]
@@ -413,7 +413,7 @@ def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConf
         cache, drafts, draft_probs = state.cache, jnp.zeros((state.committed.shape[0], 0), jnp.int32), None
         draft_finite = jnp.ones_like(active)
 
-    logits, cache, scores = verify(params, state, cache, drafts, config, steps)
+    logits, cache, scores = verify(params, state, cache, drafts, config, most_drafts)
     finite = draft_finite & _check_finite(logits, num_drafts + 1)
     accepted, next_token = accept(state, logits, drafts, draft_probs, num_drafts, keys, config)
     return conclude(state, config, cache=cache, drafts=drafts, accepted=accepted, next_token=next_token,
