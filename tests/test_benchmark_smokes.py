@@ -123,7 +123,7 @@ def test_bench_weight_only_integer_dot(tmp_path, monkeypatch):
 def test_bench_weight_only_unpackings_and_split_multiples(tmp_path, monkeypatch, capsys):
     """--nibble-unpack ops,prmt times the int4 dot kernel both ways (prmt in its integer emulation here) and
     --split-factors 1,2 each kernel at its default and twice its K splits, all checked against the reference
-    first; bad values of either flag are one error line."""
+    first; bad values of these flags and of --prefetch are one error line."""
     (doc,) = run_smoke("bench_weight_only", tmp_path, monkeypatch, "--bits", "4", "--nibble-unpack", "ops,prmt",
                        "--split-factors", "1,2")
     configs = {r["config"] for r in doc["records"] if r["backend"] == "pallas"}
@@ -132,7 +132,8 @@ def test_bench_weight_only_unpackings_and_split_multiples(tmp_path, monkeypatch,
         assert "error" not in r, r
         assert r["weights"] == "bf16" or r["relative_error"] < 0.01, r
     module = importlib.import_module("benchmarks.bench_weight_only")
-    for flag, value in (("--nibble-unpack", "ops,lut"), ("--split-factors", "1,0"), ("--split-factors", "x")):
+    for flag, value in (("--nibble-unpack", "ops,lut"), ("--split-factors", "1,0"), ("--split-factors", "x"),
+                        ("--prefetch", "2"), ("--prefetch", "auto,yes")):
         assert module.main(["--smoke", flag, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {flag} {value}:"), err
