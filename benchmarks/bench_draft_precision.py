@@ -213,11 +213,11 @@ def auto_record(engine: Engine, prompts, options: GenerationOptions, fixed: dict
     random drafts are never right, so it should run plain steps, probing now and then, at about plain decoding's
     cost per step."""
     plain, draft = fixed["plain_ms_per_step"], fixed["draft_ms_per_step"]
-    # From the fixed-γ iteration: the widest pass's fixed part; what narrower passes save is not measured here.
-    costs = {"draft": draft / plain, "verify": max(1.0, (fixed["ms_per_iteration"] - GAMMA * draft) / plain),
-             "row": 0.0}
-    auto = dataclasses.replace(options, gamma="auto", gamma_max=GAMMA, draft_cost=costs["draft"],
-                               verify_cost=costs["verify"], verify_row_cost=costs["row"])
+    # From the fixed-γ iteration: its fixed part, the same for every g (what narrower passes save is not measured
+    # here), and a draft step per draft.
+    fixed_part = max(1.0, (fixed["ms_per_iteration"] - GAMMA * draft) / plain)
+    costs = [fixed_part + g * draft / plain for g in range(1, GAMMA + 1)]
+    auto = dataclasses.replace(options, gamma="auto", gamma_max=GAMMA, gamma_costs=tuple(costs))
     ms, state = timed_iterations(engine, engine.start(prompts, auto, fill_cache=_as_allocated))
     chosen = np.asarray(state.gamma_control.chosen).tolist()
     return {**shape, "draft_weights": options.draft_weights, "draft_activations": options.draft_activations,

@@ -355,8 +355,7 @@ def with_measured_costs(engine, prompts, options) -> tuple:
         raise CostsNotTimed(f"its first run ended before its cost model was timed ({options.max_new_tokens} new "
                             "tokens at most, every request done within vegas_jax.adaptive_gamma.Warmup's forced "
                             "iterations)")
-    return (dataclasses.replace(options, draft_cost=costs["draft"], verify_cost=costs["verify"],
-                                verify_row_cost=costs["row"]),
+    return (dataclasses.replace(options, gamma_costs=tuple(costs)),
             {"gamma_costs": costs, "compile_s": metrics["compile_s"]})
 
 

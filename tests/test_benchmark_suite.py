@@ -391,15 +391,14 @@ def test_an_adaptive_cell_whose_costs_cannot_be_timed_is_not_run_and_the_rest_go
 def test_the_adaptive_stage_measures_with_the_costs_a_first_run_timed_and_stays_lossless(tmp_path, monkeypatch):
     """On a real (tiny) engine: the cost model a first run of adaptive γ timed is given to the measured runs and
     recorded with the choices they made, and greedy output equals plain decoding's on the same prompts."""
-    session = tiny_engine_session(tmp_path, monkeypatch, seed=1, adaptive_batches=(2,), new_tokens=200, repeats=1)
-    suite.measure_static(session, "heldout", "heldout", "ar", Cell.default("ar"), 2, 48, 0.0, new_tokens=200,
+    session = tiny_engine_session(tmp_path, monkeypatch, seed=1, adaptive_batches=(2,), new_tokens=320, repeats=1)
+    suite.measure_static(session, "heldout", "heldout", "ar", Cell.default("ar"), 2, 48, 0.0, new_tokens=320,
                          repeats=1)
     record = suite.measure_static(session, "adaptive", "heldout", "vegas", Cell("auto", 0.25), 2, 48, 0.0,
-                                  new_tokens=200, repeats=1)
+                                  new_tokens=320, repeats=1)
     assert record["gamma"] == "auto" and record["sequences_identical_to_ar"] == 2
     costs = record["gamma_costs"]
-    assert set(costs) == {"draft", "verify", "row"}
-    assert costs["draft"] > 0 and costs["verify"] >= 1 and costs["row"] >= 0
+    assert len(costs) == 8 and min(costs) >= 1  # an iteration of g = 1..γ_max 8 drafts, in plain steps
     assert record["compile_s"] > 0.05  # the first run's, which compiled the loop the measured runs reuse
     histogram = record["gamma_chosen_histogram"]
     assert len(histogram) == 9 and sum(histogram) > 0  # γ 0 to γ_max 8, one count an iteration

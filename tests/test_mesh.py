@@ -110,8 +110,8 @@ def scenario_tiny() -> dict:
     # Sampled Vegas with every penalty (their token counts split over data), min-p, logprobs and a stop id, drafting
     # from int4 weights with adaptive γ (fixed costs: one g per iteration for the whole batch).
     controls = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05, logprobs=2,
-                    stop_token_ids=(7,), draft_weights="int4", gamma="auto", gamma_max=4, draft_cost=0.4,
-                    verify_cost=1.3)  # γ_max 4: five branches to compile, not nine
+                    stop_token_ids=(7,), draft_weights="int4", gamma="auto", gamma_max=4,
+                    gamma_costs=(1.7, 2.1, 2.5, 2.9))  # γ_max 4: five branches to compile, not nine
     cases = [("vegas", 0.0, list(meshes), {}), ("ar", 0.0, ["data=4,model=2"], {}),
              ("streaming", 0.0, ["data=2,model=4"], {}), ("quest", 0.0, ["data=4,model=2"], {}),
              ("vegas", 0.8, ["data=2,model=4"], controls)] + TREE_CASES

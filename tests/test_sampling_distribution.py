@@ -249,11 +249,13 @@ def test_sampled_joint_distribution_is_exact(runs, exact, method, setting, seeds
     assert p_value > P_VALUE_OK, f"p = {p_value:.2e}"
 
 
-# int4 drafts (groups, with offsets) multiplying int8-rounded activations, and adaptive γ with fixed costs, whose
-# choices here are γ 3 (the prior's good drafts), then fewer (the positions past g hold no drafts and count as
-# rejected), then 0 (a plain step). γ_max 3: one verification pass, so g < 3 leaves placeholder positions in it.
-QUANTIZED_AUTO = dict(draft_weights="int4", draft_activations="int8", gamma="auto", gamma_max=GAMMA, draft_cost=0.3,
-                      verify_cost=1.0)
+# int4 drafts (groups, with offsets) multiplying int8-rounded activations, and adaptive γ with given costs (an
+# iteration of g drafts 1 + 0.3 g plain steps), whose choices here mix γ_max (the prior's good drafts), fewer (the
+# positions past g hold no drafts and count as rejected) and 0 (a plain step). γ_max 3: one verification pass, so
+# g < 3 leaves placeholder positions in it.
+def quantized_auto(gamma_max: int) -> dict:
+    return dict(draft_weights="int4", draft_activations="int8", gamma="auto", gamma_max=gamma_max,
+                gamma_costs=tuple(1 + 0.3 * g for g in range(1, gamma_max + 1)))
 
 
 @pytest.mark.parametrize("gamma_max", [GAMMA, GAMMA + 1], ids=["one-pass", "passes-of-2-and-4"])
@@ -261,7 +263,7 @@ def test_int4_drafts_int8_activations_and_auto_gamma_keep_the_distribution(model
     """Also at γ_max 4, whose g 1 and 2 are verified in a pass of 2 drafts and g 3 in one of 4 (never 4 drafts
     here: no request owes more than 3 tokens after its drafts' bonus)."""
     engine, prompt, _ = model
-    opts = dataclasses.replace(options("vegas", "t1.0-k3-p0.9"), **{**QUANTIZED_AUTO, "gamma_max": gamma_max})
+    opts = dataclasses.replace(options("vegas", "t1.0-k3-p0.9"), **quantized_auto(gamma_max))
     counts, _, result = sample(engine, prompt, opts, 10_000)
     chosen = result.metrics["gamma_chosen_histogram"]
     assert chosen[0] and chosen[GAMMA] and sum(chosen[1:GAMMA]), chosen  # plain steps, fewer drafts, all of them
@@ -387,7 +389,7 @@ def test_wrong_rule_is_caught(model, exact, wrong, monkeypatch):
     fresh = Engine(engine.model)  # the shared engine holds loops compiled with the right rule
     opts = options("vegas", "t1.0-k3-p0.9")
     if wrong.startswith("auto"):
-        opts = dataclasses.replace(opts, **QUANTIZED_AUTO)
+        opts = dataclasses.replace(opts, **quantized_auto(GAMMA))
     counts, outcomes, _ = sample(fresh, prompt, opts, 10_000)
     if not wrong.startswith("auto"):  # adaptive γ's iterations do not all make γ drafts
         assert_speculation_exercised(outcomes)

@@ -171,8 +171,8 @@ class Engine:
         draft_params = self._draft_params(config, rows)
         state = self._prefill(ids, options, config, capacity, timings, rows=rows,
                               progress=progress, fill_cache=fill_cache, reuse_prefill=reuse_prefill)
-        if options.given_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
-            state = with_control(state, config.placement, -1, options.given_costs)
+        if options.gamma_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
+            state = with_control(state, config.placement, -1, options.gamma_costs)
         decode = self._compile_decode(config, state, draft_params, timings)
         return Started(ids, config, state, decode, timings, draft_params, options, plan.summary["ssv_plan"])
 
@@ -201,7 +201,7 @@ class Engine:
         options = started.options
         draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
-        adaptive = self._gamma_book.for_run(config, options.given_costs, rows, state.cache.capacity)
+        adaptive = self._gamma_book.for_run(config, options.gamma_costs, rows, state.cache.capacity)
         placement = config.placement
         host = placement.fetch(token_rows(state, config))
         seen = host["num_generated"]
@@ -290,7 +290,7 @@ class Engine:
                                       self._stop_table(options), 0, rows=slots, finished=True)
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
-        adaptive = self._gamma_book.for_run(config, options.given_costs, slots, capacity)
+        adaptive = self._gamma_book.for_run(config, options.gamma_costs, slots, capacity)
 
         while not placement.agreed(stop is not None and bool(stop())):
             for group, targets in table.groups():

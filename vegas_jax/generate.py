@@ -52,6 +52,14 @@ def gamma_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"not a whole number or auto: {text!r}") from None
 
 
+def numbers(text: str) -> tuple[float, ...]:
+    """A comma-separated list of numbers (--gamma-costs)."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     """argparse prints its usage before an error; bad input here gets exactly one line."""
 
@@ -106,14 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens per iteration, or auto: chosen each iteration from the measured costs and the "
                         "running acceptance (at most --gamma-max; 0 = a plain step)")
     p.add_argument("--gamma-max", type=int, default=None, help="with --gamma auto: the most drafts of an iteration (8)")
-    p.add_argument("--draft-cost", type=float, default=None,
-                   help="with --gamma auto: a draft step's cost in plain steps (with --verify-cost; default: timed)")
-    p.add_argument("--verify-cost", type=float, default=None,
-                   help="with --gamma auto: a speculative iteration's fixed part (verification, selection) with the "
-                        "widest verification pass, in plain steps (with --draft-cost; default: timed)")
-    p.add_argument("--verify-row-cost", type=float, default=None,
-                   help="with --draft-cost and --verify-cost: what a narrower verification pass saves per draft it "
-                        "holds less, in plain steps (default 0)")
+    p.add_argument("--gamma-costs", type=numbers, default=None,
+                   help="with --gamma auto: what an iteration of 1, 2, .., --gamma-max drafts costs in plain steps, "
+                        "comma-separated (default: timed at the start; a run's metrics report them)")
     p.add_argument("--draft-weights", default=GenerationOptions.draft_weights,
                    help="what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 (groups); "
                         "verification always reads the model's weights")
@@ -485,8 +488,7 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
                      f"{plan['measured_ms_per_token']:.3f}")
     if m.get("gamma_chosen_histogram") is not None:
         costs = m["gamma_costs"]
-        cost_text = "" if costs is None else (f", costs draft {costs['draft']:.3f} verify {costs['verify']:.3f} "
-                                              f"row {costs['row']:.3f}")
+        cost_text = "" if costs is None else f", costs by gamma {' '.join(f'{c:.2f}' for c in costs)}"
         mean = m["gamma_chosen_mean"]
         line += (f"  gamma auto: mean {mean if mean is None else round(mean, 2)} iterations by gamma "
                  f"{m['gamma_chosen_histogram']}{cost_text}")

@@ -74,12 +74,9 @@ class GenerationOptions:
     # positions, multiplied in integers at one row where kernels run; vegas_jax.draft_kernel).
     draft_activations: str = "bf16"
     gamma_max: int | None = None  # with gamma "auto": the most drafts of an iteration (default 8)
-    # With gamma "auto", the cost model in plain steps: one draft step, the fixed part of a speculative iteration
-    # with the widest verification pass (its verification, score collection and selection), and what a narrower
-    # pass saves per draft it holds less (default 0). The first two or none; None: timed at the start.
-    draft_cost: float | None = None
-    verify_cost: float | None = None
-    verify_row_cost: float | None = None
+    # With gamma "auto": what an iteration of g = 1..γ_max drafts costs, in plain steps (>= 1 each); None: timed at
+    # the start of a run (vegas_jax.adaptive_gamma.Warmup; a run's metrics report them as `gamma_costs`).
+    gamma_costs: tuple[float, ...] | None = None
     # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
     # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
     # an NSA model's sink-and-window draft, with method ar) or ngram (prompt lookup, with method ar: no draft pass,
@@ -159,19 +156,12 @@ class GenerationOptions:
             (self.gamma_max is None or self.auto_gamma, "{gamma_max} {}: only with {gamma} auto", self.gamma_max),
             (self.gamma_max is None or 1 <= self.gamma_max <= MAX_GAMMA,
              "{gamma_max} must be in [1, " + str(MAX_GAMMA) + "], got {}", self.gamma_max),
-            ((self.draft_cost is None) == (self.verify_cost is None),
-             "{draft_cost} and {verify_cost} go together (or neither: timed at the start)"),
-            (self.draft_cost is None or self.auto_gamma, "{draft_cost} / {verify_cost}: only with {gamma} auto"),
-            (self.draft_cost is None or 0 < self.draft_cost < math.inf,
-             "{draft_cost} must be a finite number > 0 (plain steps per draft step), got {}", self.draft_cost),
-            (self.verify_cost is None or 1 <= self.verify_cost < math.inf,
-             "{verify_cost} must be a finite number >= 1 (plain steps per speculative iteration's fixed part), got {}",
-             self.verify_cost),
-            (self.verify_row_cost is None or self.draft_cost is not None,
-             "{verify_row_cost}: only with {draft_cost} and {verify_cost}"),
-            (self.verify_row_cost is None or 0 <= self.verify_row_cost < math.inf,
-             "{verify_row_cost} must be a finite number >= 0 (plain steps per draft a pass holds), got {}",
-             self.verify_row_cost),
+            (self.gamma_costs is None or self.auto_gamma, "{gamma_costs}: only with {gamma} auto"),
+            (self.gamma_costs is None or not self.auto_gamma or len(self.gamma_costs) == self.effective_gamma,
+             "{gamma_costs} must give one cost for each g = 1..{gamma_max} ({}), got {}", self.effective_gamma,
+             len(self.gamma_costs or ())),
+            (self.gamma_costs is None or all(1 <= c < math.inf for c in self.gamma_costs),
+             "{gamma_costs} must be finite numbers >= 1 (plain steps per iteration), got {}", self.gamma_costs),
             (self.stream_sinks >= 1, "{stream_sinks} must be >= 1, got {}", self.stream_sinks),
             # Pages and chunks tile the cache, whose capacity is a multiple of CAPACITY_ALIGN.
             (self.quest_page >= 1 and CAPACITY_ALIGN % self.quest_page == 0,
@@ -247,8 +237,7 @@ class GenerationOptions:
         """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them, no
         planner (a pinned approximate mode stays: plain decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
-                                   draft_activations="bf16", gamma_max=None, draft_cost=None, verify_cost=None,
-                                   verify_row_cost=None,
+                                   draft_activations="bf16", gamma_max=None, gamma_costs=None,
                                    draft_tree=None, drafter=GenerationOptions.drafter, ssv_profile=None)
 
     @property
@@ -256,10 +245,6 @@ class GenerationOptions:
         """sampling.SamplingParams.create's values after the batch size."""
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
                 self.frequency_penalty)
-
-    @property
-    def given_costs(self) -> tuple[float, float, float] | None:
-        return None if self.draft_cost is None else (self.draft_cost, self.verify_cost, self.verify_row_cost or 0.0)
 
     @property
     def policy_knobs(self) -> dict[str, int]:
