@@ -5,6 +5,7 @@ the choice is tested in test_lossless_tiny.py (greedy), test_sampling_distributi
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -249,3 +250,18 @@ def test_warmup_falls_back_to_call_means_for_every_g_alike():
             for g in range(1, 9)]
     assert warm.costs == pytest.approx([max(c, 1.0) for c in want])
     assert warm.costs != pytest.approx([pass_cost(g) for g in range(1, 9)])
+
+
+def test_the_rules_simulation_runs_and_reports_every_scenario(tmp_path, monkeypatch):
+    """benchmarks/simulate_adaptive_gamma.py, short: a record per scenario, each rule's value a fraction of the
+    best, the best g the brute force's."""
+    from benchmarks import simulate_adaptive_gamma as simulation
+
+    monkeypatch.delenv("OUT", raising=False)
+    simulation.main(["--iterations", "6", "--seeds", "1", "--results", str(tmp_path)])
+    records = json.loads((tmp_path / "adaptive-rules-simulation.json").read_text())["records"]
+    assert [r["scenario"] for r in records] == list(simulation.SCENARIOS)
+    for record, (rates, costs, _, _) in zip(records, simulation.SCENARIOS.values()):
+        assert record["best_gamma"] == brute_force_gamma(np.cumprod(rates), costs)
+        for rule in simulation.RULES:
+            assert 0 < record[rule]["worst"] <= record[rule]["mean"] <= 1 + 1e-9
