@@ -1,6 +1,8 @@
 """Adaptive γ's choice rules in simulation (CPU, seconds): how close each rule's choices come to the best g over a
-run, in scenarios whose costs are those the H200 warm-ups timed (suite records of code e611961) and whose drafts
-are accepted with fixed probabilities by position, some starting from an unlucky first iteration.
+run, in scenarios whose costs are those the H200 warm-ups timed (suite records of code e611961; the useless drafts'
+costs are a tiny model's, test_lossless_tiny.py) and whose drafts are accepted with fixed probabilities by
+position, some starting from an unlucky first iteration. Each seed draws its own accepts and its own draws (the
+loop keys its draws by the iteration's number; a seed folds into that key).
 
 Rules: `symmetric` (what the loop does: a Thompson draw of each conditional acceptance, mean + z sd), `optimistic`
 (mean + |z| sd: a draw never below its mean; fewer drafts teach nothing), `means` (the posterior means, no draw).
@@ -30,7 +32,7 @@ from vegas_jax import adaptive_gamma  # noqa: E402
 from vegas_jax.adaptive_gamma import GammaControl  # noqa: E402
 
 RULES = ("symmetric", "optimistic", "means")
-COSTS_7936_1 = [2.07, 2.77, 3.56, 4.3, 5.16, 5.9, 6.65, 7.4]  # 7,936 x 1, its first e611961 warm-up
+COSTS_7936_1 = [2.06, 2.81, 3.56, 4.3, 5.16, 5.9, 6.65, 7.4]  # 7,936 x 1, its first e611961 warm-up
 RATES_7936_1 = [0.974, 0.97, 1.0, 1.0, 0.99, 0.99, 0.98, 0.98]  # a fixed γ 6's acceptance there, extended
 USELESS = dict(rates=[0.15] * 5, costs=[1.1 + 0.3 * g for g in range(1, 6)])  # int4 drafts of a tiny random model
 
@@ -72,7 +74,7 @@ def simulate(rule: str, rates, costs, batch: int, first, iterations: int, seed: 
     rates = jnp.asarray(rates, jnp.float32)
 
     def step(control, key):
-        beta = drawn_acceptance(control, control.iteration_key, rule)
+        beta = drawn_acceptance(control, jax.random.fold_in(control.iteration_key, seed), rule)
         # adaptive_gamma.choose's probe, on this β (no cap: these requests never end)
         probe = jnp.where(control.reached[0] < adaptive_gamma.PROBE_BELOW, adaptive_gamma.pass_widths(gamma_max)[0], 0)
         g = jnp.maximum(adaptive_gamma.best_gamma(beta, control.costs), probe)

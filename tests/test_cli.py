@@ -153,6 +153,8 @@ BAD_INPUT = {
                           ["--gamma-costs", "--gamma-max", "(3), got 2"]),
     "gamma-costs-below-1": (["--prompt", PROMPT, *VEGAS, "--gamma", "auto", "--gamma-max", "2", "--gamma-costs",
                              "0.5,2"], ["--gamma-costs", ">= 1"]),
+    "gamma-costs-with-a-tree": (["--prompt", PROMPT, *VEGAS, "--gamma", "auto", "--draft-tree", "4x2", "--gamma-costs",
+                                 "1.5"], ["--gamma auto", "--draft-tree"]),
     "gamma-costs-not-numbers": (["--prompt", PROMPT, *VEGAS, "--gamma", "auto", "--gamma-costs", "1.5;2"],
                                 ["--gamma-costs", "1.5;2"]),
     "output-json-under-a-file": (lambda tmp: ["--prompt", PROMPT, "--output-json", str(_a_file(tmp) / "out.json")],

@@ -67,7 +67,8 @@ DRAWS_SEED = 0  # Thompson sampling's key, folded with the iteration's number
 
 
 def untimed(gamma_max: int) -> tuple[float, ...]:
-    """The costs a loop holds until they are given or timed (drafts nearly free: only forced g runs then)."""
+    """The costs a loop holds until they are given or timed: drafts nearly free (the warm-up forces every g that
+    runs on them; a caller of `decode` that neither gives nor times costs gets γ_max drafts)."""
     return tuple(MIN_COST + MIN_DRAFT * g for g in range(1, gamma_max + 1))
 
 

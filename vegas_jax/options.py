@@ -157,7 +157,9 @@ class GenerationOptions:
             (self.gamma_max is None or 1 <= self.gamma_max <= MAX_GAMMA,
              "{gamma_max} must be in [1, " + str(MAX_GAMMA) + "], got {}", self.gamma_max),
             (self.gamma_costs is None or self.auto_gamma, "{gamma_costs}: only with {gamma} auto"),
-            (self.gamma_costs is None or not self.auto_gamma or len(self.gamma_costs) == self.effective_gamma,
+            # (With a draft tree the tree's checks say what is wrong: its depth is no γ_max.)
+            (self.gamma_costs is None or not self.auto_gamma or self.draft_tree is not None
+             or len(self.gamma_costs) == self.effective_gamma,
              "{gamma_costs} must give one cost for each g = 1..{gamma_max} ({}), got {}", self.effective_gamma,
              len(self.gamma_costs or ())),
             (self.gamma_costs is None or all(1 <= c < math.inf for c in self.gamma_costs),
