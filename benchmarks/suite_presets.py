@@ -119,7 +119,7 @@ PRESETS = {
         tune_new_tokens=8, tune_repeats=1, new_tokens=16, repeats=3, sampled_batches=(), sampled_defaults=False,
         ablation_batches=(2,), serve=(ServeCase(6, 2, 512, all_baselines=False),),
         scale=(ScaleCase("smollm2-135m", 4096, (1,)),), scale_iterations=4, peer=((2, 512),),
-        # no adaptive γ: timing its cost model takes 44 iterations, more than 16 new tokens last
+        # no adaptive γ: timing its costs takes 55 iterations, more than 16 new tokens last
     ),
     # The main cells (8K prompts, batches 64 and 8, serving) in about 15 minutes of H200 time (SmolLM2
     # stages); batch 8 takes the cells tuned at batch 64, which halves the compilations.
