@@ -6,7 +6,7 @@ loop keys its draws by the iteration's number; a seed folds into that key).
 
 Rules: `symmetric` (what the loop does: a Thompson draw of each conditional acceptance, mean + z sd), `optimistic`
 (mean + |z| sd: a draw never below its mean; fewer drafts teach nothing), `means` (the posterior means, no draw).
-The loop's probe applies to all (`adaptive_gamma.choose` with the draws replaced). A simulation, not a
+Each rule chooses through `adaptive_gamma.choose` (its probe included), given its own noise. A simulation, not a
 measurement: it says which rule to measure on the device, not what it gains there.
 
     python benchmarks/simulate_adaptive_gamma.py [--iterations 90] [--seeds 8] [--results FOLDER]
@@ -31,7 +31,9 @@ from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax import adaptive_gamma  # noqa: E402
 from vegas_jax.adaptive_gamma import GammaControl  # noqa: E402
 
-RULES = ("symmetric", "optimistic", "means")
+# The noise each rule gives adaptive_gamma.choose, from the iteration's standard normals z.
+NOISE = {"symmetric": lambda z: z, "optimistic": jnp.abs, "means": lambda z: None}
+RULES = tuple(NOISE)
 COSTS_7936_1 = [2.06, 2.81, 3.56, 4.3, 5.16, 5.9, 6.65, 7.4]  # 7,936 x 1, its first e611961 warm-up
 RATES_7936_1 = [0.974, 0.97, 1.0, 1.0, 0.99, 0.99, 0.98, 0.98]  # a fixed γ 6's acceptance there, extended
 USELESS = dict(rates=[0.15] * 5, costs=[1.1 + 0.3 * g for g in range(1, 6)])  # int4 drafts of a tiny random model
@@ -53,19 +55,6 @@ SCENARIOS = {
 }
 
 
-def drawn_acceptance(control: GammaControl, key, rule: str) -> jax.Array:
-    """β under `rule`: the library's (symmetric: the loop's own draw; means), or the optimistic draw from the
-    library's conditional means."""
-    if rule != "optimistic":
-        return adaptive_gamma.acceptance(control, key if rule == "symmetric" else None)
-    means = adaptive_gamma.acceptance(control)
-    rates = means / jnp.concatenate([jnp.ones(1), means[:-1]])
-    weight = control.reached + jnp.full(rates.shape, adaptive_gamma.PRIOR_WEIGHT).at[0].set(
-        adaptive_gamma.FIRST_PRIOR_WEIGHT)
-    z = jnp.abs(jax.random.normal(key, rates.shape))
-    return jnp.cumprod(jnp.clip(rates + z * jnp.sqrt(rates * (1 - rates) / weight), 0.0, 1.0))
-
-
 def simulate(rule: str, rates, costs, batch: int, first, iterations: int, seed: int) -> np.ndarray:
     gamma_max = len(costs)
     control = dataclasses.replace(GammaControl.create(gamma_max), costs=jnp.asarray(costs, jnp.float32))
@@ -74,10 +63,8 @@ def simulate(rule: str, rates, costs, batch: int, first, iterations: int, seed: 
     rates = jnp.asarray(rates, jnp.float32)
 
     def step(control, key):
-        beta = drawn_acceptance(control, jax.random.fold_in(control.iteration_key, seed), rule)
-        # adaptive_gamma.choose's probe, on this β (no cap: these requests never end)
-        probe = jnp.where(control.reached[0] < adaptive_gamma.PROBE_BELOW, adaptive_gamma.pass_widths(gamma_max)[0], 0)
-        g = jnp.maximum(adaptive_gamma.best_gamma(beta, control.costs), probe)
+        z = jax.random.normal(jax.random.fold_in(control.iteration_key, seed), (gamma_max,))
+        g = adaptive_gamma.choose(control, jnp.int32(gamma_max), NOISE[rule](z))
         drafted = jnp.arange(gamma_max) < g
         run = jnp.cumprod(drafted & (jax.random.uniform(key, (batch, gamma_max)) < rates), axis=1)
         reached = drafted & jnp.concatenate([jnp.ones((batch, 1), bool), run[:, :-1] > 0], axis=1)

@@ -94,12 +94,17 @@ class GammaControl:
         """This iteration's key for the draws (the same on every device: `chosen` is)."""
         return jax.random.fold_in(jax.random.key(DRAWS_SEED), jnp.sum(self.chosen))
 
+    @property
+    def draws(self) -> jax.Array:
+        """[γ_max] this iteration's standard normals, one per position (`acceptance`'s noise)."""
+        return jax.random.normal(self.iteration_key, self.reached.shape)
 
-def acceptance(control: GammaControl, key: jax.Array | None = None) -> jax.Array:
+
+def acceptance(control: GammaControl, noise: jax.Array | None = None) -> jax.Array:
     """[γ_max] β_k: P(drafts 1..k all accepted), non-increasing: the product of the conditional acceptances'
-    posterior means, or with a key of one draw from each of their posteriors (the module doc)."""
+    posterior means, or with `noise` ([γ_max] standard normals z) of the draws mean + z sd (the module doc)."""
     gamma_max = control.reached.shape[0]
-    noise = jnp.zeros((gamma_max,)) if key is None else jax.random.normal(key, (gamma_max,))
+    noise = jnp.zeros((gamma_max,)) if noise is None else noise
 
     def position(prior, counts):
         reached, accepted, z, prior_weight = counts
@@ -136,12 +141,12 @@ def best_gamma(beta: jax.Array, costs: jax.Array) -> jax.Array:
     return jnp.argmax(tokens / cost).astype(jnp.int32)
 
 
-def choose(control: GammaControl, most_useful: jax.Array, key: jax.Array | None = None) -> jax.Array:
-    """This iteration's g: forced, or the best under the acceptance (`key`: a Thompson draw; None: the posterior
-    means), at least the narrowest pass's drafts when position 1 has next to no evidence (a probe,
+def choose(control: GammaControl, most_useful: jax.Array, noise: jax.Array | None = None) -> jax.Array:
+    """This iteration's g: forced, or the best under the acceptance (`noise`: a Thompson draw's, the loop's
+    `control.draws`; None: the posterior means), at least the narrowest pass's drafts when position 1 has next to no evidence (a probe,
     `PROBE_BELOW`); never more than `most_useful` (the most drafts any unfinished request may still take)."""
     gamma_max = control.reached.shape[0]
-    best = best_gamma(acceptance(control, key), control.costs)
+    best = best_gamma(acceptance(control, noise), control.costs)
     probe = jnp.where(control.reached[0] < PROBE_BELOW, pass_widths(gamma_max)[0], 0)
     g = jnp.where(control.force >= 0, control.force, jnp.maximum(best, probe))
     return jnp.clip(g, 0, jnp.minimum(most_useful, gamma_max)).astype(jnp.int32)

@@ -23,7 +23,7 @@ def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig)
         return chain_iteration(params, draft_params, state, config, config.gamma)
     control = state.gamma_control
     owed = jnp.where(state.done, 0, state.max_new - state.num_generated - 1)
-    g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)), control.iteration_key)
+    g = adaptive_gamma.choose(control, config.placement.max_over_data(jnp.max(owed)), control.draws)
     # Branch g: a plain step for 0, else g drafts, a number fixed at compile time, verified in the narrowest pass
     # that holds them. A traced count of drafts made the draft loop wait on the host for its condition at every
     # step (an iteration of g 2 cost 3.53 ms against a fixed γ 2's 3.30 at batch 8 x 7,936 on the H200, code
