@@ -143,8 +143,9 @@ def best_gamma(beta: jax.Array, costs: jax.Array) -> jax.Array:
 
 def choose(control: GammaControl, most_useful: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     """This iteration's g: forced, or the best under the acceptance (`noise`: a Thompson draw's, the loop's
-    `control.draws`; None: the posterior means), at least the narrowest pass's drafts when position 1 has next to no evidence (a probe,
-    `PROBE_BELOW`); never more than `most_useful` (the most drafts any unfinished request may still take)."""
+    `control.draws`; None: the posterior means), at least the narrowest pass's drafts when position 1 has next to
+    no evidence (a probe, `PROBE_BELOW`); never more than `most_useful` (the most drafts any unfinished request may
+    still take)."""
     gamma_max = control.reached.shape[0]
     best = best_gamma(acceptance(control, noise), control.costs)
     probe = jnp.where(control.reached[0] < PROBE_BELOW, pass_widths(gamma_max)[0], 0)
