@@ -12,7 +12,7 @@ measurement: it says which rule to measure on the device, not what it gains ther
     python benchmarks/simulate_adaptive_gamma.py [--iterations 90] [--seeds 8] [--results FOLDER]
 
 prints a table of mean / worst value over the seeds (a run's mean of value(g) over the best value, value =
-expected tokens over cost) and saves benchmarks/results/adaptive-rules-simulation.json.
+expected tokens over cost, in plain decoding's: the best's is in each record) and saves benchmarks/results/adaptive-rules-simulation.json.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'scenario':42} " + " ".join(f"{rule:>16}" for rule in RULES))
     for name, (rates, costs, batch, first) in SCENARIOS.items():
         value = values(rates, costs)
-        record = {"scenario": name, "batch": batch, "best_gamma": int(value.argmax()), "iterations": args.iterations}
+        record = {"scenario": name, "batch": batch, "best_gamma": int(value.argmax()), "best_value": float(value.max()),
+                  "iterations": args.iterations}
         cells = []
         for rule in RULES:
             runs = [value[simulate(rule, rates, costs, batch, first, args.iterations, seed)].mean() / value.max()
