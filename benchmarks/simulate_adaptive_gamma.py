@@ -7,12 +7,14 @@ loop keys its draws by the iteration's number; a seed folds into that key).
 Rules: `symmetric` (what the loop does: a Thompson draw of each conditional acceptance, mean + z sd), `optimistic`
 (mean + |z| sd: a draw never below its mean; fewer drafts teach nothing), `means` (the posterior means, no draw).
 Each rule chooses through `adaptive_gamma.choose` (its probe included), given its own noise. A simulation, not a
-measurement: it says which rule to measure on the device, not what it gains there.
+measurement: it says which rule to measure on the device, not what it gains there (the H200 did not bear out
+optimistic draws' gain: README, adaptive-rules-ab-2026-12-04.jsonl).
 
     python benchmarks/simulate_adaptive_gamma.py [--iterations 90] [--seeds 8] [--results FOLDER]
 
 prints a table of mean / worst value over the seeds (a run's mean of value(g) over the best value, value =
-expected tokens over cost, in plain decoding's: the best's is in each record) and saves benchmarks/results/adaptive-rules-simulation.json.
+expected tokens over cost, in plain decoding's: the best's is in each record) and saves
+benchmarks/results/adaptive-rules-simulation.json.
 """
 
 from __future__ import annotations
