@@ -1,6 +1,7 @@
 """Adaptive γ's choice against a brute-force reference, its posterior against float64, its running estimates
-(decay, prior, Thompson draws, probing after a fall-back to plain steps), and the warm-up's cost fit. That the loop's output does not depend on
-the choice is tested in test_lossless_tiny.py (greedy), test_sampling_distribution.py (sampled) and test_mesh.py."""
+(decay, prior, Thompson draws, probing after a fall-back to plain steps), and the warm-up's cost fit. That the
+loop's output does not depend on the choice is tested in test_lossless_tiny.py (greedy),
+test_sampling_distribution.py (sampled) and test_mesh.py."""
 
 from __future__ import annotations
 
@@ -173,9 +174,9 @@ def test_climbs_to_the_best_gamma_from_no_evidence():
 def test_unlucky_early_samples_do_not_stop_the_drafts():
     """Batch 8, drafts accepted at 0.97 each, costs for which 5 drafts are best: the run's first iteration drafted
     8, and in 5 of its 8 rows the third draft was rejected (the H200 suite's 7,936 x 8 cell at code cb195a7 saw
-    such a start, then drafted 2 for the rest of the run). From the posterior means alone the loop keeps to 2 drafts, 13 % below the best (position 3's mean stays low until
-    its counts decay, hundreds of iterations); with Thompson draws it drafts position 3 and beyond again, and
-    settles at the best."""
+    such a start, then drafted 2 for the rest of the run). From the posterior means alone the loop keeps to 2
+    drafts, 13 % below the best (position 3's mean stays low until its counts decay, hundreds of iterations); with
+    Thompson draws it drafts position 3 and beyond again, and settles at the best."""
     gamma_max = 8
     costs = np.asarray([2.05, 2.8, 3.49, 4.1, 4.6, 5.87, 6.6, 7.3])
     beta = 0.97 ** np.arange(1, gamma_max + 1)

@@ -335,8 +335,7 @@ def test_prefill_chunk_bounds_activation_memory():
 def test_quantized_drafts_equal_plain(greedy_setup, draft_weights, gamma):
     """Drafts from int8 weights (per channel) with γ 5, and from int4 weights (groups) with adaptive γ whose costs
     are timed at the start (the warm-up forces 5, 3, 2 and 0 for γ_max 5's passes of 2 and 5 drafts, then the loop
-    chooses): token for token plain greedy
-    decoding, ragged prompts and a stop included."""
+    chooses): token for token plain greedy decoding, ragged prompts and a stop included."""
     engine, batch, plain = greedy_setup
     options = dataclasses.replace(GREEDY, method="vegas", draft_weights=draft_weights, gamma=gamma,
                                   gamma_max=5 if gamma == "auto" else None)
