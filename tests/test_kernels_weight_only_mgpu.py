@@ -1,0 +1,65 @@
+"""The Mosaic GPU weight-only kernel (pallas_kernels/weight_only_mgpu.py) in GPU interpret mode against float64
+numpy. Interpret mode multiplies from shared memory (the GPU multiplies the dequantized weight from registers),
+so what this checks is everything around the tensor-core product: the pipeline's blocks, the groups' scales and
+offsets, split-K and the padded rows. The kernel rounds each dequantized weight to bf16, so it is held to the
+float64 product of the bf16-rounded weight tightly, and to the exact one within bf16's rounding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.weight_only_mgpu import weight_only_matmul_mgpu, weight_only_matmul_mgpu_reference
+
+
+def _weight(rng, n, k, bits, group, with_offset):
+    lo, hi = (-8, 8) if bits == 4 else (-127, 128)
+    q = rng.integers(lo, hi, (n, k))
+    scale = rng.uniform(0.005, 0.02, (k // group, n)).astype(np.float32)
+    offset = (rng.normal(size=(k // group, n)) * 0.01).astype(np.float32) if with_offset else None
+    return q, scale, offset
+
+
+def _bf16(a):
+    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("m, k, n, bits, group, blocks", [
+    (1, 1024, 128, 4, 128, dict(block_n=128, block_k=256, splits=2, stages=2)),  # two groups a step
+    (16, 512, 256, 4, 64, dict(block_n=128, block_k=64, splits=1, stages=3)),  # one group a step, 16 rows
+    (5, 512, 128, 4, 256, dict(block_n=64, block_k=128, splits=2, stages=2)),  # a group over two steps
+    (9, 512, 128, 8, 512, dict(block_n=64, block_k=128, splits=2, stages=2)),  # int8, one scale a column
+])
+@pytest.mark.parametrize("with_offset", [True, False])
+def test_matches_float64(m, k, n, bits, group, blocks, with_offset):
+    rng = np.random.default_rng(m * 31 + bits)
+    q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
+    x = _bf16(rng.normal(size=(m, k)))
+    codes = jnp.asarray(q, jnp.int4 if bits == 4 else jnp.int8)
+    got = weight_only_matmul_mgpu(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale, jnp.bfloat16),
+                                  None if offset is None else jnp.asarray(offset, jnp.bfloat16), group=group,
+                                  out_dtype=jnp.float32, interpret=True, **blocks)
+    s = np.repeat(_bf16(scale), group, axis=0).T  # [N, K]
+    o = 0.0 if offset is None else np.repeat(_bf16(offset), group, axis=0).T
+    exact = x @ (q * s + o).T
+    rounded = x @ _bf16(_bf16(q * s) + o).T  # the kernel's weight: each product and sum rounded to bf16
+    got = np.asarray(got, np.float64)
+    assert got.shape == (m, n)
+    scale_of = np.max(np.abs(exact))
+    assert np.max(np.abs(got - rounded)) / scale_of < 2e-3
+    assert np.max(np.abs(got - exact)) / scale_of < 1e-2
+    reference = weight_only_matmul_mgpu_reference(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale),
+                                                  None if offset is None else jnp.asarray(offset), group=group)
+    assert np.max(np.abs(np.asarray(reference, np.float64) - exact)) / scale_of < 1e-2
+
+
+@pytest.mark.parametrize("shape, blocks, message", [
+    ((1, 512, 100), dict(block_n=64, block_k=128), "do not tile"),
+    ((1, 512, 128), dict(block_n=64, block_k=128, splits=8), "do not tile"),
+    ((17, 512, 128), dict(block_n=64, block_k=128), "at most 16 rows"),
+])
+def test_untileable_shapes_are_refused(shape, blocks, message):
+    m, k, n = shape
+    with pytest.raises(ValueError, match=message):
+        weight_only_matmul_mgpu(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((n, k), jnp.int4),
+                                jnp.ones((k // 128, n), jnp.bfloat16), None, group=128, interpret=True, **blocks)
