@@ -49,14 +49,27 @@ class QuantizedWeight:
     # Codes of this width held four rows an int32 word ([rows / 4, *out], byte j of word r holding row 4r + j: the
     # layout the weight-only kernel's integer path reads in one load; in_words), or None: one row a byte.
     word_bits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Codes held transposed, [prod(out), K], signed: int8 as they are, int4 as jnp.int4 holding code - 8 (the
+    # scale and offset unchanged, so W = (value + 8) scale + offset): the layout of the Mosaic GPU kernel
+    # (pallas_kernels/weight_only_mgpu.py), whose tensor-core operand is a block of a weight's output features
+    # along K; in_transposed.
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def bits(self) -> int:
+        if self.transposed:
+            return 4 if self.values.dtype == jnp.int4 else 8
         return self.word_bits or (4 if self.values.dtype == jnp.uint8 else 8)
 
     @property
     def input_size(self) -> int:
+        if self.transposed:
+            return self.values.shape[1]
         return self.values.shape[0] * (4 if self.word_bits else 1) * (2 if self.bits == 4 else 1)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.scale.shape[1:]
 
     @property
     def groups(self) -> int:
@@ -94,8 +107,27 @@ def in_words(w: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(w, values=lax.bitcast_convert_type(grouped, jnp.int32), word_bits=w.bits)
 
 
+TRANSPOSED_INT4_ZERO = 8  # a transposed int4 code v stands for the stored code v + 8 (QuantizedWeight.transposed)
+
+
+def in_transposed(w: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with its codes transposed (QuantizedWeight.transposed)."""
+    if w.transposed:
+        return w
+    w = in_bytes(w)
+    codes = integer_codes(w).reshape(w.input_size, -1).T
+    values = (codes - TRANSPOSED_INT4_ZERO).astype(jnp.int4) if w.bits == 4 else codes
+    return dataclasses.replace(w, values=values, transposed=True)
+
+
 def in_bytes(w: QuantizedWeight) -> QuantizedWeight:
-    """The same weight with its codes one row a byte (in_words undone)."""
+    """The same weight with its codes one row a byte (in_words or in_transposed undone)."""
+    if w.transposed:
+        codes = w.values.T.reshape((w.input_size,) + w.out_shape)
+        if w.bits == 8:
+            return dataclasses.replace(w, values=codes, transposed=False)
+        codes = codes.astype(jnp.int32) + TRANSPOSED_INT4_ZERO
+        return dataclasses.replace(w, values=pack_int4(codes, w.group_size), transposed=False)
     if not w.word_bits:
         return w
     codes = lax.bitcast_convert_type(w.values, jnp.uint8 if w.bits == 4 else jnp.int8)  # [rows / 4, *out, 4]
@@ -177,7 +209,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, preferred_element_type=No
     The weight's kernel where it has one; else XLA: the integer codes converted to x's dtype inside the product
     (a convert XLA can fuse into the GEMM's operand), accumulated in float32; per channel (G = 1) the scale
     multiplies the product. With groups, FORMULATIONS; an offset adds (sum of x over each group) x offset."""
-    k, out_shape = w.input_size, w.values.shape[1:]
+    k, out_shape = w.input_size, w.out_shape
     lead = x.shape[: x.ndim - w.in_ndim]
     rows = x.reshape(-1, k)
     out_dtype = preferred_element_type or x.dtype

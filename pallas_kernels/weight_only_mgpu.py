@@ -42,13 +42,15 @@ def _swizzled(block_cols: int, bits: int):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)), swizzle
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_n", "block_k", "splits", "stages", "out_dtype",
-                                             "interpret"))
-def weight_only_matmul_mgpu(x, wt, scale, offset, *, group: int, block_n: int = 128, block_k: int = 256,
-                            splits: int = 1, stages: int = 4, out_dtype=None, interpret: bool = False):
-    """x [M, K] bf16 @ w -> [M, N] in out_dtype (default x's). wt [N, K] int4 or int8 codes (signed); scale and
-    offset [K / group, N] bf16 (offset may be None). block_k: K positions a pipeline step loads, whole groups
-    or a part of one; splits: how many programs share each block of features along K."""
+@functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
+                                             "out_dtype", "interpret"))
+def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point: int = 0, block_n: int = 128,
+                            block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
+                            interpret: bool = False):
+    """x [M, K] @ w -> [M, N] in out_dtype (default x's), x rounded to bf16. wt [N, K] int4 or int8 codes
+    (signed), w[k, n] = (wt[n, k] + zero_point) * scale[k // group, n] + offset[k // group, n]; scale and offset
+    [K / group, N] (offset may be None). block_k: K positions a pipeline step loads, whole groups or a part of
+    one; splits: how many programs share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
     n, k2 = wt.shape
     bits = jax.dtypes.itemsize_bits(wt.dtype)
@@ -56,34 +58,38 @@ def weight_only_matmul_mgpu(x, wt, scale, offset, *, group: int, block_n: int = 
         raise ValueError(f"x {x.shape} and codes {wt.shape} ({wt.dtype}): K must match, 4- or 8-bit codes, "
                          f"at most {MAX_ROWS} rows")
     step_group = min(group, block_k)  # K positions under one scale within a step
-    if block_k % step_group or group % step_group or k % (splits * block_k) or n % block_n or block_n % WGMMA_M:
+    if (k % group or block_k % step_group or group % step_group or k % (splits * block_k) or n % block_n
+            or block_n % WGMMA_M):
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into {splits} splits of "
                          f"{block_k} x {block_n} blocks")
+    if scale.shape != (k // group, n) or (offset is not None and offset.shape != scale.shape):
+        raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
+                         f"[K / group, N] = [{k // group}, {n}]")
     rows = padded_rows(m)
-    out_dtype = out_dtype or x.dtype
     xp = jnp.zeros((rows, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
-    if offset is None:
-        offset = jnp.zeros_like(scale)
+    shifted = offset is not None or zero_point != 0  # the dequantized weight has an additive term
     steps = k // splits // block_k
-    groups_per_step = block_k // step_group
     w_transforms, _ = _swizzled(step_group, bits)
     x_transforms, _ = _swizzled(step_group, 16)
-    scale_rows = max(1, block_k // group)  # scale rows a step reads (a step inside one group reads one)
+    scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
         features = pl.ds(feature_block * block_n, block_n)
-        k_steps = pl.ds(split * steps * block_k, steps * block_k)
+        positions = pl.ds(split * steps * block_k, steps * block_k)
+        groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
 
         def compute(acc_ref):
-            def step(idx, w_smem, x_smem, s_smem, o_smem):
-                for j in range(groups_per_step):
+            def step(_, w_smem, x_smem, s_smem, *o_smem):
+                for j in range(block_k // step_group):
                     cols = pl.ds(j * step_group, step_group)
+                    row = j * step_group // group
                     a = w_smem.at[:, cols][...].astype(jnp.bfloat16)
-                    srow = j * step_group // group if block_k >= group else 0
-                    s = lax.broadcast_in_dim(s_smem[srow, :], (block_n, step_group), (0,))
-                    o = lax.broadcast_in_dim(o_smem[srow, :], (block_n, step_group), (0,))
-                    a = a * s + o
+                    s = s_smem[row, :].astype(jnp.float32)
+                    a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), (block_n, step_group), (0,))
+                    if shifted:  # (q + zero_point) s + o = q s + (zero_point s + o), one rounding to bf16
+                        o = zero_point * s + (o_smem[0][row, :].astype(jnp.float32) if o_smem else 0.0)
+                        a = a + lax.broadcast_in_dim(o.astype(jnp.bfloat16), (block_n, step_group), (0,))
                     if interpret:  # GPU interpret mode multiplies shared memory only
                         a_smem[...] = a
                         plgpu.commit_smem()
@@ -93,13 +99,12 @@ def weight_only_matmul_mgpu(x, wt, scale, offset, *, group: int, block_n: int = 
 
             w_spec = plgpu.BlockSpec((block_n, block_k), lambda i: (0, i), transforms=w_transforms)
             x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)
-            g_spec = plgpu.BlockSpec((scale_rows, block_n),
-                                     lambda i: (i * block_k // group // scale_rows, 0))
-            plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, x_spec, g_spec, g_spec],
+            g_spec = plgpu.BlockSpec((scale_rows, block_n), lambda i: (i * block_k // group // scale_rows, 0))
+            groups = [s_gmem] + ([] if o_gmem is None else [o_gmem])
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, x_spec] + [g_spec] * len(groups),
                                 max_concurrent_steps=min(stages, steps))(
-                w_gmem.at[features, k_steps], x_gmem.at[:, k_steps],
-                s_gmem.at[pl.ds(split * steps * block_k // group, max(1, steps * block_k // group)), features],
-                o_gmem.at[pl.ds(split * steps * block_k // group, max(1, steps * block_k // group)), features])
+                w_gmem.at[features, positions], x_gmem.at[:, positions],
+                *(g.at[groups_of_split, features] for g in groups))
             out_smem[...] = acc_ref[...]
 
         pl.run_scoped(compute, plgpu.ACC((block_n, rows), jnp.float32))
@@ -107,8 +112,12 @@ def weight_only_matmul_mgpu(x, wt, scale, offset, *, group: int, block_n: int = 
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, features])
         plgpu.wait_smem_to_gmem(0)
 
+    def without_offset(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
+        kernel(x_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
+
+    groups = (scale,) if offset is None else (scale, offset)
     partial = plgpu.kernel(
-        kernel,
+        kernel if offset is not None else without_offset,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
         grid=(n // block_n, splits),
         grid_names=("n", "split"),
@@ -117,13 +126,15 @@ def weight_only_matmul_mgpu(x, wt, scale, offset, *, group: int, block_n: int = 
                        if interpret else None],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(xp, wt, scale.astype(jnp.bfloat16), offset.astype(jnp.bfloat16))
-    return partial.sum(axis=0)[:, :m].T.astype(out_dtype)
+        kernel_name="weight_only_matmul_mgpu",
+    )(xp, wt, *(g.astype(jnp.bfloat16) for g in groups))
+    return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
 
 
-def weight_only_matmul_mgpu_reference(x, wt, scale, offset, *, group: int):
+def weight_only_matmul_mgpu_reference(x, wt, scale, offset=None, *, group: int, zero_point: int = 0):
     """The same product in float32 jnp, the weight dequantized exactly (no bf16 rounding)."""
-    w = wt.astype(jnp.float32).T.reshape(-1, group, wt.shape[0]) * scale.astype(jnp.float32)[:, None]
+    codes = wt.astype(jnp.float32).T + zero_point
+    w = codes.reshape(-1, group, wt.shape[0]) * scale.astype(jnp.float32)[:, None]
     if offset is not None:
         w = w + offset.astype(jnp.float32)[:, None]
     return jnp.dot(x.astype(jnp.float32), w.reshape(-1, wt.shape[0]),

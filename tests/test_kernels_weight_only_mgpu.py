@@ -30,26 +30,28 @@ def _bf16(a):
     (5, 512, 128, 4, 256, dict(block_n=64, block_k=128, splits=2, stages=2)),  # a group over two steps
     (9, 512, 128, 8, 512, dict(block_n=64, block_k=128, splits=2, stages=2)),  # int8, one scale a column
 ])
-@pytest.mark.parametrize("with_offset", [True, False])
-def test_matches_float64(m, k, n, bits, group, blocks, with_offset):
+@pytest.mark.parametrize("with_offset, zero_point", [(True, 8), (False, 0), (False, 8)])
+def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
     rng = np.random.default_rng(m * 31 + bits)
     q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
     x = _bf16(rng.normal(size=(m, k)))
     codes = jnp.asarray(q, jnp.int4 if bits == 4 else jnp.int8)
     got = weight_only_matmul_mgpu(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale, jnp.bfloat16),
                                   None if offset is None else jnp.asarray(offset, jnp.bfloat16), group=group,
-                                  out_dtype=jnp.float32, interpret=True, **blocks)
+                                  zero_point=zero_point, out_dtype=jnp.float32, interpret=True, **blocks)
     s = np.repeat(_bf16(scale), group, axis=0).T  # [N, K]
     o = 0.0 if offset is None else np.repeat(_bf16(offset), group, axis=0).T
-    exact = x @ (q * s + o).T
-    rounded = x @ _bf16(_bf16(q * s) + o).T  # the kernel's weight: each product and sum rounded to bf16
+    shift = zero_point * s + o  # the kernel adds it rounded to bf16 once
+    exact = x @ ((q + zero_point) * s + o).T
+    rounded = x @ _bf16(_bf16(q * s) + _bf16(shift)).T  # the kernel's weight: each term and the sum in bf16
     got = np.asarray(got, np.float64)
     assert got.shape == (m, n)
     scale_of = np.max(np.abs(exact))
     assert np.max(np.abs(got - rounded)) / scale_of < 2e-3
     assert np.max(np.abs(got - exact)) / scale_of < 1e-2
     reference = weight_only_matmul_mgpu_reference(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale),
-                                                  None if offset is None else jnp.asarray(offset), group=group)
+                                                  None if offset is None else jnp.asarray(offset), group=group,
+                                                  zero_point=zero_point)
     assert np.max(np.abs(np.asarray(reference, np.float64) - exact)) / scale_of < 1e-2
 
 

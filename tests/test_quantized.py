@@ -31,7 +31,7 @@ from models.quantized import (
 from pallas_kernels.weight_only_matmul import pack_code_words
 from tests.test_lossless_tiny import tiny_engine
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.draft_kernel import codes_in_words, with_kernel
+from vegas_jax.draft_kernel import codes_in_words, codes_transposed, with_kernel
 from vegas_jax.engine import Engine, GenerationOptions
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
@@ -176,6 +176,41 @@ def test_codes_in_words_are_the_kernels_words_and_multiply_alike(rng, kind, grou
     x = rng.standard_normal((3,) + in_shape).astype(np.float32)
     np.testing.assert_allclose(np.asarray(quantized_matmul(jnp.asarray(x), words)),
                                float64_product(x.reshape(3, k), ints, w).reshape((3,) + out), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,groups,in_shape,out", [
+    ("int4", 2, (256,), (128,)),  # groups of 128 with offsets, two a pipeline step
+    ("int4", 4, (4, 64), (2, 64)),  # o_proj's two contracted axes, groups of 64
+    ("int8", 1, (128,), (256,)),  # per channel
+])
+@pytest.mark.parametrize("rows", [1, 5, 17])  # 17: two passes of the kernel's 16 rows
+def test_codes_transposed_round_trip_and_multiply_alike(rng, kind, groups, in_shape, out, rows):
+    """The Mosaic GPU kernel's layout (interpret mode here): codes_transposed picks the weights it tiles, in_bytes
+    gives back the stored codes bit for bit, and the product is the float64 one within the kernel's rounding of
+    each dequantized weight to bf16."""
+    k = int(np.prod(in_shape))
+    w, ints = _random_weight(rng, kind, k, out, groups, len(in_shape))
+    (t,) = jax.tree.leaves(codes_transposed([w]), is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    assert t.transposed and (t.bits, t.input_size, t.group_size, t.out_shape) == (w.bits, k, w.group_size, out)
+    assert t.values.shape == (int(np.prod(out)), k)
+    back = in_bytes(t)
+    assert not back.transposed and back.values.dtype == w.values.dtype
+    np.testing.assert_array_equal(np.asarray(back.values), np.asarray(w.values))
+    (t,) = jax.tree.leaves(with_kernel([t], Placement(backend="interpret")),
+                           is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    x = rng.standard_normal((rows,) + in_shape).astype(np.float32)
+    got = np.asarray(quantized_matmul(jnp.asarray(x), t, jnp.float32))
+    want = float64_product(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)).reshape(rows, k), ints, w)
+    assert np.max(np.abs(got.reshape(rows, -1) - want)) < 1e-2 * np.abs(want).max()
+
+
+def test_weights_the_transposed_kernel_does_not_tile_stay_in_bytes(rng):
+    """Groups of 32 int4 codes (GGUF Q4_0 / Q4_1) fill 16 bytes a row of shared memory, and 100 features no block:
+    those weights keep the Triton kernel's layout."""
+    for k, out, groups in [(256, (128,), 8), (128, (100,), 1)]:
+        w, _ = _random_weight(rng, "int4" if groups > 1 else "int8", k, out, groups, 1)
+        (t,) = jax.tree.leaves(codes_transposed([w]), is_leaf=lambda a: isinstance(a, QuantizedWeight))
+        assert not t.transposed and t.values is w.values
 
 
 def int8_step(x: np.ndarray, x_group: int) -> np.ndarray:

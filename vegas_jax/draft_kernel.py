@@ -30,7 +30,11 @@ import math
 
 import jax
 
-from models.quantized import QuantizedWeight, in_bytes, in_words, quantized_matmul
+from models.quantized import (
+    TRANSPOSED_INT4_ZERO, QuantizedWeight, in_bytes, in_transposed, in_words, quantized_matmul,
+)
+from pallas_kernels import weight_only_mgpu
+from pallas_kernels._common import NUM_SMS
 from pallas_kernels.weight_only_matmul import int8_rows, weight_only_matmul
 from vegas_jax.sharding import Placement
 
@@ -57,6 +61,9 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
         if not isinstance(w, QuantizedWeight):
             return w
         x_group = None if activations == "bf16" else int8_group(w)
+        if w.transposed:  # codes_transposed chose the Mosaic GPU kernel for this weight
+            return dataclasses.replace(w, kernel=functools.partial(_mgpu_product, interpret=placement.interpret,
+                                                                   x_group=x_group))
         tiled = placement.uses_kernels and _blocks(w, "rows") is not None
         if not tiled and x_group is None:
             return w
@@ -79,8 +86,14 @@ def codes_in_words(draft_params):
     return _map_weights(pack, draft_params)
 
 
+def codes_transposed(draft_params):
+    """The draft tree with the codes of every weight the Mosaic GPU kernel tiles transposed (its layout; the others
+    in bytes). Made beside the tree it is given, as codes_in_words."""
+    return _map_weights(lambda w: in_transposed(w) if _mgpu_blocks(w) else in_bytes(w), draft_params)
+
+
 def codes_in_bytes(draft_params):
-    """codes_in_words undone."""
+    """codes_in_words or codes_transposed undone."""
     return _map_weights(in_bytes, draft_params)
 
 
@@ -89,6 +102,27 @@ def check_int8_activations(draft_params) -> None:
     for w in jax.tree.leaves(draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
         if isinstance(w, QuantizedWeight):
             int8_group(w)
+
+
+CODE_LAYOUTS = {"bytes": codes_in_bytes, "words": codes_in_words, "transposed": codes_transposed}
+
+
+def code_layout(placement: Placement, activations: str, rows: int) -> str:
+    """How a draft tree's codes are held for drafts over `rows` batch rows (a key of CODE_LAYOUTS): in words where
+    the integer kernel multiplies int8 activations one row at a time; transposed where the Mosaic GPU kernel
+    multiplies (a Hopper GPU, one device, at most its 16 rows: beyond them it would read the codes once per 16
+    rows, where the Triton kernel reads them once); else in bytes."""
+    if placement.uses_kernels and activations == "int8" and rows == 1:
+        return "words"
+    if placement.backend == "pallas" and placement.mesh is None and rows <= weight_only_mgpu.MAX_ROWS and (
+            _hopper()):
+        return "transposed"
+    return "bytes"
+
+
+def _hopper() -> bool:
+    """Whether the default device has wgmma (compute capability 9.x), which the Mosaic GPU kernel needs."""
+    return getattr(jax.devices()[0], "compute_capability", "").startswith("9.")
 
 
 def _map_weights(fn, tree):
@@ -148,6 +182,40 @@ def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_
                               flat(w.offset), bits=w.bits, group=w.group_size, block_k=block_k, block_n=block_n,
                               interpret=interpret, out_dtype=out_dtype, integer_dot=integer_dot,
                               x_group=x_group or 128)
+
+
+MGPU_BLOCK_N = 128  # output features a program of the Mosaic GPU kernel owns
+MGPU_BLOCK_KS = (256, 128, 64)  # K positions a pipeline step loads, the largest that tiles
+MGPU_MIN_GROUP_BYTES = 32  # a group's codes in a row of shared memory: 16 bytes leave no swizzle to read through
+MGPU_PROGRAMS_PER_SM = 2
+
+
+def _mgpu_blocks(w: QuantizedWeight) -> tuple[int, int, int] | None:
+    """(block_n, block_k, splits) of the Mosaic GPU kernel for this weight, or None where it does not tile: K
+    split while fewer than MGPU_PROGRAMS_PER_SM programs per SM would run, keeping two steps a program."""
+    n, k, group = math.prod(w.out_shape), w.input_size, w.group_size
+    fits = [b for b in MGPU_BLOCK_KS if k % b == 0 and (group % b == 0 or b % group == 0)]
+    if n % MGPU_BLOCK_N or not fits or min(group, fits[0]) * w.bits < 8 * MGPU_MIN_GROUP_BYTES:
+        return None
+    block_k, splits = fits[0], 1
+    while ((n // MGPU_BLOCK_N) * splits < MGPU_PROGRAMS_PER_SM * NUM_SMS and k % (2 * splits * block_k) == 0
+           and k // (2 * splits * block_k) >= 2):
+        splits *= 2
+    return MGPU_BLOCK_N, block_k, splits
+
+
+def _mgpu_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool,
+                  x_group: int | None) -> jax.Array:
+    """models.quantized's kernel signature through the Mosaic GPU kernel (codes transposed), 16 rows at a time."""
+    block_n, block_k, splits = _mgpu_blocks(w)
+    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
+    product = functools.partial(
+        weight_only_mgpu.weight_only_matmul_mgpu, wt=w.values, scale=flat(w.scale), offset=flat(w.offset),
+        group=w.group_size, zero_point=TRANSPOSED_INT4_ZERO if w.bits == 4 else 0, block_n=block_n,
+        block_k=block_k, splits=splits, out_dtype=out_dtype, interpret=interpret)
+    x = _rounded(x, x_group)
+    rows = weight_only_mgpu.MAX_ROWS
+    return jax.numpy.concatenate([product(x[i: i + rows]) for i in range(0, x.shape[0], rows)])
 
 
 def _xla_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, x_group: int) -> jax.Array:

@@ -19,7 +19,7 @@ from models import draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import decode_loop, loop, prefill, run_plan, scoring, ssv, stops
+from vegas_jax import decode_loop, draft_kernel, loop, prefill, run_plan, scoring, ssv, stops
 from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import Programs
@@ -101,12 +101,12 @@ class Engine:
 
     # ---- draft weights -------------------------------------------------------------------------------------
     def _draft_params(self, config: loop.DecodeConfig, rows: int):
-        """The draft tree config's drafts read over `rows` batch rows: codes in words where its kernels multiply
-        int8 activations one row at a time (at more rows the float kernel reads bytes; vegas_jax.draft_kernel)."""
+        """The draft tree config's drafts read over `rows` batch rows, its codes in the layout of the kernel that
+        multiplies them (vegas_jax.draft_kernel.code_layout)."""
         precision = config.draft_weights
-        words = config.draft_activations == "int8" and config.placement.uses_kernels and rows == 1
         try:
-            return self.model.draft_params(precision, words)
+            return self.model.draft_params(precision, draft_kernel.code_layout(config.placement,
+                                                                               config.draft_activations, rows))
         except draft_weights.DraftWeightsError as e:
             raise InputError("{draft_weights} {}: {}", precision, e) from None
 

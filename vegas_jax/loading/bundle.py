@@ -30,18 +30,19 @@ class LoadedModel:
     # where it came from (a GGUF file's); None: drafts are quantized from the parameters.
     native_drafts: Callable[["LoadedModel", str], tuple[Any, str]] | None = None
 
-    def draft_params(self, precision: str, words: bool = False):
+    def draft_params(self, precision: str, layout: str = "bytes"):
         """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
         use and kept: from a GGUF file's own blocks where they have that precision, else quantized from the
-        parameters. DraftWeightsError when the shapes admit no such draft. `words`: the codes the integer kernel
-        multiplies held four rows a word (vegas_jax.draft_kernel.codes_in_words), in place of the bytes (one copy
-        kept)."""
+        parameters. DraftWeightsError when the shapes admit no such draft. `layout`: how the codes are held, one
+        row a byte ("bytes"), four rows a word for the integer kernel ("words", vegas_jax.draft_kernel.
+        codes_in_words), or transposed for the Mosaic GPU kernel ("transposed", codes_transposed); one copy
+        kept."""
         if precision == "bf16":
             return None
-        from vegas_jax.draft_kernel import codes_in_bytes, codes_in_words
+        from vegas_jax import draft_kernel
 
         if precision in self.drafts:
-            self.drafts[precision] = (codes_in_words if words else codes_in_bytes)(self.drafts[precision])
+            self.drafts[precision] = draft_kernel.CODE_LAYOUTS[layout](self.drafts[precision])
             return self.drafts[precision]
         if self.native_drafts is not None:
             self.drafts[precision], self.draft_sources[precision] = self.native_drafts(self, precision)
@@ -50,7 +51,7 @@ class LoadedModel:
 
             self.drafts[precision] = quantize_draft(self.params, self.config, precision, self.mesh)
             self.draft_sources[precision] = f"quantized from the {self.params['embed'].dtype} weights"
-        return self.draft_params(precision, words)
+        return self.draft_params(precision, layout)
 
     @property
     def model_shards(self) -> int:
