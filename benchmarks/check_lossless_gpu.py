@@ -1,7 +1,8 @@
-"""The GPU lossless check (issue 49; CI has no GPU, so run it after every change to a kernel or the loop): greedy
-speculative output against plain greedy decoding on held-out prompts, in float32 for every method and option, and
-in bf16 beside plain decoding's own identity across batch sizes; what float32's dots cost; and sampled decoding's
-distribution on the GPU.
+"""The GPU lossless check: speculative decoding against plain decoding on the device (issue 49).
+
+CI has no GPU, so run it after every change to a kernel or the decode loop: greedy speculative output against plain
+greedy decoding on held-out prompts, in float32 for every method and option, and in bf16 beside plain decoding's own
+identity across batch sizes; what float32's dots cost; and sampled decoding's distribution on the GPU.
 
     python benchmarks/check_lossless_gpu.py --quick --results benchmarks/results/lossless-gpu-quick.json
     python benchmarks/check_lossless_gpu.py --parts float32 --batches 64      # the full check, a part per call
@@ -15,7 +16,8 @@ tokens. Parts (--parts, comma-separated):
   --batch1-prompts prompts, one at a time) and, at the same batch, every selection method (both score modes for
   Vegas), int8 / int4 draft weights (int4 also with int8 activations), adaptive γ, dense draft trees (self and
   n-gram drafters) and SSV's exact class on the model's NSA view (trees of both drafters, against plain decoding of
-  the view). Target: identical to plain decoding on 100 % of sequences.
+  the view); --quick runs adaptive γ and SSV at batch 8 only (their loops take minutes to compile). Target:
+  identical to plain decoding on 100 % of sequences.
 - bf16: plain decoding of the same prompts at each batch size (the noise floor: plain against plain, batch 1 vs 8
   vs 64) and Vegas and Stream against plain decoding at their own batch. Target: speculative-vs-plain identity no
   worse than plain-vs-plain, every divergence a near-tie.
@@ -84,11 +86,13 @@ CASES = {
     "ssv-self": ("nsa-view", dict(method="ar", gamma=4, draft_tree="4x2")),
     "ssv-ngram": ("nsa-view", dict(method="ar", gamma=4, draft_tree="4x2", drafter="ngram")),
 }
+# Left out at batch 1 by --quick: the loops that take longest to compile (adaptive γ's passes about 105 s, an NSA
+# view's tree about 100 s on the H200: benchmarks/suite_presets.py, check_planner.py); they run at batch 8.
+SLOW_TO_COMPILE = ("vegas-auto", "ssv-self", "ssv-ngram")
 BF16_CASES = ("vegas", "streaming")  # the issue's two
 COST_METHODS = ("ar", "vegas")
 SAMPLED_CASES = ("ar", "vegas", "streaming", "quest", "retrieval", "vegas-int4-a8-auto", "vegas-int4-a8-auto-4",
                  "tree-self", "tree-ngram", "nsa-view-tree")
-QUICK_SAMPLED = ("vegas", "vegas-int4-a8-auto", "tree-self", "tree-ngram", "nsa-view-tree")
 P_VALUE_OK = 1e-3  # the tests' threshold
 # Loops compiled side by side before a batch's cases run (XLA compiles without Python's lock: on the H200 a
 # configuration took 8.8 s alone and about 4 s each four to eight at a time, benchmarks/suite.py), as many as half
@@ -175,6 +179,7 @@ def settings(args) -> dict:
     return {"quick": args.quick, "smoke": args.smoke, "parts": list(args.parts), "batches": list(args.batches),
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "batch1_prompts": args.batch1_prompts, "bf16_prompts": args.bf16_prompts, "cases": list(args.cases),
+            "sampled": list(args.sampled), "sampled_seeds_scale": args.sampled_seeds_scale,
             "prompts": "random ids" if args.smoke else "heldout split", **COMMON}
 
 
@@ -298,9 +303,10 @@ def float32_part(check: Check, args) -> None:
     plain, records = {}, []
     for batch in args.batches:
         prompts = check.prompts(args.batch1_prompts if batch == 1 else batch)
-        views = sorted({CASES[c][0] for c in args.cases} | {"dense"})
+        cases = [c for c in args.cases if not (args.quick and batch == 1 and c in SLOW_TO_COMPILE)]
+        views = sorted({CASES[c][0] for c in cases} | {"dense"})
         jobs = [(check.engine("float32", view), options(args, {"method": "ar"}, logprobs=2)) for view in views]
-        jobs += [(check.engine("float32", CASES[c][0]), options(args, CASES[c][1])) for c in args.cases]
+        jobs += [(check.engine("float32", CASES[c][0]), options(args, CASES[c][1])) for c in cases]
         compile_ahead(check, jobs, prompts[:batch])
         for view in views:
             if not check.has_time(f"float32 plain ({view}) at batch {batch}"):
@@ -312,7 +318,7 @@ def float32_part(check: Check, args) -> None:
                 plain[view, batch] = run
                 check.say(f"float32 plain ({view}) at batch {batch}: {run['decode_tokens_per_s']:.0f} tok/s "
                           f"({time.perf_counter() - t0:.0f} s)")
-        for case in args.cases:
+        for case in cases:
             view, fields = CASES[case]
             if (view, batch) not in plain or not check.has_time(f"float32 {case} at batch {batch}"):
                 continue
@@ -418,13 +424,10 @@ def sampled_part(check: Check, args) -> None:
     from tests.test_draft_trees import sampled_counts, tree_sampler
     from tests.test_nsa_trees import nsa_tree_sample
 
-    cases = SAMPLED_CASES if not args.quick else QUICK_SAMPLED
-    if args.smoke:
-        cases = ("vegas", "tree-self")
     scale = args.sampled_seeds_scale
     with jax.default_matmul_precision("highest"):  # this script's own reference computations
         model, exact, trees = None, None, None
-        for case in cases:
+        for case in args.sampled:
             if not check.has_time(f"sampled {case}"):
                 return
             t0 = time.perf_counter()
@@ -529,44 +532,60 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Per mode, what a flag left out means.
+DEFAULTS = {
+    "full": dict(batches="1,8,64", cases=",".join(CASES), prompt_tokens=7936, new_tokens=256, batch1_prompts=8,
+                 bf16_prompts=64, sampled=",".join(SAMPLED_CASES), sampled_seeds_scale=1.0),
+    "quick": dict(batches="1,8", cases=",".join(CASES), prompt_tokens=4096, new_tokens=256, batch1_prompts=2,
+                  bf16_prompts=8, sampled="vegas,vegas-int4-a8-auto,tree-self,tree-ngram,nsa-view-tree",
+                  sampled_seeds_scale=1.0),
+    # A CPU's minute: the tiny model, one dense case and one SSV case, 2 % of two sampled cases' seeds.
+    "smoke": dict(batches="1,2", cases="vegas,ssv-ngram", prompt_tokens=48, new_tokens=12, batch1_prompts=1,
+                  bf16_prompts=2, sampled="vegas,tree-self", sampled_seeds_scale=0.02),
+}
+
+
 def parse(argv) -> argparse.Namespace:
+    """The flags, each left out taken from its mode's DEFAULTS; BadFlag for a value the check cannot run."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a GGUF / HF / Orbax checkpoint (default: the embedded SmolLM2)")
     p.add_argument("--results", type=Path, default=None,
                    help="the JSON to write (default benchmarks/results/lossless-gpu-<date>[-quick].json)")
-    p.add_argument("--quick", action="store_true", help="batches 1 and 8 at 4K prompts, fewer sampled cases")
+    p.add_argument("--quick", action="store_true", help="batches 1 and 8 at 4K prompts, fewer cases at batch 1 and "
+                                                        "sampled; about 7 minutes on an H100")
     p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU: checks this script")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,8,64; --quick 1,8)")
-    p.add_argument("--cases", default=",".join(CASES), help="float32 cases, comma-separated, of " + ", ".join(CASES))
-    p.add_argument("--prompt-tokens", type=int, default=None, help="default 7936 (--quick 4096)")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--batch1-prompts", type=int, default=None, help="prompts decoded at batch 1 (default 8; quick 2)")
-    p.add_argument("--bf16-prompts", type=int, default=None, help="prompts of the bf16 part (default 64; quick 8)")
-    p.add_argument("--sampled-seeds-scale", type=float, default=1.0, help="times the tests' seed counts")
+    p.add_argument("--batches", help="comma-separated (default 1,8,64; --quick 1,8)")
+    p.add_argument("--cases", help="float32 cases, comma-separated, of " + ", ".join(CASES) + " (default all)")
+    p.add_argument("--prompt-tokens", type=int, help="default 7936 (--quick 4096)")
+    p.add_argument("--new-tokens", type=int, help="default 256")
+    p.add_argument("--batch1-prompts", type=int, help="prompts decoded at batch 1 (default 8; --quick 2)")
+    p.add_argument("--bf16-prompts", type=int, help="prompts of the bf16 part (default 64; --quick 8)")
+    p.add_argument("--sampled", help="sampled cases, comma-separated, of " + ", ".join(SAMPLED_CASES)
+                   + " (default all; --quick 5 of them)")
+    p.add_argument("--sampled-seeds-scale", type=float, help="times the tests' seed counts (default 1)")
     p.add_argument("--budget-s", type=float, default=420.0, help="no case starts after this many seconds")
     args = p.parse_args(argv)
-    args.parts = tuple(args.parts.split(","))
-    args.cases = tuple(args.cases.split(","))
-    for flag, values, known in (("--parts", args.parts, PARTS), ("--cases", args.cases, CASES)):
+    for name, value in DEFAULTS["smoke" if args.smoke else "quick" if args.quick else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.parts, args.cases, args.sampled = (tuple(v.split(",")) for v in (args.parts, args.cases, args.sampled))
+    for flag, values, known in (("--parts", args.parts, PARTS), ("--cases", args.cases, CASES),
+                                ("--sampled", args.sampled, SAMPLED_CASES)):
         unknown = [v for v in values if v not in known]
         if unknown:
             raise BadFlag(f"{flag}: unknown {unknown[0]!r} (known: {', '.join(known)})")
     try:
-        args.batches = tuple(int(b) for b in (args.batches or ("1,8" if args.quick or args.smoke else "1,8,64"))
-                             .split(","))
+        args.batches = tuple(int(b) for b in args.batches.split(","))
     except ValueError:
         raise BadFlag(f"--batches {args.batches!r}: comma-separated whole numbers") from None
-    if min(args.batches) < 1:
-        raise BadFlag(f"--batches {args.batches}: each must be >= 1")
-    if args.smoke:
-        args.prompt_tokens, args.new_tokens, args.batches = args.prompt_tokens or 48, 12, (1, 2)
-        args.cases = tuple(c for c in args.cases if c in ("vegas", "ssv-ngram"))
-        args.batch1_prompts, args.bf16_prompts, args.sampled_seeds_scale = 1, 2, 0.02
-    quick = args.quick or args.smoke
-    args.prompt_tokens = args.prompt_tokens or (4096 if quick else 7936)
-    args.batch1_prompts = args.batch1_prompts or (2 if quick else 8)
-    args.bf16_prompts = args.bf16_prompts or (8 if quick else 64)
+    for flag, value in (("--batches", min(args.batches)), ("--prompt-tokens", args.prompt_tokens),
+                        ("--new-tokens", args.new_tokens), ("--batch1-prompts", args.batch1_prompts),
+                        ("--bf16-prompts", args.bf16_prompts)):
+        if value < 1:
+            raise BadFlag(f"{flag} must be >= 1, got {value}")
+    if args.sampled_seeds_scale <= 0:
+        raise BadFlag(f"--sampled-seeds-scale must be > 0, got {args.sampled_seeds_scale}")
     if args.results is None and not args.smoke:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
         args.results = RESULTS / f"lossless-gpu-{stamp}{'-quick' if args.quick else ''}.json"
