@@ -207,7 +207,10 @@ def decode(engine: Engine, prompts, opts: GenerationOptions, batch: int) -> dict
 
 def compile_ahead(check: Check, jobs: list[tuple[Engine, GenerationOptions]], prompts) -> None:
     """Compiles the loops of these (engine, options) at this batch side by side (`Engine.start`: prefill and the
-    bootstrap step too), so that the runs after find them compiled; a failure shows when its case runs."""
+    bootstrap step too), so that the runs after find them compiled; a failure shows when its case runs. Nothing
+    past the budget, where the cases will not run."""
+    if check.elapsed() >= check.args.budget_s:
+        return
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     try:
         need = max(engine.plan(prompts, opts)["bytes_per_device"]["total"] for engine, opts in jobs)
