@@ -404,3 +404,88 @@ def test_bench_compile(tmp_path, monkeypatch):
         programs = {p["program"] for p in r["programs"]}
         assert "decode" in programs and "bootstrap" in programs, programs
     assert "prefill_chunk" in {p["program"] for p in doc["records"][0]["programs"]}  # compiled once, first
+
+
+def test_check_lossless_gpu(tmp_path, monkeypatch, capsys):
+    (doc,) = run_smoke("check_lossless_gpu", tmp_path, monkeypatch)
+    assert doc["complete"] and doc["missed"] == [] and doc["not_run"] == []
+    by_part = {}
+    for r in doc["records"]:
+        assert "error" not in r, r
+        by_part.setdefault(r["part"], []).append(r)
+    assert {r["case"] for r in by_part["float32"]} == {"vegas", "ssv-ngram", "plain@1 vs plain@2"}
+    for r in by_part["float32"] + by_part["bf16"]:
+        has_fields(r, "batch", "sequences", "identical", "divergences")
+    for r in by_part["float32"]:
+        assert r["identical"] == r["sequences"], r  # float32 on the CPU: Vegas and SSV are plain decoding
+    assert {r["case"] for r in by_part["bf16"]} == {"plain@1 vs plain@2", "vegas@1 vs plain@1",
+                                                    "streaming@1 vs plain@1", "vegas@2 vs plain@2",
+                                                    "streaming@2 vs plain@2"}
+    assert {(r["method"], r["dtype"], r["dot_precision"]) for r in by_part["cost"]} == {
+        (m, d, p) for m in ("ar", "vegas") for d, p in (("float32", "highest"), ("float32", "jax-default"),
+                                                        ("bfloat16", "jax-default"))}
+    for r in by_part["cost"]:
+        finite_positive(r, "decode_tokens_per_s")
+    assert {r["case"] for r in by_part["sampled"]} == {"vegas", "tree-self"}
+    for r in by_part["sampled"]:
+        assert 0 <= r["p_value"] <= 1 and r["seeds"] == 400, r
+    out = capsys.readouterr().out
+    assert "every target met" in out and "float32 noise floor" in out
+    # Past the budget no case starts; the document says which did not run and that it is incomplete.
+    (cut,) = run_smoke("check_lossless_gpu", tmp_path / "cut", monkeypatch, "--parts", "float32", "--budget-s", "0")
+    assert not cut["complete"] and not cut["records"]
+    assert cut["not_run"] == ["float32 plain (dense) at batch 1", "float32 plain (nsa-view) at batch 1",
+                              "float32 plain (dense) at batch 2", "float32 plain (nsa-view) at batch 2"]
+
+
+def test_check_lossless_gpu_judges_divergences(capsys):
+    """A divergence is a near-tie when the token taken was plain decoding's second choice at a margin within twice
+    the noise floor; its position and margin are plain decoding's there; the noise floor is the largest difference
+    of an agreed token's log-probability between two runs; a bad flag is one error line."""
+    from benchmarks import check_lossless_gpu as check
+    from vegas_jax.logprobs import TokenLogprob
+    from vegas_jax.results import RequestResult
+
+    def request(tokens, top2=None):
+        """top2: per token (second choice, -log p of the token, -log p of the second choice)."""
+        logprobs = None if top2 is None else [TokenLogprob(t, -a, [(t, -a), (u, -b)])
+                                              for t, (u, a, b) in zip(tokens, top2)]
+        return RequestResult(3, tokens, "", {}, "ok", None, logprobs)
+
+    tops = [[(1, 0.1, 0.12), (9, 0.2, 1.2), (8, 0.3, 0.31)], [(1, 0.1, 2.0), (9, 0.2, 1.2), (8, 0.3, 2.3)],
+            [(1, 0.1, 2.0), (9, 0.2, 1.2)]]
+    plain = [request([5, 6, 7], tops[0]), request([5, 6, 7], tops[1]), request([5, 6], tops[2])]
+    other = [request([5, 6, 8]), request([5, 4, 7]), request([5, 6])]
+    result = check.judge(check.compare(other, plain), noise=0.01)
+    assert (result["sequences"], result["identical"], result["rounding"]) == (3, 1, None)
+    tie, bug = result["divergences"]
+    assert (tie["sequence"], tie["position"], tie["token"], tie["reference_token"]) == (0, 2, 8, 7)
+    assert tie["margin"] == pytest.approx(0.01) and tie["second_choice"] and tie["near_tie"]
+    assert (bug["sequence"], bug["position"], bug["margin"]) == (1, 1, pytest.approx(1.0))
+    assert not bug["second_choice"] and bug["near_tie"] is False
+    assert check.judge(check.compare(other, plain), noise=None)["divergences"][0]["near_tie"] is None
+    shifted = [request(r.tokens, [(u, a + 1e-3 * (i + 1), b) for i, (u, a, b) in enumerate(top)])
+               for r, top in zip(plain, tops)]
+    # Differs at its third token, whose log-probability is not rounding's to count.
+    shifted[0] = request([5, 6, 8], [(u, a + d, b) for (u, a, b), d in zip(tops[0], (1e-3, 2e-3, 1.0))])
+    assert check.compare(shifted, plain)["rounding"] == pytest.approx(3e-3)  # the agreed tokens only
+    # Targets: float32 identity of every speculative case; bf16 identity no worse than plain against plain, every
+    # divergence a near-tie. Plain against plain is the yardstick, never a miss.
+    records = [{"part": "float32", "case": "plain@1 vs plain@8", "batch": 8, "identical": 1, "sequences": 2},
+               {"part": "float32", "case": "vegas", "batch": 8, "identical": 1, "sequences": 2},
+               {"part": "bf16", "case": "plain@1 vs plain@8", "identical": 6, "sequences": 8,
+                "divergences": [{"near_tie": False}] * 2},
+               {"part": "bf16", "case": "vegas@8 vs plain@8", "identical": 5, "sequences": 8,
+                "divergences": [{"near_tie": True}] * 3},
+               {"part": "bf16", "case": "streaming@8 vs plain@8", "identical": 7, "sequences": 8,
+                "divergences": [{"near_tie": False}]},
+               {"part": "sampled", "case": "quest", "passed": False, "p_value": 1e-9}]
+    assert check.verdict(records) == ["float32 vegas at batch 8: 1/2 identical",
+                                      "bf16 streaming@8 vs plain@8: a divergence beyond rounding",
+                                      "sampled quest: p = 1.00e-09",
+                                      "bf16 vegas@8 vs plain@8: identity 5/8 below plain-vs-plain's 75%"]
+    for flags, needle in [(["--parts", "fp8"], "--parts: unknown 'fp8'"), (["--batches", "8,x"], "--batches"),
+                          (["--cases", "eagle"], "--cases: unknown 'eagle'")]:
+        assert check.main(flags) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and needle in line

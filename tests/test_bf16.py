@@ -3,8 +3,7 @@ decoding and Vegas, greedy and sampled, with every logit it uses finite (the eng
 the logits the engine's attention gives along the generated tokens stay within 5 % of the largest float32 logit of
 float32's (measured: 2.9-3.8 %); greedy bf16 Vegas against greedy bf16 plain decoding is reported (token
 agreement, in the test's output and its junit properties), not asserted equal: in bf16 a verification pass and a
-plain step round differently, so greedy decoding may take the other branch at a near-tie (README, "Lossless on the
-GPU")."""
+plain step round differently, so greedy decoding may take the other branch at a near-tie (docs/lossless.md)."""
 
 from __future__ import annotations
 

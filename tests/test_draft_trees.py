@@ -175,9 +175,9 @@ PROMPT_LENGTH = 32
 SAMPLED = dict(temperature=1.0, top_k=3, top_p=0.9)
 
 
-@pytest.fixture(scope="module")
-def sampler():
-    """The sampling test's tiny model, a 32-token prompt and the exact float64 joint of the first four tokens."""
+def tree_sampler():
+    """The sampling test's tiny model, a 32-token prompt and the exact float64 joint of the first four tokens (also
+    benchmarks/check_lossless_gpu.py's, on a GPU)."""
     engine = tiny_sampler()
     prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
     logits = continuation_logits(engine, prompt, SAMPLED_NEW)
@@ -189,6 +189,11 @@ def sampler():
         p = p[(slice(None),) * i + (0,) * (SAMPLED_NEW - 1 - i)]
         joint *= p.reshape((VOCAB,) * (i + 1) + (1,) * (SAMPLED_NEW - 1 - i))
     return engine, prompt, joint
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    return tree_sampler()
 
 
 def sampled_counts(sampler, drafter: str, seeds: int = 20_000):

@@ -123,7 +123,10 @@ def nsa_continuation_logits(engine: Engine, prompt: list[int], new: int) -> np.n
     return np.asarray(logits)[:, len(prompt) - 1:]
 
 
-def test_sampled_nsa_trees_keep_the_distribution():
+def nsa_tree_sample(seeds: int = SEEDS):
+    """Sampled 2x2 trees on the NSA view of test_sampling_distribution's tiny model: counts of the first four
+    tokens over `seeds` requests, their exact float64 joint, and the accepted-depth histogram (also
+    benchmarks/check_lossless_gpu.py's, on a GPU)."""
     dense = tiny_sampler()
     engine = Engine(dataclasses.replace(dense.model, config=with_attention(dense.config, "nsa-view", SAMPLER_LAYOUT)))
     prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
@@ -136,11 +139,15 @@ def test_sampled_nsa_trees_keep_the_distribution():
         joint *= p.reshape((VOCAB,) * (i + 1) + (1,) * (SAMPLED_NEW - 1 - i))
     opts = GenerationOptions(max_new_tokens=SAMPLED_NEW, draft_tree="2x2", prefill_chunk=80,
                              max_model_len=PROMPT_LENGTH + SAMPLED_NEW, **SAMPLED)
-    result = engine.generate([prompt] * SEEDS, opts)
-    histogram = result.metrics["accepted_depth_histogram"]
-    assert min(histogram) > 0.02 * sum(histogram), histogram  # rejections at the root, paths of depth 1 and 2
+    result = engine.generate([prompt] * seeds, opts)
     counts = np.zeros((VOCAB,) * SAMPLED_NEW)
     np.add.at(counts, tuple(np.array([r.tokens for r in result.requests]).T), 1)
+    return counts, joint, result.metrics["accepted_depth_histogram"]
+
+
+def test_sampled_nsa_trees_keep_the_distribution():
+    counts, joint, histogram = nsa_tree_sample()
+    assert min(histogram) > 0.02 * sum(histogram), histogram  # rejections at the root, paths of depth 1 and 2
     p_value = chi_square_p_value(counts, joint)
     assert p_value > 1e-3, f"p = {p_value:.2e}"
 

@@ -1,10 +1,12 @@
 """How the engine compiles its loops: XLA options chosen for decoding, applied per compilation (not through the
-process-wide XLA_FLAGS, which belong to the user); and, on request, JAX's persistent compilation cache, so that a
-new process finds the loops an earlier one compiled."""
+process-wide XLA_FLAGS, which belong to the user); the precision of their dots, which the model's dtype decides
+(`matmul_precision`), likewise per compilation; and, on request, JAX's persistent compilation cache, so that a new
+process finds the loops an earlier one compiled."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import warnings
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from vegas_jax.inputs import InputError
 
@@ -23,6 +26,26 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 def compiler_options() -> dict | None:
     return GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
+
+
+def matmul_precision(dtype) -> str | None:
+    """The precision an engine's programs give their dots (XLA's and the Pallas kernels') for a model computing in
+    `dtype`: "highest" for float32, None (JAX's default, or the user's) otherwise.
+
+    JAX's default float32 dot runs in TF32 on NVIDIA GPUs (operands rounded to 10-bit mantissas), in XLA's GEMMs
+    and in Triton's, so a float32 model would decide its tokens at about bf16's precision. Worse for speculation:
+    a verification pass over γ + 1 rows and a plain step's one row then round differently, and near-ties flip
+    (issue 49: greedy Vegas and Stream equal to plain decoding on 6 of 8 summaries at batch 8 x 7.9K on an H100,
+    8 of 8 at "highest"). So a float32 model multiplies in float32, at the speed that costs. bf16 operands are
+    multiplied exactly into float32 accumulators whatever the precision; their programs keep JAX's default."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def tracing_precision(precision: str | None):
+    """A context in which dots traced without a precision of their own take `precision` (None: leaves JAX's
+    setting as it is). Thread-local and undone on leaving, so the user's own JAX code keeps the user's setting;
+    the precision is part of what jit traces and caches, and ahead-of-time compilation fixes it in the program."""
+    return jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
 
 
 def compile_jitted(fn: Callable, *args, donate: tuple = ()):
@@ -46,10 +69,16 @@ def compile_jitted(fn: Callable, *args, donate: tuple = ()):
 class Programs:
     """An engine's compiled programs, each compiled once per (name, layout, static values, argument shapes): the
     prefill chunks, bootstrap step, decode loop, admission and scoring chunk of every configuration it ran, and the
-    creators of its states. Iterating gives the keys, whose first item is the program's name."""
+    creators of its states. Iterating gives the keys, whose first item is the program's name. Every program is
+    traced with the dots' precision of the engine's model (`matmul_precision` of its dtype)."""
 
-    def __init__(self):
+    def __init__(self, matmul_precision: str | None = None):
+        self.matmul_precision = matmul_precision
         self._programs: dict = {}
+
+    def tracing(self):
+        """The context the programs are traced in: dots at this engine's precision (`tracing_precision`)."""
+        return tracing_precision(self.matmul_precision)
 
     def __iter__(self):
         return iter(self._programs)
@@ -66,7 +95,8 @@ class Programs:
                tuple(jax.tree.leaves(shapes)))
         if key not in self._programs:
             program = layout.program(functools.partial(fn, **static), in_axes, out_axes)
-            self._programs[key] = compile_jitted(program, *args, donate=donate)
+            with self.tracing():
+                self._programs[key] = compile_jitted(program, *args, donate=donate)
         return self._programs[key]
 
     def kept(self, key: tuple, make: Callable[[], Callable]) -> Callable:

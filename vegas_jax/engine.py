@@ -22,7 +22,7 @@ from models.logical_axes import Axes, axes_of
 from vegas_jax import decode_loop, draft_kernel, loop, prefill, run_plan, scoring, ssv, stops
 from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
-from vegas_jax.compilation import Programs
+from vegas_jax.compilation import Programs, matmul_precision
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.planner import AcceptanceTracker
@@ -61,7 +61,8 @@ class Engine:
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
-        self.programs = Programs()
+        # Its programs' dots at the precision its dtype implies (float32: float32, not TF32), set for them alone.
+        self.programs = Programs(matmul_precision(model.params["embed"].dtype))
         self._stop_tables: dict = {}
         self._gamma_book = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
         self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs

@@ -5,6 +5,7 @@ each pays its own dispatch, so the sum exceeds a loop iteration by a little."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -12,15 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from vegas_jax import loop
-from vegas_jax.compilation import compile_jitted
+from vegas_jax.compilation import Programs, compile_jitted
 from vegas_jax.engine import Engine, Started
 from vegas_jax.inputs import InputError
 
 
-def _time(fn, *args, reps: int = 5, donate: bool = False):
+def _time(programs: Programs, fn, *args, reps: int = 5, donate: bool = False):
     """Median seconds of fn(*args) -> (result, ...) where args[0] is threaded (donated if asked) through the
-    calls; compiled as the engine compiles its loop."""
-    fn = compile_jitted(fn, *args, donate=(0,) if donate else ())
+    calls; compiled as the engine compiles its loop (`programs`: at its dots' precision)."""
+    with programs.tracing():
+        fn = compile_jitted(fn, *args, donate=(0,) if donate else ())
     times = []
     out = None
     for _ in range(reps + 1):
@@ -49,6 +51,7 @@ def time_phases(engine: Engine, started: Started) -> dict:
     num_drafts = jnp.full((batch,), gamma, jnp.int32)
     uncached = dataclasses.replace(state, cache=None)
     result = {"draft_ms": 0.0, "select_ms": 0.0}
+    timed = functools.partial(_time, engine.programs)
 
     cache, drafts, draft_probs = state.cache, jnp.zeros((batch, 0), jnp.int32), None
     if gamma:
@@ -57,20 +60,20 @@ def time_phases(engine: Engine, started: Started) -> dict:
                                                  keys, config, num_drafts)
             return cache, drafts, probs
 
-        t, (cache, drafts, draft_probs) = _time(drafted, cache, params, draft_params, uncached, keys, donate=True)
+        t, (cache, drafts, draft_probs) = timed(drafted, cache, params, draft_params, uncached, keys, donate=True)
         result["draft_ms"] = t * 1e3
 
     def verified(cache, params, uncached, drafts):
         logits, cache, scores = loop.verify(params, uncached, cache, drafts, config)
         return cache, logits, scores
 
-    t, (cache, logits, scores) = _time(verified, cache, params, uncached, drafts, donate=True)
+    t, (cache, logits, scores) = timed(verified, cache, params, uncached, drafts, donate=True)
     result["verify_ms"] = t * 1e3
 
     def accepted(x, uncached, logits, drafts, draft_probs, keys):
         return x, loop.accept(uncached, logits, drafts, draft_probs, num_drafts, keys, config)
 
-    t, (_, (num_accepted, _)) = _time(accepted, jnp.zeros(()), uncached, logits, drafts, draft_probs, keys)
+    t, (_, (num_accepted, _)) = timed(accepted, jnp.zeros(()), uncached, logits, drafts, draft_probs, keys)
     result["accept_ms"] = t * 1e3
 
     if config.policy is not None:
@@ -78,6 +81,6 @@ def time_phases(engine: Engine, started: Started) -> dict:
             after = dataclasses.replace(uncached, cache=cache, committed=uncached.committed + num_accepted + 1)
             return x, loop.select(uncached, after, scores, num_accepted, config).selection
 
-        t, _ = _time(selected, jnp.zeros(()), uncached, cache, scores, num_accepted)
+        t, _ = timed(selected, jnp.zeros(()), uncached, cache, scores, num_accepted)
         result["select_ms"] = t * 1e3
     return result
