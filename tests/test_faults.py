@@ -91,6 +91,17 @@ BAD_PROMPTS = {
     "whitespace": (["hi", " \n\t"], ": prompt 1 is empty (whitespace only)"),
     "negative-id": ([[-1, 5]], ": prompt 0 has token ids outside the vocabulary [0, 288): [-1]"),
     "id-past-the-vocabulary": ([[5, 288]], ": prompt 0 has token ids outside the vocabulary [0, 288): [288]"),
+    "lone-surrogate": (["hi", "a \ud800"], ": prompt 1 is not UTF-8 text: lone surrogate U+D800 at character 2"),
+    # What Python makes of bytes that are not UTF-8 (argv, file names, os.fsdecode).
+    "undecodable-byte": ([os.fsdecode(b"\xff hi")], ": prompt 0 is not UTF-8 text: undecodable byte 0xff at "
+                                                    "character 0"),
+    "lone-surrogate-in-a-message": ([[{"role": "user", "content": "hi"}, {"role": "user", "content": "\udfff"}]],
+                                    ": prompt 0: message 1 'content' is not UTF-8 text: lone surrogate U+DFFF at "
+                                    "character 0"),
+    "lone-surrogate-in-a-tool-call": ([[{"role": "assistant", "content": "", "tool_calls": [{"name": "\ud800"}]}]],
+                                      ": prompt 0: message 0 'tool_calls' is not UTF-8 text: lone surrogate U+D800"),
+    "unknown-role": ([[{"role": "wizard", "content": "hi"}]], ": prompt 0: message 0 has role 'wizard'; a role is "
+                                                              "one of system, developer, user, assistant, tool"),
 }
 
 
@@ -117,6 +128,24 @@ def test_wrongly_typed_options_are_refused_before_anything_compiles(engine, fiel
     with pytest.raises(InputError, match=re.escape(f"{field} must be {kind}, got {value!r} ({type(value).__name__})")):
         fresh.generate(["hi"], dataclasses.replace(OPTIONS, **{field: value}))
     assert not fresh.programs
+
+
+@pytest.mark.parametrize("stop,message", [
+    (("END", "\ud800"), "stop '\\ud800' is not UTF-8 text: lone surrogate U+D800 at character 0"),
+    (os.fsdecode(b"\xff"), "stop '\\udcff' is not UTF-8 text: undecodable byte 0xff at character 0"),
+])
+def test_stop_strings_that_are_not_utf8_are_refused(engine, stop, message):
+    with pytest.raises(InputError) as e:
+        engine.check_input(["hi"], dataclasses.replace(OPTIONS, stop=stop))
+    assert str(e.value) == message
+
+
+def test_a_prompt_longer_than_the_context_is_named_by_its_index(engine):
+    long = " ".join(["word"] * 200)
+    with pytest.raises(InputError) as e:
+        engine.check_input(["hi", long], OPTIONS)
+    n = len(engine.encode_prompts([long])[0])
+    assert str(e.value) == f"prompts: prompt 1 has {n} tokens, more than max_model_len 128"
 
 
 def test_options_are_a_generation_options(engine):
