@@ -385,14 +385,37 @@ def test_sigint_keeps_the_finished_requests(monkeypatch, tmp_path, capsys, refer
     rc = generate.main([*BASE, "--prompt", PROMPT, "--prompt", "Once upon a time", "--prompt", "Lorem ipsum",
                         "--slots", "1", "--output-json", str(path)])
     out, err = capsys.readouterr()
-    assert rc == 130 and out == ""
+    assert rc == 130
     assert err.splitlines()[2:] == [f"interrupted (SIGINT): 1 of 3 requests finished, written to {path}"]
+    partial = "generated; interrupted, partial text: stopped after 0 generated tokens, before it finished) ---\n\n"
+    assert out.startswith(f"--- request 0 ({reference.prompt_tokens} prompt tokens, {MAX_NEW} generated) ---\n"
+                          f"{reference.text}\n--- request 1 (") and out.count(partial) == 2
     doc = json.loads(path.read_text())
     assert doc["interrupted"] is True and doc["metrics"]["interrupted_requests"] == [1, 2]
     assert [(r["status"], r["tokens"]) for r in doc["requests"]] == [
         ("ok", reference.tokens), ("interrupted", []), ("interrupted", [])
     ]
     assert os.listdir(tmp_path) == ["out.json"]  # no temporary file left behind
+
+
+def test_sigint_without_output_json_prints_the_partial_text(monkeypatch, capsys, engine, reference):
+    """SIGINT after the first decode call: the tokens decoded so far are printed, marked partial, and the exit is
+    130."""
+
+    def progress(self, stage, done, total):
+        if stage == "decode":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(generate._Progress, "__call__", progress)
+    rc = generate.main([*BASE, "--prompt", PROMPT])
+    out, err = capsys.readouterr()
+    header = re.match(r"--- request 0 \((\d+) prompt tokens, (\d+) generated; interrupted, partial text: stopped "
+                      r"after (\d+) generated tokens, before it finished\) ---\n", out)
+    assert rc == 130 and header, out
+    n = int(header[2])
+    assert 1 < n == int(header[3]) < MAX_NEW and int(header[1]) == reference.prompt_tokens
+    assert out[header.end():] == engine.tokenizer.decode(reference.tokens[:n]) + "\n"
+    assert err.splitlines()[2:] == ["interrupted (SIGINT): 0 of 1 requests finished"]
 
 
 def test_json_is_never_half_written(monkeypatch, tmp_path):

@@ -259,14 +259,22 @@ class _Progress:
         self.bars.clear()
 
 
+def read_text(path: Path, flag: str) -> str:
+    """A text file's content, read as UTF-8, strictly (a leading byte-order mark dropped): a file that is not
+    UTF-8 is refused, naming the first byte that is not, rather than read with replacement characters."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise InputError(flag + " {}: {}", path, e.strerror) from None
+    except UnicodeDecodeError as e:
+        raise InputError(flag + " {}: not UTF-8 text (byte {:#04x} at offset {}); files are read as UTF-8", path,
+                         e.object[e.start], e.start) from None
+
+
 def _read_messages(path: Path) -> list[dict]:
     """A --messages file: a JSON list of {"role", "content"} objects; what is wrong with it, named with the file."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError("--messages {}: {}", path, e.strerror) from None
-    except UnicodeDecodeError:
-        raise InputError("--messages {}: not UTF-8 text", path) from None
+        value = json.loads(read_text(path, "--messages"))
     except json.JSONDecodeError as e:
         raise InputError("--messages {}: not JSON ({} at line {}, column {})", path, e.msg, e.lineno, e.colno) from None
     return inputs.messages(value, "--messages {}", path)
@@ -279,11 +287,9 @@ def _read_prompts(args) -> list[str | list[dict]]:
     for i, prompt in enumerate(prompts):
         if not prompt.strip():
             raise InputError("--prompt: prompt {} is empty (whitespace only)", i)
+        inputs.utf8(prompt, "--prompt: prompt {}", i)
     for path in args.prompt_file:
-        try:
-            prompts.append(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError("--prompt-file {}: {}", path, e.strerror if isinstance(e, OSError) else "not UTF-8 text")
+        prompts.append(read_text(path, "--prompt-file"))
         if not prompts[-1].strip():
             raise InputError("--prompt-file {}: the file is empty (whitespace only)", path)
     conversations = [_read_messages(path) for path in args.messages]
@@ -294,33 +300,54 @@ def _read_prompts(args) -> list[str | list[dict]]:
     if args.system is None:
         return prompts + conversations
     if not args.system.strip():
-        raise InputError("--system: the system message is empty (whitespace only)")
+        raise InputError("{system}: the system message is empty (whitespace only)")
+    inputs.utf8(args.system, "{system}")
     for path, conversation in zip(args.messages, conversations):
         if conversation[0]["role"] == "system":
-            raise InputError("--system: --messages {} has a system message of its own", path)
+            raise InputError("{system}: --messages {} has a system message of its own", path)
     system = {"role": "system", "content": args.system}
     return [[system, {"role": "user", "content": p}] for p in prompts] + [[system, *c] for c in conversations]
 
 
+def _prompt_sources(args) -> list[str]:
+    """How errors name each request's prompt, in _read_prompts' order: by its flag and index, or its file."""
+    return ([f"--prompt: prompt {i}" for i in range(len(args.prompt))]
+            + [f"--prompt-file {path}" for path in args.prompt_file]
+            + [f"--messages {path}" for path in args.messages])
+
+
 def _check_output_path(path: Path) -> None:
-    """Before any work: the file can be created where it is asked for (its folder is made if missing)."""
+    """Before any work: the file can be written where it is asked for (its folder is made if missing). A test
+    write of the temporary file `_write_json` starts with, then its removal: a folder that exists but takes no
+    file (read-only, /proc, /sys) is found now rather than after the run."""
     if path.is_dir():
         raise InputError("--output-json {}: is a directory", path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError("--output-json {}: cannot make its folder: {}", path, e.strerror) from None
+    probe = _temporary(path)
+    try:
+        probe.write_text("{}")
+    except OSError as e:
+        raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def _write_json(path: Path, doc: dict) -> None:
     """Written to a temporary file beside `path`, then renamed over it: an interrupted or failed write never
     leaves a half-written file at `path`."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = _temporary(path)
     try:
         temporary.write_text(json.dumps(doc, indent=1))
         os.replace(temporary, path)
     except OSError as e:
-        raise InputError("--output-json {}: {}", path, e.strerror) from None
+        raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -438,17 +465,46 @@ GPU_FIGURE = ("1.68x plain decoding at 7.9K-token prompts x 64 on an H200 (bench
               "tuned)")
 
 
-def slowdown_reason(platform: str, tau: float | None, gamma: int, batch: int, context: int) -> str:
-    """One line on why speculation measured slower than plain decoding here."""
+def slowdown_reason(platform: str, options: GenerationOptions, metrics: dict, batch: int, context: int) -> str:
+    """One line on why speculation measured slower than plain decoding here, for the run of `options` (those it
+    decoded with: the SSV planner's choice made) and its `metrics`."""
+    if options.effective_gamma == 0:
+        return ("why slower: the SSV planner chose plain decoding (no drafts) for this run, so both runs decode "
+                "alike and differ by timing noise only")
+    tau = metrics["tau"]
     tau_text = "no" if tau is None else f"{tau:.2f}"
+    work = _iteration_work(options, metrics)
     if platform == "cpu":
-        return (f"why slower: on a CPU a forward pass costs its arithmetic whatever little it reads, so each "
-                f"iteration's {gamma} draft passes and {gamma + 1}-token verification cost more than the {tau_text} plain steps "
-                f"they replace; speculation pays where a step is bound by reading the KV cache (a GPU, long contexts, "
-                f"many sequences: {GPU_FIGURE})")
+        return (f"why slower: on a CPU a forward pass costs its arithmetic whatever little it reads, so an "
+                f"iteration of {work} costs more than the {tau_text} plain steps it replaces; speculation pays where "
+                f"a step is bound by reading the KV cache (a GPU, long contexts, many sequences: {GPU_FIGURE})")
     return (f"why slower: at {batch} sequence(s) of up to {context} tokens a step is bound by kernel launches rather "
-            f"than by reading the KV cache, so {gamma} draft passes per iteration cost more than the {tau_text} tokens "
-            f"an iteration yields; Vegas pays at long contexts and many sequences ({GPU_FIGURE})")
+            f"than by reading the KV cache, so an iteration of {work} costs more than the {tau_text} tokens it "
+            f"yields; Vegas pays at long contexts and many sequences ({GPU_FIGURE})")
+
+
+def _iteration_work(options: GenerationOptions, metrics: dict) -> str:
+    """What an iteration of a speculative run computes, in words: its drafting and how many tokens its
+    verification scores (a chain of γ drafts, adaptive γ's mean choice, or a draft tree's nodes)."""
+    tree = options.tree
+    if tree is not None:
+        drafting = "a prompt lookup" if options.drafter == "ngram" else f"{tree.depth} draft passes"
+        return (f"{drafting} for a {options.draft_tree} tree of {tree.num_nodes} drafts and a {tree.rows}-token "
+                "verification")
+    if options.auto_gamma:
+        mean, most = metrics["gamma_chosen_mean"], options.effective_gamma
+        if mean is None:  # no iteration ran
+            return f"up to {most} draft passes (gamma auto) and a verification of one token more"
+        return (f"{mean:.2f} draft passes on average (gamma auto, at most {most}) and a {mean + 1:.2f}-token "
+                "verification")
+    return f"{options.gamma} draft passes and a {options.gamma + 1}-token verification"
+
+
+def _speedup(result: GenerationResult, plain: GenerationResult) -> float | None:
+    """The run's decode speed over plain decoding's; None when there is none to compare: a run that decoded no
+    token after prefill's (max_new_tokens 1, a stop at once) has no speed."""
+    ours, theirs = result.metrics["decode_tokens_per_s"], plain.metrics["decode_tokens_per_s"]
+    return ours / theirs if ours > 0 and theirs > 0 else None  # (a NaN speed is no speed either)
 
 
 # Below this acceptance rate, over at least LOW_ACCEPTANCE_ITERATIONS iterations, the drafts are mostly wasted work:
@@ -470,7 +526,7 @@ def low_acceptance_warning(metrics: dict) -> str | None:
             "more of the cache, --method ar skips drafting")
 
 
-def _print_result(result: GenerationResult, label: str, show_text: bool) -> None:
+def _print_metrics(result: GenerationResult, label: str) -> None:
     m = result.metrics
     line = (f"[{label}] compile {m['compile_s']:.2f}s  prefill {m['prefill_s']:.2f}s  decode {m['decode_s']:.2f}s  "
             f"{m['decode_tokens_per_s']:.1f} tok/s")
@@ -493,11 +549,15 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
         line += (f"  gamma auto: mean {mean if mean is None else round(mean, 2)} iterations by gamma "
                  f"{m['gamma_chosen_histogram']}{cost_text}")
     print(line, file=sys.stderr)
-    if show_text:
-        for i, r in enumerate(result.requests):
-            note = "" if r.status == "ok" else f"; {r.status}: {r.reason}"
-            print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated{note}) ---")
-            print(r.text)
+
+
+def _print_texts(result: GenerationResult) -> None:
+    """Each request's text under a header; one that did not finish says so (interrupted: its text so far)."""
+    for i, r in enumerate(result.requests):
+        status = "interrupted, partial text" if r.status == "interrupted" else r.status
+        note = "" if r.status == "ok" else f"; {status}: {r.reason}"
+        print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated{note}) ---")
+        print(r.text)
 
 
 def _as_json(result: GenerationResult) -> dict:
@@ -507,9 +567,9 @@ def _as_json(result: GenerationResult) -> dict:
     }
 
 
-def _interrupted(out: dict, path: Path | None, name) -> int:
+def _interrupted(out: dict, path: Path | None, render) -> int:
     """After SIGINT: the requests finished so far written (all of them, each with its status, and
-    "interrupted": true), and one line."""
+    "interrupted": true), and one line. (Their texts are printed already.)"""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further SIGINT must not cut the write short
     line = "interrupted (SIGINT)"
@@ -521,9 +581,22 @@ def _interrupted(out: dict, path: Path | None, name) -> int:
                 _write_json(path, {**out, "interrupted": True})
                 line += f", written to {path}"
             except InputError as e:
-                line += f"; error: {e.render(name)}"
+                line += f"; error: {render(e)}"
     print(line, file=sys.stderr)
     return INTERRUPTED
+
+
+def _kept(out: dict, path: Path | None, error: str) -> str:
+    """After a failure once decoding has run: what it decoded written to --output-json with the error, and the
+    end of the error line saying so ("" when nothing was decoded, no JSON was asked for, or the failure was that
+    write's own)."""
+    if "requests" not in out or path is None:
+        return ""
+    try:
+        _write_json(path, {**out, "interrupted": False, "error": error})
+    except InputError:
+        return ""
+    return f"; the run's output was written to {path}"
 
 
 def main(argv=None) -> int:
@@ -540,20 +613,22 @@ def main(argv=None) -> int:
         return e.code
     from_variables = {dest: variable for dest, variable in taken.items() if dest not in given}
     name = lambda argument: from_variables.get(argument) or _flag(argument)  # noqa: E731: what errors call it
+    sources = {"prompts": _prompt_sources(args)}  # a prompt is named by its flag or file, not its batch index
+    render = lambda error: error.render(name, sources)  # noqa: E731
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     interrupt = _Interrupt()
     # Python lets only the main thread handle signals; called from another, main() leaves SIGINT as it is.
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, interrupt.handle) if in_main_thread else None
     try:
-        return _main(args, progress, interrupt, name)
+        return _main(args, progress, interrupt, render)
     finally:
         progress.close()
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
 
 
-def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
+def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
     out = {}  # what --output-json gets, filled in as it becomes known
     try:
         _init_distributed(args)
@@ -623,15 +698,18 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
         result = _run(engine, prompts, options, args, progress, interrupt, stream=args.stream)
         result.metrics["load_s"] = load_s
         out.update(_as_json(result))
+        # The text first: whatever follows (a SIGINT, a failure), what was decoded has been printed.
+        if not args.stream:  # --stream printed it as it came
+            _print_texts(result)
         if interrupt.requested:
-            return _interrupted(out, args.output_json, name)
+            return _interrupted(out, args.output_json, render)
         runs = [(options.method, result)]
+        _print_metrics(result, options.method)
         if args.phase_times:
             from vegas_jax.phases import time_phases
 
             result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
-        _print_result(result, options.method, show_text=not args.stream)
         warning = low_acceptance_warning(result.metrics)
         if warning:
             print(warning, file=sys.stderr)
@@ -640,17 +718,18 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
                       stream=False)
             out["ar"] = _as_json(ar)
             if interrupt.requested:
-                return _interrupted(out, args.output_json, name)
+                return _interrupted(out, args.output_json, render)
             runs.append(("ar", ar))
-            _print_result(ar, "ar", show_text=False)
+            _print_metrics(ar, "ar")
             identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
-            speedup = result.metrics["decode_tokens_per_s"] / ar.metrics["decode_tokens_per_s"]
-            out.update({"identical_to_ar": identical, "speedup_vs_ar": speedup})
-            print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
-            if speedup < 1:
+            ratio = _speedup(result, ar)
+            out.update({"identical_to_ar": identical, "speedup_vs_ar": ratio})
+            ratio_text = "none (no token was decoded after prefill's)" if ratio is None else f"{ratio:.2f}x"
+            print(f"speedup vs ar: {ratio_text}  identical to ar: {identical}", file=sys.stderr)
+            if ratio is not None and ratio < 1:
                 longest = max(len(p) for p in prompts) + options.max_new_tokens
-                print(slowdown_reason(jax.default_backend(), result.metrics["tau"], options.gamma, len(prompts),
-                                      longest), file=sys.stderr)
+                print(slowdown_reason(jax.default_backend(), result.options, result.metrics, len(prompts), longest),
+                      file=sys.stderr)
         from vegas_jax.compilation import persistent_cache_report
 
         cache = persistent_cache_report()
@@ -661,10 +740,16 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
         if args.output_json:
             _write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:
-        print(f"error: {e.render(name)}", file=sys.stderr)
+        message = render(e)
+        print(f"error: {message}{_kept(out, args.output_json, message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return _interrupted(out, args.output_json, name)
+        return _interrupted(out, args.output_json, render)
+    except Exception as e:
+        if "requests" in out:  # a defect after decoding: what was decoded is kept, then its traceback follows
+            error = f"{type(e).__name__}: {e}"
+            print(f"error: {type(e).__name__} after decoding{_kept(out, args.output_json, error)}", file=sys.stderr)
+        raise
     failures = [(label, i, r.reason) for label, run in runs for i, r in enumerate(run.requests) if r.status == "failed"]
     for label, i, reason in failures:
         print(f"error: [{label}] request {i} failed: {reason}", file=sys.stderr)
