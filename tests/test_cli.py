@@ -561,7 +561,7 @@ def test_stream_with_a_stop_string_and_a_conversation(capsys, tmp_path, referenc
     (cut before the stop string) ends."""
     engine, _ = reference
     conversation = [{"role": "user", "content": "Say something."}]
-    (tmp_path / "chat.json").write_text(json.dumps(conversation))
+    (tmp_path / "chat.json").write_text(json.dumps(conversation), encoding="utf-8-sig")  # a BOM is dropped
     messages = [{"role": "system", "content": "Be brief."}, *conversation]
     unstopped = engine.generate([messages], GenerationOptions(max_new_tokens=MAX_NEW, max_model_len=128))
     stop, tokens = _stop_across_a_boundary(engine, unstopped.requests[0].tokens)
@@ -606,6 +606,7 @@ def test_score_cli_writes_what_the_library_scores(capsys, tmp_path, reference):
 
 @pytest.mark.parametrize("lines,needles", [
     (['{"prompt": "a", "continuation": "b"}', "{oops"], ["--pairs", "line 2", "not JSON"]),
+    ([r'{"prompt": "a", "continuation": "b\udcff"}'], ["--pairs: continuation 0", "undecodable byte 0xff"]),
     (['{"prompt": "a"}'], ["--pairs", "line 1", '"continuation"']),
     (['{"prompt": "a", "continuation": "   "}'], ["--pairs", "continuation 0", "empty"]),
     ([], ["--pairs", "no pairs"]),
@@ -616,6 +617,21 @@ def test_score_cli_bad_pairs_are_one_line(capsys, tmp_path, lines, needles):
     _, err = capsys.readouterr()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
     assert all(needle in err for needle in needles), err
+
+
+@pytest.mark.parametrize("content,output,needle", [
+    (b'{"prompt": "caf\xe9", "continuation": "b"}', None, "--pairs {}: not UTF-8 text (byte 0xe9 at offset 15)"),
+    (b'{"prompt": "a", "continuation": "b"}', "/proc/scores.json", "--output-json /proc/scores.json: cannot be "
+                                                                   "written: "),
+])
+def test_score_cli_refuses_unreadable_pairs_and_unwritable_outputs_before_loading(monkeypatch, capsys, tmp_path,
+                                                                                   content, output, needle):
+    monkeypatch.setattr(score, "_load", lambda *_: pytest.fail("loaded before the files were checked"))
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(content)
+    rc = score.main(["--pairs", str(path), *(["--output-json", output] if output else [])])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("error: " + needle.format(path)) and err.count("\n") == 1, err
 
 
 # ---- vegas_jax.convert, then generate from the Orbax copy ----------------------------------------------------

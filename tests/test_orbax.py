@@ -111,3 +111,21 @@ def test_cli_refuses_non_empty_output_unless_forced(tmp_path, capsys):
     convert(capsys, *args, "--force")
     assert load_model(str(out), jnp.float32).format == "orbax"
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("output", ["/proc/vegas-ckpt", "/sys/vegas-ckpt"])
+def test_cli_refuses_an_output_it_cannot_write_before_loading(capsys, monkeypatch, output):
+    """A test write finds a folder that takes no file before the model is read."""
+    monkeypatch.setattr(vegas_jax.convert, "load_model", lambda *_: pytest.fail("loaded before --output's check"))
+    err = run_failing(capsys, "--model", str(FIXTURES / "tiny-qwen2"), "--output", output)
+    assert err.startswith(f"error: --output {output}: cannot be written: ")
+
+
+def test_cli_reports_a_failed_save_in_one_line(tmp_path, capsys, monkeypatch):
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(vegas_jax.convert, "save_orbax", full)
+    out = tmp_path / "out"
+    err = run_failing(capsys, "--model", str(FIXTURES / "tiny-qwen2"), "--output", str(out))
+    assert err == f"error: --output {out}: cannot be written: No space left on device\n"

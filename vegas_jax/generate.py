@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from vegas_jax import flag_environment, inputs, stops
+from vegas_jax import flag_environment, inputs, outputs, stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
 from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
 from vegas_jax.options import METHODS
@@ -317,22 +317,18 @@ def _prompt_sources(args) -> list[str]:
 
 
 def _check_output_path(path: Path) -> None:
-    """Before any work: the file can be written where it is asked for (its folder is made if missing). A test
-    write of the temporary file `_write_json` starts with, then its removal: a folder that exists but takes no
-    file (read-only, /proc, /sys) is found now rather than after the run."""
+    """Before any work: the file can be written where it is asked for (its folder is made if missing), tried with
+    the temporary file `_write_json` starts with (vegas_jax.outputs)."""
     if path.is_dir():
         raise InputError("--output-json {}: is a directory", path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError("--output-json {}: cannot make its folder: {}", path, e.strerror) from None
-    probe = _temporary(path)
     try:
-        probe.write_text("{}")
+        outputs.probe(_temporary(path))
     except OSError as e:
         raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
-    finally:
-        probe.unlink(missing_ok=True)
 
 
 def _temporary(path: Path) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 # The CLIs share generate's helpers: one-line errors, dtype, loading, the mesh flag, atomic JSON output.
 from vegas_jax.generate import (DTYPES, _check_output_path, _flag, _load, _mesh, _OneLineErrors, _resolve_dtype,
-                                _write_json)
+                                _write_json, read_text)
 from vegas_jax.inputs import InputError
 from vegas_jax.scoring import perplexity
 
@@ -40,12 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_pairs(path: Path) -> tuple[list, list]:
     """(prompts, continuations) from a JSON Lines file; InputError naming the file and line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError("--pairs {}: {}", path, e.strerror) from None
-    except UnicodeDecodeError:
-        raise InputError("--pairs {}: not UTF-8 text", path) from None
+    lines = read_text(path, "--pairs").splitlines()
     prompts, continuations = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
