@@ -268,13 +268,37 @@ def test_help_works_whatever_the_environment(monkeypatch, capsys):
 
 def test_drafts_almost_never_accepted_get_a_warning(vegas_run):
     """A collapse of acceptance is said in a line of its own; the fixture's run (acceptance about 0.4) gets none."""
+    options = GenerationOptions(method="vegas")
     metrics = {"gamma": 6, "iterations": 40, "tau": 1.05, "acceptance_rate": 0.05 / 6}
-    assert generate.low_acceptance_warning(metrics).startswith("warning: only 0.8% of the drafts were accepted")
-    assert generate.low_acceptance_warning({**metrics, "acceptance_rate": 0.1}) is None
-    assert generate.low_acceptance_warning({**metrics, "iterations": 7}) is None  # too few to say
-    assert generate.low_acceptance_warning({**metrics, "gamma": 0, "acceptance_rate": None}) is None  # plain steps
+    warning = generate.low_acceptance_warning(options, metrics)
+    assert warning.startswith("warning: only 0.8% of the drafts were accepted")
+    assert warning.endswith("exact. --gamma auto falls back to plain steps when drafts lose, a larger --sparse-ratio "
+                            "drafts from more of the cache, --method ar skips drafting")
+    assert generate.low_acceptance_warning(options, {**metrics, "acceptance_rate": 0.1}) is None
+    assert generate.low_acceptance_warning(options, {**metrics, "iterations": 7}) is None  # too few to say
+    plain = {**metrics, "gamma": 0, "acceptance_rate": None}
+    assert generate.low_acceptance_warning(GenerationOptions(), plain) is None
     doc, _, err = vegas_run
     assert doc["metrics"]["acceptance_rate"] >= 0.1 and "warning: only" not in err
+
+
+@pytest.mark.parametrize("options,remedies", [
+    (GenerationOptions(method="vegas", gamma="auto"), "a larger --sparse-ratio drafts from more of the cache, "
+                                                      "--method ar skips drafting"),
+    (GenerationOptions(draft_tree="3x2", drafter="ngram"), "prompt lookup finds little of the output in the prompt "
+                                                           "here: without --draft-tree no drafts are made"),
+    (GenerationOptions(method="vegas", draft_tree="3x2"), "a smaller --draft-tree drafts fewer nodes, a larger "
+                                                          "--sparse-ratio drafts from more of the cache, --method ar "
+                                                          "without --draft-tree skips drafting"),
+    # An NSA model's self drafter (sink and window) runs with --method ar.
+    (GenerationOptions(draft_tree="3x2"), "a smaller --draft-tree drafts fewer nodes, without --draft-tree no "
+                                          "drafts are made"),
+])
+def test_the_low_acceptance_warning_suggests_what_applies_to_the_run(options, remedies):
+    """No flag the run could not take: --gamma auto is refused with a tree, and adaptive γ needs no telling."""
+    warning = generate.low_acceptance_warning(options, {"gamma": 3, "iterations": 40, "tau": 1.0,
+                                                        "acceptance_rate": 0.0})
+    assert warning.endswith("the output is still exact. " + remedies), warning
 
 
 def test_switches_and_typed_values_parse_from_variables():

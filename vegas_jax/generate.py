@@ -510,16 +510,34 @@ LOW_ACCEPTANCE = 0.1
 LOW_ACCEPTANCE_ITERATIONS = 8
 
 
-def low_acceptance_warning(metrics: dict) -> str | None:
-    """One line when a speculative run's drafts were almost never accepted, else None."""
+def low_acceptance_warning(options: GenerationOptions, metrics: dict) -> str | None:
+    """One line when a speculative run's drafts were almost never accepted, else None; `options` are those the
+    run decoded with."""
     rate = metrics.get("acceptance_rate")
     if (rate is None or rate >= LOW_ACCEPTANCE or not metrics.get("gamma")
             or metrics.get("iterations", 0) < LOW_ACCEPTANCE_ITERATIONS):
         return None
     return (f"warning: only {rate:.1%} of the drafts were accepted (tau {metrics['tau']:.2f} over "
             f"{metrics['iterations']} iterations): drafting costs more than it yields here; the output is still "
-            "exact. --gamma auto falls back to plain steps when drafts lose, a larger --sparse-ratio drafts from "
-            "more of the cache, --method ar skips drafting")
+            f"exact. {_remedies(options)}")
+
+
+def _remedies(options: GenerationOptions) -> str:
+    """What may make drafting pay, or skip it, in flags this run can take (--gamma auto is not taken with a tree,
+    --sparse-ratio only with a --method's selection)."""
+    no_tree = ("without --draft-tree no drafts are made" if options.method == "ar"
+               else "--method ar without --draft-tree skips drafting")
+    if options.tree is not None and options.drafter == "ngram":
+        return "prompt lookup finds little of the output in the prompt here: " + no_tree
+    remedies = []
+    if options.tree is not None:
+        remedies.append("a smaller --draft-tree drafts fewer nodes")
+    elif not options.auto_gamma:
+        remedies.append("--gamma auto falls back to plain steps when drafts lose")
+    if options.method != "ar":
+        remedies.append("a larger --sparse-ratio drafts from more of the cache")
+    remedies.append(no_tree if options.tree is not None else "--method ar skips drafting")
+    return ", ".join(remedies)
 
 
 def _print_metrics(result: GenerationResult, label: str) -> None:
@@ -706,7 +724,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
 
             result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
-        warning = low_acceptance_warning(result.metrics)
+        warning = low_acceptance_warning(result.options, result.metrics)
         if warning:
             print(warning, file=sys.stderr)
         if args.compare_ar:
