@@ -131,8 +131,8 @@ def test_wrongly_typed_options_are_refused_before_anything_compiles(engine, fiel
 
 
 @pytest.mark.parametrize("stop,message", [
-    (("END", "\ud800"), "stop '\\ud800' is not UTF-8 text: lone surrogate U+D800 at character 0"),
-    (os.fsdecode(b"\xff"), "stop '\\udcff' is not UTF-8 text: undecodable byte 0xff at character 0"),
+    (("END", "\ud800"), "stop: stop string 1 is not UTF-8 text: lone surrogate U+D800 at character 0"),
+    (os.fsdecode(b"\xff"), "stop: stop string 0 is not UTF-8 text: undecodable byte 0xff at character 0"),
 ])
 def test_stop_strings_that_are_not_utf8_are_refused(engine, stop, message):
     with pytest.raises(InputError) as e:

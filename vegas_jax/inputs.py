@@ -96,7 +96,7 @@ def real(value: Any, name: str) -> float:
 def text(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise InputError(_named(name) + " must be a string, got {!r} ({})", value, type(value).__name__)
-    return utf8(value, _named(name) + " {!r}", value)
+    return value
 
 
 def utf8(value: str, where: str, *where_values: Any) -> str:
