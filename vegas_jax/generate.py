@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on a device mesh: data=D,model=M (D splits the batch, M each layer's heads and MLP; "
                         "D x M = all devices of all processes); default: one device")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (mesh, compiled shapes, bytes per device) and exit without compiling")
+                   help="print the plan (mesh, compiled shapes, bytes per device; with --output-json, write it "
+                        "there too) and exit without compiling")
     p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (jax.distributed)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
@@ -700,7 +701,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         prompts = engine.encode_prompts(prompts, args.chat_template)
         plan = engine.plan(prompts, options, slots=args.slots, refill=args.refill)
         if args.dry_run:
-            print(json.dumps({"plan": plan, "prompt_tokens": [len(p) for p in prompts]}, indent=1))
+            doc = {"plan": plan, "prompt_tokens": [len(p) for p in prompts]}
+            print(json.dumps(doc, indent=1))
+            if args.output_json:
+                _write_json(args.output_json, doc)
             return 0
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
