@@ -658,6 +658,18 @@ def test_score_cli_refuses_unreadable_pairs_and_unwritable_outputs_before_loadin
     assert rc == 2 and err.startswith("error: " + needle.format(path)) and err.count("\n") == 1, err
 
 
+def test_score_cli_interrupted_is_one_line(monkeypatch, capsys, tmp_path):
+    """SIGINT while scoring: exit 130 and one line, no traceback (the scores come all at once: none is lost)."""
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "score", interrupted)
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "continuation": "b"}')
+    rc = score.main(["--model", str(FIXTURE), "--dtype", "float32", "--pairs", str(tmp_path / "pairs.jsonl")])
+    assert (rc, capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")
+
+
 # ---- vegas_jax.convert, then generate from the Orbax copy ----------------------------------------------------
 
 

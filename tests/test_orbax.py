@@ -129,3 +129,24 @@ def test_cli_reports_a_failed_save_in_one_line(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     err = run_failing(capsys, "--model", str(FIXTURES / "tiny-qwen2"), "--output", str(out))
     assert err == f"error: --output {out}: cannot be written: No space left on device\n"
+
+
+def test_cli_interrupted_while_loading_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vegas_jax.convert, "load_model", interrupted)
+    assert main(["--model", str(FIXTURES / "tiny-qwen2"), "--output", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == "interrupted (SIGINT)\n" and not (tmp_path / "out").exists()
+
+
+def test_cli_interrupted_while_saving_says_the_checkpoint_is_incomplete(tmp_path, capsys, monkeypatch):
+    def interrupted(loaded, folder):
+        Path(folder).mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vegas_jax.convert, "save_orbax", interrupted)
+    out = tmp_path / "out"
+    assert main(["--model", str(FIXTURES / "tiny-qwen2"), "--output", str(out)]) == 130
+    assert capsys.readouterr().err == (f"interrupted (SIGINT): {out} holds an incomplete checkpoint, which loading "
+                                       "refuses; convert again (with --force)\n")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from models.config import UnsupportedModelError
 from vegas_jax import outputs
+from vegas_jax.generate import INTERRUPTED
 from vegas_jax.loading import CheckpointError, load_model, where_and_why
 from vegas_jax.loading.orbax_ckpt import save_orbax
 
@@ -74,12 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while loading: nothing written yet
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return INTERRUPTED
     loaded_at = time.perf_counter()
+    # A save cut short leaves no vegas_config.json (written last), so loading refuses what it wrote.
     try:
         save_orbax(loaded, output)
-    except OSError as e:  # a full disk, say: the checkpoint is left incomplete, which loading refuses
+    except OSError as e:  # a full disk, say
         print(f"error: --output {output}: cannot be written: {e.strerror}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted (SIGINT): {output} holds an incomplete checkpoint, which loading refuses; convert again "
+              "(with --force)", file=sys.stderr)
+        return INTERRUPTED
     done = time.perf_counter()
     n_params = sum(x.size for x in jax.tree.leaves(loaded.params))
     size_mib = sum(x.nbytes for x in jax.tree.leaves(loaded.params)) / 2**20
