@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from vegas_jax import convert, flag_environment, generate, score, scoring
+from vegas_jax import compilation, convert, flag_environment, generate, score, scoring
 from vegas_jax.engine import Engine, GenerationOptions, InputError
 from vegas_jax.loading import load_model
 
@@ -201,12 +201,32 @@ BAD_INPUT = {
                               ["--draft-tree", "--method quest"]),
     "draft-tree-with-phase-times": (["--prompt", PROMPT, "--method", "vegas", "--draft-tree", "2x2",
                                      "--phase-times"], ["--phase-times", "--draft-tree"]),
+    # Bytes that are not UTF-8 reach Python's argv as lone surrogates (os.fsdecode does the same).
+    "stop-not-utf-8": (["--prompt", PROMPT, "--stop", os.fsdecode(b"\xff")], ["--stop", "not UTF-8", "byte 0xff"]),
+    "prompt-not-utf-8": (["--prompt", PROMPT, "--prompt", os.fsdecode(b"\xff\xfe hi")],
+                         ["--prompt: prompt 1", "not UTF-8", "byte 0xff at character 0"]),
+    "system-not-utf-8": (["--prompt", PROMPT, "--system", os.fsdecode(b"be \xff")], ["--system", "byte 0xff"]),
+    "prompt-file-not-utf-8": (lambda tmp: ["--prompt-file", str(_a_file(tmp, b"caf\xe9"))],
+                              ["--prompt-file", "plain-file", "not UTF-8", "byte 0xe9 at offset 3"]),
+    "prompt-file-longer-than-the-context": (lambda tmp: ["--prompt", PROMPT, "--prompt-file",
+                                                         str(_a_file(tmp, "word " * 200))],
+                                            ["--prompt-file", "plain-file", "tokens", "--max-model-len 128"]),
+    "messages-longer-than-the-context": (lambda tmp: ["--prompt", PROMPT, "--messages", str(_a_file(
+        tmp, json.dumps([{"role": "user", "content": "word " * 200}])))], ["--messages", "plain-file", "tokens"]),
+    "messages-lone-surrogate": (lambda tmp: ["--messages", str(_a_file(
+        tmp, r'[{"role": "user", "content": "a\ud800"}]'))], ["--messages", "plain-file", "message 0", "U+D800"]),
+    "messages-unknown-role": (lambda tmp: ["--messages", str(_a_file(tmp, '[{"role": "wizard", "content": "hi"}]'))],
+                              ["--messages", "plain-file", "message 0", "'wizard'", "user"]),
+    "output-json-under-proc": (["--prompt", PROMPT, "--output-json", "/proc/vegas-out.json"],
+                               ["--output-json /proc/vegas-out.json", "cannot be written"]),
+    "output-json-under-sys": (["--prompt", PROMPT, "--output-json", "/sys/vegas-out.json"],
+                              ["--output-json /sys/vegas-out.json", "cannot be written"]),
 }
 
 
-def _a_file(tmp_path: Path, text: str = "not a folder") -> Path:
+def _a_file(tmp_path: Path, text: str | bytes = "not a folder") -> Path:
     path = tmp_path / "plain-file"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     return path
 
 
@@ -248,13 +268,37 @@ def test_help_works_whatever_the_environment(monkeypatch, capsys):
 
 def test_drafts_almost_never_accepted_get_a_warning(vegas_run):
     """A collapse of acceptance is said in a line of its own; the fixture's run (acceptance about 0.4) gets none."""
+    options = GenerationOptions(method="vegas")
     metrics = {"gamma": 6, "iterations": 40, "tau": 1.05, "acceptance_rate": 0.05 / 6}
-    assert generate.low_acceptance_warning(metrics).startswith("warning: only 0.8% of the drafts were accepted")
-    assert generate.low_acceptance_warning({**metrics, "acceptance_rate": 0.1}) is None
-    assert generate.low_acceptance_warning({**metrics, "iterations": 7}) is None  # too few to say
-    assert generate.low_acceptance_warning({**metrics, "gamma": 0, "acceptance_rate": None}) is None  # plain steps
+    warning = generate.low_acceptance_warning(options, metrics)
+    assert warning.startswith("warning: only 0.8% of the drafts were accepted")
+    assert warning.endswith("exact. --gamma auto falls back to plain steps when drafts lose, a larger --sparse-ratio "
+                            "drafts from more of the cache, --method ar skips drafting")
+    assert generate.low_acceptance_warning(options, {**metrics, "acceptance_rate": 0.1}) is None
+    assert generate.low_acceptance_warning(options, {**metrics, "iterations": 7}) is None  # too few to say
+    plain = {**metrics, "gamma": 0, "acceptance_rate": None}
+    assert generate.low_acceptance_warning(GenerationOptions(), plain) is None
     doc, _, err = vegas_run
     assert doc["metrics"]["acceptance_rate"] >= 0.1 and "warning: only" not in err
+
+
+@pytest.mark.parametrize("options,remedies", [
+    (GenerationOptions(method="vegas", gamma="auto"), "a larger --sparse-ratio drafts from more of the cache, "
+                                                      "--method ar skips drafting"),
+    (GenerationOptions(draft_tree="3x2", drafter="ngram"), "prompt lookup finds little of the output in the prompt "
+                                                           "here: without --draft-tree no drafts are made"),
+    (GenerationOptions(method="vegas", draft_tree="3x2"), "a smaller --draft-tree drafts fewer nodes, a larger "
+                                                          "--sparse-ratio drafts from more of the cache, --method ar "
+                                                          "without --draft-tree skips drafting"),
+    # An NSA model's self drafter (sink and window) runs with --method ar.
+    (GenerationOptions(draft_tree="3x2"), "a smaller --draft-tree drafts fewer nodes, without --draft-tree no "
+                                          "drafts are made"),
+])
+def test_the_low_acceptance_warning_suggests_what_applies_to_the_run(options, remedies):
+    """No flag the run could not take: --gamma auto is refused with a tree, and adaptive γ needs no telling."""
+    warning = generate.low_acceptance_warning(options, {"gamma": 3, "iterations": 40, "tau": 1.0,
+                                                        "acceptance_rate": 0.0})
+    assert warning.endswith("the output is still exact. " + remedies), warning
 
 
 def test_switches_and_typed_values_parse_from_variables():
@@ -344,14 +388,102 @@ def test_output_json_has_config_requests_and_metrics(vegas_run, reference):
     assert len(m["acceptance_by_position"]) == 3
 
 
+def _why_slower(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("why slower:")]
+
+
 def test_a_slowdown_is_explained_in_one_line(vegas_run):
     """A speedup below 1 (on this CPU it is: a tiny model, 40 tokens of context) comes with one line saying why."""
     out, _, err = vegas_run
-    why = [line for line in err.splitlines() if line.startswith("why slower:")]
+    why = _why_slower(err)
     assert len(why) == (out["speedup_vs_ar"] < 1)
     if why:
-        assert f"{out['metrics']['tau']:.2f} plain steps" in why[0] and "3 draft passes" in why[0]
-    assert generate.slowdown_reason("gpu", 1.5, 6, 1, 4096).startswith("why slower: at 1 sequence(s) of up to 4096")
+        assert f"{out['metrics']['tau']:.2f} plain steps" in why[0]
+        assert "3 draft passes and a 4-token verification" in why[0]
+
+
+# Each kind of iteration, and how the slowdown line describes its work.
+ITERATIONS = {
+    "chain": (GenerationOptions(method="vegas", gamma=3), {}, "3 draft passes and a 4-token verification"),
+    "adaptive": (GenerationOptions(method="vegas", gamma="auto", gamma_max=4), {"gamma_chosen_mean": 2.25},
+                 "2.25 draft passes on average (gamma auto, at most 4) and a 3.25-token verification"),
+    "adaptive-before-any-iteration": (GenerationOptions(method="vegas", gamma="auto"), {"gamma_chosen_mean": None},
+                                      "up to 8 draft passes (gamma auto) and a verification of one token more"),
+    "tree": (GenerationOptions(method="vegas", draft_tree="3x2"), {},
+             "3 draft passes for a 3x2 tree of 14 drafts and a 15-token verification"),
+    "ngram-tree": (GenerationOptions(draft_tree="3x2", drafter="ngram"), {},
+                   "a prompt lookup for a 3x2 tree of 14 drafts and a 15-token verification"),
+    # The SSV planner's choice is in the options the run decoded with: a tree, or none at all.
+    "ssv-tree": (GenerationOptions(draft_tree="4x1", ssv_profile="p.json"), {},
+                 "4 draft passes for a 4x1 tree of 4 drafts and a 5-token verification"),
+}
+
+
+@pytest.mark.parametrize("kind", ITERATIONS)
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_the_slowdown_line_describes_each_kind_of_iteration(kind, platform):
+    options, metrics, work = ITERATIONS[kind]
+    line = generate.slowdown_reason(platform, options, {"tau": 1.5, **metrics}, 1, 4096)
+    assert line.startswith("why slower: ") and "\n" not in line
+    assert f"an iteration of {work} costs more than the 1.50 " in line, line
+    if platform == "gpu":
+        assert line.startswith("why slower: at 1 sequence(s) of up to 4096 tokens")
+
+
+def test_the_slowdown_line_when_the_planner_chose_plain_decoding():
+    line = generate.slowdown_reason("cpu", GenerationOptions(ssv_profile="p.json"), {"tau": None}, 1, 4096)
+    assert line.startswith("why slower: the SSV planner chose plain decoding (no drafts)"), line
+
+
+def test_compare_ar_with_adaptive_gamma_explains_itself_and_writes_its_json(capsys, tmp_path, reference):
+    """The comparison with --gamma auto printed, explained (on this CPU it is slower) and written."""
+    _, ref = reference
+    out, _, err = run_json(capsys, tmp_path, [*BASE, *VEGAS, "--gamma", "auto", "--gamma-max", "2",
+                                              "--draft-weights", "int4", "--prompt", PROMPT, "--compare-ar"])
+    assert [r["tokens"] for r in out["requests"]] == [ref.tokens] and out["identical_to_ar"] == [True]
+    why = _why_slower(err)
+    assert len(why) == (out["speedup_vs_ar"] < 1)
+    if why:
+        mean = out["metrics"]["gamma_chosen_mean"]
+        assert f"{mean:.2f} draft passes on average (gamma auto, at most 2)" in why[0]
+
+
+def test_compare_ar_of_one_token_has_no_speedup(capsys, tmp_path):
+    """One new token comes from prefill: neither run decodes, so there is no ratio of their speeds to report."""
+    out, _, err = run_json(capsys, tmp_path, [*BASE, *VEGAS, "--prompt", PROMPT, "--compare-ar",
+                                              "--max-new-tokens", "1"])
+    assert out["speedup_vs_ar"] is None and out["identical_to_ar"] == [True]
+    assert "speedup vs ar: none (no token was decoded after prefill's)  identical to ar: [True]" in err
+    assert not _why_slower(err)
+
+
+def test_a_failure_after_decoding_keeps_the_decoded_tokens(monkeypatch, capsys, tmp_path, reference):
+    """A defect in a step after decoding (here the compile-cache report) is raised with its traceback, but only
+    after the text is printed and the JSON written, with the error in it."""
+    _, ref = reference
+
+    def broken():
+        raise RuntimeError("a defect after decoding")
+
+    monkeypatch.setattr(compilation, "persistent_cache_report", broken)
+    path = tmp_path / "out.json"
+    with pytest.raises(RuntimeError, match="a defect after decoding"):
+        generate.main([*BASE, "--prompt", PROMPT, "--output-json", str(path)])
+    out, err = capsys.readouterr()
+    assert out.endswith(f"\n{ref.text}\n")
+    doc = json.loads(path.read_text())
+    assert [r["tokens"] for r in doc["requests"]] == [ref.tokens]
+    assert doc["error"] == "RuntimeError: a defect after decoding" and doc["interrupted"] is False
+    assert err.splitlines()[-1] == f"error: RuntimeError after decoding; the run's output was written to {path}"
+
+
+def test_an_output_json_is_probed_before_the_run_and_left_absent_on_bad_input(capsys, tmp_path):
+    """The test write leaves nothing behind: a run refused after it (its prompt is too long) writes no file."""
+    path = tmp_path / "new-folder" / "out.json"
+    rc = generate.main([*BASE, "--prompt", "word " * 200, "--output-json", str(path)])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("error: --prompt: prompt 0 has ")
+    assert list(path.parent.iterdir()) == []
 
 
 def test_compare_ar_reports_identity_and_speedup(vegas_run, reference):
@@ -366,9 +498,14 @@ def test_compare_ar_reports_identity_and_speedup(vegas_run, reference):
 
 
 def test_a_draft_tree_run_reports_its_tree_and_plain_decodings_tokens(capsys, tmp_path, reference):
-    out, _, err = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--draft-tree", "3x2", "--drafter", "ngram"])
+    out, _, err = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--draft-tree", "3x2", "--drafter", "ngram",
+                                              "--compare-ar"])
     _, ref = reference
-    assert [r["tokens"] for r in out["requests"]] == [ref.tokens]
+    assert [r["tokens"] for r in out["requests"]] == [ref.tokens] and out["identical_to_ar"] == [True]
+    why = _why_slower(err)
+    assert len(why) == (out["speedup_vs_ar"] < 1)
+    if why:  # the tree's work, not γ's default
+        assert "a prompt lookup for a 3x2 tree of 14 drafts and a 15-token verification" in why[0]
     metrics = out["metrics"]
     assert (metrics["draft_tree"], metrics["drafter"], metrics["gamma"]) == ("3x2", "ngram", 3)
     histogram = metrics["accepted_depth_histogram"]
@@ -448,7 +585,7 @@ def test_stream_with_a_stop_string_and_a_conversation(capsys, tmp_path, referenc
     (cut before the stop string) ends."""
     engine, _ = reference
     conversation = [{"role": "user", "content": "Say something."}]
-    (tmp_path / "chat.json").write_text(json.dumps(conversation))
+    (tmp_path / "chat.json").write_text(json.dumps(conversation), encoding="utf-8-sig")  # a BOM is dropped
     messages = [{"role": "system", "content": "Be brief."}, *conversation]
     unstopped = engine.generate([messages], GenerationOptions(max_new_tokens=MAX_NEW, max_model_len=128))
     stop, tokens = _stop_across_a_boundary(engine, unstopped.requests[0].tokens)
@@ -493,6 +630,7 @@ def test_score_cli_writes_what_the_library_scores(capsys, tmp_path, reference):
 
 @pytest.mark.parametrize("lines,needles", [
     (['{"prompt": "a", "continuation": "b"}', "{oops"], ["--pairs", "line 2", "not JSON"]),
+    ([r'{"prompt": "a", "continuation": "b\udcff"}'], ["--pairs: continuation 0", "undecodable byte 0xff"]),
     (['{"prompt": "a"}'], ["--pairs", "line 1", '"continuation"']),
     (['{"prompt": "a", "continuation": "   "}'], ["--pairs", "continuation 0", "empty"]),
     ([], ["--pairs", "no pairs"]),
@@ -503,6 +641,33 @@ def test_score_cli_bad_pairs_are_one_line(capsys, tmp_path, lines, needles):
     _, err = capsys.readouterr()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
     assert all(needle in err for needle in needles), err
+
+
+@pytest.mark.parametrize("content,output,needle", [
+    (b'{"prompt": "caf\xe9", "continuation": "b"}', None, "--pairs {}: not UTF-8 text (byte 0xe9 at offset 15)"),
+    (b'{"prompt": "a", "continuation": "b"}', "/proc/scores.json", "--output-json /proc/scores.json: cannot be "
+                                                                   "written: "),
+])
+def test_score_cli_refuses_unreadable_pairs_and_unwritable_outputs_before_loading(monkeypatch, capsys, tmp_path,
+                                                                                   content, output, needle):
+    monkeypatch.setattr(score, "_load", lambda *_: pytest.fail("loaded before the files were checked"))
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(content)
+    rc = score.main(["--pairs", str(path), *(["--output-json", output] if output else [])])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("error: " + needle.format(path)) and err.count("\n") == 1, err
+
+
+def test_score_cli_interrupted_is_one_line(monkeypatch, capsys, tmp_path):
+    """SIGINT while scoring: exit 130 and one line, no traceback (the scores come all at once: none is lost)."""
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "score", interrupted)
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "continuation": "b"}')
+    rc = score.main(["--model", str(FIXTURE), "--dtype", "float32", "--pairs", str(tmp_path / "pairs.jsonl")])
+    assert (rc, capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")
 
 
 # ---- vegas_jax.convert, then generate from the Orbax copy ----------------------------------------------------

@@ -91,6 +91,17 @@ BAD_PROMPTS = {
     "whitespace": (["hi", " \n\t"], ": prompt 1 is empty (whitespace only)"),
     "negative-id": ([[-1, 5]], ": prompt 0 has token ids outside the vocabulary [0, 288): [-1]"),
     "id-past-the-vocabulary": ([[5, 288]], ": prompt 0 has token ids outside the vocabulary [0, 288): [288]"),
+    "lone-surrogate": (["hi", "a \ud800"], ": prompt 1 is not UTF-8 text: lone surrogate U+D800 at character 2"),
+    # What Python makes of bytes that are not UTF-8 (argv, file names, os.fsdecode).
+    "undecodable-byte": ([os.fsdecode(b"\xff hi")], ": prompt 0 is not UTF-8 text: undecodable byte 0xff at "
+                                                    "character 0"),
+    "lone-surrogate-in-a-message": ([[{"role": "user", "content": "hi"}, {"role": "user", "content": "\udfff"}]],
+                                    ": prompt 0: message 1 'content' is not UTF-8 text: lone surrogate U+DFFF at "
+                                    "character 0"),
+    "lone-surrogate-in-a-tool-call": ([[{"role": "assistant", "content": "", "tool_calls": [{"name": "\ud800"}]}]],
+                                      ": prompt 0: message 0 'tool_calls' is not UTF-8 text: lone surrogate U+D800"),
+    "unknown-role": ([[{"role": "wizard", "content": "hi"}]], ": prompt 0: message 0 has role 'wizard'; a role is "
+                                                              "one of system, developer, user, assistant, tool"),
 }
 
 
@@ -117,6 +128,24 @@ def test_wrongly_typed_options_are_refused_before_anything_compiles(engine, fiel
     with pytest.raises(InputError, match=re.escape(f"{field} must be {kind}, got {value!r} ({type(value).__name__})")):
         fresh.generate(["hi"], dataclasses.replace(OPTIONS, **{field: value}))
     assert not fresh.programs
+
+
+@pytest.mark.parametrize("stop,message", [
+    (("END", "\ud800"), "stop: stop string 1 is not UTF-8 text: lone surrogate U+D800 at character 0"),
+    (os.fsdecode(b"\xff"), "stop: stop string 0 is not UTF-8 text: undecodable byte 0xff at character 0"),
+])
+def test_stop_strings_that_are_not_utf8_are_refused(engine, stop, message):
+    with pytest.raises(InputError) as e:
+        engine.check_input(["hi"], dataclasses.replace(OPTIONS, stop=stop))
+    assert str(e.value) == message
+
+
+def test_a_prompt_longer_than_the_context_is_named_by_its_index(engine):
+    long = " ".join(["word"] * 200)
+    with pytest.raises(InputError) as e:
+        engine.check_input(["hi", long], OPTIONS)
+    n = len(engine.encode_prompts([long])[0])
+    assert str(e.value) == f"prompts: prompt 1 has {n} tokens, more than max_model_len 128"
 
 
 def test_options_are_a_generation_options(engine):
@@ -356,14 +385,37 @@ def test_sigint_keeps_the_finished_requests(monkeypatch, tmp_path, capsys, refer
     rc = generate.main([*BASE, "--prompt", PROMPT, "--prompt", "Once upon a time", "--prompt", "Lorem ipsum",
                         "--slots", "1", "--output-json", str(path)])
     out, err = capsys.readouterr()
-    assert rc == 130 and out == ""
+    assert rc == 130
     assert err.splitlines()[2:] == [f"interrupted (SIGINT): 1 of 3 requests finished, written to {path}"]
+    partial = "generated; interrupted, partial text: stopped after 0 generated tokens, before it finished) ---\n\n"
+    assert out.startswith(f"--- request 0 ({reference.prompt_tokens} prompt tokens, {MAX_NEW} generated) ---\n"
+                          f"{reference.text}\n--- request 1 (") and out.count(partial) == 2
     doc = json.loads(path.read_text())
     assert doc["interrupted"] is True and doc["metrics"]["interrupted_requests"] == [1, 2]
     assert [(r["status"], r["tokens"]) for r in doc["requests"]] == [
         ("ok", reference.tokens), ("interrupted", []), ("interrupted", [])
     ]
     assert os.listdir(tmp_path) == ["out.json"]  # no temporary file left behind
+
+
+def test_sigint_without_output_json_prints_the_partial_text(monkeypatch, capsys, engine, reference):
+    """SIGINT after the first decode call: the tokens decoded so far are printed, marked partial, and the exit is
+    130."""
+
+    def progress(self, stage, done, total):
+        if stage == "decode":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(generate._Progress, "__call__", progress)
+    rc = generate.main([*BASE, "--prompt", PROMPT])
+    out, err = capsys.readouterr()
+    header = re.match(r"--- request 0 \((\d+) prompt tokens, (\d+) generated; interrupted, partial text: stopped "
+                      r"after (\d+) generated tokens, before it finished\) ---\n", out)
+    assert rc == 130 and header, out
+    n = int(header[2])
+    assert 1 < n == int(header[3]) < MAX_NEW and int(header[1]) == reference.prompt_tokens
+    assert out[header.end():] == engine.tokenizer.decode(reference.tokens[:n]) + "\n"
+    assert err.splitlines()[2:] == ["interrupted (SIGINT): 0 of 1 requests finished"]
 
 
 def test_json_is_never_half_written(monkeypatch, tmp_path):

@@ -124,7 +124,7 @@ def test_max_model_len_follows_the_prompt_when_unset(prompt_length, capacity):
 @pytest.mark.parametrize(
     "prompt_length,message",
     [(1530, "max_new_tokens 20: with a prompt of 1530 tokens it exceeds the context of 1536"),
-     (1600, "prompts: a prompt of 1600 tokens is longer than the model's context of 1536")],
+     (1600, "prompts: prompt 0 has 1600 tokens, more than the model's context of 1536")],
     ids=["prompt-and-new-tokens-over-the-context", "prompt-over-the-context"],
 )
 def test_unset_max_model_len_refuses_what_the_context_cannot_hold(prompt_length, message):

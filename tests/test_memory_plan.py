@@ -62,14 +62,16 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating():
     assert not engine.programs
 
 
-def test_dry_run_prints_the_plan_and_compiles_nothing():
+def test_dry_run_prints_the_plan_and_compiles_nothing(tmp_path):
+    """--output-json, if given, gets the plan printed."""
     fixture = Path(__file__).parent / "fixtures" / "tiny-llama"
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         code = main(["--model", str(fixture), "--prompt", "hello world", "--prompt", "a b c", "--method", "vegas",
-                     "--dry-run", "--quiet"])
+                     "--dry-run", "--quiet", "--output-json", str(tmp_path / "plan.json")])
     assert code == 0
     doc = json.loads(out.getvalue())
+    assert json.loads((tmp_path / "plan.json").read_text()) == doc
     plan = doc["plan"]
     assert plan["batch_rows"] == 2 and plan["gamma"] == 6 and plan["mesh"] == {"data": 1, "model": 1}
     assert plan["bytes_per_device"]["kv_cache"] > 0 and len(doc["prompt_tokens"]) == 2

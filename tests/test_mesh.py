@@ -332,6 +332,27 @@ def test_smollm2_on_data2_model3_equals_one_device():
     assert "unknown axis 'modle'" in out["bad_meshes"]["data=2,modle=3"]["stderr"]
 
 
+def test_load_takes_the_cli_mesh_string_or_refuses_it_in_one_line():
+    """`vegas_jax.load(mesh=...)` takes what --mesh takes; what does not fit is refused naming `mesh`, before the
+    checkpoint is read."""
+    import jax
+
+    import vegas_jax
+    from vegas_jax.inputs import InputError
+
+    count = jax.device_count()
+    for mesh, message in [
+        (f"data={count + 1}", f"mesh data={count + 1},model=1: {count + 1} devices, but {count} are available"),
+        ("data=two", "mesh 'data=two': expected axis=size pairs such as data=2,model=4"),
+        (2, "mesh must be a jax.sharding.Mesh, a string such as 'data=2,model=4', or None, got 2 (int)"),
+    ]:
+        with pytest.raises(InputError) as e:
+            vegas_jax.load(None, mesh=mesh)
+        assert str(e.value).startswith(message), str(e.value)
+    engine = vegas_jax.load(str(FIXTURES / "tiny-llama"), "float32", mesh=f"data={count}")
+    assert dict(engine.model.mesh.shape) == {"data": count, "model": 1}
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--coordinator", "127.0.0.1:1"], "error: --coordinator, --num-processes and --process-id go together"),
     (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],

@@ -111,3 +111,42 @@ def test_cli_refuses_non_empty_output_unless_forced(tmp_path, capsys):
     convert(capsys, *args, "--force")
     assert load_model(str(out), jnp.float32).format == "orbax"
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("output", ["/proc/vegas-ckpt", "/sys/vegas-ckpt"])
+def test_cli_refuses_an_output_it_cannot_write_before_loading(capsys, monkeypatch, output):
+    """A test write finds a folder that takes no file before the model is read."""
+    monkeypatch.setattr(vegas_jax.convert, "load_model", lambda *_: pytest.fail("loaded before --output's check"))
+    err = run_failing(capsys, "--model", str(FIXTURES / "tiny-qwen2"), "--output", output)
+    assert err.startswith(f"error: --output {output}: cannot be written: ")
+
+
+def test_cli_reports_a_failed_save_in_one_line(tmp_path, capsys, monkeypatch):
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(vegas_jax.convert, "save_orbax", full)
+    out = tmp_path / "out"
+    err = run_failing(capsys, "--model", str(FIXTURES / "tiny-qwen2"), "--output", str(out))
+    assert err == f"error: --output {out}: cannot be written: No space left on device\n"
+
+
+def test_cli_interrupted_while_loading_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vegas_jax.convert, "load_model", interrupted)
+    assert main(["--model", str(FIXTURES / "tiny-qwen2"), "--output", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == "interrupted (SIGINT)\n" and not (tmp_path / "out").exists()
+
+
+def test_cli_interrupted_while_saving_says_the_checkpoint_is_incomplete(tmp_path, capsys, monkeypatch):
+    def interrupted(loaded, folder):
+        Path(folder).mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vegas_jax.convert, "save_orbax", interrupted)
+    out = tmp_path / "out"
+    assert main(["--model", str(FIXTURES / "tiny-qwen2"), "--output", str(out)]) == 130
+    assert capsys.readouterr().err == (f"interrupted (SIGINT): {out} holds an incomplete checkpoint, which loading "
+                                       "refuses; convert again (with --force)\n")

@@ -22,8 +22,8 @@ __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "loa
 def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights: str | None = None) -> Engine:
     """An Engine for a checkpoint (None: the embedded SmolLM2). dtype: auto (bf16 on GPU, float32 on CPU),
     bfloat16 or float32. mesh: a `jax.sharding.Mesh` with axes `data` (splits the batch) and `model` (splits heads
-    and MLP units), either optional; the parameters are loaded straight into their shards and every generate /
-    stream / serve call runs on it. None: one device. A checkpoint that cannot be read raises CheckpointError
+    and MLP units), either optional, or the CLI's --mesh string over all devices ("data=2,model=4"); the parameters
+    are loaded straight into their shards and every generate / stream / serve call runs on it. None: one device. A checkpoint that cannot be read raises CheckpointError
     naming the file and the cause. draft_weights: int8 / int4 makes the quantized draft weights at load time
     (from a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where it has them); otherwise a run asking for them
     (`GenerationOptions.draft_weights`) quantizes the loaded weights on first use."""

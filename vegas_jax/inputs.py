@@ -4,7 +4,12 @@ the typed fields of option dataclasses.
 
 Errors name the argument at fault as the caller wrote it. `InputError` keeps its message as a template whose
 named fields are argument names: `str(error)` names the Python arguments (`max_new_tokens`), and the CLI renders
-the same error with its flags (`--max-new-tokens`).
+the same error with its flags (`--max-new-tokens`). A field `{prompts[3]}` names an item of an argument (`prompts:
+prompt 3`), which the CLI can name by where it came from (`--prompt-file long.txt`).
+
+Text is anything a Python str holds that UTF-8 can encode: every str but one with a lone surrogate (U+D800 to
+U+DFFF), which is what Python makes of bytes that are not UTF-8 (in argv, say) and what a JSON escape such as
+"\\ud800" gives. Such text is refused where it enters, naming the argument, rather than fail in the tokenizer.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 import string
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -29,21 +34,44 @@ class InputError(ValueError):
 
     def __init__(self, template: str, *values: Any):
         self.template, self.values = template, values
-        self.names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+        fields = (field for _, field, _, _ in string.Formatter().parse(template) if field)
+        self.names = list(dict.fromkeys(field.partition("[")[0] for field in fields))
         super().__init__(self.render(lambda name: name))
 
-    def render(self, name: Callable[[str], str]) -> str:
-        """The message with every argument named by `name(python_name)`."""
-        return self.template.format(*self.values, **{n: name(n) for n in self.names})
+    def render(self, name: Callable[[str], str], items: Mapping[str, Sequence[str]] | None = None) -> str:
+        """The message with every argument named by `name(python_name)`, and item i of an argument by
+        `items[python_name][i]` where `items` has it (else `name(python_name): prompt i` for `prompts`)."""
+        items = items or {}
+        return self.template.format(*self.values, **{n: _Argument(name(n), n, items.get(n)) for n in self.names})
 
     def __reduce__(self):
         # Pickled (across processes) as template and values: the rendered message is no template.
         return type(self), (self.template, *self.values)
 
 
+class _Argument:
+    """How a rendered message names an argument (`{prompts}`) and its items (`{prompts[3]}`)."""
+
+    def __init__(self, shown: str, name: str, items: Sequence[str] | None):
+        self.shown, self.name, self.items = shown, name, items
+
+    def __format__(self, spec: str) -> str:
+        return format(self.shown, spec)
+
+    def __getitem__(self, index: int) -> str:
+        if self.items is not None:
+            return self.items[index]
+        return f"{self.shown}: {self.name.removesuffix('s')} {index}"
+
+
 def _named(name: str) -> str:
     """A template field naming the argument `name`."""
     return "{" + name + "}"
+
+
+def item(name: str, index: int) -> str:
+    """A template field naming item `index` of the argument `name` (`prompts: prompt 3` in the library)."""
+    return "{" + f"{name}[{int(index)}]" + "}"
 
 
 def _is_integer(value: Any) -> bool:
@@ -68,6 +96,20 @@ def real(value: Any, name: str) -> float:
 def text(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise InputError(_named(name) + " must be a string, got {!r} ({})", value, type(value).__name__)
+    return value
+
+
+def utf8(value: str, where: str, *where_values: Any) -> str:
+    """`value` if UTF-8 can encode it; else InputError starting with `where` (a template, with `where_values`)
+    saying which character cannot be."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        # Python decodes a byte that is not UTF-8 as U+DC80 + the byte (PEP 383's surrogateescape).
+        what = (f"undecodable byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF
+                else f"lone surrogate U+{code:04X}")
+        raise InputError(where + " is not UTF-8 text: {} at character {}", *where_values, what, e.start) from None
     return value
 
 
@@ -127,36 +169,30 @@ def _as_array(value: Any) -> np.ndarray | None:
     return np.asarray(value) if hasattr(value, "__array__") else None
 
 
-def _item(name: str) -> str:
-    """The start of a template naming item `{}` of the argument `name` ("{prompts}: prompt {}")."""
-    return _named(name) + ": " + name.removesuffix("s") + " {}"
-
-
 def _token_ids(prompt: Any, index: int, vocab_size: int, name: str) -> list[int]:
     array = _as_array(prompt)
     if array is not None:
         if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise InputError(_item(name) + " is an array of shape {} and dtype {}; a prompt of token ids is "
-                             "1-D and of integers", index, array.shape, array.dtype)
+            raise InputError(item(name, index) + " is an array of shape {} and dtype {}; a prompt of token ids "
+                             "is 1-D and of integers", array.shape, array.dtype)
         ids = array.tolist()
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
         ids = list(prompt)
         for position, token in enumerate(ids):
             if not _is_integer(token):
-                raise InputError(_item(name) + " has a token id that is not an integer at position {}: {!r} "
-                                 "({})", index, position, token, type(token).__name__)
+                raise InputError(item(name, index) + " has a token id that is not an integer at position {}: "
+                                 "{!r} ({})", position, token, type(token).__name__)
         ids = [int(t) for t in ids]
     elif isinstance(prompt, bytes):
-        raise InputError(_item(name) + " is bytes; decode it to a str", index)
+        raise InputError(item(name, index) + " is bytes; decode it to a str")
     else:
-        raise InputError(_item(name) + " is a {}; a prompt is a string, a sequence of token ids or a list of "
-                         "{{\"role\", \"content\"}} messages", index,
-                         type(prompt).__name__)
+        raise InputError(item(name, index) + " is a {}; a prompt is a string, a sequence of token ids or a list "
+                         "of {{\"role\", \"content\"}} messages", type(prompt).__name__)
     if not ids:
-        raise InputError(_item(name) + " has no tokens", index)
+        raise InputError(item(name, index) + " has no tokens")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InputError(_item(name) + " has token ids outside the vocabulary [0, {}): {}", index, vocab_size,
+        raise InputError(item(name, index) + " has token ids outside the vocabulary [0, {}): {}", vocab_size,
                          bad[:5])
     return ids
 
@@ -165,10 +201,29 @@ def _is_messages(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
 
 
+# The roles chat templates render: OpenAI's (developer is its newer system), tool results, and Llama 3.1's
+# ipython. A template renders an unknown role as it pleases (ChatML as a turn of that name, others not at all), so a
+# misspelt one is refused rather than passed on.
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in `value`, a message's value: a string, or mappings and lists of them (a tool call)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, inner in value.items():
+            yield from _strings(key)
+            yield from _strings(inner)
+    elif isinstance(value, (list, tuple)):
+        for inner in value:
+            yield from _strings(inner)
+
+
 def messages(value: Any, where: str, *where_values: Any) -> list[dict[str, Any]]:
-    """A conversation: a non-empty list of mappings, each with a non-empty string "role" and a string "content"
-    (other keys, such as a tool call's, are passed to the chat template as they are). InputError starting with
-    `where` (a template, with `where_values`) naming the message at fault."""
+    """A conversation: a non-empty list of mappings, each with a "role" of ROLES and a string "content" (other
+    keys, such as a tool call's, are passed to the chat template as they are), all of their text UTF-8 text.
+    InputError starting with `where` (a template, with `where_values`) naming the message at fault."""
     if not isinstance(value, (list, tuple)) or not value:
         raise InputError(where + ": a conversation is a non-empty list of {{\"role\", \"content\"}} messages, got "
                          "{}", *where_values, type(value).__name__ if value else "nothing")
@@ -181,8 +236,12 @@ def messages(value: Any, where: str, *where_values: Any) -> list[dict[str, Any]]
             if not isinstance(message.get(key), str):
                 got = "missing" if key not in message else type(message[key]).__name__
                 raise InputError(where + ": message {} needs a string {!r} ({})", *where_values, i, key, got)
-        if not message["role"]:
-            raise InputError(where + ": message {} has an empty role", *where_values, i)
+        for key, inner in message.items():
+            for string in _strings(inner):
+                utf8(string, where + ": message {} {!r}", *where_values, i, key)
+        if message["role"] not in ROLES:
+            raise InputError(where + ": message {} has role {!r}; a role is one of {}", *where_values, i,
+                             message["role"], ", ".join(ROLES))
         out.append(dict(message))
     return out
 
@@ -217,10 +276,10 @@ def prompt_batch(prompts: Any, vocab_size: int, name: str = "prompts") -> list[s
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise InputError(_item(name) + " is empty (whitespace only)", i)
-            batch.append(prompt)
+                raise InputError(item(name, i) + " is empty (whitespace only)")
+            batch.append(utf8(prompt, item(name, i)))
         elif _is_messages(prompt):
-            batch.append(messages(prompt, _item(name), i))
+            batch.append(messages(prompt, item(name, i)))
         else:
             batch.append(_token_ids(prompt, i, vocab_size, name))
     return batch

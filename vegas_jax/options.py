@@ -186,6 +186,7 @@ class GenerationOptions:
                 raise InputError("{stop}: stop string {} is empty", i)
             if "\ufffd" in text:
                 raise InputError("{stop}: stop string {} contains U+FFFD, which decoding writes for invalid bytes", i)
+            inputs.utf8(text, "{stop}: stop string {}", i)
         stop_bytes = sum(len(s.encode("utf-8")) for s in self.stop)
         if stop_bytes > stops.MAX_STOP_BYTES:
             raise InputError("{stop}: {} bytes of stop strings in all, more than " + str(stops.MAX_STOP_BYTES),

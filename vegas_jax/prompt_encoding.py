@@ -24,8 +24,8 @@ def encode_prompts(tokenizer, vocab_size: int, prompts, chat_template: bool | No
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             if not use_template:
                 why = "the model has no chat template" if not has_template else "not with chat_template False"
-                raise InputError("{prompts}: prompt {} is a conversation, which the chat template renders: {}",
-                                 i, why)
+                raise InputError(inputs.item("prompts", i) + " is a conversation, which the chat template "
+                                 "renders: {}", why)
             prompt = _encode_chat(tokenizer, prompt, i)
         elif isinstance(prompt, str):
             if use_template:
@@ -33,7 +33,7 @@ def encode_prompts(tokenizer, vocab_size: int, prompts, chat_template: bool | No
             else:
                 prompt = tokenizer.encode(prompt)
         if not prompt:
-            raise InputError("{prompts}: prompt {} has no tokens", i)
+            raise InputError(inputs.item("prompts", i) + " has no tokens")
         encoded.append(prompt)
     return encoded
 
@@ -44,4 +44,4 @@ def _encode_chat(tokenizer, messages: list[dict], index: int) -> list[int]:
     try:
         return tokenizer.encode_chat(messages)
     except jinja2.TemplateError as e:  # templates refuse what they cannot render (roles out of turn, say)
-        raise InputError("{prompts}: prompt {}: the chat template refused it: {}", index, e) from None
+        raise InputError(inputs.item("prompts", index) + ": the chat template refused it: {}", e) from None

@@ -19,7 +19,7 @@ import numpy as np
 
 from models import draft_weights
 from models.config import ModelConfig
-from vegas_jax import draft_kernel, loop, memory, sampling, ssv
+from vegas_jax import draft_kernel, inputs, loop, memory, sampling, ssv
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
@@ -129,18 +129,18 @@ def max_model_len(model: ModelConfig, prompt_lens: list[int], options: Generatio
     up to AUTO_LENGTH_BUCKET (at most the model's); InputError when a prompt and its new tokens do not fit."""
     model_max = model.max_position_embeddings
     longest = max(prompt_lens)
+    too_long = inputs.item("prompts", prompt_lens.index(longest)) + " has {} tokens, more than "
     if options.max_model_len is not None:
         if options.max_model_len > model_max:
             raise InputError("{max_model_len} {} exceeds the model's context of {}", options.max_model_len,
                              model_max)
         limit = options.max_model_len
         if longest > limit:
-            raise InputError("{max_model_len}: a prompt of {} tokens is longer than {}", longest, limit)
+            raise InputError(too_long + "{max_model_len} {}", longest, limit)
     else:
         limit = min(model_max, round_up(longest + options.max_new_tokens, AUTO_LENGTH_BUCKET))
         if longest > limit:
-            raise InputError("{prompts}: a prompt of {} tokens is longer than the model's context of {}", longest,
-                             limit)
+            raise InputError(too_long + "the model's context of {}", longest, limit)
     if longest + options.max_new_tokens > limit:
         raise InputError(
             "{max_new_tokens} {}: with a prompt of {} tokens it exceeds the context of {} tokens ({max_model_len})",

@@ -5,7 +5,7 @@ token ids (strings are tokenized without the chat template, as lm-eval-harness d
 (tokens, sum of log-probabilities, whether every token was the model's most likely one) and the perplexity over all
 continuation tokens; --output-json writes the same with each token's log-probability.
 
-Exit status: 0; 2 for bad input, one `error:` line naming the flag, file or line.
+Exit status: 0; 2 for bad input, one `error:` line naming the flag, file or line; 130 when interrupted (SIGINT).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 # The CLIs share generate's helpers: one-line errors, dtype, loading, the mesh flag, atomic JSON output.
-from vegas_jax.generate import (DTYPES, _check_output_path, _flag, _load, _mesh, _OneLineErrors, _resolve_dtype,
-                                _write_json)
+from vegas_jax.generate import (DTYPES, INTERRUPTED, _check_output_path, _flag, _load, _mesh, _OneLineErrors,
+                                _resolve_dtype, _write_json, read_text)
 from vegas_jax.inputs import InputError
 from vegas_jax.scoring import perplexity
 
@@ -40,12 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_pairs(path: Path) -> tuple[list, list]:
     """(prompts, continuations) from a JSON Lines file; InputError naming the file and line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError("--pairs {}: {}", path, e.strerror) from None
-    except UnicodeDecodeError:
-        raise InputError("--pairs {}: not UTF-8 text", path) from None
+    lines = read_text(path, "--pairs").splitlines()
     prompts, continuations = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -93,6 +88,9 @@ def main(argv=None) -> int:
         # The library names pairs by their index among the file's pairs (blank lines skipped), counted from 0.
         print(f"error: {e.render(_pair_flag)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

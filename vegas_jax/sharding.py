@@ -179,9 +179,15 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def adopt_mesh(mesh: Mesh) -> Mesh:
+def adopt_mesh(mesh: Mesh | str) -> Mesh:
     """A caller's mesh as the engine uses it: axes `data` and `model` (a missing one gets size 1), Auto axis types
-    (the engine lays out every array itself; Explicit types would make its host-side indexing a type error)."""
+    (the engine lays out every array itself; Explicit types would make its host-side indexing a type error). A
+    string is --mesh's `data=D,model=M`, over all devices."""
+    if isinstance(mesh, str):
+        return make_mesh(parse_mesh(mesh))
+    if not isinstance(mesh, Mesh):
+        raise InputError("{mesh} must be a jax.sharding.Mesh, a string such as 'data=2,model=4', or None, got {!r} "
+                         "({})", mesh, type(mesh).__name__)
     names = tuple(mesh.axis_names)
     unknown = [n for n in names if n not in (DATA, MODEL)]
     if unknown:
