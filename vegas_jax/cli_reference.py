@@ -64,8 +64,9 @@ def flags_table(parser: argparse.ArgumentParser, *, with_variables: bool) -> str
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue
         repeat = " (repeatable)" if isinstance(action, flag_environment._REPEATABLE) else ""
-        cells = [", ".join(f"`{o}`" for o in action.option_strings), _value(action) + repeat, _default(action),
-                 _cell(action.help or NOTES.get(action.option_strings[0], ""))] + ([_variable(action)] if with_variables else [])
+        meaning = _cell(action.help or NOTES.get(action.option_strings[0], ""))
+        cells = [", ".join(f"`{o}`" for o in action.option_strings), _value(action) + repeat, _default(action), meaning]
+        cells += [_variable(action)] if with_variables else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
