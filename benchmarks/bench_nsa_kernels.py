@@ -332,7 +332,7 @@ def newest_on_one_clock(documents: list[dict]) -> list[dict]:
 
 
 def readme_section(records: list[dict]) -> str:
-    """The README's tables of issue 20's kernel targets from `newest_on_one_clock` records: V0 against V1 (each at
+    """docs/nsa-ssv.md's tables of issue 20's kernel targets from `newest_on_one_clock` records: V0 against V1 (each at
     its fastest Pallas impl) per context, batch and tree size, for the whole verification pass and for the
     selected branch's kernels alone, plain NSA decoding per context and batch, and each target met, missed or not
     yet measured, all at NSA-1B's shapes; then the whole pass at SmolLM2's view's shapes, where measured."""

@@ -1,0 +1,110 @@
+"""docs/cli.md, the CLI reference, generated from the argparse parsers of `vegas_jax.generate` and `vegas_jax.score`
+so that it cannot drift from them (tests/test_docs.py compares the file with `render()`).
+
+    python -m vegas_jax.cli_reference            # rewrites docs/cli.md
+    python -m vegas_jax.cli_reference --check    # exit 1 if docs/cli.md differs from the parsers
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vegas_jax import flag_environment, generate, score
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+# What a flag's value looks like, by its argparse type.
+VALUES = {generate.token_count: "N (K, M suffixes)", generate.gamma_value: "N \\| auto",
+          generate.numbers: "C1,C2,...", int: "N", float: "X", Path: "PATH"}
+
+
+# Flags the parser gives no help text.
+NOTES = {"--max-new-tokens": "tokens to generate per request, never exceeded (also when drafts run ahead)",
+         "--min-sparse-tokens": "the draft KV budget's floor, in tokens",
+         "--prefill-chunk": "prompt tokens per prefill step (smaller bounds memory)"}
+
+
+def _cell(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _prose(text: str) -> str:
+    """text with < and > escaped outside `code spans`, so that Markdown shows them rather than reading HTML."""
+    parts = text.split("`")
+    return "`".join(part if i % 2 else part.replace("<", "&lt;").replace(">", "&gt;") for i, part in enumerate(parts))
+
+
+def _value(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return "switch"
+    if action.choices:
+        return "\\|".join(str(c) for c in action.choices)
+    return VALUES.get(action.type, "TEXT")
+
+
+def _default(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
+    if action.default is None or action.default is False or action.default == [] or action.nargs == 0:
+        return "-"
+    return f"`{action.default}`"
+
+
+def _variable(action: argparse.Action) -> str:
+    """The flag's VEGAS_<FLAG> variable (vegas_jax.flag_environment); repeatable flags have none."""
+    return "-" if isinstance(action, flag_environment._REPEATABLE) else f"`{flag_environment.variable(action)}`"
+
+
+def flags_table(parser: argparse.ArgumentParser, *, with_variables: bool) -> str:
+    head = ["flag", "value", "default", "meaning"] + (["environment"] if with_variables else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+            continue
+        repeat = " (repeatable)" if isinstance(action, flag_environment._REPEATABLE) else ""
+        meaning = _cell(action.help or NOTES.get(action.option_strings[0], ""))
+        cells = [", ".join(f"`{o}`" for o in action.option_strings), _value(action) + repeat, _default(action), meaning]
+        cells += [_variable(action)] if with_variables else []
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _section(module, *, with_variables: bool) -> list[str]:
+    parser = module.build_parser()
+    out = [f"## `{parser.prog}`", "", _prose(module.__doc__.strip()), "",
+           flags_table(parser, with_variables=with_variables)]
+    if parser.epilog:
+        out += ["", _prose(parser.epilog)]
+    return out + [""]
+
+
+def render() -> str:
+    out = ["# CLI reference", "",
+           "Generated from the argparse parsers by `python -m vegas_jax.cli_reference`; do not edit by hand "
+           "(`tests/test_docs.py` checks that this file equals its output). What each flag does in depth: the "
+           "other files of [docs/](.) and the [README](../README.md).", ""]
+    out += _section(generate, with_variables=True)
+    out += _section(score, with_variables=False)
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/cli.md differs from the parsers")
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        if DOC.read_text() != text:
+            print(f"{DOC} is stale: run python -m vegas_jax.cli_reference", file=sys.stderr)
+            return 1
+        return 0
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
