@@ -8,7 +8,7 @@ Rules: `symmetric` (what the loop does: a Thompson draw of each conditional acce
 (mean + |z| sd: a draw never below its mean; fewer drafts teach nothing), `means` (the posterior means, no draw).
 Each rule chooses through `adaptive_gamma.choose` (its probe included), given its own noise. A simulation, not a
 measurement: it says which rule to measure on the device, not what it gains there (the H200 did not bear out
-optimistic draws' gain: README, adaptive-rules-ab-2026-12-04.jsonl).
+optimistic draws' gain: docs/experiments.md, adaptive-rules-ab-2026-12-04.jsonl).
 
     python benchmarks/simulate_adaptive_gamma.py [--iterations 90] [--seeds 8] [--results FOLDER]
 

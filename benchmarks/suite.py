@@ -21,7 +21,7 @@ as it is measured; a record already in the log is skipped, so the same command r
 call stops before a measurement its estimate says would pass --budget-s, and exits with status 3 ("run again to
 resume"); 4 when it skipped measurements that need another stage first (held-out cells not tuned yet: listed as
 "not run"); 0 when its stages are complete. Each call ends by plotting the log (next to it and in $OUT);
-`python -m benchmarks.report` turns the log into the README's results and the same plots.
+`python -m benchmarks.report` turns the log into the results of docs/benchmarks.md (and the README's headline table) and the same plots.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The benchmark suite's records turned into what the report shows: rows of a kind, speedups, the issue's targets
 (met, missed, or not yet measured), throughput projected at SmolLM2's τ, and Markdown tables. Pure functions of
-the records, so the README's results are regenerated from the JSON and never copied by hand."""
+the records, so the results in docs/benchmarks.md are regenerated from the JSON and never copied by hand."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ writes every position to its slot, in position order.
 A faster method for large calls, a sorted sample bracketing the k-th key and one split pass, was built and
 measured (0.257 against 0.436 ms at [1920, 8K] on the H200), but it needs a fallback when a bracket overflows its
 buffer, a `lax.cond` that inside the compiled decode loop cost more than the passes it saved; it was removed
-(benchmarks/RESULTS.md, "Top-k selection"; benchmarks/EXPERIMENTS.md).
+(docs/experiments.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ split partials are summed in float32 outside the kernel. Three kernels share tha
 without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot with the weight tile second. A fourth,
 asked for by `integer_dot`, multiplies int8 or int4 codes by rows of x quantized to int8, in integers (one row: PTX
 dp4a; 2-16 rows: an int8 tensor-core dot): an approximation of the product (x's quantization error, about 1 % of
-the output), for drafts that ask for int8 activations.
+the output), for drafts that ask for int8 activations. On a Hopper GPU the drafts' float products at up to 16 rows
+go through pallas_kernels/weight_only_mgpu.py instead (vegas_jax.draft_kernel.code_layout), whose layout avoids the
+tile shuffles that keep these kernels issue-bound.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def weight_only_integer_kernel(xw_ref, xs_ref, q_ref, scale_ref, offset_ref, o_r
     and an offset enters as (sum of the block's x codes) x offset, so the product is exactly that of the quantized
     row. The codes come as stored for the other kernels (words built from strided loads), or as int32 words already
     (pack_code_words: one load a word). Tried against the float vector kernel on the H200 with words stored ahead
-    (2026-12-02, benchmarks/EXPERIMENTS.md, "integer dot products"): int8 codes read 1.2-1.7x faster, int4 1.3-2.1x;
+    (2026-12-02, docs/experiments.md): int8 codes read 1.2-1.7x faster, int4 1.3-2.1x;
     benchmarks/bench_weight_only.py --integer-dot measures both forms here."""
     split = pl.program_id(1)
     dot4 = ptx.dp4a_emulated if interpret else ptx.dp4a

@@ -1,5 +1,5 @@
-"""Each selection policy against a numpy reference written from its definition (README, `vegas_jax.selection`), on
-fixed scores, caches and states: which positions it selects, its state after an update, the retrieval refresh
+"""Each selection policy against a numpy reference written from its definition (docs/method.md,
+`vegas_jax.selection`), on fixed scores, caches and states: which positions it selects, its state after an update, the retrieval refresh
 rhythm; and the verification pass's score collection (`VerifyAttention`, jnp path) against float64 numpy for
 every score mode and row set."""
 

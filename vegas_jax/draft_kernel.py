@@ -1,12 +1,18 @@
-"""Where kernels run (the GPU), the draft pass multiplies by its quantized weights through the Pallas weight-only
-matmul (pallas_kernels/weight_only_matmul.py): XLA keeps the int -> bf16 convert out of its GEMMs at decode shapes
-and reads no fewer bytes than for bf16 weights (on the H200, 4096 x 6144 at rows 1-16: int8 0.37 TB/s through XLA,
-1.6-1.9 TB/s through the kernel; benchmarks/results/weight-only-2026-12-01-kernel-times.json).
+"""Where kernels run (the GPU), the draft pass multiplies by its quantized weights through a weight-only kernel: XLA
+keeps the int -> bf16 convert out of its GEMMs at decode shapes and reads no fewer bytes than for bf16 weights (on
+the H200, 4096 x 6144 at rows 1-16: int8 0.37 TB/s through XLA, 1.6-1.9 TB/s through the Triton-lowered kernel;
+benchmarks/results/weight-only-2026-12-01-kernel-times.json).
 
-`with_kernel` gives every quantized weight of a draft tree that the kernel tiles the kernel as its product
-(models.quantized.QuantizedWeight.kernel), which models.quantized.quantized_matmul then calls; weights it does not
-tile (an output width that is no multiple of 16, such as a 4-token vocabulary) keep XLA's product. On a mesh it
-runs inside the program on each device's shard, whose groups are whole (models.draft_weights).
+Two kernels, each with the codes in its own layout (`code_layout`; the engine makes a layout once and keeps it):
+- the Mosaic GPU kernel (pallas_kernels/weight_only_mgpu.py), codes transposed: on a Hopper GPU, one device, bf16
+  activations and up to 16 rows. At Llama-3.1-8B's shapes on the H100 a layer's four int4 products took 70-74 us at
+  1-16 rows against the Triton kernel's 91 (one row) and 138 (8 rows), the LM head 117 us against 168-244
+  (benchmarks/results/draft-products-2026-12-05-h100.json, bench_draft_products.py);
+- the Triton-lowered kernels (pallas_kernels/weight_only_matmul.py), codes in bytes or words: everything else.
+`with_kernel` gives every quantized weight of a draft tree that a kernel tiles that kernel as its product
+(models.quantized.QuantizedWeight.kernel), which models.quantized.quantized_matmul then calls; weights no kernel
+tiles (an output width that is no multiple of 16, such as a 4-token vocabulary) keep XLA's product. On a mesh the
+Triton kernels run inside the program on each device's shard, whose groups are whole (models.draft_weights).
 
 With int8 activations (GenerationOptions.draft_activations) every draft product first rounds its rows of x to int8
 per group of positions (pallas_kernels.weight_only_matmul.int8_rows): at one row the kernel then multiplies in
@@ -14,12 +20,12 @@ integers (its integer_dot path, PTX dp4a), int4 codes at 2-16 rows too (an int8 
 Llama-3.1-8B's shapes a layer's four products at 2-16 rows took 106-109 us against the float kernel's 130-134 and
 bf16 cuBLAS's 113-119; int8 codes there took 118-121 against the float kernel's 108-112, so they keep it,
 benchmarks/results/weight-only-2026-12-02-rows.json); otherwise, or without kernels, the rounded rows go through
-the float product. The drafts' numerics are the same either way, up to float rounding; verification keeps the output exact.
-Where kernels run and a batch has one row, the engine asks for the draft codes four rows a word (`codes_in_words`:
-one load a word, where codes as stored take four strided loads; on the H200 at Llama-3.1-8B's shapes a layer's int4
-products took 65 us against 80, and the float kernel's 90, benchmarks/results/weight-only-2026-12-02-s24-integer-
-int4.json). The float kernels read bytes: a product of more rows unpacks words it is given, every step (at batch 8
-that made an 8B iteration 6.6 plain steps against 4.2), so batches of more rows keep the codes in bytes.
+the float product. The drafts' numerics are the same either way, up to float rounding; verification keeps the
+output exact. Where kernels run and a batch has one row with int8 activations, the codes are held four rows a word
+(one load a word, where codes as stored take four strided loads; on the H200 at Llama-3.1-8B's shapes a layer's
+int4 products took 65 us against 80, and the float kernel's 90, benchmarks/results/weight-only-2026-12-02-s24-
+integer-int4.json); in the loop at batch 1 x 32K on the H100 that path's draft step took 3.41 ms against the Mosaic
+GPU kernel's 3.82 with bf16 activations (draft-precision-2026-12-05-135440-random.json).
 """
 
 from __future__ import annotations

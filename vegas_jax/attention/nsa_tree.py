@@ -55,7 +55,7 @@ def raw_rows(cache) -> NSALayerCache:
 
 # V0 (each node its own blocks), not V1's union: the H200 ran the whole pass faster with V0 in every cell measured,
 # 0.68-0.98x V1's time at NSA-1B's shapes (8K-128K, 16-64 nodes) and 0.84x at the loop's own (SmolLM2's view,
-# batch 8 x 8K, a 4x2 tree's 31 nodes; README, "Native Sparse Attention (NSA) models"): blocks of 16 keys make
+# batch 8 x 8K, a 4x2 tree's 31 nodes; docs/nsa-ssv.md): blocks of 16 keys make
 # V0's re-reads cheap.
 TREE_SCHEDULE = "v0"
 
