@@ -466,3 +466,25 @@ def test_sigint_stops_a_cli_run_within_seconds(tmp_path):
     assert doc["interrupted"] is True and {r["status"] for r in doc["requests"]} == {"interrupted"}
     lengths = {len(r["tokens"]) for r in doc["requests"]}
     assert len(lengths) == 1 and 0 < lengths.pop() < 2000  # same prompt, same tokens: one length
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reader_that_closes_early_ends_the_run_quietly(tmp_path, stream):
+    """`python -m vegas_jax.generate ... | head -1`: here the reader closes before the first byte is written, so
+    every write to stdout fails (EPIPE). The run still finishes, --compare-ar included, and writes its JSON; no
+    traceback; exit 141 (128 + SIGPIPE, what a shell reports for a writer killed by it)."""
+    path = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "vegas_jax.generate", *BASE, "--method", "vegas", "--gamma", "2", "--prompt", PROMPT,
+           "--compare-ar", "--output-json", str(path), *(["--stream"] if stream else [])]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipe" not in err, err
+    assert "speedup vs ar" in err  # what follows the text on stderr was not cut short
+    doc = json.loads(path.read_text())
+    assert doc["interrupted"] is False and doc["requests"][0]["status"] == "ok" and "ar" in doc

