@@ -726,3 +726,29 @@ def test_phase_times_split_an_iteration(capsys, tmp_path, method):
 def test_token_counts_take_k_suffixes(capsys, tmp_path):
     out, _, _ = run_json(capsys, tmp_path, [*BASE, "--prompt", PROMPT, "--max-model-len", "1K"])
     assert out["config"]["max_model_len"] == 1024
+
+
+def _strict(text: str) -> dict:
+    """JSON as the standard has it: NaN and Infinity, which json.dumps writes by default, are refused."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("slots", [None, 1])
+def test_a_decode_of_no_measured_time_has_no_speed(monkeypatch, capsys, tmp_path, slots):
+    """A clock that does not move (decode_s exactly 0, as a coarse clock can give): no tokens/s, no speedup, and a
+    JSON that is JSON (null, never NaN), printed and written, from generate and from serve."""
+    from vegas_jax import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "time", type("Frozen", (), {"perf_counter": staticmethod(lambda: 1.0)}))
+    path = tmp_path / "out.json"
+    argv = [*BASE, *VEGAS, "--prompt", PROMPT, "--compare-ar", "--output-json", str(path)]
+    assert generate.main([*argv, *(["--slots", str(slots)] if slots else [])]) == 0
+    _, err = capsys.readouterr()
+    doc = _strict(path.read_text())
+    for run in (doc, doc["ar"]):
+        assert run["metrics"]["decode_s"] == 0 and run["metrics"]["decode_tokens_per_s"] is None
+    assert doc["speedup_vs_ar"] is None
+    assert "decode 0.00s  - tok/s" in err and "speedup vs ar: none" in err

@@ -509,9 +509,10 @@ def _iteration_work(options: GenerationOptions, metrics: dict) -> str:
 
 def _speedup(result: GenerationResult, plain: GenerationResult) -> float | None:
     """The run's decode speed over plain decoding's; None when there is none to compare: a run that decoded no
-    token after prefill's (max_new_tokens 1, a stop at once) has no speed."""
+    token after prefill's (max_new_tokens 1, a stop at once) has no speed, nor one whose decode took no measured
+    time (its tokens/s is None)."""
     ours, theirs = result.metrics["decode_tokens_per_s"], plain.metrics["decode_tokens_per_s"]
-    return ours / theirs if ours > 0 and theirs > 0 else None  # (a NaN speed is no speed either)
+    return ours / theirs if ours and theirs else None
 
 
 # Below this acceptance rate, over at least LOW_ACCEPTANCE_ITERATIONS iterations, the drafts are mostly wasted work:
@@ -554,7 +555,7 @@ def _remedies(options: GenerationOptions) -> str:
 def _print_metrics(result: GenerationResult, label: str) -> None:
     m = result.metrics
     line = (f"[{label}] compile {m['compile_s']:.2f}s  prefill {m['prefill_s']:.2f}s  decode {m['decode_s']:.2f}s  "
-            f"{m['decode_tokens_per_s']:.1f} tok/s")
+            f"{_rate(m['decode_tokens_per_s'])} tok/s")
     if m.get("tau") is not None and m["gamma"]:
         by_pos = " ".join(f"{x:.2f}" if x is not None else "-" for x in m["acceptance_by_position"])
         line += f"  tau {m['tau']:.2f}  acceptance {m['acceptance_rate']:.3f}  by position [{by_pos}]"
@@ -574,6 +575,10 @@ def _print_metrics(result: GenerationResult, label: str) -> None:
         line += (f"  gamma auto: mean {mean if mean is None else round(mean, 2)} iterations by gamma "
                  f"{m['gamma_chosen_histogram']}{cost_text}")
     print(line, file=sys.stderr)
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:.1f}"
 
 
 def _print_texts(result: GenerationResult) -> None:
@@ -766,7 +771,9 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             identical = [a.tokens == b.tokens for a, b in zip(result.requests, ar.requests)]
             ratio = _speedup(result, ar)
             out.update({"identical_to_ar": identical, "speedup_vs_ar": ratio})
-            ratio_text = "none (no token was decoded after prefill's)" if ratio is None else f"{ratio:.2f}x"
+            why = ("no token was decoded after prefill's" if not result.metrics["decode_tokens"]
+                   else "no decode time was measured")
+            ratio_text = f"none ({why})" if ratio is None else f"{ratio:.2f}x"
             print(f"speedup vs ar: {ratio_text}  identical to ar: {identical}", file=sys.stderr)
             if ratio is not None and ratio < 1:
                 longest = max(len(p) for p in prompts) + options.max_new_tokens

@@ -4,7 +4,6 @@ decode state (one gather of its per-request rows to the host, then tokens, text,
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -110,7 +109,8 @@ def generation_result(tokenizer, options: GenerationOptions, ids: list[list[int]
     decode_tokens = int(np.maximum(num_generated - 1, 0).sum())  # the first token comes from prefill
     metrics = dict(timings)
     metrics["decode_tokens"] = decode_tokens
-    metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else math.nan
+    # None, not NaN (which JSON has no word for): a decode of no measured time has no rate.
+    metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else None
     metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
     metrics.update(pooled_metrics(iterations, drafted, accepted, gamma))
     metrics["draft_weights"] = options.draft_weights if gamma else None
