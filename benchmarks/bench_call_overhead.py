@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
 
 CALLS = 10
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
 
     engine = random_smollm2_engine()
     prompts = np.random.default_rng(0).integers(0, SMOLLM2_135M.vocab_size, (args.batch, args.prompt_tokens)).tolist()

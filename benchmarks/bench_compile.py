@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax import compilation  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
 
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     if args.smoke:
         args.model, args.batch, args.prompt_tokens, args.workers = "tiny", 2, 64, "2"
 

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
@@ -188,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--mesh", default=None, help="data=D,model=M: run on a mesh of all devices (default: one)")
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None

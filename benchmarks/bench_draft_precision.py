@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
 from benchmarks.random_model import SHAPES, TINY, random_engine  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions, InputError  # noqa: E402
 from vegas_jax.generate import token_count  # noqa: E402
@@ -272,6 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     args.precisions = args.precisions.split(",")
     if set(args.precisions) - set(PRECISIONS):
         print(f"error: --precisions {','.join(args.precisions)}: choose from {', '.join(PRECISIONS)}", file=sys.stderr)

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_weight_only import time_chain_ms  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
 from models.quantized import QuantizedWeight, dequantize, group_size_for, nbytes, quantize, quantized_matmul  # noqa: E402
 from vegas_jax.draft_kernel import CODE_LAYOUTS, with_kernel  # noqa: E402
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode: checks this script")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     try:
         rows, bits_list, layouts = _list(args.rows, int), _list(args.bits, int), _list(args.layouts)

@@ -21,7 +21,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
-from benchmarks.results_io import save_results  # noqa: E402
+from benchmarks.results_io import check_writable, save_results  # noqa: E402
 from vegas_jax.loading.gguf import load_gguf  # noqa: E402  (its tokenizer builds the same prompts)
 
 
@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default="static", help="transformers cache_implementation (static | dynamic)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
 
     tokenizer = load_gguf(args.model).tokenizer
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E402
 from models.decoder import vocabulary_logits  # noqa: E402
 
@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="--shape smoke --rows 1,8, a small bandwidth probe (CPU)")
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     if args.smoke:
         args.shape, args.rows = "smoke", "1,8"
     dim, vocab = SHAPES[args.shape]

@@ -58,7 +58,9 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.model, args.dtype, None if args.one == "none" else args.one)))
         return 0
 
-    from benchmarks.results_io import run_metadata, save_results
+    from benchmarks.results_io import check_writable, run_metadata, save_results
+
+    check_writable("--out", args.out)
 
     from vegas_jax.sharding import parse_mesh
 

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.random_model import SHAPES, random_model  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, time_iterations  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions, InputError  # noqa: E402
 from vegas_jax.generate import token_count  # noqa: E402
@@ -194,6 +194,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     args.started = time.perf_counter()
     args.meshes = [m.strip() for m in args.meshes.split(";") if m.strip()]
     try:

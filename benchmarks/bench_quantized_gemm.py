@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from models.quantized import FORMULATIONS, integer_codes, quantize_int4, quantize_int8, quantized_matmul  # noqa: E402
 from models.quantized import nbytes  # noqa: E402
 from vegas_jax.compilation import GPU_COMPILER_OPTIONS  # noqa: E402
@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     settings = SMOKE if args.smoke else FULL
     if args.variants:
         settings = dataclasses.replace(settings, variants=tuple(args.variants.split(",")))

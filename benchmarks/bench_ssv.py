@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_cache_rows, random_engine, random_model  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig  # noqa: E402
 from vegas_jax import loop, tree_decode  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     if args.quick:
         args.batches, args.nsa_1b_batches, args.max_new_tokens, args.repeats = "8", "1", 64, 2
     args.batches = [int(b) for b in args.batches.split(",")]

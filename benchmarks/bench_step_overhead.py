@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.engine import GenerationOptions  # noqa: E402
 
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="default")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
 
     engine = random_smollm2_engine()
     rng = np.random.default_rng(0)

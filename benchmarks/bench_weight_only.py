@@ -43,7 +43,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, measure_bandwidth, median_seconds  # noqa: E402
 from pallas_kernels.weight_only_matmul import (  # noqa: E402
     UNPACKS, code_blocks, default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
     unpacks = args.nibble_unpack.split(",")
     if not set(unpacks) <= set(UNPACKS):
         print(f"error: --nibble-unpack {args.nibble_unpack}: each one of {', '.join(UNPACKS)}", file=sys.stderr)

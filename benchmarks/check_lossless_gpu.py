@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_decode import first_differences  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.compilation import Programs  # noqa: E402
@@ -592,6 +592,7 @@ def parse(argv) -> argparse.Namespace:
     if args.results is None and not args.smoke:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
         args.results = RESULTS / f"lossless-gpu-{stamp}{'-quick' if args.quick else ''}.json"
+    check_writable("--results", args.results.parent if args.results else None)
     return args
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_ssv import run  # noqa: E402
 from benchmarks.prompts import long_prompts  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    check_writable("--out", None if args.smoke else args.out)
     started = time.perf_counter()
     profile = load_profile(args.ssv_profile)
     meta = run_metadata(args={k: str(v) for k, v in vars(args).items() if k not in ("resume", "measured", "budget_s")},

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import stdlib_corpus  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
-from benchmarks.results_io import RecordLog, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.nsa_approx import greedy_decode, prefill_logits  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny random model on random tokens: checks the script")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    check_writable("--out", args.out)
     gpu = jax.default_backend() == "gpu"
     if args.smoke:
         args.prompt_tokens, args.new_tokens, args.texts, args.modes = 96, 6, 1, "s2w1r2"

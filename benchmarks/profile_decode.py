@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    check_writable("--out", args.out)
 
     if args.model:
         engine = Engine(load_model(args.model, jnp.bfloat16))

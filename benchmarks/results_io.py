@@ -11,6 +11,8 @@ from pathlib import Path
 
 import jax
 
+from vegas_jax import outputs
+
 
 def save_results(doc: dict, name: str, *folders: Path | None) -> None:
     """Writes doc to name in each folder (None: none) and $OUT, each file replaced whole (a temporary file, then
@@ -22,6 +24,22 @@ def save_results(doc: dict, name: str, *folders: Path | None) -> None:
         partial = folder / f".{name}.{os.getpid()}.partial"
         partial.write_text(text)
         os.replace(partial, folder / name)
+
+
+def check_writable(flag: str, folder: Path | str | None) -> None:
+    """Before measuring: the folder a script's `flag` (--out, --results) names, and $OUT when set, are made if
+    missing and take a test write (removed); else one `error:` line naming the flag (or $OUT) and exit 2, rather
+    than a run whose results are lost when save_results meets the folder. None: only $OUT."""
+    named = [(flag, folder)] if folder else []
+    if os.environ.get("OUT"):
+        named.append(("$OUT", os.environ["OUT"]))
+    for name, path in named:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            outputs.probe(Path(path) / f".results-write-probe-{os.getpid()}")
+        except OSError as e:
+            print(f"error: {name} {path}: cannot write results there ({e.strerror or e})", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 class RecordLog:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.results_io import run_metadata, save_results  # noqa: E402
+from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax import adaptive_gamma  # noqa: E402
 from vegas_jax.adaptive_gamma import GammaControl  # noqa: E402
 
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
+    check_writable("--results", args.results)
     records = []
     print(f"{'scenario':42} " + " ".join(f"{rule:>16}" for rule in RULES))
     for name, (rates, costs, batch, first) in SCENARIOS.items():

@@ -281,6 +281,38 @@ def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the temporary file was renamed, not left
 
 
+
+OUT_FLAGS = {"bench_call_overhead": "--out", "bench_compile": "--out", "bench_decode": "--out",
+             "bench_draft_precision": "--out", "bench_draft_products": "--out", "bench_hf_generate": "--out",
+             "bench_lm_head": "--out", "bench_loading": "--out", "bench_mesh": "--out", "bench_prefill": "--out",
+             "bench_quantized_gemm": "--out", "bench_ssv": "--out", "bench_step_overhead": "--out",
+             "bench_weight_only": "--out", "check_planner": "--out", "measure_approx_modes": "--out",
+             "profile_decode": "--out", "simulate_adaptive_gamma": "--results", "check_lossless_gpu": "--results"}
+REQUIRED = {"check_planner": ["--ssv-profile", "unread.json"], "bench_hf_generate": ["--model", "unread"]}
+
+
+@pytest.mark.parametrize("script", OUT_FLAGS)
+def test_an_unwritable_results_folder_is_one_line_before_measuring(script, tmp_path, monkeypatch, capsys):
+    """A folder that cannot be made (its parent is a file: a read-only folder is no test as root) is refused
+    before anything is measured, naming the flag; so is an unwritable $OUT. (simulate_adaptive_gamma used to
+    simulate for 20 s, then end in a NotADirectoryError traceback.)"""
+    monkeypatch.delenv("OUT", raising=False)
+    (tmp_path / "file").write_text("")
+    flag, bad = OUT_FLAGS[script], tmp_path / "file" / "sub"
+    if script == "bench_hf_generate":
+        pytest.importorskip("torch")
+    module, required = importlib.import_module(f"benchmarks.{script}"), REQUIRED.get(script, [])
+    with pytest.raises(SystemExit) as exit_:
+        module.main([*required, flag, str(bad / "r.json" if script == "check_lossless_gpu" else bad)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: {flag} {bad}: cannot write results there (Not a directory)\n"
+    monkeypatch.setenv("OUT", str(bad))
+    with pytest.raises(SystemExit):
+        module.main([*required, flag, str(tmp_path / "ok" / ("r.json" if script == "check_lossless_gpu" else ""))])
+    assert capsys.readouterr().err == f"error: $OUT {bad}: cannot write results there (Not a directory)\n"
+    assert not list((tmp_path / "ok").iterdir())  # the test write left nothing
+
+
 def test_check_planner(tmp_path, monkeypatch):
     """The planner's run first, then every candidate it weighs; the summary compares them. No run starts past the
     budget (0 s: none at all); --resume finishes a check, rerunning only what its file lacks, and refuses a file
