@@ -37,9 +37,9 @@ def padded_rows(m: int) -> int:
 
 
 def _swizzled(block_cols: int, bits: int):
-    """(transforms, swizzle in bytes) for a [rows, block_cols] block of `bits`-bit values in shared memory."""
+    """The transforms of a [rows, block_cols] block of `bits`-bit values in shared memory (tiled, swizzled)."""
     swizzle = plgpu.find_swizzle(block_cols * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)), swizzle
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
@@ -69,8 +69,7 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
     xp = jnp.zeros((rows, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
     shifted = offset is not None or zero_point != 0  # the dequantized weight has an additive term
     steps = k // splits // block_k
-    w_transforms, _ = _swizzled(step_group, bits)
-    x_transforms, _ = _swizzled(step_group, 16)
+    w_transforms, x_transforms = _swizzled(step_group, bits), _swizzled(step_group, 16)
     scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
@@ -122,7 +121,7 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
         grid=(n // block_n, splits),
         grid_names=("n", "split"),
         scratch_types=[plgpu.SMEM((block_n, rows), jnp.float32),
-                       plgpu.SMEM((block_n, step_group), jnp.bfloat16, transforms=_swizzled(step_group, 16)[0])
+                       plgpu.SMEM((block_n, step_group), jnp.bfloat16, transforms=x_transforms)
                        if interpret else None],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
