@@ -154,7 +154,7 @@ class Decoder(nnx.Module):
             )
 
     def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows, tp: TensorParallel,
-                 lm_head=None):
+                 lm_head=None, with_hidden=False):
         rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32))
         x = jnp.take(self.embed[...], tokens, axis=0)
         caches, aux_out = [], []
@@ -164,6 +164,7 @@ class Decoder(nnx.Module):
             aux_out.append(aux)
             if hasattr(attention, "after_layer"):  # an attention that hands a layer's result on (nsa_approx)
                 attention = attention.after_layer(i, aux)
+        hidden = x  # the last layer's output before the final norm: what a draft head reads (models.draft_head)
         if logit_rows is not None:  # only these rows need the (vocabulary-sized) LM head
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
         x = self.final_norm(x)
@@ -173,6 +174,8 @@ class Decoder(nnx.Module):
             logits = vocabulary_logits("BSD,VD->BSV", x, self.embed[...])
         else:
             logits = vocabulary_logits("BSD,DV->BSV", x, self.lm_head.get_value())
+        if with_hidden:
+            return logits, type(kv_cache).from_layers(caches), tuple(aux_out), hidden
         return logits, type(kv_cache).from_layers(caches), tuple(aux_out)
 
 
@@ -278,8 +281,10 @@ def forward(
     config: ModelConfig,
     logit_rows: jax.Array | None = None,  # [B, R] row indices into S; logits only for these rows
     tensor_parallel: TensorParallel = TensorParallel(),
+    with_hidden: bool = False,
 ) -> tuple[jax.Array, KVCache, tuple]:
-    """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux). With tensor parallelism,
+    """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux), and with `with_hidden`
+    the last layer's output before the final norm [B, S, D] (every row) after them. With tensor parallelism,
     params, cache and attention are this program's shard of them (`TensorParallel`); the logits are whole.
 
     A draft pass's params may hold QuantizedWeights in place of the linear weights (`draft_params`), and a tied
@@ -292,4 +297,4 @@ def forward(
     state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel, lm_head)
+    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel, lm_head, with_hidden)

@@ -1,5 +1,5 @@
-"""Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.tree). Behind one small interface, so
-another drafter (an EAGLE-style head, say) plugs in beside these two:
+"""Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.tree), behind one small interface
+(init_state, propose, record):
 
 - `self`: the model itself with a cheaper attention, one forward per level over that level's nodes, a node's
   children its draft distribution's top choices (greedy) or draws from it without replacement (sampling: the
@@ -10,6 +10,11 @@ another drafter (an EAGLE-style head, say) plugs in beside these two:
 - `ngram`: prompt lookup. The longest (up to NGRAM_MAX tokens), most recent earlier occurrences of the sequence's
   last tokens and what followed each are merged into the tree: a node's children are the distinct next tokens of
   the continuations through it, best match first. No forward pass; nodes no match fills are invalid.
+- `head`: a trained EAGLE-style draft head (models.draft_head): one decoder layer over the target's last hidden
+  state and the next token, its own small KV cache, the target's final norm and LM head. The target's hidden
+  states of the accepted tokens come from the verification pass that accepted them (`Verified.hidden`); the head
+  writes their rows at the start of the next proposal (so its first level costs one head pass over them), then
+  drafts level by level from its own predicted hidden states, children chosen as the self drafter's are.
 
 A proposal says whether its children are draws from the distributions it returns (`probs`) or fixed choices; the
 sampled acceptance (vegas_jax.tree_decode.accept_sampled) keeps the output exact either way.
@@ -24,13 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import draft_head
 from models.logical_axes import BATCH, axes_field
 from models.quantized import overlay
 from vegas_jax import sampling
 from vegas_jax.attention.tree import DraftPrefix
 from vegas_jax.draft_kernel import with_kernel
 
-DRAFTERS = ("self", "ngram")
+DRAFTERS = ("self", "ngram", "head")
 NGRAM_MAX = 3  # the longest suffix matched
 NGRAM_CANDIDATES = 32  # earlier occurrences merged into one tree
 
@@ -42,6 +48,19 @@ class Proposal:
     valid: jax.Array  # [B, R] bool: the node holds a draft (the root always)
     probs: jax.Array | None  # [B, P, V]: the distribution node p's children were drawn from; None: fixed choices
     finite: jax.Array  # [B] bool: the drafting logits were finite
+    drafter_state: Any  # the drafter's memory after drafting
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What a verification settled, for the drafters to remember: the accepted path's rows, root first, at
+    positions start, start + 1, ... ([B, W] each; rows from `count` on hold nothing)."""
+
+    start: jax.Array  # [B] int32: the root's position
+    count: jax.Array  # [B] int32: rows accepted (the root and the accepted drafts; 0: the request emitted nothing)
+    tokens: jax.Array  # [B, W] int32: the path's tokens
+    following: jax.Array  # [B, W] int32: the token after each row (the next path token; after the last, the bonus)
+    hidden: jax.Array | None  # [B, W, D]: the target's last hidden state at each row (drafters that read it)
 
 
 @jax.tree_util.register_dataclass
@@ -57,14 +76,40 @@ class Context:
         return Context(self.tokens.at[rows, positions].set(tokens, mode="drop"))
 
 
+def grow(tokens, probs, nodes, logits, keys, state, config):
+    """tokens [B, R] with the children of `nodes` (a level's nodes that have children) chosen from their drafting
+    logits [B, n, V]: the top choices (greedy) or draws without replacement, whose distributions go into probs
+    [B, P, V] (sampling; None when greedy)."""
+    tree = config.tree
+    width = tree.children.shape[1]
+    if config.sampling.greedy:
+        choices = jax.lax.top_k(logits, width)[1].astype(jnp.int32)  # [B, n, W]
+    else:
+        p = sampling.probabilities(logits, state.sampling, config.sampling)
+        probs = probs.at[:, nodes].set(p)
+        choices = _draw_children(keys, p, width)
+    kids = tree.children[nodes]  # [n, W]
+    has = kids >= 0
+    return tokens.at[:, kids[has]].set(choices[:, has]), probs
+
+
+def empty_draft(state, config):
+    """(tokens [B, R] holding the root, draft distributions [B, P, V] or None when greedy) before drafting."""
+    batch, tree = state.committed.shape[0], config.tree
+    tokens = jnp.zeros((batch, tree.rows), jnp.int32).at[:, 0].set(state.last_token)
+    greedy = config.sampling.greedy
+    return tokens, None if greedy else jnp.zeros((batch, tree.num_parents, config.model.vocab_size), jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class SelfDrafter:
     name: str = "self"
+    reads_hidden: bool = False
 
-    def init_state(self, prompt_tokens):
+    def init_state(self, config, prompt_lengths, prompt_tokens, dtype):
         return ()
 
-    def record(self, drafter_state, positions, tokens):
+    def record(self, drafter_state, verified: Verified):
         return drafter_state
 
     def propose(self, params, draft_params, state, keys, config, num_drafts) -> Proposal:
@@ -78,9 +123,7 @@ class SelfDrafter:
             prefix = DraftPrefix(selection.indices, jnp.where(state.done[None, :], 0, selection.counts),
                                  selection.recent_start)
         family = config.family
-        greedy = config.sampling.greedy
-        tokens = jnp.zeros((batch, tree.rows), jnp.int32).at[:, 0].set(state.last_token)
-        probs = None if greedy else jnp.zeros((batch, tree.num_parents, config.model.vocab_size), jnp.float32)
+        tokens, probs = empty_draft(state, config)
         ancestors = jnp.asarray(tree.ancestors)
         cache, finite = state.cache, jnp.ones((batch,), bool)
         for depth, level in enumerate(tree.levels[:-1]):
@@ -90,17 +133,8 @@ class SelfDrafter:
             positions = jnp.broadcast_to((committed + depth)[:, None], (batch, len(nodes)))
             logits, cache, _ = config.forward(weights, tokens[:, nodes], positions, cache, attention)
             finite = finite & (jnp.all(jnp.isfinite(logits), axis=(1, 2)) | (depth >= num_drafts))
-            width = tree.children.shape[1]
-            if greedy:
-                choices = jax.lax.top_k(logits, width)[1].astype(jnp.int32)  # [B, n, W]
-            else:
-                p = sampling.probabilities(logits, state.sampling, config.sampling)
-                probs = probs.at[:, nodes].set(p)
-                choices = _draw_children(keys[depth], p, width)
-            kids = tree.children[nodes]  # [n, W]
-            has = kids >= 0
-            tokens = tokens.at[:, kids[has]].set(choices[:, has])
-        return Proposal(cache, tokens, jnp.ones((batch, tree.rows), bool), probs, finite)
+            tokens, probs = grow(tokens, probs, nodes, logits, keys[depth], state, config)
+        return Proposal(cache, tokens, jnp.ones((batch, tree.rows), bool), probs, finite, state.drafter_state)
 
 
 def _draw_children(keys: jax.Array, probs: jax.Array, width: int) -> jax.Array:
@@ -118,19 +152,23 @@ def _draw_children(keys: jax.Array, probs: jax.Array, width: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter:
     name: str = "ngram"
+    reads_hidden: bool = False
 
-    def init_state(self, prompt_tokens):
+    def init_state(self, config, prompt_lengths, prompt_tokens, dtype):
         return Context(prompt_tokens.astype(jnp.int32))
 
-    def record(self, drafter_state: Context, positions, tokens) -> Context:
-        return drafter_state.record(positions, tokens)
+    def record(self, drafter_state: Context, verified: Verified) -> Context:
+        row = jnp.arange(verified.tokens.shape[1])[None, :]
+        positions = jnp.where(row < verified.count[:, None], verified.start[:, None] + row,
+                              drafter_state.tokens.shape[1])
+        return drafter_state.record(positions, verified.tokens)
 
     def propose(self, params, draft_params, state, keys, config, num_drafts) -> Proposal:
         tree = config.tree
         context = state.drafter_state.record(state.committed[:, None], state.last_token[:, None]).tokens
         tokens, valid = ngram_tree(context, state.committed + 1, tree)
         return Proposal(state.cache, tokens.at[:, 0].set(state.last_token), valid,
-                        None, jnp.ones_like(state.done))
+                        None, jnp.ones_like(state.done), state.drafter_state)
 
 
 def ngram_tree(context: jax.Array, length: jax.Array, tree) -> tuple[jax.Array, jax.Array]:
@@ -178,9 +216,94 @@ def ngram_tree(context: jax.Array, length: jax.Array, tree) -> tuple[jax.Array, 
     return tokens, valid
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadMemory:
+    """The head drafter's memory: its K/V rows and the verified rows it has yet to write.
+
+    Slot t of k / v holds the head row of position origin + t (origin: the prompt's last position, the first whose
+    target hidden state the loop sees: prefill computes no hidden states, so the head's context starts there, as
+    in training, vegas_jax.train_draft_head). The last `scratch` slots hold the current proposal's tree nodes, slot
+    context + node, never read by a later proposal."""
+
+    k: jax.Array = axes_field(BATCH, None, None, None)  # [B, T, K, H]
+    v: jax.Array = axes_field(BATCH, None, None, None)
+    origin: jax.Array = axes_field(BATCH)  # [B] int32
+    start: jax.Array = axes_field(BATCH)  # [B] int32: the position of the first pending row
+    count: jax.Array = axes_field(BATCH)  # [B] int32: pending rows
+    hidden: jax.Array = axes_field(BATCH, None, None)  # [B, W, D]: the target's hidden state at each pending row
+    following: jax.Array = axes_field(BATCH, None)  # [B, W] int32: the token after each pending row
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter:
+    name: str = "head"
+    reads_hidden: bool = True
+
+    def init_state(self, config, prompt_lengths, prompt_tokens, dtype) -> HeadMemory:
+        batch, tree, model = prompt_lengths.shape[0], config.tree, config.model
+        # Positions origin .. origin + max_new_tokens + depth hold rows; then the scratch slots.
+        k, v = draft_head.empty_cache(model, batch, config.max_new_tokens + tree.depth + 1 + tree.rows, dtype)
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return HeadMemory(k, v, (prompt_lengths - 1).astype(jnp.int32), zeros, zeros,
+                          jnp.zeros((batch, tree.depth + 1, model.hidden_size), dtype),
+                          jnp.zeros((batch, tree.depth + 1), jnp.int32))
+
+    def record(self, memory: HeadMemory, verified: Verified) -> HeadMemory:
+        """The rows to write at the next proposal (the bootstrap step's one row is padded to the path's width)."""
+        pad = memory.following.shape[1] - verified.following.shape[1]
+        return dataclasses.replace(
+            memory, start=verified.start, count=verified.count,
+            hidden=jnp.pad(verified.hidden.astype(memory.hidden.dtype), ((0, 0), (0, pad), (0, 0))),
+            following=jnp.pad(verified.following, ((0, 0), (0, pad))))
+
+    def propose(self, params, head, state, keys, config, num_drafts) -> Proposal:
+        """head: the draft head's params (the loop's draft_params)."""
+        tree, model, memory = config.tree, config.model, state.drafter_state
+        batch, slots = state.committed.shape[0], memory.k.shape[1]
+        context = slots - tree.rows  # slots before the scratch
+        slot = jnp.arange(slots)
+        k, v = memory.k, memory.v
+
+        # The verified rows: written into the context; the last one's output drafts the root's children.
+        row = jnp.arange(memory.following.shape[1])[None, :]
+        first = memory.start - memory.origin
+        at = first[:, None] + row
+        write = jnp.where((row < memory.count[:, None]) & (at < context), at, slots)
+        visible = (slot[None, None, :] <= at[:, :, None]) & (slot < context)
+        out, k, v = draft_head.features(head, params, model, memory.hidden, memory.following,
+                                        memory.start[:, None] + row, k, v, write, visible)
+        last = jnp.maximum(memory.count - 1, 0)[:, None, None]
+        predicted = jnp.zeros((batch, tree.rows, model.hidden_size), out.dtype)
+        predicted = predicted.at[:, 0].set(jnp.take_along_axis(out, last, axis=1)[:, 0])
+
+        tokens, probs = empty_draft(state, config)
+        finite = jnp.ones((batch,), bool)
+        seen = slot[None, :] < (state.committed - memory.origin)[:, None]  # [B, T]: the verified rows
+        for depth, level in enumerate(tree.levels[:-1]):
+            nodes = np.asarray([n for n in level if tree.children[n, 0] >= 0])
+            if depth:  # node n's row: its parent's predicted hidden state and its token, at its parent's position
+                parents = np.asarray(tree.parents)[nodes]
+                scratch = np.zeros((len(nodes), slots), bool)  # its drafted ancestors' (and its own) scratch rows
+                scratch[:, context + 1 : context + tree.rows] = tree.ancestors[nodes][:, 1:]
+                visible = seen[:, None, :] | jnp.asarray(scratch)[None]
+                write = jnp.broadcast_to(jnp.asarray(context + nodes), (batch, len(nodes)))
+                positions = jnp.broadcast_to((state.committed + depth - 1)[:, None], (batch, len(nodes)))
+                out, k, v = draft_head.features(head, params, model, predicted[:, parents], tokens[:, nodes],
+                                                positions, k, v, write, visible)
+                predicted = predicted.at[:, nodes].set(out)
+            logits = draft_head.logits(params, model, predicted[:, nodes])
+            finite = finite & (jnp.all(jnp.isfinite(logits), axis=(1, 2)) | (depth >= num_drafts))
+            tokens, probs = grow(tokens, probs, nodes, logits, keys[depth], state, config)
+        memory = dataclasses.replace(memory, k=k, v=v)
+        return Proposal(state.cache, tokens, jnp.ones((batch, tree.rows), bool), probs, finite, memory)
+
+
 def make_drafter(name: str):
     if name == "self":
         return SelfDrafter()
     if name == "ngram":
         return NgramDrafter()
+    if name == "head":
+        return HeadDrafter()
     raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")

@@ -15,11 +15,11 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from models import draft_weights
+from models import draft_head, draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import decode_loop, draft_kernel, loop, prefill, run_plan, scoring, ssv, stops
+from vegas_jax import decode_loop, draft_head_checkpoint, draft_kernel, loop, prefill, run_plan, scoring, ssv, stops
 from vegas_jax.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import Programs, matmul_precision
@@ -57,7 +57,7 @@ class Started:
 class Engine:
     """A loaded model on its devices (one, or the mesh it was loaded onto: `vegas_jax.load(..., mesh=...)`)."""
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, draft_head=None):
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
@@ -66,6 +66,21 @@ class Engine:
         self._stop_tables: dict = {}
         self._gamma_book = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
         self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs
+        self.draft_head = None  # the params `drafter` head drafts with (use_draft_head)
+        if draft_head is not None:
+            self.use_draft_head(draft_head)
+
+    def use_draft_head(self, head) -> None:
+        """Drafts with this trained draft head where the options say `drafter` head: its params (a dict in the
+        layout of models.draft_head.param_shapes) or a checkpoint folder of vegas_jax.train_draft_head. Whole on
+        every device of the mesh (it is one layer)."""
+        dtype = self.model.params["embed"].dtype
+        if isinstance(head, dict):
+            head = jax.tree.map(lambda x: np.asarray(x, dtype), head)
+        else:
+            head = draft_head_checkpoint.load_head(head, self.config, dtype)
+        whole = lambda x: self.placement.put(np.asarray(x), Axes(*(None,) * np.ndim(x)))  # noqa: E731
+        self.draft_head = jax.tree.map(whole, head)
 
     @property
     def placement(self) -> Placement:
@@ -102,8 +117,14 @@ class Engine:
 
     # ---- draft weights -------------------------------------------------------------------------------------
     def _draft_params(self, config: loop.DecodeConfig, rows: int):
-        """The draft tree config's drafts read over `rows` batch rows, its codes in the layout of the kernel that
-        multiplies them (vegas_jax.draft_kernel.code_layout)."""
+        """What the config's drafts read over `rows` batch rows: the draft head's params (drafter head), or the
+        quantized weights' codes in the layout of the kernel that multiplies them
+        (vegas_jax.draft_kernel.code_layout)."""
+        if config.tree is not None and config.drafter == "head":
+            if self.draft_head is None:
+                raise InputError("{drafter} head: this engine has no draft head; load one with "
+                                 "Engine.use_draft_head(FOLDER) (--draft-head FOLDER)")
+            return self.draft_head
         precision = config.draft_weights
         try:
             return self.model.draft_params(precision, draft_kernel.code_layout(config.placement,
@@ -137,7 +158,12 @@ class Engine:
         int32 scalars."""
         t0 = time.perf_counter()
         state_axes = axes_of(state)
-        draft_axes = None if draft_params is None else draft_weights.draft_axes(draft_params)
+        if draft_params is None:
+            draft_axes = None
+        elif config.tree is not None and config.drafter == "head":
+            draft_axes = draft_head.param_axes(draft_params)
+        else:
+            draft_axes = draft_weights.draft_axes(draft_params)
         args = (self.model.params, draft_params, state, np.int32(0), np.int32(0))
         decode = self.programs.compile(
             "decode", decode_loop.decode, *args, donate=(2,), layout=config.placement,

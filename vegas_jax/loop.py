@@ -34,7 +34,7 @@ from vegas_jax import adaptive_gamma, penalties, sampling
 from vegas_jax.logprobs import Logprobs
 from vegas_jax.attention.family import family_of
 from vegas_jax.draft_kernel import with_kernel
-from vegas_jax.drafters import make_drafter
+from vegas_jax.drafters import Verified, make_drafter
 from vegas_jax.precision import EXACT_MODE, ApproxMode
 from vegas_jax.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
@@ -58,7 +58,8 @@ class DecodeConfig:
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
     # A draft tree (vegas_jax.tree_decode) in place of the chain of γ drafts; γ is then its depth.
     tree: TreeShape | None = None
-    # With a tree (vegas_jax.drafters): self (the model's cheaper draft: a dense model's reads the policy) | ngram.
+    # With a tree (vegas_jax.drafters): self (the model's cheaper draft: a dense model's reads the policy) | ngram |
+    # head (a trained draft head, models.draft_head: the loop's draft_params are its params).
     drafter: str = "self"
     # The approximate NSA mode whose modified target every pass runs (vegas_jax.precision; exact: the model).
     mode: ApproxMode = EXACT_MODE
@@ -96,10 +97,10 @@ class DecodeConfig:
         request = self.policy.score_request(self.score_mode) if self.policy else None
         return self.family.full_attention(self.model, self.placement, request, active, last_draft)
 
-    def forward(self, params, tokens, positions, cache, attention, logit_rows=None):
+    def forward(self, params, tokens, positions, cache, attention, logit_rows=None, with_hidden=False):
         """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
         return forward(params, tokens, positions, cache, attention, config=self.model, logit_rows=logit_rows,
-                       tensor_parallel=self.placement.tensor_parallel)
+                       tensor_parallel=self.placement.tensor_parallel, with_hidden=with_hidden)
 
 
 @jax.tree_util.register_dataclass
@@ -135,7 +136,8 @@ class DecodeState:
     metrics: Metrics
     step: jax.Array = axes_field()  # scalar int32: iterations run
     gamma_control: adaptive_gamma.GammaControl | None = None  # with adaptive γ
-    drafter_state: Any = ()  # a tree's drafter's memory (vegas_jax.drafters; the ngram drafter's tokens so far)
+    drafter_state: Any = ()  # a tree's drafter's memory (vegas_jax.drafters: the ngram drafter's tokens so far, the
+    # head drafter's K/V and pending rows)
 
 
 def init_state(
@@ -152,6 +154,7 @@ def init_state(
 ) -> DecodeState:
     """State after prefill of all but each prompt's last token (which the bootstrap step verifies). prompt_tokens
     [B, capacity] (each prompt from column 0): the ngram drafter's, None for the others."""
+    drafter = make_drafter(config.drafter)
     batch = prompt_lengths.shape[0]
     policy, mc = config.policy, config.model
     if policy is not None:
@@ -185,7 +188,8 @@ def init_state(
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
         step=jnp.zeros((), jnp.int32),
         gamma_control=adaptive_gamma.GammaControl.create(config.gamma) if config.adaptive_gamma else None,
-        drafter_state=make_drafter(config.drafter).init_state(prompt_tokens) if config.tree is not None else (),
+        drafter_state=(drafter.init_state(config, prompt_lengths, prompt_tokens, cache.k[0].dtype)
+                       if config.tree is not None else ()),
     )
 
 
@@ -282,9 +286,11 @@ def request_step(state: DecodeState) -> jax.Array:
 def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:
     """Verifies each prompt's last token: its K/V, the first generated token, and (Vegas) the first selection from
     that row's scores over the whole prompt."""
-    positions = state.committed[:, None]
-    logits, cache, scores = config.forward(params, state.last_token[:, None], positions, state.cache,
-                                           config.verify_attention())
+    positions, root = state.committed[:, None], state.last_token[:, None]
+    drafter = make_drafter(config.drafter) if config.tree is not None else None
+    logits, cache, scores, *hidden = config.forward(params, state.last_token[:, None], positions, state.cache,
+                                                    config.verify_attention(),
+                                                    with_hidden=drafter is not None and drafter.reads_hidden)
     finite = _check_finite(logits, jnp.ones_like(state.committed))
     (key,) = step_keys(state.keys, 0, 1)
     processed = _processed(logits, state, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((1,), jnp.int32),
@@ -304,6 +310,10 @@ def bootstrap(params, state: DecodeState, *, config: DecodeConfig) -> DecodeStat
         done=hit_stop | (state.num_generated >= state.max_new) | ~finite,
         nonfinite=~finite,
     )
+    if drafter is not None:  # the drafter's first verified row: the prompt's last token, followed by `token`
+        verified = Verified(positions[:, 0], active.astype(jnp.int32), root, token[:, None],
+                            hidden[0] if hidden else None)
+        state = dataclasses.replace(state, drafter_state=drafter.record(state.drafter_state, verified))
     if config.policy is None:
         return state
     scores = config.placement.mean_over_model(scores)

@@ -79,8 +79,8 @@ class GenerationOptions:
     gamma_costs: tuple[float, ...] | None = None
     # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
     # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
-    # an NSA model's sink-and-window draft, with method ar) or ngram (prompt lookup, with method ar: no draft pass,
-    # no selection).
+    # an NSA model's sink-and-window draft, with method ar), ngram (prompt lookup, with method ar: no draft pass,
+    # no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's draft_head).
     draft_tree: str | None = None
     drafter: str = "self"
     # SSV on NSA models (vegas_jax.ssv): the precision class (vegas_jax.precision: exact never changes the output;
@@ -205,8 +205,9 @@ class GenerationOptions:
         penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
         return [
             (self.drafter in DRAFTERS, "{drafter} must be one of " + ", ".join(DRAFTERS) + ", got {!r}", self.drafter),
-            (self.drafter != "ngram" or self.method == "ar",
-             "{drafter} ngram reads no KV selection: {method} {} would be ignored (leave it ar)", self.method),
+            (self.drafter == "self" or self.method == "ar",
+             "{drafter} {} reads no KV selection: {method} {} would be ignored (leave it ar)", self.drafter,
+             self.method),
             (not self.auto_gamma, "{gamma} auto: not with {draft_tree} (a tree's depth is fixed)"),
             (self.gamma in (GenerationOptions.gamma, tree.depth),
              "{gamma} {} contradicts {draft_tree} {} (depth {}): leave {gamma} out or give the depth", self.gamma,

@@ -23,19 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from vegas_jax import loop, sampling
-from vegas_jax.drafters import make_drafter
+from vegas_jax.drafters import Verified, make_drafter
 
 
-def verify(params, state, cache, tokens, config):
+def verify(params, state, cache, tokens, config, with_hidden=False):
     """The full-attention pass over every node [B, R] (the model family's tree verification: dense tree attention,
     or exact NSA tree verification of the loop's target): (logits [B, R, V], cache with the tree in its scratch
-    rows, per-layer aux: with a selection policy its scores averaged over every head, else the family's own)."""
+    rows, per-layer aux: with a selection policy its scores averaged over every head, else the family's own), and
+    with `with_hidden` every node's last hidden state [B, R, D] (a draft head's input)."""
     request = config.policy.score_request(config.score_mode) if config.policy else None
     positions = state.committed[:, None] + jnp.asarray(config.tree.depths)[None, :]
     attention = config.family.tree_verify_attention(config.model, config.placement, config.tree, state.committed,
                                                     request)
-    logits, cache, aux = config.forward(params, tokens, positions, cache, attention)
-    return logits, cache, config.placement.mean_over_model(aux) if request is not None else aux
+    logits, cache, aux, *hidden = config.forward(params, tokens, positions, cache, attention, with_hidden=with_hidden)
+    aux = config.placement.mean_over_model(aux) if request is not None else aux
+    return (logits, cache, aux, *hidden)
 
 
 def accept_greedy(tree, tokens, counted, logits):
@@ -105,7 +107,8 @@ def iteration(params, draft_params, state, config):
     proposal = drafter.propose(params, draft_params, state, keys, config, num_drafts)
     counted = proposal.valid & (jnp.asarray(tree.depths)[None, :] <= num_drafts[:, None])
 
-    logits, cache, scores = verify(params, state, proposal.cache, proposal.tokens, config)
+    logits, cache, scores, *hidden = verify(params, state, proposal.cache, proposal.tokens, config,
+                                            drafter.reads_hidden)
     finite = proposal.finite & jnp.all(jnp.all(jnp.isfinite(logits), axis=-1) | ~counted, axis=1)
     if config.sampling.greedy:
         last, next_token = accept_greedy(tree, proposal.tokens, counted, logits)
@@ -121,11 +124,12 @@ def iteration(params, draft_params, state, config):
     emit_ok = ~state.done & finite
     cache = config.family.commit_path(config.model, cache, state.committed, path, accepted, emit_ok, scores)
     # The drafter remembers the root and the accepted drafts (the bonus token is the next iteration's root).
-    depth = jnp.arange(tree.depth + 1)[None, :]
-    written = emit_ok[:, None] & (depth <= accepted[:, None])
-    positions = jnp.where(written, state.committed[:, None] + depth, cache.capacity)
+    following = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)
+    following = jnp.where(jnp.arange(tree.depth + 1)[None, :] == accepted[:, None], next_token[:, None], following)
+    verified = Verified(state.committed, jnp.where(emit_ok, accepted + 1, 0), path_tokens, following,
+                        hidden[0][rows, path] if hidden else None)
     # The path's node j holds the distribution of its candidate j (the draft at depth j + 1, or the bonus token).
     return loop.conclude(state, config, cache=cache, drafts=path_tokens[:, 1:], accepted=accepted,
                          next_token=next_token, finite=finite, num_drafts=num_drafts, logits=logits[rows, path],
                          scores=scores, last_row=last,
-                         drafter_state=drafter.record(state.drafter_state, positions, path_tokens))
+                         drafter_state=drafter.record(proposal.drafter_state, verified))

@@ -1,0 +1,72 @@
+"""A draft head's checkpoints (models.draft_head): an Orbax CheckpointManager folder of training steps, each with
+the head's params, the optimizer state and a JSON record (the target it was trained for, the training settings and
+the loss / acceptance history), so training resumes from the newest step and decoding loads the newest params."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from models import draft_head
+from models.config import ModelConfig
+from vegas_jax.inputs import InputError
+
+KEEP = 2  # steps kept: the newest, and the one before in case the newest was cut off while written
+
+
+def manager(folder: str | Path) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(Path(folder).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=KEEP))
+
+
+def target_record(config: ModelConfig) -> dict:
+    """What a head must match in its target: the shapes it reads and writes."""
+    return {"architecture": config.architecture, "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size, "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim}
+
+
+def save(checkpoints: ocp.CheckpointManager, step: int, params, opt_state, record: dict) -> None:
+    checkpoints.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                   opt_state=ocp.args.StandardSave(opt_state),
+                                                   record=ocp.args.JsonSave(record)))
+    checkpoints.wait_until_finished()
+
+
+def restore(checkpoints: ocp.CheckpointManager, params_like, opt_state_like):
+    """(step, params, opt_state, record) of the newest step, or None when the folder holds none."""
+    step = checkpoints.latest_step()
+    if step is None:
+        return None
+    abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
+    restored = checkpoints.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract(params_like)),
+        opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
+        record=ocp.args.JsonRestore()))
+    return step, restored["params"], restored["opt_state"], restored["record"]
+
+
+def check_target(record: dict, config: ModelConfig, where: str) -> None:
+    if record.get("target") != target_record(config):
+        raise InputError("{draft_head} {}: trained for a target with {}, this model has {}", where,
+                         record.get("target"), target_record(config))
+
+
+def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
+    """The newest params of the head checkpoint in `folder` for a target of `config`, in `dtype`; InputError naming
+    draft_head when there is none or it was trained for another target."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError("{draft_head} {}: no such folder", str(folder))
+    checkpoints = manager(folder)
+    step = checkpoints.latest_step()
+    if step is None:
+        raise InputError("{draft_head} {}: holds no draft head checkpoint", str(folder))
+    record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    check_target(record, config, str(folder))
+    like = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), draft_head.param_shapes(config),
+                        is_leaf=lambda x: isinstance(x, tuple))
+    params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
