@@ -1,0 +1,392 @@
+"""Trains a draft head (models.draft_head) for a model on the model's own outputs: `python -m
+vegas_jax.train_draft_head --out FOLDER` (docs/draft-head.md).
+
+Self-distillation: the engine decodes the tuning split's prompts greedily (benchmarks.prompt_splits; never the
+held-out split, on which the head is measured), and the head learns, at every generated position, the target's own
+next hidden state and next-token distribution. The head's context starts at each prompt's last token, as in
+decoding (vegas_jax.drafters.HeadMemory: prefill computes no hidden states).
+
+Training-time test: decoding feeds the head its own predictions after the first draft, so the head is trained on
+that too. Pass 0 reads the target's hidden states; pass j reads pass j - 1's predictions shifted by one row and
+attends as a draft at depth j + 1 does: to the verified rows (pass 0's) up to j rows back, then to one row of each
+pass 1..j, its own draft path.
+
+A run checkpoints (Orbax, vegas_jax.draft_head_checkpoint) every --checkpoint-every steps and before --time-limit
+runs out, and resumes from its folder's newest step when run again with the same flags: a long training fits
+commands of limited length. The generated data is kept in the folder (data.npz) and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from models import draft_head
+from models.config import ModelConfig
+from models.decoder import forward
+from vegas_jax import draft_head_checkpoint
+from vegas_jax.attention.family import family_of
+from vegas_jax.inputs import InputError
+from vegas_jax.options import CAPACITY_ALIGN
+from vegas_jax.sharding import Placement
+
+DATA_FILE = "data.npz"
+PLOT_FILE = "training.png"
+FEATURE_WEIGHT = 0.1  # the hidden-state regression beside the distillation loss (EAGLE weighs them alike)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    prompts: int = 256  # tuning prompts decoded for data
+    prompt_tokens: int = 1024  # each prompt's length
+    new_tokens: int = 256  # tokens generated per prompt (the rows trained on)
+    steps: int = 2000  # optimizer steps in all (a resumed run continues to this many)
+    batch: int = 8  # sequences per step
+    learning_rate: float = 3e-4
+    unroll: int = 3  # training-time-test passes after the teacher-forced one (drafts of depth 2 .. unroll + 1)
+    seed: int = 0
+    generate_batch: int = 32  # prompts per engine call while making the data
+
+    def check(self) -> None:
+        """InputError naming the first setting out of range."""
+        checks = [
+            (self.prompts >= 1, "{prompts} must be >= 1, got {}", self.prompts),
+            (self.prompt_tokens >= 2, "{prompt_tokens} must be >= 2, got {}", self.prompt_tokens),
+            (self.new_tokens >= 2, "{new_tokens} must be >= 2, got {}", self.new_tokens),
+            (self.steps >= 1, "{steps} must be >= 1, got {}", self.steps),
+            (1 <= self.batch <= self.prompts, "{batch} must be in [1, {prompts}], got {}", self.batch),
+            (0 < self.learning_rate < 1, "{learning_rate} must be in (0, 1), got {}", self.learning_rate),
+            (0 <= self.unroll < self.new_tokens, "{unroll} must be in [0, {new_tokens}), got {}", self.unroll),
+            (self.generate_batch >= 1, "{generate_batch} must be >= 1, got {}", self.generate_batch),
+        ]
+        for ok, template, *values in checks:
+            if not ok:
+                raise InputError(template, *values)
+
+    def data_fields(self) -> dict:
+        """What the generated data depends on: a resumed run must give the same."""
+        return {k: getattr(self, k) for k in ("prompts", "prompt_tokens", "new_tokens")}
+
+
+# ---- data ------------------------------------------------------------------------------------------------------
+def make_data(engine, prompt_ids: list[list[int]], settings: Settings, progress=None) -> dict:
+    """{tokens [S, P + N] int32 (prompt, then the greedy continuation, zeros after it), generated [S] int32}."""
+    from vegas_jax.engine import GenerationOptions
+
+    lengths = {len(p) for p in prompt_ids}
+    if lengths != {settings.prompt_tokens}:
+        raise InputError("{prompts}: every prompt must be {prompt_tokens} ({}) long, got lengths {}",
+                         settings.prompt_tokens, sorted(lengths))
+    options = GenerationOptions(max_new_tokens=settings.new_tokens)
+    width = settings.prompt_tokens + settings.new_tokens
+    tokens = np.zeros((len(prompt_ids), width), np.int32)
+    generated = np.zeros((len(prompt_ids),), np.int32)
+    for start in range(0, len(prompt_ids), settings.generate_batch):
+        group = prompt_ids[start : start + settings.generate_batch]
+        group = group + [group[-1]] * (settings.generate_batch - len(group))  # one compiled batch size
+        result = engine.generate(group, options)
+        for i, request in enumerate(result.requests[: len(prompt_ids) - start]):
+            row = start + i
+            tokens[row, : settings.prompt_tokens] = prompt_ids[row]
+            tokens[row, settings.prompt_tokens : settings.prompt_tokens + len(request.tokens)] = request.tokens
+            generated[row] = len(request.tokens)
+        if progress:
+            progress(min(start + settings.generate_batch, len(prompt_ids)), len(prompt_ids))
+    return {"tokens": tokens, "generated": generated}
+
+
+# ---- loss ------------------------------------------------------------------------------------------------------
+def pass_visibility(rows: int, passes: int, j: int) -> np.ndarray:
+    """[rows, passes * rows] bool: what row r of pass j sees, the head's K/V laid out pass by pass (a draft at
+    depth j + 1: the verified rows up to r - j, then row r - j + i of each pass i = 1..j)."""
+    r = np.arange(rows)[:, None]
+    i, t = np.divmod(np.arange(passes * rows)[None, :], rows)
+    return ((i == 0) & (t <= r - j)) | ((i >= 1) & (i <= j) & (t == r - j + i))
+
+
+def loss_and_metrics(head, target, tokens, generated, *, model: ModelConfig, prompt_tokens: int, unroll: int,
+                     placement: Placement):
+    """(loss, {agreement [unroll + 1]: top-1 agreement of pass j with the target}) over a batch of tokens [B, P + N]
+    of which the first P + generated[b] are real."""
+    batch, width = tokens.shape
+    rows, passes = width - prompt_tokens, unroll + 1
+    family = family_of(model)
+    capacity = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
+    cache = family.create_cache(model, batch, capacity, target["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    logit_rows = jnp.broadcast_to(prompt_tokens + jnp.arange(rows), (batch, rows))
+    target_logits, _, _, hidden = forward(target, tokens, positions, cache, family.full_attention(model, placement),
+                                          config=model, logit_rows=logit_rows, with_hidden=True)
+    target_logits, hidden = jax.lax.stop_gradient(target_logits), jax.lax.stop_gradient(hidden)
+    target_probs = jax.nn.softmax(target_logits, axis=-1)
+    target_choice = jnp.argmax(target_logits, axis=-1)
+    wanted = normalized(hidden[:, prompt_tokens:])  # row r predicts the hidden state at P + r
+    following = tokens[:, prompt_tokens:]  # row r (position P - 1 + r) reads the token at P + r
+    row_positions = positions[:, prompt_tokens - 1 : width - 1]
+    k, v = draft_head.empty_cache(model, batch, passes * rows, jnp.float32)
+    features = hidden[:, prompt_tokens - 1 : width - 1].astype(jnp.float32)  # pass 0's: the target's own
+    total, agreement = 0.0, []
+    for j in range(passes):
+        write = jnp.broadcast_to(j * rows + jnp.arange(rows), (batch, rows))
+        visible = jnp.broadcast_to(jnp.asarray(pass_visibility(rows, passes, j)), (batch, rows, passes * rows))
+        out, k, v = draft_head.features(head, target, model, features, following, row_positions, k, v, write,
+                                        visible)
+        logits = draft_head.logits(target, model, out)
+        valid = (jnp.arange(rows)[None, :] >= j) & (jnp.arange(rows)[None, :] < generated[:, None])
+        count = jnp.maximum(jnp.sum(valid), 1)
+        distill = -jnp.sum(target_probs * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        regress = jnp.mean(jnp.square(normalized(out) - wanted), axis=-1)
+        total = total + jnp.sum(jnp.where(valid, distill + FEATURE_WEIGHT * regress, 0.0)) / count
+        agreement.append(jnp.sum(valid & (jnp.argmax(logits, axis=-1) == target_choice)) / count)
+        features = jnp.pad(out[:, :-1], ((0, 0), (1, 0), (0, 0)))  # the next pass's row r: this pass's row r - 1
+    return total / passes, {"agreement": jnp.stack(agreement)}
+
+
+def normalized(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def optimizer(settings: Settings) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, settings.learning_rate, max(1, min(100, settings.steps // 10)),
+                                                  settings.steps, settings.learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+
+
+# ---- training --------------------------------------------------------------------------------------------------
+def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_limit: float | None = None,
+          checkpoint_every: int = 200, progress: bool = True) -> dict:
+    """Trains (or resumes) the head in `folder` to settings.steps steps or until `time_limit` seconds have passed,
+    checkpointing every `checkpoint_every` steps and at the end. Returns the checkpoint's record."""
+    t0 = time.perf_counter()
+    model, target = engine.config, engine.model.params
+    tx = optimizer(settings)
+    head = draft_head.init_params(model, jnp.float32, settings.seed)
+    opt_state = tx.init(head)
+    checkpoints = draft_head_checkpoint.manager(folder)
+    record = {"target": draft_head_checkpoint.target_record(model), "settings": dataclasses.asdict(settings),
+              "history": []}
+    restored = draft_head_checkpoint.restore(checkpoints, head, opt_state)
+    step = 0
+    if restored is not None:
+        step, head, opt_state, record = restored
+        draft_head_checkpoint.check_target(record, model, str(folder))
+        check_resumable(record["settings"], settings)
+        record["settings"] = dataclasses.asdict(settings)  # steps may grow
+
+    loss_fn = functools.partial(loss_and_metrics, model=model, prompt_tokens=settings.prompt_tokens,
+                                unroll=settings.unroll, placement=engine.placement)
+
+    @jax.jit
+    def update(head, opt_state, tokens, generated):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, target, tokens, generated)
+        updates, opt_state = tx.update(grads, opt_state, head)
+        return optax.apply_updates(head, updates), opt_state, loss, metrics
+
+    tokens, generated = data["tokens"], data["generated"]
+    bar = _progress_bar(step, settings.steps, progress)
+    while step < settings.steps:
+        # Each step's batch is a function of the seed and the step alone: a resumed run draws what it would have.
+        pick = np.random.default_rng([settings.seed, step]).choice(len(tokens), settings.batch, replace=False)
+        head, opt_state, loss, metrics = update(head, opt_state, jnp.asarray(tokens[pick]),
+                                                jnp.asarray(generated[pick]))
+        step += 1
+        agreement = [round(float(a), 4) for a in metrics["agreement"]]
+        record["history"].append({"step": step, "loss": round(float(loss), 5), "agreement": agreement})
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss):.3f}", top1=agreement[0])
+        out_of_time = time_limit is not None and time.perf_counter() - t0 > time_limit
+        if step % checkpoint_every == 0 or step == settings.steps or out_of_time:
+            draft_head_checkpoint.save(checkpoints, step, head, opt_state, record)
+        if out_of_time:
+            break
+    bar.close()
+    return record
+
+
+def check_resumable(saved: dict, settings: Settings) -> None:
+    for name, value in settings.data_fields().items() | {"unroll": settings.unroll, "batch": settings.batch,
+                                                         "seed": settings.seed}.items():
+        if saved.get(name) != value:
+            raise InputError("{" + name + "} {}: the checkpoint was trained with {}; give that, or a new {out}",
+                             value, saved.get(name))
+
+
+def _progress_bar(start: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def expected_chain_tau(agreement: list[float]) -> float:
+    """τ of a chain as deep as the passes if each depth's acceptance were its pass's top-1 agreement (a proxy: the
+    measured τ is the lead's, on held-out prompts)."""
+    tau, reach = 1.0, 1.0
+    for a in agreement:
+        reach *= a
+        tau += reach
+    return tau
+
+
+def plot(record: dict, path: Path) -> str:
+    """Loss and per-depth agreement against steps into `path`; a note instead where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    history = record["history"]
+    steps = [h["step"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, [h["loss"] for h in history])
+    left.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+    for j in range(len(history[0]["agreement"])):
+        right.plot(steps, [h["agreement"][j] for h in history], label=f"draft depth {j + 1}")
+    right.set(xlabel="step", ylabel="top-1 agreement with the target", ylim=(0, 1), title="acceptance proxy")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+# ---- memory plan -----------------------------------------------------------------------------------------------
+def memory_plan(model: ModelConfig, settings: Settings, target_bytes: int, dtype_bytes: int) -> dict[str, int]:
+    """Bytes on the device of one training step, by what holds them (the largest terms; XLA's own plan differs)."""
+    head_params = sum(int(np.prod(s)) for s in jax.tree.leaves(draft_head.param_shapes(model),
+                                                                is_leaf=lambda x: isinstance(x, tuple)))
+    b, width, rows, passes = settings.batch, settings.prompt_tokens + settings.new_tokens, settings.new_tokens, \
+        settings.unroll + 1
+    capacity = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
+    kv = 2 * model.num_layers * b * capacity * model.num_kv_heads * model.head_dim * dtype_bytes
+    vocab_rows = b * rows * model.vocab_size * 4  # one float32 [B, N, V]
+    return {
+        "target params": target_bytes,
+        "head params, gradients, Adam moments (float32)": 4 * 4 * head_params,
+        "target pass: KV cache and hidden states": kv + b * width * model.hidden_size * (4 + dtype_bytes),
+        "target logits and probabilities": 2 * vocab_rows,
+        "head logits, log-softmax and their gradients, every pass": 3 * passes * vocab_rows,
+        "head K/V and activations, every pass": passes * b * rows * (
+            4 * passes * rows * model.num_heads + 16 * model.hidden_size + 8 * model.intermediate_size),
+        "data (token ids, host)": settings.prompts * width * 4,
+    }
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vegas_jax.train_draft_head", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (.gguf, HF or vegas-jax Orbax folder); default: the "
+                                                 "embedded SmolLM2-135M")
+    p.add_argument("--out", required=True, help="checkpoint folder (resumed from when it holds one)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="the target's dtype (auto: bfloat16 on GPU, float32 on CPU); the head trains in float32")
+    defaults = Settings()
+    for field in dataclasses.fields(Settings):
+        p.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
+                       default=getattr(defaults, field.name))
+    p.add_argument("--time-limit", type=float, default=540.0,
+                   help="seconds after which training checkpoints and exits (run again to resume); 0: none")
+    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code
+    try:
+        return run(args)
+    except InputError as e:
+        print(f"error: {e.render(_flag)}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    settings = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
+    settings.check()
+    if args.time_limit < 0:
+        raise InputError("{time_limit} must be >= 0 (0: none), got {}", args.time_limit)
+    if args.checkpoint_every < 1:
+        raise InputError("{checkpoint_every} must be >= 1, got {}", args.checkpoint_every)
+    folder = Path(args.out)
+    if folder.exists() and not folder.is_dir():
+        raise InputError("{out} {}: not a folder", args.out)
+    import vegas_jax
+
+    engine = vegas_jax.load(args.model, args.dtype)
+    model = engine.config
+    if args.dry_run:
+        params = jax.tree.leaves(engine.model.params)
+        plan = memory_plan(model, settings, sum(x.nbytes for x in params), params[0].dtype.itemsize)
+        for what, size in plan.items():
+            print(f"{size / 2**20:12.1f} MiB  {what}")
+        print(f"{sum(v for k, v in plan.items() if 'host' not in k) / 2**30:12.2f} GiB  per training step on the "
+              f"device, all together")
+        print(f"{_generation_bytes(engine, settings) / 2**30:12.2f} GiB  making the data first (engine.plan of "
+              f"{settings.generate_batch} prompts)")
+        return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    data = load_or_make_data(engine, folder, settings, progress=not args.quiet)
+    record = train(engine, data, folder, settings, time_limit=args.time_limit or None,
+                   checkpoint_every=args.checkpoint_every, progress=not args.quiet)
+    last = record["history"][-1] if record["history"] else None
+    print(plot(record, folder / PLOT_FILE) if record["history"] else "no plot: no steps ran")
+    if last is not None:
+        print(f"step {last['step']}/{settings.steps}  loss {last['loss']:.4f}  top-1 agreement by depth "
+              f"{last['agreement']}  (a chain's τ if acceptance were that: "
+              f"{expected_chain_tau(last['agreement']):.2f})")
+    if last is None or last["step"] < settings.steps:
+        print("time limit reached: run the same command again to resume")
+    return 0
+
+
+def _generation_bytes(engine, settings: Settings) -> int:
+    from vegas_jax.engine import GenerationOptions
+
+    plan = engine.plan([[0] * settings.prompt_tokens] * settings.generate_batch,
+                       GenerationOptions(max_new_tokens=settings.new_tokens))
+    return int(plan["bytes_per_device"]["total"])
+
+
+def load_or_make_data(engine, folder: Path, settings: Settings, progress: bool = True) -> dict:
+    """The folder's data.npz when it was made for these settings, else a new one from the tuning split."""
+    path = folder / DATA_FILE
+    if path.exists():
+        with np.load(path) as saved:
+            made_for = json.loads(str(saved["settings"]))
+            if made_for == settings.data_fields():
+                return {"tokens": saved["tokens"], "generated": saved["generated"]}
+        raise InputError("{out} {}: its data was made for {}, not {}; give those or a new {out}", str(folder),
+                         made_for, settings.data_fields())
+    from benchmarks.prompt_splits import split_prompts  # the tuning split only: held-out prompts measure the head
+
+    prompt_ids = split_prompts(engine.tokenizer, "tuning", settings.prompts, settings.prompt_tokens).prompts
+    bar = _progress_bar(0, len(prompt_ids), progress)
+    bar.set_description("generate")
+    data = make_data(engine, prompt_ids, settings, lambda done, _: bar.update(done - bar.n))
+    bar.close()
+    np.savez(path, settings=json.dumps(settings.data_fields()), **data)
+    return data
+
+
+if __name__ == "__main__":
+    sys.exit(main())
