@@ -1,0 +1,175 @@
+"""The trained draft head (models.draft_head, vegas_jax.drafters.HeadDrafter, vegas_jax.train_draft_head) on tiny
+random models in float32, each against an independent reference: training lowers the loss on held-back sequences
+and a resumed run ends where an uninterrupted one does; the head drafter's chain equals the head run from scratch
+over the whole verified history (target hidden states by a dense forward of the emitted sequence); greedy decoding
+with the head as drafter equals greedy decoding by full recomputation (chains and trees on a dense model) and plain
+NSA decoding (an NSA model), with drafts accepted; sampled trees keep the distribution (the exact float64 joint of
+test_draft_trees); bad input is one named error."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import draft_head
+from models.decoder import forward
+from models.kv_cache import KVCache
+from tests.test_draft_trees import run_to_end, sampled_counts, tree_sampler
+from tests.test_lossless_tiny import dense_greedy, prompts, tiny_engine
+from tests.test_nsa_trees import emitted, plain_run
+from tests.test_sampling_distribution import chi_square_p_value
+from vegas_jax import train_draft_head
+from vegas_jax.attention.dense import DenseAttention
+from vegas_jax.drafters import HeadDrafter
+from vegas_jax.engine import GenerationOptions, InputError
+from vegas_jax.loop import step_keys, request_step
+
+SETTINGS = train_draft_head.Settings(prompts=16, prompt_tokens=12, new_tokens=24, steps=60, batch=4,
+                                     learning_rate=3e-3, unroll=2, generate_batch=16)
+NEW = 20
+
+
+def trained(engine, folder, settings=SETTINGS, seed=2):
+    """(data, the checkpoint's record) of a head trained on the engine's greedy outputs of random prompts."""
+    data = train_draft_head.make_data(engine, prompts([settings.prompt_tokens] * settings.prompts,
+                                                      engine.config.vocab_size, seed), settings)
+    return data, train_draft_head.train(engine, data, folder, settings, checkpoint_every=20, progress=False)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """(engine with a trained head, its folder, the training data)."""
+    engine, folder = tiny_engine(), tmp_path_factory.mktemp("head")
+    data, _ = trained(engine, folder)
+    engine.use_draft_head(folder)
+    return engine, folder, data
+
+
+def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
+    engine, folder, data = dense
+    model, target = engine.config, engine.model.params
+    held_back = prompts([SETTINGS.prompt_tokens] * 4, model.vocab_size, seed=9)  # prompts it never saw
+    check = train_draft_head.make_data(engine, held_back, SETTINGS)
+    loss = jax.jit(lambda head: train_draft_head.loss_and_metrics(
+        head, target, jnp.asarray(check["tokens"]), jnp.asarray(check["generated"]), model=model,
+        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll, placement=engine.placement))
+    before, before_metrics = loss(draft_head.init_params(model, jnp.float32, SETTINGS.seed))
+    head = jax.tree.map(np.asarray, engine.draft_head)
+    after, after_metrics = loss(head)
+    assert after < 0.9 * before, (before, after)
+    assert after_metrics["agreement"][0] > before_metrics["agreement"][0] + 0.2
+
+    # Two runs cut off by their time limit after one step each, then one to the end: the params of one run.
+    for _ in range(2):
+        train_draft_head.train(engine, data, tmp_path, SETTINGS, time_limit=0.0, progress=False)
+    record = train_draft_head.train(engine, data, tmp_path, SETTINGS, progress=False)
+    assert [h["step"] for h in record["history"]] == list(range(1, SETTINGS.steps + 1))
+    resumed = jax.tree.map(np.asarray, draft_head_params(tmp_path, engine))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), resumed, head)
+    with pytest.raises(InputError, match="unroll 1: the checkpoint was trained with 2"):
+        train_draft_head.train(engine, data, tmp_path, train_draft_head.Settings(**{**SETTINGS.__dict__,
+                                                                                 "unroll": 1}), progress=False)
+
+
+def draft_head_params(folder, engine):
+    from vegas_jax.draft_head_checkpoint import load_head
+
+    return load_head(folder, engine.config)
+
+
+def reference_chain(engine, head, sequence: list[int], origin: int, depth: int) -> list[int]:
+    """The head's greedy chain after `sequence`, recomputed from scratch: the target's hidden states by a dense
+    forward of the whole sequence, the head over its rows origin .. len - 2 (row p: hidden state p, token p + 1)
+    with causal attention, then each draft's row appended and the whole head pass run again."""
+    model, target = engine.config, engine.model.params
+    tokens = jnp.asarray([sequence])
+    positions = jnp.arange(len(sequence))[None]
+    _, _, _, hidden = forward(target, tokens, positions, KVCache.create(model, 1, len(sequence), jnp.float32),
+                              DenseAttention(), config=model, with_hidden=True)
+    features, following = list(hidden[0, origin:-1]), sequence[origin + 1:]
+    drafts = []
+    for _ in range(depth):
+        rows = len(features)
+        k, v = draft_head.empty_cache(model, 1, rows, jnp.float32)
+        out, _, _ = draft_head.features(head, target, model, jnp.stack(features)[None], jnp.asarray([following]),
+                                        origin + jnp.arange(rows)[None], k, v, jnp.arange(rows)[None],
+                                        jnp.tril(jnp.ones((rows, rows), bool))[None])
+        token = int(jnp.argmax(draft_head.logits(target, model, out[:, -1:])[0, 0]))
+        drafts.append(token)
+        features.append(out[0, -1])
+        following.append(token)
+    return drafts
+
+
+def test_the_head_drafters_chain_is_the_head_over_the_whole_history(dense):
+    """After a few iterations (rows written by earlier proposals, ragged batch), a proposal's chain equals
+    reference_chain, which carries no head cache between drafts."""
+    engine, _, _ = dense
+    ids = prompts([12, 17, 9], engine.config.vocab_size, seed=4)
+    opts = GenerationOptions(max_new_tokens=NEW, draft_tree="4x1", drafter="head")
+    started = engine.start(ids, opts)
+    state = started.decode(engine.model.params, started.draft_params, started.state, np.int32(3), np.int32(3))
+    config = started.config
+    keys = step_keys(state.keys, request_step(state), config.tree.depth + 2)
+    drafts = jax.jit(lambda s: HeadDrafter().propose(engine.model.params, engine.draft_head, s, keys, config,
+                                                     jnp.full((3,), 4)).tokens)(state)
+    output, count = np.asarray(state.output), np.asarray(state.num_generated)
+    for b, prompt in enumerate(ids):
+        sequence = prompt + output[b, : count[b]].tolist()
+        want = reference_chain(engine, engine.draft_head, sequence, len(prompt) - 1, 4)
+        assert np.asarray(drafts[b, 1:]).tolist() == want, b
+
+
+@pytest.mark.parametrize("tree", ["4x1", "2x3"])
+def test_greedy_decoding_with_the_head_is_plain_greedy_decoding(dense, tree):
+    engine, _, _ = dense
+    ids = prompts([12, 21, 9], engine.config.vocab_size, seed=2)  # the first is a training prompt
+    state = run_to_end(engine, ids, GenerationOptions(max_new_tokens=NEW, draft_tree=tree, drafter="head"))
+    output, count = np.asarray(state.output), np.asarray(state.num_generated)
+    assert [output[i, : count[i]].tolist() for i in range(len(ids))] == dense_greedy(engine, ids, NEW)
+    assert np.asarray(state.metrics.accepted).sum(0)[1] > 0  # paths of depth 2 and more were accepted
+
+
+def test_greedy_decoding_with_the_head_is_plain_nsa_decoding(tmp_path):
+    engine, ids, plain = plain_run("nsa-1b")
+    settings = train_draft_head.Settings(**{**SETTINGS.__dict__, "steps": 40})
+    trained(engine, tmp_path, settings)
+    engine.use_draft_head(tmp_path)
+    state = run_to_end(engine, ids, GenerationOptions(max_new_tokens=16, draft_tree="3x2", drafter="head"))
+    assert emitted(state) == emitted(plain)
+    np.testing.assert_array_equal(np.asarray(state.committed), np.asarray(plain.committed))
+    assert np.asarray(state.metrics.accepted).sum(0)[0] > 0
+
+
+def test_sampled_trees_with_the_head_keep_the_distribution(tmp_path):
+    """The head's children are draws without replacement from its distributions, as the self drafter's are."""
+    sampler = tree_sampler()
+    engine = sampler[0]
+    engine.use_draft_head(draft_head.init_params(engine.config, jnp.float32, 3))
+    counts, histogram = sampled_counts(sampler, "head", 10_000)
+    assert min(histogram) > 0.02 * sum(histogram), histogram
+    p_value = chi_square_p_value(counts, sampler[2])
+    assert p_value > 1e-3, f"p = {p_value:.2e}"
+
+
+def test_refusals_name_the_argument(dense, tmp_path):
+    engine, folder, _ = dense
+    with pytest.raises(InputError, match="drafter head: this engine has no draft head"):
+        tiny_engine().generate([[1, 2, 3]], GenerationOptions(draft_tree="2x2", drafter="head"))
+    with pytest.raises(InputError, match="drafter head reads no KV selection"):
+        GenerationOptions.check(GenerationOptions(draft_tree="2x2", drafter="head", method="vegas"))
+    with pytest.raises(InputError, match="draft_head .*: trained for a target with"):
+        tiny_engine(vocab=64).use_draft_head(folder)
+    with pytest.raises(InputError, match="draft_head .*: holds no draft head checkpoint"):
+        engine.use_draft_head(tmp_path)
+
+
+def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
+    for argv, needle in [(["--steps", "0"], "error: --steps must be >= 1, got 0"),
+                         (["--batch", "300"], "error: --batch must be in [1, --prompts], got 300"),
+                         (["--time-limit", "-1"], "error: --time-limit must be >= 0")]:
+        assert train_draft_head.main(["--out", str(tmp_path / "x"), *argv]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == [needle] or (len(lines) == 1 and lines[0].startswith(needle)), lines
