@@ -79,27 +79,34 @@ def draft_head_params(folder, engine):
     return load_head(folder, engine.config)
 
 
+_forward = jax.jit(forward, static_argnames=("config", "with_hidden"))
+_features = jax.jit(draft_head.features, static_argnums=2)
+WIDTH = 64  # every reference pass's rows, padding after the real ones (causal: they change none of them)
+
+
 def reference_chain(engine, head, sequence: list[int], origin: int, depth: int) -> list[int]:
     """The head's greedy chain after `sequence`, recomputed from scratch: the target's hidden states by a dense
     forward of the whole sequence, the head over its rows origin .. len - 2 (row p: hidden state p, token p + 1)
     with causal attention, then each draft's row appended and the whole head pass run again."""
     model, target = engine.config, engine.model.params
-    tokens = jnp.asarray([sequence])
-    positions = jnp.arange(len(sequence))[None]
-    _, _, _, hidden = forward(target, tokens, positions, KVCache.create(model, 1, len(sequence), jnp.float32),
-                              DenseAttention(), config=model, with_hidden=True)
-    features, following = list(hidden[0, origin:-1]), sequence[origin + 1:]
+    tokens = jnp.asarray([sequence + [0] * (WIDTH - len(sequence))])
+    positions = jnp.arange(WIDTH)[None]
+    _, _, _, hidden = _forward(target, tokens, positions, KVCache.create(model, 1, WIDTH, jnp.float32),
+                               DenseAttention(), config=model, with_hidden=True)
+    features = np.zeros((1, WIDTH, model.hidden_size), np.float32)
+    following = np.zeros((1, WIDTH), np.int32)
+    rows = len(sequence) - 1 - origin
+    features[0, :rows], following[0, :rows] = hidden[0, origin : len(sequence) - 1], sequence[origin + 1 :]
+    causal = jnp.tril(jnp.ones((WIDTH, WIDTH), bool))[None]
     drafts = []
     for _ in range(depth):
-        rows = len(features)
-        k, v = draft_head.empty_cache(model, 1, rows, jnp.float32)
-        out, _, _ = draft_head.features(head, target, model, jnp.stack(features)[None], jnp.asarray([following]),
-                                        origin + jnp.arange(rows)[None], k, v, jnp.arange(rows)[None],
-                                        jnp.tril(jnp.ones((rows, rows), bool))[None])
-        token = int(jnp.argmax(draft_head.logits(target, model, out[:, -1:])[0, 0]))
+        k, v = draft_head.empty_cache(model, 1, WIDTH, jnp.float32)
+        out, _, _ = _features(head, target, model, jnp.asarray(features), jnp.asarray(following),
+                              origin + positions, k, v, positions, causal)
+        token = int(jnp.argmax(draft_head.logits(target, model, out[:, rows - 1 : rows])[0, 0]))
         drafts.append(token)
-        features.append(out[0, -1])
-        following.append(token)
+        features[0, rows], following[0, rows] = out[0, rows - 1], token
+        rows += 1
     return drafts
 
 
