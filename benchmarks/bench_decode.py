@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.prompt_splits import split_prompts  # noqa: E402
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax import adaptive_gamma  # noqa: E402
@@ -177,7 +178,11 @@ def main(argv=None) -> int:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--trees", default="", help="draft trees after the methods: DRAFTER:DEPTHxBRANCHING,... "
-                                               "(drafter self or ngram; e.g. self:4x2,ngram:6x1)")
+                                               "(drafter self, ngram or head; e.g. self:4x2,ngram:6x1,head:6x1)")
+    p.add_argument("--draft-head", default=None, help="the trained draft head of drafter head "
+                                                      "(vegas_jax.train_draft_head's --out)")
+    p.add_argument("--heldout", action="store_true",
+                   help="prompts from the held-out split (benchmarks/prompt_splits.py) instead of the stdlib corpus")
     p.add_argument("--tree-method", default="vegas", help="the self drafter's KV selection for --trees")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the last is reported")
     p.add_argument("--requests", type=int, default=0,
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
-    engine = Engine(load_model(args.model, dtype, mesh))
+    engine = Engine(load_model(args.model, dtype, mesh), draft_head=args.draft_head)
     corpus = stdlib_corpus()
     records = []
     meta = run_metadata(model=args.model or "embedded:SmolLM2-135M-Instruct", dtype=args.dtype,
@@ -201,7 +206,10 @@ def main(argv=None) -> int:
     name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
-            prompts = long_prompts(engine.tokenizer, args.requests or batch, prompt_tokens, corpus)
+            if args.heldout:
+                prompts = split_prompts(engine.tokenizer, "heldout", args.requests or batch, prompt_tokens).prompts
+            else:
+                prompts = long_prompts(engine.tokenizer, args.requests or batch, prompt_tokens, corpus)
             ar_rate, ar_steady, ar_tokens = None, None, None
             for method, tree, drafter in runs(args.methods, args.trees, args.tree_method):
                 options = GenerationOptions.check(GenerationOptions(

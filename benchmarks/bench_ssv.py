@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.prompt_splits import split_prompts  # noqa: E402
 from benchmarks.prompts import long_prompts  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_cache_rows, random_engine, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
@@ -87,7 +88,7 @@ def breakdown(engine: Engine, started) -> dict:
     keys = loop.step_keys(state.keys, loop.request_step(state), config.tree.depth + 2)
     num_drafts = loop.counted_drafts(state, config.tree.depth)
     def draft(p, s, k, n):
-        proposal = drafter.propose(p, None, s, k, config, n)
+        proposal = drafter.propose(p, started.draft_params, s, k, config, n)
         return proposal.cache, proposal.tokens
 
     propose = jax.jit(draft)
@@ -173,7 +174,7 @@ def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, log: RecordLo
                   "projection": False})
         view_batch = min(args.batches, key=lambda b: abs(b - batch))  # the view's τ at the nearest batch
         for precision in CLASSES:
-            for drafter in args.drafters:
+            for drafter in (d for d in args.drafters if d != "head"):  # a head is trained for the view only
                 options = ssv_options(precision, drafter, args, new_tokens, context)
                 record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_cache_rows)
                 tau = taus.get((view_batch, precision, drafter))
@@ -211,7 +212,11 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=8192, help="prompt plus new tokens (SmolLM2's context: 8192)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="4x2")
-    p.add_argument("--drafters", default="ngram,self", help="the SSV drafters run in each class")
+    p.add_argument("--drafters", default="ngram,self", help="the SSV drafters run in each class (head: the view "
+                                                             "only, with --draft-head)")
+    p.add_argument("--draft-head", default=None, help="the view's trained draft head (vegas_jax.train_draft_head)")
+    p.add_argument("--heldout", action="store_true",
+                   help="the view's prompts from the held-out split (benchmarks/prompt_splits.py)")
     p.add_argument("--approx-mode", default="s8w1r2", help="the approximate class's mode without a profile")
     p.add_argument("--ssv-profile", default=None, help="the planner chooses tree and mode from this profile")
     p.add_argument("--repeats", type=int, default=3)
@@ -240,6 +245,11 @@ def main(argv=None) -> int:
         view = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, "nsa-view", NSA_VIEW_LAYOUT)))
         prompts_of = functools.partial(long_prompts, view.tokenizer,
                                        prompt_tokens=args.context - args.max_new_tokens)
+        if args.heldout:
+            prompts_of = lambda batch: split_prompts(view.tokenizer, "heldout", batch,  # noqa: E731
+                                                     args.context - args.max_new_tokens).prompts
+        if args.draft_head:
+            view.use_draft_head(args.draft_head)
         nsa_config = NSA_1B
         new_tokens = args.max_new_tokens
     dtype = jnp.float32 if args.smoke else jnp.bfloat16

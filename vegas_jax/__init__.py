@@ -19,14 +19,16 @@ from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputE
 __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "load"]
 
 
-def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights: str | None = None) -> Engine:
+def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights: str | None = None,
+         draft_head: str | None = None) -> Engine:
     """An Engine for a checkpoint (None: the embedded SmolLM2). dtype: auto (bf16 on GPU, float32 on CPU),
     bfloat16 or float32. mesh: a `jax.sharding.Mesh` with axes `data` (splits the batch) and `model` (splits heads
     and MLP units), either optional, or the CLI's --mesh string over all devices ("data=2,model=4"); the parameters
     are loaded straight into their shards and every generate / stream / serve call runs on it. None: one device. A checkpoint that cannot be read raises CheckpointError
     naming the file and the cause. draft_weights: int8 / int4 makes the quantized draft weights at load time
     (from a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where it has them); otherwise a run asking for them
-    (`GenerationOptions.draft_weights`) quantizes the loaded weights on first use."""
+    (`GenerationOptions.draft_weights`) quantizes the loaded weights on first use. draft_head: the folder of a
+    trained draft head (vegas_jax.train_draft_head), which `drafter="head"` drafts with."""
     import jax
     import jax.numpy as jnp
 
@@ -39,5 +41,6 @@ def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     if dtype not in ("bfloat16", "float32"):
         raise InputError("{dtype} must be auto, bfloat16 or float32, got {!r}", dtype)
-    return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh), draft_weights))
+    return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh), draft_weights),
+                  draft_head=draft_head)
 

@@ -1,5 +1,5 @@
-"""docs/cli.md, the CLI reference, generated from the argparse parsers of `vegas_jax.generate` and `vegas_jax.score`
-so that it cannot drift from them (tests/test_docs.py compares the file with `render()`).
+"""docs/cli.md, the CLI reference, generated from the argparse parsers of `vegas_jax.generate`, `vegas_jax.score`
+and `vegas_jax.train_draft_head` so that it cannot drift from them (tests/test_docs.py compares the file with `render()`).
 
     python -m vegas_jax.cli_reference            # rewrites docs/cli.md
     python -m vegas_jax.cli_reference --check    # exit 1 if docs/cli.md differs from the parsers
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vegas_jax import flag_environment, generate, score
+from vegas_jax import flag_environment, generate, score, train_draft_head
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 # What a flag's value looks like, by its argparse type.
@@ -87,6 +87,7 @@ def render() -> str:
            "other files of [docs/](.) and the [README](../README.md).", ""]
     out += _section(generate, with_variables=True)
     out += _section(score, with_variables=False)
+    out += _section(train_draft_head, with_variables=False)
     return "\n".join(out)
 
 

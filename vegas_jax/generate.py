@@ -136,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a chain of --gamma drafts")
     p.add_argument("--drafter", default=GenerationOptions.drafter,
                    help="with --draft-tree: self (the model's cheaper draft: a dense model's sparse draft, with "
-                        "--method; an NSA model's sink and window) or ngram (prompt lookup)")
+                        "--method; an NSA model's sink and window), ngram (prompt lookup) or head (a trained draft "
+                        "head, --draft-head)")
+    p.add_argument("--draft-head", default=None,
+                   help="with --drafter head: the trained draft head's folder (python -m vegas_jax.train_draft_head)")
     p.add_argument("--precision", default=GenerationOptions.precision,
                    help="NSA models: exact (never changes the output) | approximate (allows approximate modes "
                         "whose measured top-1 disagreement is at most --precision-tolerance)")
@@ -696,6 +699,8 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                 raise InputError("--stream: not with --slots (continuous batching returns whole requests)")
         elif args.refill is not None:
             raise InputError("--refill: only with --slots")
+        if args.draft_head is not None and not (options.draft_tree and options.drafter == "head"):
+            raise InputError("--draft-head: only with --drafter head and a --draft-tree")
         if args.compare_ar and options.effective_gamma == 0:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
         mesh = _mesh(args)
@@ -717,7 +722,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         loaded = _load(args.model, dtype, mesh, options.draft_weights if options.effective_gamma else None)
         load_s = time.perf_counter() - t0
         loaded = dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention))
-        engine = Engine(loaded)
+        engine = Engine(loaded, draft_head=args.draft_head)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         if (args.system is not None or args.messages) and engine.tokenizer.chat_template is None:
             raise InputError("{}: the model has no chat template to render them with",

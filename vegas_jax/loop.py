@@ -188,9 +188,14 @@ def init_state(
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
         step=jnp.zeros((), jnp.int32),
         gamma_control=adaptive_gamma.GammaControl.create(config.gamma) if config.adaptive_gamma else None,
-        drafter_state=(drafter.init_state(config, prompt_lengths, prompt_tokens, cache.k[0].dtype)
+        drafter_state=(drafter.init_state(config, prompt_lengths, prompt_tokens, _activations_dtype(cache))
                        if config.tree is not None else ()),
     )
+
+
+def _activations_dtype(cache):
+    """The dtype the model computes in: its cache's K/V's (whatever else the cache of its family holds)."""
+    return next(x.dtype for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConfig, placement: Placement,

@@ -35,7 +35,8 @@ from models import draft_head
 from models.config import ModelConfig
 from models.decoder import forward
 from vegas_jax import draft_head_checkpoint
-from vegas_jax.attention.family import family_of
+from vegas_jax.attention.family import ATTENTION_CHOICES, family_of, with_attention
+from vegas_jax.engine import Engine
 from vegas_jax.inputs import InputError
 from vegas_jax.options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement
@@ -188,7 +189,7 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
                                 unroll=settings.unroll, placement=engine.placement)
 
     @jax.jit
-    def update(head, opt_state, tokens, generated):
+    def update(head, opt_state, target, tokens, generated):  # target an argument: a constant XLA would fold
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, target, tokens, generated)
         updates, opt_state = tx.update(grads, opt_state, head)
         return optax.apply_updates(head, updates), opt_state, loss, metrics
@@ -198,7 +199,7 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
     while step < settings.steps:
         # Each step's batch is a function of the seed and the step alone: a resumed run draws what it would have.
         pick = np.random.default_rng([settings.seed, step]).choice(len(tokens), settings.batch, replace=False)
-        head, opt_state, loss, metrics = update(head, opt_state, jnp.asarray(tokens[pick]),
+        head, opt_state, loss, metrics = update(head, opt_state, target, jnp.asarray(tokens[pick]),
                                                 jnp.asarray(generated[pick]))
         step += 1
         agreement = [round(float(a), 4) for a in metrics["agreement"]]
@@ -285,20 +286,36 @@ def memory_plan(model: ModelConfig, settings: Settings, target_bytes: int, dtype
 
 
 # ---- command line ----------------------------------------------------------------------------------------------
+SETTING_HELP = {
+    "prompts": "tuning-split prompts decoded for the training data",
+    "prompt_tokens": "each prompt's length in tokens",
+    "new_tokens": "tokens generated per prompt (greedy): the positions trained on",
+    "steps": "optimizer steps in all; a resumed run continues to this many",
+    "batch": "sequences per step",
+    "learning_rate": "AdamW's peak learning rate (warm-up, then cosine decay to a tenth)",
+    "unroll": "training-time-test passes after the teacher-forced one: the head learns drafts of depth 2 .. "
+              "unroll + 1 from its own predictions",
+    "seed": "the head's initialisation and each step's batch",
+    "generate_batch": "prompts per engine call while making the data",
+}
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vegas_jax.train_draft_head", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (.gguf, HF or vegas-jax Orbax folder); default: the "
                                                  "embedded SmolLM2-135M")
     p.add_argument("--out", required=True, help="checkpoint folder (resumed from when it holds one)")
+    p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
+                   help="train for the model attending so (nsa-view: a dense model's NSA view, which SSV decodes; "
+                        "default: as the checkpoint does)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="the target's dtype (auto: bfloat16 on GPU, float32 on CPU); the head trains in float32")
     defaults = Settings()
     for field in dataclasses.fields(Settings):
         p.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
-                       default=getattr(defaults, field.name))
+                       default=getattr(defaults, field.name), help=SETTING_HELP[field.name])
     p.add_argument("--time-limit", type=float, default=540.0,
                    help="seconds after which training checkpoints and exits (run again to resume); 0: none")
-    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -333,6 +350,7 @@ def run(args) -> int:
     import vegas_jax
 
     engine = vegas_jax.load(args.model, args.dtype)
+    engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, args.attention)))
     model = engine.config
     if args.dry_run:
         params = jax.tree.leaves(engine.model.params)
