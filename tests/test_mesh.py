@@ -256,7 +256,35 @@ def scenario_smollm2() -> dict:
     return out
 
 
-SCENARIOS = {"tiny": scenario_tiny, "nsa": scenario_nsa, "smollm2": scenario_smollm2}
+def scenario_head() -> dict:
+    """A trained draft head (vegas_jax.train_draft_head, on one device) drafting on meshes: greedy chains on
+    (data=4, model=2), sampled trees on (data=2, model=4), each against one device."""
+    import tempfile
+
+    from tests.test_draft_head import trained
+    from tests.test_lossless_tiny import prompts
+    from vegas_jax.engine import Engine, GenerationOptions
+    from vegas_jax.sharding import make_mesh
+
+    loaded = _tiny_qwen3()
+    one = Engine(loaded)
+    folder = tempfile.mkdtemp(prefix="head-")
+    trained(one, folder)
+    one.use_draft_head(folder)
+    batch = prompts([12, 30, 9, 21, 16], loaded.config.vocab_size, seed=2)
+    out = {"runs": []}
+    for mesh, extra in [("data=4,model=2", dict(draft_tree="4x1")),
+                        ("data=2,model=4", dict(draft_tree="2x2", temperature=0.8, logprobs=2))]:
+        data, model = (int(part.split("=")[1]) for part in mesh.split(","))
+        engine = Engine(loaded.on_mesh(make_mesh({"data": data, "model": model})), draft_head=folder)
+        options = GenerationOptions(max_new_tokens=24, drafter="head", **extra)
+        reference, got = _run_to_end(one, batch, options), _run_to_end(engine, batch, options)
+        out["runs"].append({"mesh": mesh, **{k: got[k] == reference[k] for k in ("tokens", "accepted", "top_ids")},
+                            "drafts_accepted": int(sum(map(sum, reference["accepted"])))})
+    return out
+
+
+SCENARIOS = {"tiny": scenario_tiny, "nsa": scenario_nsa, "smollm2": scenario_smollm2, "head": scenario_head}
 
 
 # ---- tests --------------------------------------------------------------------------------------------------
@@ -289,6 +317,13 @@ def test_an_nsa_model_decodes_on_a_mesh_as_on_one_device():
     out = run_scenario("nsa", devices=8)
     assert out["nsa_identical"] == [True] * 5 and out["tree_identical"] == [True] * 5
     assert out["tree_tau"] > 1.0  # drafts were accepted
+
+
+def test_a_draft_head_drafts_on_a_mesh_as_on_one_device():
+    out = run_scenario("head", devices=8)
+    assert [run["mesh"] for run in out["runs"]] == ["data=4,model=2", "data=2,model=4"]
+    for run in out["runs"]:
+        assert run["tokens"] and run["accepted"] and run["top_ids"] and run["drafts_accepted"] > 0, run
 
 
 def test_the_loop_keeps_its_layout_without_gathering(tiny):
