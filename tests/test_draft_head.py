@@ -4,7 +4,8 @@ and a resumed run ends where an uninterrupted one does; the head drafter's chain
 over the whole verified history (target hidden states by a dense forward of the emitted sequence); greedy decoding
 with the head as drafter equals greedy decoding by full recomputation (chains and trees on a dense model) and plain
 NSA decoding (an NSA model), with drafts accepted; sampled trees keep the distribution (the exact float64 joint of
-test_draft_trees); bad input is one named error."""
+test_draft_trees); serving admits requests with their head memory as generate runs them; bad input is one named
+error."""
 
 from __future__ import annotations
 
@@ -159,6 +160,16 @@ def test_sampled_trees_with_the_head_keep_the_distribution(tmp_path):
     assert min(histogram) > 0.02 * sum(histogram), histogram
     p_value = chi_square_p_value(counts, sampler[2])
     assert p_value > 1e-3, f"p = {p_value:.2e}"
+
+
+def test_serving_with_the_head_equals_generate(dense):
+    """Continuous batching admits requests with their head memory (sampled, so the keys must agree too)."""
+    engine, _, _ = dense
+    ids = prompts([12, 30, 9, 21, 16], engine.config.vocab_size, seed=2)
+    options = GenerationOptions(max_new_tokens=NEW, draft_tree="3x2", drafter="head", temperature=0.8)
+    together, served = engine.generate(ids, options), engine.serve(ids, options, slots=2, refill=1)
+    assert [r.tokens for r in served.requests] == [r.tokens for r in together.requests]
+    assert together.metrics["tau"] > 1.2
 
 
 def test_refusals_name_the_argument(dense, tmp_path):
