@@ -9,6 +9,8 @@ error."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,11 +22,12 @@ from models.kv_cache import KVCache
 from tests.test_draft_trees import run_to_end, sampled_counts, tree_sampler
 from tests.test_lossless_tiny import dense_greedy, prompts, tiny_engine
 from tests.test_nsa_trees import emitted, plain_run
+from tests.test_planner import profile_doc
 from tests.test_sampling_distribution import chi_square_p_value
 from vegas_jax import train_draft_head
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.drafters import HeadDrafter
-from vegas_jax.engine import GenerationOptions, InputError
+from vegas_jax.engine import Engine, GenerationOptions, InputError
 from vegas_jax.loop import step_keys, request_step
 
 SETTINGS = train_draft_head.Settings(prompts=16, prompt_tokens=12, new_tokens=24, steps=60, batch=4,
@@ -141,14 +144,27 @@ def test_greedy_decoding_with_the_head_is_plain_greedy_decoding(dense, tree):
 
 
 def test_greedy_decoding_with_the_head_is_plain_nsa_decoding(tmp_path):
+    """Also where the SSV planner chooses the drafter (drafter auto): among those its profile times that the
+    engine can run, the head only where the engine has one."""
     engine, ids, plain = plain_run("nsa-1b")
     settings = train_draft_head.Settings(**{**SETTINGS.__dict__, "steps": 40})
-    trained(engine, tmp_path, settings)
-    engine.use_draft_head(tmp_path)
+    trained(engine, tmp_path / "head", settings)
+    doc = profile_doc()
+    doc["drafts"] = [dict(d, drafter="head") for d in doc["drafts"]]  # the n-gram drafter's times, as the head's
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    auto = GenerationOptions(max_new_tokens=16, drafter="auto", ssv_profile=str(profile))
+    with pytest.raises(InputError, match="drafter auto: the profile .* times none of the drafters this engine can"):
+        Engine(engine.model).generate(ids, auto)
+
+    engine.use_draft_head(tmp_path / "head")
     state = run_to_end(engine, ids, GenerationOptions(max_new_tokens=16, draft_tree="3x2", drafter="head"))
     assert emitted(state) == emitted(plain)
     np.testing.assert_array_equal(np.asarray(state.committed), np.asarray(plain.committed))
     assert np.asarray(state.metrics.accepted).sum(0)[0] > 0
+    planned = engine.generate(ids, auto)
+    assert planned.metrics["ssv_plan"]["drafter"] == "head" and planned.metrics["drafter"] == "head"
+    assert [r.tokens for r in planned.requests] == emitted(plain)
 
 
 def test_sampled_trees_with_the_head_keep_the_distribution(tmp_path):

@@ -221,3 +221,25 @@ def test_plan_ssv_sets_a_profiles_predictions_beside_a_checks_measurements(tmp_p
     assert plan_ssv.main(["--ssv-profile", str(tmp_path / "profile.json"), "--against", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --against {tmp_path}: not a planner check's JSON")
+
+
+def test_the_planner_chooses_between_drafters_by_their_cost_and_acceptance(tmp_path):
+    """A head drafting at a tenth of a plain step per level beside n-gram lookup (nearly free): at the same
+    acceptance the cheaper n-gram trees win; a head accepted far more often than the lookup wins instead, and the
+    engine's DrafterAcceptance keeps each drafter's running acceptance apart."""
+    from vegas_jax.planner import DrafterAcceptance
+
+    doc = profile_doc()
+    doc["drafts"] += [{"drafter": "head", "nodes": r - 1, "batch": b, "context": c,
+                       "ms": 0.1 * pass_ms("exact", 1, b, 1024, 1.0) * min(r - 1, 6)}
+                      for r in ROWS if r > 1 for b in BATCHES for c in CONTEXTS]
+    planner = Planner(load_profile(write(tmp_path, doc)), parse_precision("exact"), ("head", "ngram"))
+    assert planner.plan(16384, 8, 0.6).drafter == "ngram"
+    assert planner.plan(16384, 8, {"head": 0.9, "ngram": 0.2}).drafter == "head"
+    book = DrafterAcceptance()
+    for _ in range(50):
+        book.of("ngram").observe(0, 4, 1)
+        book.of("head").observe(4, 4, 1)
+    alphas = book.alphas(("head", "ngram"))
+    assert alphas["head"] > 0.9 and alphas["ngram"] < 0.1
+    assert planner.plan(16384, 8, alphas).drafter == "head"

@@ -25,7 +25,7 @@ from vegas_jax.attention.backend import default_backend
 from vegas_jax.compilation import Programs, matmul_precision
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.planner import AcceptanceTracker
+from vegas_jax.planner import DrafterAcceptance
 from vegas_jax.prefill_reuse import PrefillReuse
 from vegas_jax.options import GenerationOptions
 from vegas_jax.pacing import Pacer
@@ -65,7 +65,7 @@ class Engine:
         self.programs = Programs(matmul_precision(model.params["embed"].dtype))
         self._stop_tables: dict = {}
         self._gamma_book = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
-        self._acceptance = AcceptanceTracker()  # the SSV planner's running acceptance, over this engine's runs
+        self._acceptance = DrafterAcceptance()  # the SSV planner's running acceptances, over this engine's runs
         self.draft_head = None  # the params `drafter` head drafts with (use_draft_head)
         if draft_head is not None:
             self.use_draft_head(draft_head)
@@ -111,9 +111,10 @@ class Engine:
 
     def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None,
                      kept_prefill: bool = False) -> run_plan.RunPlan:
+        drafters = ("self", "ngram") + (("head",) if self.draft_head is not None else ())
         return run_plan.fit(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
                             stop_table_of=self._stop_table, slots=slots, refill=refill,
-                            kept_prefill=kept_prefill)
+                            kept_prefill=kept_prefill, drafters=drafters)
 
     # ---- draft weights -------------------------------------------------------------------------------------
     def _draft_params(self, config: loop.DecodeConfig, rows: int):

@@ -80,7 +80,8 @@ class GenerationOptions:
     # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
     # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
     # an NSA model's sink-and-window draft, with method ar), ngram (prompt lookup, with method ar: no draft pass,
-    # no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's draft_head).
+    # no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's draft_head); with
+    # an ssv_profile also auto (the planner chooses the drafter).
     draft_tree: str | None = None
     drafter: str = "self"
     # SSV on NSA models (vegas_jax.ssv): the precision class (vegas_jax.precision: exact never changes the output;
@@ -199,7 +200,9 @@ class GenerationOptions:
         """validate's checks of draft_tree and drafter (the tree's own syntax and size: parse_tree)."""
         if self.draft_tree is None:
             # With a profile the planner chooses the tree (or none) for the drafter given.
-            return [(self.drafter == "self" or self.ssv_profile is not None,
+            return [(self.drafter != "auto" or self.ssv_profile is not None,
+                     "{drafter} auto is the SSV planner's choice: only with {ssv_profile}"),
+                    (self.drafter == "self" or self.ssv_profile is not None,
                      "{drafter} {} drafts a tree: give {draft_tree} too (6x1 is a chain)", self.drafter)]
         tree = parse_tree(self.draft_tree)
         penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

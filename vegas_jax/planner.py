@@ -10,7 +10,11 @@ mode's measured distance from the exact target (`distances`, benchmarks/measure_
 and per (drafter, nodes) it fits ms = a + b * batch + c * batch * context (weights read once per pass, plus the
 K/V each sequence reads) by non-negative least squares over the measured points.
 
-Acceptance: a per-token probability alpha that a drafted token is the target's (running, `AcceptanceTracker`),
+Drafters: each (drafter, nodes) the profile times is a candidate, so a planner given several drafters (the head,
+n-gram and self drafts) chooses between them by predicted time per token, each at its own running acceptance.
+
+Acceptance: a per-token probability alpha that a drafted token is the target's (running, `AcceptanceTracker`, one
+per drafter: `DrafterAcceptance`),
 each level of a tree with branching k accepting with 1 - (1 - alpha)^k (candidates independent: a model, not a
 measurement), so a step of depth D yields 1 + sum_{d<=D} prod_{j<=d} (1 - (1 - alpha)^k) tokens; plain decoding
 yields 1.
@@ -178,6 +182,19 @@ class AcceptanceTracker:
         return sum((p + f) / total * (1.0 - (f / (p + f)) ** (1.0 / k)) for k, (p, f) in self.counts.items())
 
 
+class DrafterAcceptance:
+    """The running acceptance of each drafter (an engine's, across its runs): drafters propose differently well."""
+
+    def __init__(self):
+        self.trackers: dict[str, AcceptanceTracker] = {}
+
+    def of(self, drafter: str) -> AcceptanceTracker:
+        return self.trackers.setdefault(drafter, AcceptanceTracker())
+
+    def alphas(self, drafters) -> dict[str, float]:
+        return {d: self.of(d).alpha for d in drafters}
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """One way to decode: mode (ApproxMode label), tree (depth, branching) or None for plain decoding, and what
@@ -218,20 +235,24 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, profile: Profile, precision: PrecisionClass, drafter: str = "ngram",
+    def __init__(self, profile: Profile, precision: PrecisionClass, drafter: str | tuple[str, ...] = "ngram",
                  node_budget: int = MAX_TREE_NODES):
+        """drafter: the drafter whose trees are candidates, or several to choose between."""
         if not 1 <= node_budget <= MAX_TREE_NODES:
             raise InputError("{node_budget} must be in [1, {}], got {!r}", MAX_TREE_NODES, node_budget)
-        self.profile, self.precision, self.drafter, self.node_budget = profile, precision, drafter, node_budget
+        self.profile, self.precision, self.node_budget = profile, precision, node_budget
+        self.drafters = (drafter,) if isinstance(drafter, str) else tuple(drafter)
 
     def modes(self) -> list[str]:
         """The profile's modes this precision class may run."""
         labels = sorted({mode for mode, _ in self.profile.passes})
         return [m for m in labels if self.precision.allows(ApproxMode.from_name(m), self.profile.distances.get(m))]
 
-    def candidates(self, prompt_tokens: int, batch: int, alpha: float) -> list[Plan]:
+    def candidates(self, prompt_tokens: int, batch: int, alpha: float | dict[str, float]) -> list[Plan]:
         """Every plan within the class that the profile can cost: plain decoding of each allowed mode, and each
-        full tree within the node budget whose verification pass (rows = nodes + 1) and draft were profiled."""
+        full tree of each drafter within the node budget whose verification pass (rows = nodes + 1) and draft were
+        profiled. alpha: one acceptance for every drafter, or each drafter's."""
+        alphas = alpha if isinstance(alpha, dict) else dict.fromkeys(self.drafters, alpha)
         plans = []
         for label in self.modes():
             refresh = ApproxMode.from_name(label).refresh_every
@@ -244,18 +265,20 @@ class Planner:
                     if nodes > self.node_budget:
                         break
                     verify = self.profile.passes.get((label, nodes + 1))
-                    draft = self.profile.drafts.get((self.drafter, nodes))
-                    if verify is None or draft is None:
-                        continue
-                    ms = verify(batch, prompt_tokens) + draft(batch, prompt_tokens)
-                    plans.append(Plan(label, (depth, branching), self.drafter, nodes + 1, refresh,
-                                      expected_tokens(depth, branching, alpha), ms))
+                    for drafter in self.drafters:
+                        draft = self.profile.drafts.get((drafter, nodes))
+                        if verify is None or draft is None:
+                            continue
+                        ms = verify(batch, prompt_tokens) + draft(batch, prompt_tokens)
+                        plans.append(Plan(label, (depth, branching), drafter, nodes + 1, refresh,
+                                          expected_tokens(depth, branching, alphas[drafter]), ms))
         return plans
 
-    def plan(self, prompt_tokens: int, batch: int, alpha: float = DEFAULT_ACCEPTANCE) -> Plan:
+    def plan(self, prompt_tokens: int, batch: int, alpha: float | dict[str, float] = DEFAULT_ACCEPTANCE) -> Plan:
         """The candidate with the least predicted time per token (ties: plain decoding, then fewer rows)."""
-        if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
-            raise ValueError(f"acceptance {alpha} is no probability")
+        for a in alpha.values() if isinstance(alpha, dict) else (alpha,):
+            if not 0.0 <= a <= 1.0 or math.isnan(a):
+                raise ValueError(f"acceptance {a} is no probability")
         plans = self.candidates(prompt_tokens, batch, alpha)
         if not plans:
             raise InputError("{ssv_profile} {}: no plan of precision class {} is profiled", self.profile.path,

@@ -23,7 +23,7 @@ from vegas_jax import draft_kernel, inputs, loop, memory, sampling, ssv
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
-from vegas_jax.planner import AcceptanceTracker
+from vegas_jax.planner import DrafterAcceptance
 from vegas_jax.prefill_chunks import prefill_chunk
 from vegas_jax.selection import Budget, make_policy
 from vegas_jax.serving import check_serving
@@ -42,13 +42,15 @@ class RunPlan:
 
 
 def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
-        acceptance: AcceptanceTracker, stop_table_of: Callable[[GenerationOptions], np.ndarray],
-        slots: int | None = None, refill: int | None = None, kept_prefill: bool = False) -> RunPlan:
+        acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
+        slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
+        drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once it is
     known to fit its devices; InputError otherwise. `stop_table_of`: the options' vegas_jax.stops table, asked for
-    once the options are checked (its stop ids within the vocabulary)."""
+    once the options are checked (its stop ids within the vocabulary). `drafters`: those the engine can run (the
+    SSV planner's choices with drafter auto)."""
     model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
-    options, ssv_plan = ssv.resolve(options, model_config, prompt_lens, acceptance)
+    options, ssv_plan = ssv.resolve(options, model_config, prompt_lens, acceptance, drafters)
     config, capacity = loop_config(model_config, placement, prompt_lens, options)
     stop_table = stop_table_of(options)
     batch = round_up_to_shards(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)), placement)

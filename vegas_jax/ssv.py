@@ -4,8 +4,10 @@ or an approximate mode's modified target) the run decodes with, within the user'
 
 - With a device profile (`ssv_profile`, benchmarks/profile_ssv.py writes one): the planner (vegas_jax.planner)
   chooses the tree shape, the mode and with it the refresh schedule for the run's longest prompt and batch, at the
-  running acceptance (`acceptance`, kept by the engine across its runs and fed each run's accepted depths). The
-  user gives no draft_tree nor approx_mode then: the planner owns both.
+  running acceptance (`acceptance`, each drafter's, kept by the engine across its runs and fed each run's accepted
+  depths). The user gives no draft_tree nor approx_mode then: the planner owns both; with `drafter` auto it also
+  chooses the drafter among those the profile times and the engine can run (`drafters`: the head only where the
+  engine has one).
 - Without a profile, the default plan: the user's draft tree (or plain decoding), and the exact target unless
   the user pins an approximate mode (`approx_mode`, with precision approximate). No approximate mode is chosen on
   the user's behalf, since only a profile carries the modes' measured distances that the class's tolerance bounds.
@@ -19,7 +21,9 @@ import dataclasses
 
 from models.config import ModelConfig
 from vegas_jax.inputs import InputError
-from vegas_jax.planner import AcceptanceTracker, Plan, Planner, load_profile
+from vegas_jax.planner import DrafterAcceptance, Plan, Planner, load_profile
+
+AUTO_DRAFTER = "auto"  # drafter: the planner's choice (with ssv_profile)
 from vegas_jax.precision import EXACT_MODE, ApproxMode, parse_precision
 
 
@@ -43,9 +47,10 @@ def check(options) -> None:
                          "approximate", options.approx_mode)
 
 
-def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance: AcceptanceTracker):
+def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance: DrafterAcceptance,
+            drafters: tuple[str, ...]):
     """(the options the run decodes with, the planner's Plan or None for the default plan); InputError naming
-    the option at fault."""
+    the option at fault. drafters: those the engine can run."""
     precision = parse_precision(options.precision, options.precision_tolerance)
     mode = approx_mode_of(options)
     if config.attention == "dense":
@@ -63,32 +68,39 @@ def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance:
             raise InputError("{" + given + "} {}: with {ssv_profile} the planner chooses the tree and the mode; "
                              "give one or the other", getattr(options, given))
     profile = load_profile(options.ssv_profile)
-    drafters = sorted({drafter for drafter, _ in profile.drafts})
-    if options.drafter not in drafters:
+    profiled = sorted({drafter for drafter, _ in profile.drafts})
+    if options.drafter == AUTO_DRAFTER:
+        choices = tuple(d for d in profiled if d in drafters)
+        if not choices:
+            raise InputError("{drafter} auto: the profile {} times none of the drafters this engine can run ({})",
+                             options.ssv_profile, ", ".join(drafters))
+    elif options.drafter not in profiled:
         raise InputError("{drafter} {}: the profile {} has no draft times for it (it has: {}); give {drafter} one of "
-                         "them", options.drafter, options.ssv_profile, ", ".join(drafters) or "none")
-    plan = Planner(profile, precision, options.drafter).plan(max(prompt_lengths), len(prompt_lengths),
-                                                              acceptance.alpha)
+                         "them", options.drafter, options.ssv_profile, ", ".join(profiled) or "none")
+    else:
+        choices = (options.drafter,)
+    plan = Planner(profile, precision, choices).plan(max(prompt_lengths), len(prompt_lengths),
+                                                      acceptance.alphas(choices))
     return with_plan(options, plan), plan
 
 
 def with_plan(options, plan: Plan):
     """options with the plan's tree and mode (plain decoding: no tree, the default drafter)."""
     tree = plan.tree_spec
-    return dataclasses.replace(options, draft_tree=tree, drafter=options.drafter if tree else "self",
+    return dataclasses.replace(options, draft_tree=tree, drafter=plan.drafter if tree else "self",
                                approx_mode=None if plan.mode == "exact" else plan.mode)
 
 
-def observe(acceptance: AcceptanceTracker, options, depth_histogram: list[int]) -> None:
-    """A finished run's tree passes (accepted_depth_histogram: passes by drafts accepted) into the running
-    acceptance."""
+def observe(acceptance: DrafterAcceptance, options, depth_histogram: list[int]) -> None:
+    """A finished run's tree passes (accepted_depth_histogram: passes by drafts accepted) into its drafter's
+    running acceptance."""
     tree = options.tree
     if tree is None:
         return
-    branching = tree.children.shape[1]
+    branching, tracker = tree.children.shape[1], acceptance.of(options.drafter)
     for accepted, passes in enumerate(depth_histogram):
         for _ in range(passes):
-            acceptance.observe(accepted, tree.depth, branching)
+            tracker.observe(accepted, tree.depth, branching)
 
 
 def report(options, plan: dict | None, decode_s: float, decode_tokens: int, requests: int) -> dict:
