@@ -115,22 +115,36 @@ def pass_visibility(rows: int, passes: int, j: int) -> np.ndarray:
     return ((i == 0) & (t <= r - j)) | ((i >= 1) & (i <= j) & (t == r - j + i))
 
 
+def target_pass(target, tokens, *, model: ModelConfig, prompt_tokens: int, placement: Placement):
+    """What the head learns from, for tokens [B, P + N]: the target's last hidden states [B, P + N, D] and its
+    next-token distributions at rows P .. P + N - 1 ([B, N, V]), by one full-attention pass of the target (outside
+    the differentiated function: no gradient reaches the target, nor its kernels)."""
+    batch, width = tokens.shape
+    rows, family = width - prompt_tokens, family_of(model)
+    cache = family.create_cache(model, batch, -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN, target["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    logit_rows = jnp.broadcast_to(prompt_tokens + jnp.arange(rows), (batch, rows))
+    logits, _, _, hidden = forward(target, tokens, positions, cache, family.full_attention(model, placement),
+                                   config=model, logit_rows=logit_rows, with_hidden=True)
+    return hidden, jax.nn.softmax(logits, axis=-1)
+
+
 def loss_and_metrics(head, target, tokens, generated, *, model: ModelConfig, prompt_tokens: int, unroll: int,
                      placement: Placement):
     """(loss, {agreement [unroll + 1]: top-1 agreement of pass j with the target}) over a batch of tokens [B, P + N]
     of which the first P + generated[b] are real."""
+    hidden, target_probs = target_pass(target, tokens, model=model, prompt_tokens=prompt_tokens, placement=placement)
+    return head_loss(head, target, tokens, generated, hidden, target_probs, model=model, prompt_tokens=prompt_tokens,
+                     unroll=unroll)
+
+
+def head_loss(head, target, tokens, generated, hidden, target_probs, *, model: ModelConfig, prompt_tokens: int,
+              unroll: int):
+    """loss_and_metrics given the target pass (target_pass)."""
     batch, width = tokens.shape
     rows, passes = width - prompt_tokens, unroll + 1
-    family = family_of(model)
-    capacity = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
-    cache = family.create_cache(model, batch, capacity, target["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    logit_rows = jnp.broadcast_to(prompt_tokens + jnp.arange(rows), (batch, rows))
-    target_logits, _, _, hidden = forward(target, tokens, positions, cache, family.full_attention(model, placement),
-                                          config=model, logit_rows=logit_rows, with_hidden=True)
-    target_logits, hidden = jax.lax.stop_gradient(target_logits), jax.lax.stop_gradient(hidden)
-    target_probs = jax.nn.softmax(target_logits, axis=-1)
-    target_choice = jnp.argmax(target_logits, axis=-1)
+    target_choice = jnp.argmax(target_probs, axis=-1)
     wanted = normalized(hidden[:, prompt_tokens:])  # row r predicts the hidden state at P + r
     following = tokens[:, prompt_tokens:]  # row r (position P - 1 + r) reads the token at P + r
     row_positions = positions[:, prompt_tokens - 1 : width - 1]
@@ -185,12 +199,15 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         check_resumable(record["settings"], settings)
         record["settings"] = dataclasses.asdict(settings)  # steps may grow
 
-    loss_fn = functools.partial(loss_and_metrics, model=model, prompt_tokens=settings.prompt_tokens,
-                                unroll=settings.unroll, placement=engine.placement)
+    taught = functools.partial(target_pass, model=model, prompt_tokens=settings.prompt_tokens,
+                               placement=engine.placement)
+    loss_fn = functools.partial(head_loss, model=model, prompt_tokens=settings.prompt_tokens, unroll=settings.unroll)
 
     @jax.jit
     def update(head, opt_state, target, tokens, generated):  # target an argument: a constant XLA would fold
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, target, tokens, generated)
+        hidden, probs = taught(target, tokens)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, target, tokens, generated, hidden,
+                                                                           probs)
         updates, opt_state = tx.update(grads, opt_state, head)
         return optax.apply_updates(head, updates), opt_state, loss, metrics
 
