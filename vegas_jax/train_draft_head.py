@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
                        default=getattr(defaults, field.name), help=SETTING_HELP[field.name])
     p.add_argument("--time-limit", type=float, default=540.0,
-                   help="seconds after which training checkpoints and exits (run again to resume); 0: none")
+                   help="seconds (from the start, loading and making the data included) after which training "
+                        "checkpoints and exits (run again to resume); 0: none")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -355,6 +356,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    started = time.perf_counter()  # the time limit counts loading and making the data too
     settings = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
     settings.check()
     if args.time_limit < 0:
@@ -381,7 +383,8 @@ def run(args) -> int:
         return 0
     folder.mkdir(parents=True, exist_ok=True)
     data = load_or_make_data(engine, folder, settings, progress=not args.quiet)
-    record = train(engine, data, folder, settings, time_limit=args.time_limit or None,
+    time_limit = max(0.0, args.time_limit - (time.perf_counter() - started)) if args.time_limit else None
+    record = train(engine, data, folder, settings, time_limit=time_limit,
                    checkpoint_every=args.checkpoint_every, progress=not args.quiet)
     last = record["history"][-1] if record["history"] else None
     print(plot(record, folder / PLOT_FILE) if record["history"] else "no plot: no steps ran")
