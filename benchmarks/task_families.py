@@ -53,6 +53,7 @@ QUOTE_TOKENS = (48, 768)
 # A question's tokens at most (quote, retrieval): a prompt's body is its length less the frame and the question,
 # so positions are chosen within the body the longest question would leave.
 QUESTION_TOKENS = 160
+REPLY_CHARS = 240  # multiturn: an assistant's reply at most (its turns must leave room for the code)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +386,7 @@ def _reply(stream: SourceStream, start: int, end: int, part: int) -> str:
     definitions = stream.within(start, end)
     documented += [(d.start, f"Part {part} begins with {_label(d)}: {d.doc}") for d in definitions if d.doc]
     if documented:
-        return min(documented)[1][:600]
+        return min(documented)[1][:REPLY_CHARS]
     names = ", ".join(f"`{d.name}`" for d in definitions[:4])
     return f"Part {part} defines {names}." if names else f"Part {part} holds no definitions, only statements."
 

@@ -23,6 +23,7 @@ from benchmarks.suite_records import RecordLog, key_fields_differing, latest_per
 from benchmarks.random_model import random_cache_rows
 from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterations
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
+from benchmarks.task_families import FAMILIES
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax.engine import GenerationOptions
 from vegas_jax.loading.gguf import embedded_smollm2_path, open_gguf
@@ -234,9 +235,9 @@ def stage_session(tmp_path, monkeypatch):
     # What a real session's records carry of it: the model (a key field) among them.
     monkeypatch.setattr(session, "provenance", lambda result: {"model": "none", "date": "now"})
 
-    def fake(session, stage, split, method, cell, batch, length, temperature, *, new_tokens, repeats, extra=None):
-        fields = {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length,
-                  "temperature": temperature, **suite._cell_fields(method, cell)}
+    def fake(session, stage, split, method, cell, batch, length, temperature, *, new_tokens, repeats, extra=None,
+             family="summarise"):
+        fields = suite._static_fields(stage, split, method, cell, batch, length, temperature, family)
         value = 50.0 if method == "ar" else rate(cell)
 
         def run():
@@ -248,7 +249,7 @@ def stage_session(tmp_path, monkeypatch):
     session.runs = 0
     session.ahead = []  # what compile_ahead was asked to compile, per call
 
-    def ahead(session, stage, split, configurations, batch, length, temperature, new_tokens):
+    def ahead(session, stage, split, configurations, batch, length, temperature, new_tokens, family="summarise"):
         session.ahead.append((stage, batch, temperature, configurations))
         return {}
 
@@ -551,19 +552,20 @@ def test_adaptive_gamma_targets_against_plain_and_the_fastest_fixed_gamma():
 
 
 def test_adaptive_cells_the_preset_lacks_are_listed_and_a_target_met_so_far_says_so():
-    """The quick preset times adaptive γ at batches 64 and 8: with held-out rows at both and an auto record at 64
-    only, the targets met at 64 are met so far, name the cell still to measure, and the table lists it."""
-    quick = lambda r: {**r, "log": "suite-quick"}  # noqa: E731
+    """The paper preset times adaptive γ at batches 64, 32, 8 and 1: with held-out rows at 64 and 8 and an auto
+    record at 64 only, the targets met at 64 are met so far, name the cell still to measure, and the table lists
+    it; a held-out row at a batch the preset does not time adaptive γ at is not listed."""
+    paper = lambda r: {**r, "log": "suite-paper"}  # noqa: E731
     auto = {**_held("vegas", 64, 1800, tuned=False, cell=Cell("auto", 0.05)), "stage": "adaptive",
             "gamma_chosen_mean": 5.0}
-    records = [quick(r) for r in (_held("ar", 64, 1000), _held("vegas", 64, 1850), _held("ar", 8, 300),
-                                  _held("vegas", 8, 400), _held("ar", 32, 600), auto)]
+    records = [paper(r) for r in (_held("ar", 64, 1000), _held("vegas", 64, 1850), _held("ar", 8, 300),
+                                  _held("vegas", 8, 400), _held("ar", 16, 600), auto)]
     plain, best = tables.targets_adaptive(records)
     assert plain.status == best.status == "met so far"
-    assert best.result == "B64 7936: 0.97x γ 4 (not yet measured: 7936 x 8)"  # batch 32: not an adaptive batch
+    assert best.result == "B64 7936: 0.97x γ 4 (not yet measured: 7936 x 8)"  # batch 16: not an adaptive batch
     table = report.adaptive_table(records)
     assert "| 7936 x 8 | 300 (270-330) | 400 (360-440), 1.33x, γ 4, 5 % | not yet measured |" in table
-    assert "7936 x 32" not in table
+    assert "7936 x 16" not in table
 
 
 def test_the_tau_target_lists_the_cells_vegas_loses_first():
@@ -725,7 +727,14 @@ def test_presets_hold_what_the_issue_asks():
     assert set(paper.batches) == {1, 8, 32, 64} and set(paper.lengths) == {2048, 4096, 7936}
     assert paper.repeats >= 3 and paper.serve[0].requests == 128 and paper.serve[0].slots == 64
     assert paper.adaptive_batches == paper.batches  # issue 19: adaptive γ "at any batch and length measured"
-    assert all(p.max_model_len[n] <= 8192 for p in PRESETS.values() for n in p.lengths)  # SmolLM2's context
+    # Issue 48: every family in every preset; long generation a short prompt and 2K-4K new tokens.
+    assert all(p.families == FAMILIES and p.quantized_batches for p in PRESETS.values())
+    for p in (paper, PRESETS["quick"]):
+        assert p.lengths_of("longgen") == (512,) and 2048 <= p.new_tokens_of("longgen") <= 4096
+        assert p.tune_new_tokens_of("longgen") == p.new_tokens_of("longgen") and p.repeats >= 3
+    assert PRESETS["quick"].lengths == (7936,) and set(PRESETS["quick"].batches) == {32, 64}  # the targets' cells
+    assert all(p.context(f, n) <= 8192 for p in PRESETS.values() for f in p.families
+               for n in p.lengths_of(f))  # SmolLM2's context
 
 
 def test_narrowing_a_preset_drops_what_measures_outside_it(capsys):
@@ -743,7 +752,10 @@ def test_narrowing_a_preset_drops_what_measures_outside_it(capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--batches", "8"], "--batches 8: batch 8 takes its tuning from batch 64"),
+    (["--batches", "32"], "--batches 32: batch 32 takes its tuning from batch 64"),
+    (["--families", "quote,copy"], "--families quote,copy: choose from summarise, quote, retrieval, multiturn, "
+                                   "longgen"),
+    (["--families", ","], "--families ,: choose from"),
     (["--lengths", "4096"], "--lengths 4096: preset quick has 7936"),
     (["--stage", "tune,tunes"], "--stage tune,tunes"),
     (["--budget-s", "0"], "--budget-s 0"),
