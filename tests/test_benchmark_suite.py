@@ -524,7 +524,7 @@ FIXTURE = [
 
 def test_targets_from_records_met_missed_and_not_yet_measured():
     status = {x.name: (x.status, x.result) for x in tables.targets(FIXTURE)}
-    (vegas, tau, b8, b1, iteration, auto_plain, auto_best) = status.values()
+    (vegas, tau, b8, b1, iteration, auto_plain, auto_best, *families) = status.values()
     assert vegas == ("missed", "B64: 1.20x streaming; B32: 1.10x streaming")
     assert tau[0] == "missed" and "6.30 vs streaming 6.40" in tau[1]
     assert b8 == ("met", "llama-3.1-8b 86 %") and b1 == ("missed", "llama-3.1-8b 60 %")
@@ -566,6 +566,81 @@ def test_adaptive_cells_the_preset_lacks_are_listed_and_a_target_met_so_far_says
     table = report.adaptive_table(records)
     assert "| 7936 x 8 | 300 (270-330) | 400 (360-440), 1.33x, γ 4, 5 % | not yet measured |" in table
     assert "7936 x 16" not in table
+
+
+def _family(family, method, batch, rate_, tau=5.0, length=7936, **extra):
+    return {**_held(method, batch, rate_, tau, **extra), "family": family, "prompt_tokens": length,
+            "acceptance_by_position": [0.9, 0.8]}
+
+
+# Per family at batch 64 (and quote's at 32): Vegas over the fastest baseline and over plain decoding.
+FAMILY_FIXTURE = FIXTURE + [
+    _family("quote", "ar", 64, 1000), _family("quote", "vegas", 64, 2800, 7.5), _family("quote", "streaming", 64, 1400),
+    _family("quote", "quest", 64, 2000),  # 1.40x quest, 2.80x plain
+    _family("quote", "ar", 32, 800), _family("quote", "vegas", 32, 1500), _family("quote", "retrieval", 32, 1200),
+    _family("retrieval", "ar", 64, 1000), _family("retrieval", "vegas", 64, 2100),
+    _family("retrieval", "streaming", 64, 1750),  # 1.20x: below 1.3; 2.10x plain
+    _family("longgen", "ar", 64, 2000, length=512), _family("longgen", "vegas", 64, 1900, length=512),
+    _family("longgen", "streaming", 64, 2000, length=512),  # 0.95x: below 0.97
+    {**_family("quote", "vegas", 64, 2500, 7.0, tuned=False, cell=Cell(4, 0.05, (("draft_weights", "int8"),))),
+     "stage": "quantized"},
+]
+
+
+def test_family_targets_and_the_geometric_mean_across_families():
+    """Issue 48's targets from records of several families: quote and retrieval against 1.3x (retrieval's miss
+    listed first), the geometric mean at batch 32-64 (met so far while families are missing: multiturn), no family
+    below 0.97x (long generation at its own 512-token prompt is), and 2x plain on two families at 64 x 8K; the
+    summarise-only targets of issue 18 read summarise's records alone."""
+    named = {x.name: x for x in tables.targets(FAMILY_FIXTURE)}
+    copy, mean, floor, twice = list(named.values())[-4:]
+    assert copy.status == "missed"
+    assert copy.result == "quote B32: 1.25x retrieval; retrieval B64: 1.20x streaming; quote B64: 1.40x quest"
+    (b64,) = [row for row in tables.across_families(FAMILY_FIXTURE) if row["batch"] == 64]
+    assert sorted(b64["families"]) == ["longgen", "quote", "retrieval", "summarise"]
+    assert b64["over_best"] == pytest.approx((1.2 * 1.4 * 1.2 * 0.95) ** 0.25)
+    assert b64["over_plain"] == pytest.approx((1.8 * 2.8 * 2.1 * 0.95) ** 0.25)
+    assert mean.status == "met so far" and mean.result == (
+        "B64: 1.18x over 4 families (not yet measured: multiturn); "
+        "B32: 1.17x over 2 families (not yet measured: retrieval, multiturn, longgen)")
+    assert floor.status == "missed" and floor.result.startswith("longgen B64: 0.95x streaming")
+    assert twice.status == "met" and twice.result == "quote 2.80x; retrieval 2.10x; summarise 1.80x"
+    assert named["Vegas >= 1.15x the best baseline, each tuned, held-out, batch 32-64, 8K"].result == (
+        "B64: 1.20x streaming; B32: 1.10x streaming")
+    assert tables.target_geometric_mean(FIXTURE).status == "missed"  # summarise's 1.10x at batch 32
+    only_quote = [r for r in FAMILY_FIXTURE if r.get("family") == "quote"]
+    assert tables.target_two_families_over_plain(only_quote).status == "missed so far"
+
+
+def test_the_report_shows_the_families_across_and_each_in_its_document(tmp_path):
+    """The README's section holds the across-family table and links the families' document, which holds each
+    family's tables (tok/s, τ, Vegas over each baseline), acceptance by position, quantized drafts beside bf16's,
+    its plot (linked from the document's folder), and says which families are not yet measured."""
+    plot = tmp_path / "plots" / "suite-family-quote.png"
+    text = report.section(FAMILY_FIXTURE, [], plots={"family-quote": plot, "throughput": tmp_path / "t.png"})
+    assert "| batch | summarise (7936) | quote (7936) | retrieval (7936) | longgen (512) | geometric mean |" in text
+    assert "| 64 | 1.20x streaming; 1.80x plain | 1.40x quest; 2.80x plain | 1.20x streaming; 2.10x plain |" in text
+    assert "[benchmarks/results/suite-families.md](benchmarks/results/suite-families.md)" in text
+    assert "suite-family-quote.png" not in text and "t.png" in text  # the family plots are the document's
+    doc = report.families_document(FAMILY_FIXTURE, {"family-quote": plot}, tmp_path / "docs")
+    quote = doc.split("## quote")[1].split("## retrieval")[0]
+    assert ("| 64 | 1,000 (900-1,100), τ 5.00 | 2,800 (2,520-3,080), 2.80x, τ 7.50 | 1,400 (1,260-1,540), 1.40x, "
+            "τ 5.00 | 2,000 (1,800-2,200), 2.00x, τ 5.00 | - | 2.00x streaming, 1.40x quest |") in quote
+    assert "| 64 | vegas | γ 4, 5 % | 0.90 0.80 |" in quote
+    assert "| 7936 x 64 | int8 | 2,500 (2,250-2,750), 2.50x | 7.00 | 7.50 | 0.90 0.80 |" in quote
+    assert "![quote](../plots/suite-family-quote.png)" in quote
+    assert doc.split("## multiturn")[1].split("## longgen")[0].strip().endswith("Held-out: not yet measured.")
+
+
+def test_each_family_keeps_its_rows_when_presets_measured_several():
+    """one_preset_per_row chooses a log per (stage, family, length, batch): the paper log's summarise row does not
+    push out the quick log's quote row at the same length and batch, and quote's quantized record follows it."""
+    paper = [{**r, "log": "suite-paper"} for r in FIXTURE if r.get("stage") == "heldout"]
+    quick = [{**r, "log": "suite-quick"} for r in FAMILY_FIXTURE if r.get("family") == "quote"]
+    kept = report.one_preset_per_row(paper + quick + [{**r, "log": "suite-quick"} for r in FIXTURE
+                                                       if r.get("stage") == "heldout"])
+    assert {r["log"] for r in kept if tables.family_of(r) == "summarise"} == {"suite-paper"}
+    assert len([r for r in kept if r.get("family") == "quote"]) == len(quick)
 
 
 def test_the_tau_target_lists_the_cells_vegas_loses_first():
@@ -625,7 +700,8 @@ def test_report_section_from_records_and_its_splice_into_the_readme():
     with pytest.raises(ValueError, match="no generated block between"):
         report.splice("no markers", text)
     empty = report.section([], [], plots=None)
-    assert empty.count("**not yet measured**") == 8 and "matplotlib" not in empty  # nothing to plot anyway
+    # Issue 18's targets, issue 19's two and issue 48's four.
+    assert empty.count("**not yet measured**") == 12 and "matplotlib" not in empty  # nothing to plot anyway
     assert "matplotlib is not installed" in report.section(FIXTURE, [], plots=None)
 
 
