@@ -368,7 +368,7 @@ def tiny_engine_session(tmp_path, monkeypatch, *, seed: int, **preset_fields) ->
     rng = np.random.default_rng(seed)
     prompts = PromptSet([rng.integers(0, TINY_MODEL.vocab_size, 48).tolist() for _ in range(2)],
                         {"prompts_sha256": "test"})
-    monkeypatch.setattr(session, "prompts", lambda split, count, length: prompts)
+    monkeypatch.setattr(session, "prompts", lambda split, count, length, family="summarise": prompts)
     return session
 
 
