@@ -238,11 +238,13 @@ def stage_session(tmp_path, monkeypatch):
     def fake(session, stage, split, method, cell, batch, length, temperature, *, new_tokens, repeats, extra=None,
              family="summarise"):
         fields = suite._static_fields(stage, split, method, cell, batch, length, temperature, family)
-        value = 50.0 if method == "ar" else rate(cell)
+        # quote's prompts favour long drafts: its search ends elsewhere than summarise's
+        value = 50.0 if method == "ar" else rate(cell) + 5 * (family == "quote" and cell.gamma == 8)
 
         def run():
             session.runs += 1
-            return {"decode_tokens_per_s": value, "tau": 5.0, "repeats": repeats, **(extra or {})}
+            return {"decode_tokens_per_s": value, "tau": 5.0, "repeats": repeats, "new_tokens": new_tokens,
+                    **(extra or {})}
 
         return session.measure(fields, 1.0, run)
 
@@ -353,6 +355,62 @@ def test_adaptive_gamma_runs_at_vegas_tuned_cell_on_its_batches_only(stage_sessi
     assert session.runs == runs
 
 
+def test_the_stages_run_per_family_and_records_without_one_are_summarises(stage_session):
+    """Each family tunes on its own records (quote's search ends at γ 8, summarise's at 4) and is measured at its
+    tuned cells; long generation runs at its own prompt length with all its new tokens, tuning included; the
+    quantized stage runs Vegas's tuned cell with int8 and int4 drafts; a record made before families existed (no
+    family field) is summarise's and is not measured again; the estimate then finds nothing left."""
+    from benchmarks.suite_presets import stage_costs
+
+    session = stage_session
+    session.preset = dataclasses.replace(TINY, families=("summarise", "quote", "longgen"), quantized_batches=(64,),
+                                         long_new_tokens=64)
+    old = {"stage": "heldout", "split": "heldout", "batch": 64, "prompt_tokens": 7936, "temperature": 0.0,
+           "model": "none", **suite._cell_fields("ar", Cell.default("ar")), "decode_tokens_per_s": 49.0}
+    session.log.append(old)
+    suite.run_stages(session, ["tune", "heldout", "adaptive", "quantized"])
+    records = session.log.records
+    assert not session.incomplete
+    assert [r["decode_tokens_per_s"] for r in records if r["stage"] == "heldout" and r["method"] == "ar"
+            and r["batch"] == 64 and r["temperature"] == 0 and r.get("family", "summarise") == "summarise"] == [49.0]
+    assert all(r["family"] in session.preset.families for r in records if r is not old)
+    tuned = {f: suite.tuned_cells(session, session.preset.lengths_of(f)[0], 64, f)["vegas"].gamma
+             for f in session.preset.families}
+    assert tuned == {"summarise": 4, "quote": 8, "longgen": 4}
+    held = {(r["family"], r["method"]): Cell.of(r).gamma for r in records
+            if r["stage"] == "heldout" and r.get("tuned") and r.get("family") and r["temperature"] == 0}
+    assert held["quote", "vegas"] == 8 and held["summarise", "vegas"] == 4
+    longgen = [r for r in records if r.get("family") == "longgen"]
+    assert {r["prompt_tokens"] for r in longgen} == {512} and {r["new_tokens"] for r in longgen} == {64}
+    assert {(r["stage"], r["prompt_tokens"]) for r in records if r.get("family") == "quote"} == {
+        (stage, 7936) for stage in ("tune", "heldout", "adaptive", "quantized")}
+    quantized = [r for r in records if r["stage"] == "quantized"]
+    assert sorted((r["family"], r["knobs"]["draft_weights"]) for r in quantized) == [
+        (f, w) for f in ("longgen", "quote", "summarise") for w in ("int4", "int8")]
+    assert all(Cell(r["gamma"], r["sparse_ratio"]) == Cell(tuned[r["family"]], 0.03) for r in quantized)
+    runs = session.runs
+    suite.run_stages(session, ["tune", "heldout", "adaptive", "quantized"])
+    assert session.runs == runs
+    left = stage_costs(session.preset, suite.log_progress(session.preset, session.log.records, "none"))
+    assert all(left[stage].seconds == 0 for stage in ("tune", "heldout", "adaptive", "quantized"))
+
+
+def test_the_estimate_counts_a_loop_shared_by_families_once():
+    """A second family at the same prompt length, batch and context compiles no plain decoding, no default cell and
+    no cell of a search's first sweep; its runs all count. Long generation's own length compiles its own."""
+    from benchmarks.suite_presets import stage_costs
+
+    one, two, three = (stage_costs(dataclasses.replace(TINY, families=families, long_new_tokens=64))
+                       for families in (("summarise",), ("summarise", "quote"), ("summarise", "quote", "longgen")))
+    shared = 1 + len(GRID.gammas) * 4  # plain decoding and every method's γ sweep
+    assert two["tune"].compiles == 2 * one["tune"].compiles - shared and two["tune"].runs == 2 * one["tune"].runs
+    # Batch 32 borrows batch 64's cells: the second family compiles its tuned cells only, not plain decoding or
+    # the default cells; sampled runs compile all but plain decoding again.
+    assert two["heldout"].compiles == 2 * one["heldout"].compiles - 5 - 1
+    assert three["tune"].compiles == two["tune"].compiles + one["tune"].compiles
+    assert two["adaptive"].compiles == 2 and two["adaptive"].runs == 2 * one["adaptive"].runs
+
+
 def tiny_engine_session(tmp_path, monkeypatch, *, seed: int, **preset_fields) -> suite.Session:
     """A session of TINY cut to 2 prompts of 48 random tokens, on a real engine of the tiny random model."""
     from benchmarks.prompt_splits import PromptSet
@@ -370,6 +428,48 @@ def tiny_engine_session(tmp_path, monkeypatch, *, seed: int, **preset_fields) ->
                         {"prompts_sha256": "test"})
     monkeypatch.setattr(session, "prompts", lambda split, count, length, family="summarise": prompts)
     return session
+
+
+def test_one_run_over_every_family_on_a_tiny_engine_with_smollm2s_tokenizer(tmp_path, tok):
+    """The tune, heldout and quantized stages over every task family on a real engine (tiny random weights of
+    SmolLM2's vocabulary, its tokenizer): each family's own prompts (one record per family and split, digests all
+    different; long generation's 512 tokens) run plain decoding, every method and both quantized drafts, each
+    greedy output identical to plain decoding's on the same prompts."""
+    from benchmarks.random_model import TINY as TINY_MODEL
+    from models.decoder import init_params
+    from vegas_jax.engine import Engine
+    from vegas_jax.loading.bundle import LoadedModel
+
+    one = {"stream_sinks": (16,), "quest_page": (16,), "retrieval_chunk": (32,), "retrieval_every": (4,)}
+    preset = Preset(name="families", lengths=(1024,), batches=(2,), grid=Grid(gammas=(6,), ratios=(0.07,), knobs=one),
+                    tune_new_tokens=4, tune_repeats=1, new_tokens=6, repeats=1, sampled_batches=(),
+                    sampled_defaults=False, ablation_batches=(), serve=(), scale=(), scale_iterations=1, peer=(),
+                    families=FAMILIES, quantized_batches=(2,), long_new_tokens=8)
+    session = suite.Session(preset, RecordLog(tmp_path / "log.jsonl"), budget_s=1e9, model_path="none",
+                            dtype="float32")
+    config = dataclasses.replace(TINY_MODEL, vocab_size=tok.vocab_size, max_position_embeddings=2048)
+    session._engine = Engine(LoadedModel(config, init_params(config, jnp.float32), tok, "random", "random"))
+    suite.run_stages(session, ["tune", "heldout", "quantized"])
+    assert not session.incomplete
+    records = session.log.records
+    prompts = [r for r in records if r["stage"] == "prompts"]
+    assert sorted((r["family"], r["split"]) for r in prompts) == sorted(
+        (f, split) for f in FAMILIES for split in ("tuning", "heldout"))
+    assert len({r["prompts_sha256"] for r in prompts}) == 2 * len(FAMILIES)
+    assert {r["family"]: r["prompt_tokens"] for r in prompts}["longgen"] == 512
+    measured = [r for r in records if r["stage"] != "prompts"]
+    for family in FAMILIES:
+        mine = [r for r in measured if r["family"] == family]
+        # Plain decoding and the four methods (each tuned to its default cell: one record) in both stages, then
+        # Vegas with int8 and int4 drafts.
+        assert sorted((r["stage"], r["method"]) for r in mine) == sorted(
+            [(stage, m) for stage in ("tune", "heldout") for m in ("ar", "vegas", "streaming", "quest", "retrieval")]
+            + [("quantized", "vegas")] * 2)
+        digests = {r["stage"]: r["prompts_sha256"] for r in mine if r["method"] == "ar"}
+        assert digests == {stage: next(p["prompts_sha256"] for p in prompts if p["family"] == family
+                                       and p["split"] == split) for stage, split in (("tune", "tuning"),
+                                                                                     ("heldout", "heldout"))}
+        assert all(r["sequences_identical_to_ar"] == 2 for r in mine if r["method"] != "ar")
 
 
 def test_an_adaptive_cell_whose_costs_cannot_be_timed_is_not_run_and_the_rest_go_on(stage_session, monkeypatch):
