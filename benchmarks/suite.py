@@ -264,8 +264,8 @@ def loop_key(method: str, cell: Cell, batch: int, length: int, context: int, sam
 def options_for(method: str, cell: Cell, context: int, new_tokens: int, temperature: float):
     from vegas_jax.engine import GenerationOptions
 
-    return GenerationOptions(method=method, max_new_tokens=new_tokens, temperature=temperature,
-                             max_model_len=context, **cell.option_fields())
+    return GenerationOptions(max_new_tokens=new_tokens, temperature=temperature, max_model_len=context,
+                             **cell.option_fields(method))
 
 
 def _cell_fields(method: str, cell: Cell) -> dict:

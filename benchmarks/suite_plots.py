@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks import suite_tables as tables  # noqa: E402
 from benchmarks.task_families import FAMILIES  # noqa: E402
 
-METHOD_ORDER = ("ar", "vegas", "streaming", "quest", "retrieval", "vegas-all", "last")
+METHOD_ORDER = ("ar", "vegas", "streaming", "quest", "retrieval", "ngram", "vegas-all", "last")
 
 
 def _save(fig, path: Path) -> Path:

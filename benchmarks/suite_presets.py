@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from benchmarks.suite_tuning import Grid
+from benchmarks.suite_tuning import NGRAM, Grid
 from benchmarks.task_families import DEFAULT_FAMILY, FAMILIES, REGISTRY
 
-SPECULATIVE = ("vegas", "streaming", "quest", "retrieval")
+SPECULATIVE = ("vegas", "streaming", "quest", "retrieval", NGRAM)
 ABLATIONS = ("vegas-all", "last")
-BASELINES = ("streaming", "quest", "retrieval")
+BASELINES = ("streaming", "quest", "retrieval", NGRAM)
 SAMPLED_TEMPERATURE = 0.7
 # In the order a call runs them; tune, heldout, adaptive and quantized per task family, the rest on summarise's.
 STAGES = ("tune", "heldout", "adaptive", "quantized", "serve", "scale", "peer")
@@ -132,10 +132,11 @@ class Preset:
 
 _QUICK_GRID = Grid(gammas=(4, 6, 8), ratios=(0.05, 0.07, 0.10),
                    knobs={"stream_sinks": (16, 64), "quest_page": (16, 32), "retrieval_chunk": (32, 64),
-                          "retrieval_every": (4, 8)})
+                          "retrieval_every": (4, 8), "tree_branching": (1, 2)})
 _PAPER_GRID = Grid(gammas=(2, 3, 4, 6, 8), ratios=(0.03, 0.05, 0.07, 0.10, 0.15),
                    knobs={"stream_sinks": (4, 16, 64, 128), "quest_page": (8, 16, 32, 64),
-                          "retrieval_chunk": (16, 32, 64), "retrieval_every": (1, 2, 4, 8)},
+                          "retrieval_chunk": (16, 32, 64), "retrieval_every": (1, 2, 4, 8),
+                          "tree_branching": (1, 2, 3)},
                    refine=True)
 
 PRESETS = {

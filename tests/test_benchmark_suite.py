@@ -169,7 +169,8 @@ def rate(cell: Cell) -> float:
     if cell.auto_gamma:
         return 99.0
     knobs = dict(cell.knobs)
-    score = -abs(cell.gamma - 4) - 30 * abs(cell.sparse_ratio - 0.03) - 0.5 * (cell.gamma == 8) * cell.sparse_ratio
+    ratio = 0.03 if cell.sparse_ratio is None else cell.sparse_ratio  # n-gram trees select no KV
+    score = -abs(cell.gamma - 4) - 30 * abs(ratio - 0.03) - 0.5 * (cell.gamma == 8) * ratio
     score -= abs(knobs.get("stream_sinks", 64) - 64) / 64 + (knobs.get("retrieval_chunk", 16) != 16)
     return 100 + score - (knobs.get("retrieval_every", 2) != 2)
 
@@ -210,6 +211,30 @@ def test_a_stopped_search_resumes_with_the_cells_it_had_left():
                     for c, r in reversed(list(part.items()))}
         missing = next_cells("retrieval", GRID, replayed)
         assert missing and not set(missing) & set(part) and set(missing) <= set(whole)
+
+
+def test_ngram_trees_search_depth_then_branching_and_skip_trees_one_pass_cannot_take():
+    """N-gram trees have no ratio to sweep: γ (the depth) at branching 1, then the branching at the depth found,
+    leaving out the trees of more than 64 nodes (8x2); a cell is the options of plain decoding's attention with
+    the ngram drafter's tree."""
+    grid = Grid(gammas=(4, 6, 8), ratios=(0.07,), knobs={**GRID.knobs, "tree_branching": (1, 2)})
+    assert grid.sweeps("ngram") == [("gamma", (4, 6, 8)), ("tree_branching", (1, 2))]
+
+    def measured_search(best_depth: int) -> dict[Cell, float]:
+        measured: dict[Cell, float] = {}
+        while cells := next_cells("ngram", grid, measured):
+            measured |= {c: 100 - abs(c.gamma - best_depth) + dict(c.knobs)["tree_branching"] for c in cells}
+        return measured
+
+    deep = measured_search(8)
+    assert Cell(8, None, (("tree_branching", 2),)) not in deep  # 510 nodes
+    assert tuned_cell("ngram", grid, deep) == Cell(8, None, (("tree_branching", 1),))
+    shallow = measured_search(4)
+    assert tuned_cell("ngram", grid, shallow) == Cell(4, None, (("tree_branching", 2),))  # 30 nodes
+    cell = tuned_cell("ngram", grid, shallow)
+    options = GenerationOptions.check(GenerationOptions(**cell.option_fields("ngram")))
+    assert (options.method, options.drafter, options.draft_tree, options.effective_gamma) == ("ar", "ngram", "4x2", 4)
+    assert cell.label() == "γ 4, branching 2" and Cell.default("ngram") == Cell(6, None, (("tree_branching", 1),))
 
 
 def test_grid_must_hold_the_defaults():
@@ -264,15 +289,15 @@ def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_sess
     session = stage_session
     suite.heldout(session, 7936, 64)  # before tuning: plain decoding only, the rest is reported as not tuned
     assert {r["method"] for r in session.log.records} == {"ar"}
-    assert len(session.incomplete) == 2 * 4  # four methods, greedy and sampled
+    assert len(session.incomplete) == 2 * 5  # five methods, greedy and sampled
     suite.tune(session, 7936, 64)
     tuned = [r for r in session.log.records if r["stage"] == "tune"]
     assert {r["split"] for r in tuned} == {"tuning"}
-    assert len(tuned) == 1 + sum(len(search(m)) for m in ("vegas", "streaming", "quest", "retrieval"))
+    assert len(tuned) == 1 + sum(len(search(m)) for m in ("vegas", "streaming", "quest", "retrieval", "ngram"))
     for batch in (64, 32):
         suite.heldout(session, 7936, batch)
     held = [r for r in session.log.records if r["stage"] == "heldout"]
-    chosen = {m: tuned_cell(m, GRID, search(m)) for m in ("vegas", "streaming", "quest", "retrieval")}
+    chosen = {m: tuned_cell(m, GRID, search(m)) for m in ("vegas", "streaming", "quest", "retrieval", "ngram")}
     for r in held:
         assert r["split"] == "heldout" and r["repeats"] == 3
         if r["method"] in chosen:
@@ -288,12 +313,13 @@ def test_stages_measure_tuned_and_default_cells_on_heldout_and_resume(stage_sess
     # every method's γ sweep), as each held-out batch's configurations.
     first_round = next(c for stage, _, _, c in session.ahead if stage == "tune")
     assert first_round[0] == ("ar", Cell.default("ar"))
-    for method in ("vegas", "streaming", "quest", "retrieval"):
+    for method in ("vegas", "streaming", "quest", "retrieval", "ngram"):
         assert [cell.gamma for m, cell in first_round if m == method] == list(GRID.gammas)
     offered = [c for stage, b, t, c in session.ahead if (stage, b, t) == ("heldout", 64, 0.0)][-1]
     assert set(offered) == {(r["method"], Cell.of(r)) for r in held if r["batch"] == 64 and r["temperature"] == 0}
     sampled = {r["method"] for r in held if r["temperature"] == 0.7}
-    assert sampled == {"ar", "vegas", "streaming", "quest", "retrieval", "vegas-all", "last"}  # tuned cells only
+    assert sampled == {"ar", "vegas", "streaming", "quest", "retrieval", "ngram", "vegas-all",
+                       "last"}  # tuned cells only
     # Batch 32 borrows batch 64's tuning: no tuning records of its own, the same cells, no sampled runs.
     assert not [r for r in tuned if r["batch"] == 32]
     at32 = {r["method"]: Cell.of(r) for r in held if r["batch"] == 32 and r.get("tuned")}
@@ -402,11 +428,11 @@ def test_the_estimate_counts_a_loop_shared_by_families_once():
 
     one, two, three = (stage_costs(dataclasses.replace(TINY, families=families, long_new_tokens=64))
                        for families in (("summarise",), ("summarise", "quote"), ("summarise", "quote", "longgen")))
-    shared = 1 + len(GRID.gammas) * 4  # plain decoding and every method's γ sweep
+    shared = 1 + len(GRID.gammas) * 5  # plain decoding and every method's γ sweep
     assert two["tune"].compiles == 2 * one["tune"].compiles - shared and two["tune"].runs == 2 * one["tune"].runs
     # Batch 32 borrows batch 64's cells: the second family compiles its tuned cells only, not plain decoding or
     # the default cells; sampled runs compile all but plain decoding again.
-    assert two["heldout"].compiles == 2 * one["heldout"].compiles - 5 - 1
+    assert two["heldout"].compiles == 2 * one["heldout"].compiles - 6 - 1
     assert three["tune"].compiles == two["tune"].compiles + one["tune"].compiles
     assert two["adaptive"].compiles == 2 and two["adaptive"].runs == 2 * one["adaptive"].runs
 
@@ -463,7 +489,8 @@ def test_one_run_over_every_family_on_a_tiny_engine_with_smollm2s_tokenizer(tmp_
         # Plain decoding and the four methods (each tuned to its default cell: one record) in both stages, then
         # Vegas with int8 and int4 drafts.
         assert sorted((r["stage"], r["method"]) for r in mine) == sorted(
-            [(stage, m) for stage in ("tune", "heldout") for m in ("ar", "vegas", "streaming", "quest", "retrieval")]
+            [(stage, m) for stage in ("tune", "heldout")
+             for m in ("ar", "vegas", "streaming", "quest", "retrieval", "ngram")]
             + [("quantized", "vegas")] * 2)
         digests = {r["stage"]: r["prompts_sha256"] for r in mine if r["method"] == "ar"}
         assert digests == {stage: next(p["prompts_sha256"] for p in prompts if p["family"] == family
@@ -725,7 +752,7 @@ def test_the_report_shows_the_families_across_and_each_in_its_document(tmp_path)
     doc = report.families_document(FAMILY_FIXTURE, {"family-quote": plot}, tmp_path / "docs")
     quote = doc.split("## quote")[1].split("## retrieval")[0]
     assert ("| 64 | 1,000 (900-1,100), τ 5.00 | 2,800 (2,520-3,080), 2.80x, τ 7.50 | 1,400 (1,260-1,540), 1.40x, "
-            "τ 5.00 | 2,000 (1,800-2,200), 2.00x, τ 5.00 | - | 2.00x streaming, 1.40x quest |") in quote
+            "τ 5.00 | 2,000 (1,800-2,200), 2.00x, τ 5.00 | - | - | 2.00x streaming, 1.40x quest |") in quote
     assert "| 64 | vegas | γ 4, 5 % | 0.90 0.80 |" in quote
     assert "| 7936 x 64 | int8 | 2,500 (2,250-2,750), 2.50x | 7.00 | 7.50 | 0.90 0.80 |" in quote
     assert "![quote](../plots/suite-family-quote.png)" in quote
@@ -793,7 +820,8 @@ def test_report_section_from_records_and_its_splice_into_the_readme():
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
     assert "| Vegas >= 1.15x the best baseline, each tuned, held-out, batch 32-64, 8K | **missed** |" in text
     assert "| 64 | 1,000 (900-1,100) | 1,800 (1,620-1,980), 1.80x | 1,500 (1,350-1,650), 1.50x |" in text
-    assert "| 32 | 800 (720-880) | 1,100 (990-1,210), 1.38x | 1,000 (900-1,100), 1.25x | - | - | 1.10x streaming |" in text
+    assert ("| 32 | 800 (720-880) | 1,100 (990-1,210), 1.38x | 1,000 (900-1,100), 1.25x | - | - | - | 1.10x streaming |"
+            in text)
     assert "PROJECTION" in text and "not yet measured" in text  # serving and the peer have no records
     readme = f"intro\n{report.BEGIN}\nold numbers\n{report.END}\nlimits\n"
     assert report.splice(readme, text) == f"intro\n{text}\nlimits\n"
