@@ -241,23 +241,24 @@ def _everything_left(*_) -> float:
 def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost]:
     """The most each stage can cost (every search sweep measured, every cell distinct), of what `left` says the
     log lacks; a unit's compilations and runs count in proportion. A loop compiles once per process for every
-    family at the same prompt length, batch and context: a family after the first there compiles no plain
-    decoding, no default cell and no cell of a search's first sweep (γ at the default cell, the same for all), and
-    adaptive γ's loop (at Vegas's tuned ratio) compiles for as many families there as the grid has ratios."""
+    family at the same prompt length, batch and context: after a family whose stage has something left there (so
+    compiles it in the same call), another compiles no plain decoding, no default cell and no cell of a search's
+    first sweep (γ at the default cell, the same for all), and adaptive γ's loop (at Vegas's tuned ratio) compiles
+    for as many families there as the grid has ratios."""
     p, costs = preset, {stage: Cost() for stage in STAGES}
 
     def add(stage: str, fraction: float, compiles: int, runs: int, seconds: float) -> None:
         costs[stage].add(round(fraction * compiles), round(fraction * runs), fraction * seconds)
 
-    shapes: dict[tuple, int] = {}  # (length, batch, context): how many families ran there before
+    # Per unit (a stage, tuning's per method) and (length, batch, context): how many families before had something
+    # of it left there.
+    earlier: dict[tuple, int] = {}
     for family in p.families:
         new_tokens, tune_new_tokens = p.new_tokens_of(family), p.tune_new_tokens_of(family)
         for length in p.lengths_of(family):
             for batch in p.batches:
                 shape = (length, batch, p.context(family, length))
-                before, tuned_here = shapes.get(shape, 0), batch in p.tuned_batches
-                again = before > 0
-                shapes[shape] = before + 1
+                tuned_here = batch in p.tuned_batches
                 if tuned_here:
                     tune_run = run_s(batch, length, tune_new_tokens, prefilled=True)
                     fractions = {method: left("tune", length, batch, method, p.grid.size(method), family)
@@ -265,7 +266,9 @@ def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost
                     if any(fractions.values()):
                         costs["tune"].seconds += prefill_s(batch, length)  # once: the other runs copy its cache
                     for method, fraction in fractions.items():
-                        cells = p.grid.size(method)
+                        cells, unit = p.grid.size(method), ("tune", method, *shape)
+                        again = earlier.get(unit, 0) > 0
+                        earlier[unit] = earlier.get(unit, 0) + bool(fraction)
                         compiles = cells - (len(p.grid.sweeps(method)[0][1]) if method != "ar" else 1) * again
                         runs = cells * (p.warmup + p.tune_repeats)
                         add("tune", fraction, compiles, runs, compiles * SIDE_BY_SIDE_COMPILE_S + runs * tune_run)
@@ -278,6 +281,8 @@ def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost
                 fraction = left("heldout", length, batch, None, greedy + ablations + sampled, family)
                 if fraction:
                     costs["heldout"].seconds += prefill_s(batch, length)
+                again = earlier.get(("heldout", *shape), 0) > 0
+                earlier[("heldout", *shape)] = earlier.get(("heldout", *shape), 0) + bool(fraction)
                 # Tuning compiled the greedy cells at its own batch; a borrowing batch compiles them here, but for
                 # plain decoding and the default cells when an earlier family did.
                 compiles = ablations + (0 if tuned_here else greedy - (1 + len(SPECULATIVE)) * again)
@@ -288,8 +293,10 @@ def stage_costs(preset: Preset, left: Left = _everything_left) -> dict[str, Cost
                         COMPILE_S["ar"] * (not again) + (sampled - 1) * COMPILE_S["speculative"]
                         + sampled * per_record * run)
                 if batch in p.adaptive_batches:  # one loop; a first run of its own prefill times the cost model
-                    compiles = int(before < len(p.grid.ratios))
-                    add("adaptive", left("adaptive", length, batch, None, 1, family), compiles, per_record + 1,
+                    fraction = left("adaptive", length, batch, None, 1, family)
+                    compiles = int(earlier.get(("adaptive", *shape), 0) < len(p.grid.ratios))
+                    earlier[("adaptive", *shape)] = earlier.get(("adaptive", *shape), 0) + bool(fraction)
+                    add("adaptive", fraction, compiles, per_record + 1,
                         compiles * COMPILE_S["adaptive"] + run_s(batch, length, new_tokens) + per_record * run)
                 if batch in p.quantized_batches:  # Vegas's tuned cell with each quantized draft
                     add("quantized", left("quantized", length, batch, None, len(QUANTIZED), family),

@@ -423,7 +423,8 @@ def test_the_stages_run_per_family_and_records_without_one_are_summarises(stage_
 
 def test_the_estimate_counts_a_loop_shared_by_families_once():
     """A second family at the same prompt length, batch and context compiles no plain decoding, no default cell and
-    no cell of a search's first sweep; its runs all count. Long generation's own length compiles its own."""
+    no cell of a search's first sweep, if the first compiles them in the same call; its runs all count. Long
+    generation's own length compiles its own."""
     from benchmarks.suite_presets import stage_costs
 
     one, two, three = (stage_costs(dataclasses.replace(TINY, families=families, long_new_tokens=64))
@@ -435,6 +436,10 @@ def test_the_estimate_counts_a_loop_shared_by_families_once():
     assert two["heldout"].compiles == 2 * one["heldout"].compiles - 6 - 1
     assert three["tune"].compiles == two["tune"].compiles + one["tune"].compiles
     assert two["adaptive"].compiles == 2 and two["adaptive"].runs == 2 * one["adaptive"].runs
+    # Summarise's measurements all in the log: this call compiles nothing for it, and quote compiles everything.
+    logged = stage_costs(dataclasses.replace(TINY, families=("summarise", "quote")),
+                         lambda stage, *unit: float(unit[-1] != "summarise"))
+    assert all(logged[stage] == one[stage] for stage in ("tune", "heldout", "adaptive"))
 
 
 def tiny_engine_session(tmp_path, monkeypatch, *, seed: int, **preset_fields) -> suite.Session:
