@@ -116,7 +116,7 @@ class SourceStream:
     are read as prompts need them. `definitions` (sorted by start) holds every function, class and constant read."""
 
     def __init__(self, tokenizer, split: str):
-        self.tokenizer, self.split = tokenizer, split
+        self.tokenizer = tokenizer
         self.paths = split_files(split)
         self.tokens: list[int] = []
         self.definitions: list[Definition] = []
@@ -258,8 +258,8 @@ def _label(d: Definition) -> str:
 
 
 def _copy_task(d: Definition, rng: np.random.Generator, where: str) -> tuple[str, dict]:
-    """A request to reproduce `d` (a function or class) as written, or, for a function, with a stated rename: the
-    question and what it asks (edit: none, name, or the parameter renamed, with the new name)."""
+    """A request to reproduce `d` (a function or class) as written, or with a stated rename (its own name, or a
+    function's parameter): the question and what it asks (edit: none, name or parameter, with the names)."""
     renamable = not (d.short.startswith("__") and d.short.endswith("__"))  # a special method keeps its name
     params = [p.lstrip("*") for p in d.params if p.lstrip("*") not in ("self", "cls")]
     edits = ["none"] + ["name"] * renamable + ["parameter"] * bool(params)
@@ -287,10 +287,6 @@ class _Prompt:
     tokens: list[int]
     target: dict
     consumed: int  # the stream position after the text it took
-
-
-class _Exhausted(ValueError):
-    pass
 
 
 def _one_body(tokenizer, stream: SourceStream, start: int, prompt_tokens: int, question: str,
