@@ -82,8 +82,9 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
 
 def codes_in_words(draft_params):
     """The draft tree with the codes of every weight the integer kernel multiplies four rows a word (its layout;
-    the others as they were). Made beside the tree it is given: both are held until that one is dropped."""
+    the others in bytes). Made beside the tree it is given: both are held until that one is dropped."""
     def pack(w):
+        w = in_bytes(w)  # the tree may hold another layout: LoadedModel.draft_params keeps one copy
         if _blocks(w, "one row") is None or w.values.shape[0] % 4:
             return w
         int8_group(w)  # the integer path's condition (Engine's plan has refused a model that fails it)
