@@ -41,7 +41,7 @@ from models.quantized import (
 )
 from pallas_kernels import weight_only_mgpu
 from pallas_kernels._common import NUM_SMS
-from pallas_kernels.weight_only_matmul import int8_rows, weight_only_matmul
+from pallas_kernels.weight_only_matmul import INT8_DOT_MIN_K, int8_rows, weight_only_matmul
 from vegas_jax.sharding import Placement
 
 # The largest blocks (block_k, block_n) tried, by path: the fastest measured on the H200 at Llama-3.1-8B's shapes
@@ -179,12 +179,10 @@ def _rounded(x: jax.Array, x_group: int | None) -> jax.Array:
 def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_group: int | None) -> jax.Array:
     """models.quantized's kernel signature: x [M, K] times the weight -> [M, prod(out)] in out_dtype."""
     rows = x.shape[0]
-    # Several rows multiply in integers only where a weight group spans the x group: with int4 groups of 32 (GGUF's
-    # Q4_0 / Q4_1) under x groups of 64, the compiled kernel's several-row integer dot was wrong on an H100
-    # (relative error 1.4-2.4 at 2-16 rows; interpret mode exact; groups of 64 and 128 within bf16 rounding), so
-    # those rows are rounded and multiplied in floating point, the same products.
-    integer_dot = x_group is not None and (
-        rows == 1 or (w.bits == 4 and rows <= INTEGER_ROWS and w.group_size >= x_group))
+    # Several rows multiply in integers in blocks of at least the int8 dot's K: int4 groups of 32 (GGUF's Q4_0 /
+    # Q4_1) give blocks of 16 bytes, whose rows are rounded and multiplied in floating point, the same products.
+    integer_dot = x_group is not None and (rows == 1 or (
+        w.bits == 4 and rows <= INTEGER_ROWS and w.group_size // 2 >= INT8_DOT_MIN_K))
     if rows > 1 or not integer_dot:
         w = in_bytes(w)  # only the one-row integer path reads words
     path = "one row" if rows == 1 else "integer rows" if integer_dot else "rows"
