@@ -112,9 +112,11 @@ def test_bench_weight_only_integer_dot(tmp_path, monkeypatch):
     (doc,) = run_smoke("bench_weight_only", tmp_path, monkeypatch, "--integer-dot", "--bits", "8,4", "--group", "32",
                        "--x-group", "64")
     measured = {(r["rows"], r["weights"], r["backend"]) for r in doc["records"]}
+    # int4 groups of 32 at 4 rows: blocks of 16 code rows, below the int8 dot's K, so no integer variant.
     assert measured == {(1, "bf16", "xla"), (4, "bf16", "xla")} | {
         (rows, f"int{bits}", backend) for rows in (1, 4) for bits in (8, 4)
-        for backend in ("xla", "pallas", "pallas-integer") + (("pallas-integer-words",) if rows == 1 else ())}
+        for backend in ("xla", "pallas", "pallas-integer") + (("pallas-integer-words",) if rows == 1 else ())
+        if (rows, bits, backend) != (4, 4, "pallas-integer")}
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "weight_gb_per_s", "weight_bytes")
