@@ -62,8 +62,8 @@ from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa:
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
-from vegas_jax.compilation import Programs  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.runtime.compilation import Programs  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"

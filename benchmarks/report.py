@@ -185,7 +185,7 @@ def scale_table(records: list[dict], tau_records: list[dict]) -> str:
                       t.fmt_rate(p.get("plain_tokens_per_s"))])
     not_fitting = sorted({(r["model"], r["context"], r["batch"]) for r in records
                           if r.get("stage") == "scale" and r.get("fits") is False})
-    note = ("\n\nDid not fit one H200 (vegas_jax.memory): "
+    note = ("\n\nDid not fit one H200 (vegas_jax.runtime.memory): "
             + ", ".join(f"{m} {c // 1024}K x {b}" for m, c, b in not_fitting)) if not_fitting else ""
     return t.md_table(["shapes", "context", "batch", "plain ms/step", "roofline", "Vegas ms/iteration (plain steps)",
                        "Stream ms/iteration (plain steps)", "Vegas tok/s PROJECTION", "Stream tok/s PROJECTION",

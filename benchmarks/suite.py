@@ -58,7 +58,7 @@ from benchmarks.suite_records import (  # noqa: E402
 )
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
 from benchmarks.task_families import DEFAULT_FAMILY, FAMILIES, family_prompts  # noqa: E402
-from vegas_jax.adaptive_gamma import AUTO  # noqa: E402
+from vegas_jax.decode.adaptive_gamma import AUTO  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 STOPPED = 3  # exit status of a call that stopped for its budget
@@ -147,7 +147,7 @@ class Session:
             import jax
             import jax.numpy as jnp
 
-            from vegas_jax.engine import Engine
+            from vegas_jax.runtime.engine import Engine
             from vegas_jax.loading import load_model
 
             if self.dtype == "auto":
@@ -159,9 +159,9 @@ class Session:
     @property
     def reuse(self):
         """What lets every static run of a split's prompts at a batch and length start from one prefill (its cache
-        copied, vegas_jax.prefill_reuse): a prefill was 60 % of a tuning run's time at 64 x 7.9K on the H200."""
+        copied, vegas_jax.runtime.prefill_reuse): a prefill was 60 % of a tuning run's time at 64 x 7.9K on the H200."""
         if self._reuse is None:
-            from vegas_jax.prefill_reuse import PrefillReuse
+            from vegas_jax.runtime.prefill_reuse import PrefillReuse
 
             self._reuse = PrefillReuse()
         return self._reuse
@@ -172,7 +172,7 @@ class Session:
             return self._engine.tokenizer
         if self._tokenizer is None:
             from vegas_jax.loading.gguf import open_gguf
-            from vegas_jax.tokenizer import Tokenizer
+            from vegas_jax.loading.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_gguf(open_gguf(self.model_path))
         return self._tokenizer
@@ -262,7 +262,7 @@ def loop_key(method: str, cell: Cell, batch: int, length: int, context: int, sam
 
 
 def options_for(method: str, cell: Cell, context: int, new_tokens: int, temperature: float):
-    from vegas_jax.engine import GenerationOptions
+    from vegas_jax.runtime.engine import GenerationOptions
 
     return GenerationOptions(max_new_tokens=new_tokens, temperature=temperature, max_model_len=context,
                              **cell.option_fields(method))
@@ -363,14 +363,14 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
 
 def with_measured_costs(engine, prompts, options) -> tuple:
     """Adaptive γ's options with the cost model that a first run of theirs measures and keeps
-    (vegas_jax.adaptive_gamma.Warmup: what `generate` does for a new configuration), given to the measured runs,
+    (vegas_jax.decode.adaptive_gamma.Warmup: what `generate` does for a new configuration), given to the measured runs,
     which then decode in one call as every other method's do (bench_decode.run_one); and, for the record, that
     cost model and the first run's compile time (the measured runs find its loop compiled)."""
     metrics = engine.generate(prompts, options, steps_per_call=None).metrics
     costs = metrics["gamma_costs"]
     if costs is None:
         raise CostsNotTimed(f"its first run ended before its cost model was timed ({options.max_new_tokens} new "
-                            "tokens at most, every request done within vegas_jax.adaptive_gamma.Warmup's forced "
+                            "tokens at most, every request done within vegas_jax.decode.adaptive_gamma.Warmup's forced "
                             "iterations)")
     return (dataclasses.replace(options, gamma_costs=tuple(costs)),
             {"gamma_costs": costs, "compile_s": metrics["compile_s"]})

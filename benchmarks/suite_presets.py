@@ -38,7 +38,7 @@ class ServeCase:
 class ScaleCase:
     model: str  # a name of suite_scale.SHAPES
     context: int  # the cache's length (max_model_len); the prompt fills it but for the new tokens
-    batches: tuple[int, ...]  # those whose run does not fit (vegas_jax.memory) are recorded as not fitting
+    batches: tuple[int, ...]  # those whose run does not fit (vegas_jax.runtime.memory) are recorded as not fitting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ def prefill_s(batch: int, tokens: int) -> float:
 
 
 def run_s(batch: int, tokens: int, new_tokens: int, prefilled: bool = False) -> float:
-    """A static run; `prefilled`: from a kept prefill (vegas_jax.prefill_reuse), as the suite's runs but the first
+    """A static run; `prefilled`: from a kept prefill (vegas_jax.runtime.prefill_reuse), as the suite's runs but the first
     at each batch and length. Its steps read the cache at its mean length (long generation's grows 8-fold)."""
     return (0.02 + (0 if prefilled else prefill_s(batch, tokens)) + new_tokens * step_s(batch, tokens + new_tokens / 2)
             + RUN_OVERHEAD_S)

@@ -4,7 +4,7 @@ by the same coordinate search, on the tuning split; the cell it ends on is its t
 The search, from the common default cell (γ 6, ratio 7 %, the method's default knobs): sweep γ over the grid with
 everything else fixed and keep the fastest; then the ratio at that γ; then each of the method's knobs in turn; with
 `refine`, γ once more at the final ratio and knobs. Every sweep includes the cell it starts from, so a step never
-makes the result slower on the tuning set. N-gram trees (NGRAM: prompt lookup, vegas_jax.drafters, with plain
+makes the result slower on the tuning set. N-gram trees (NGRAM: prompt lookup, vegas_jax.decode.drafters, with plain
 decoding's attention) select no KV, so they have no ratio: γ is their tree's depth and their knob its branching,
 and a sweep leaves out the trees of more nodes than one verification pass takes. A grid of g γ values, r ratios and k_i values per knob costs at most
 g + r + sum(k_i) - (number of sweeps - 1) distinct cells (each compiled once) instead of g * r * prod(k_i).
@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from vegas_jax.adaptive_gamma import AUTO
-from vegas_jax.options import METHOD_KNOBS, GenerationOptions
-from vegas_jax.tree import MAX_TREE_NODES
+from vegas_jax.decode.adaptive_gamma import AUTO
+from vegas_jax.runtime.options import METHOD_KNOBS, GenerationOptions
+from vegas_jax.decode.tree_shapes import MAX_TREE_NODES
 
 DEFAULT_GAMMA = GenerationOptions.gamma
 DEFAULT_RATIO = GenerationOptions.sparse_ratio
@@ -38,7 +38,7 @@ def default_knobs(method: str) -> dict[str, int]:
 
 
 def tree_nodes(depth: int, branching: int) -> int:
-    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.tree.parse_tree)."""
+    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.decode.tree_shapes.parse_tree)."""
     return sum(branching**d for d in range(1, depth + 1))
 
 

@@ -19,7 +19,7 @@ without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot wi
 asked for by `integer_dot`, multiplies int8 or int4 codes by rows of x quantized to int8, in integers (one row: PTX
 dp4a; 2-16 rows: an int8 tensor-core dot): an approximation of the product (x's quantization error, about 1 % of
 the output), for drafts that ask for int8 activations. On a Hopper GPU the drafts' float products at up to 16 rows
-go through pallas_kernels/weight_only_mgpu.py instead (vegas_jax.draft_kernel.code_layout), whose layout avoids the
+go through pallas_kernels/weight_only_mgpu.py instead (vegas_jax.decode.draft_kernel.code_layout), whose layout avoids the
 tile shuffles that keep these kernels issue-bound.
 """
 

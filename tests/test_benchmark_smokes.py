@@ -234,7 +234,7 @@ def test_measure_approx_modes(tmp_path, monkeypatch, capsys):
 
 def test_profile_ssv(tmp_path, monkeypatch):
     (doc,) = run_smoke("profile_ssv", tmp_path, monkeypatch)
-    from vegas_jax.planner import PROFILE_FORMAT
+    from vegas_jax.ssv.planner import PROFILE_FORMAT
 
     assert doc["format"] == PROFILE_FORMAT and doc["complete"] is True  # saved after every record, then complete
     assert {r["kernel"] for r in doc["kernels"]} == {
@@ -477,8 +477,8 @@ def test_check_lossless_gpu_judges_divergences(capsys):
     the noise floor; its position and margin are plain decoding's there; the noise floor is the largest difference
     of an agreed token's log-probability between two runs; a bad flag is one error line."""
     from benchmarks import check_lossless_gpu as check
-    from vegas_jax.logprobs import TokenLogprob
-    from vegas_jax.results import RequestResult
+    from vegas_jax.decode.logprobs import TokenLogprob
+    from vegas_jax.runtime.results import RequestResult
 
     def request(tokens, top2=None):
         """top2: per token (second choice, -log p of the token, -log p of the second choice)."""

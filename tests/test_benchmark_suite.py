@@ -25,9 +25,9 @@ from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterat
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
 from benchmarks.task_families import FAMILIES
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
-from vegas_jax.engine import GenerationOptions
+from vegas_jax.runtime.engine import GenerationOptions
 from vegas_jax.loading.gguf import embedded_smollm2_path, open_gguf
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.loading.tokenizer import Tokenizer
 
 # ---- the log -----------------------------------------------------------------------------------------------
 
@@ -446,7 +446,7 @@ def tiny_engine_session(tmp_path, monkeypatch, *, seed: int, **preset_fields) ->
     """A session of TINY cut to 2 prompts of 48 random tokens, on a real engine of the tiny random model."""
     from benchmarks.prompt_splits import PromptSet
     from benchmarks.random_model import TINY as TINY_MODEL, random_model
-    from vegas_jax.engine import Engine
+    from vegas_jax.runtime.engine import Engine
 
     preset = dataclasses.replace(TINY, **{"lengths": (48,), "batches": (2,), "borrowed_tuning": (),
                                           "sampled_batches": (), "ablation_batches": (), "serve": (),
@@ -468,7 +468,7 @@ def test_one_run_over_every_family_on_a_tiny_engine_with_smollm2s_tokenizer(tmp_
     greedy output identical to plain decoding's on the same prompts."""
     from benchmarks.random_model import TINY as TINY_MODEL
     from models.decoder import init_params
-    from vegas_jax.engine import Engine
+    from vegas_jax.runtime.engine import Engine
     from vegas_jax.loading.bundle import LoadedModel
 
     one = {"stream_sinks": (16,), "quest_page": (16,), "retrieval_chunk": (32,), "retrieval_every": (4,)}

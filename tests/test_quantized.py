@@ -31,11 +31,11 @@ from models.quantized import (
 from pallas_kernels.weight_only_matmul import pack_code_words
 from tests.test_lossless_tiny import tiny_engine
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.draft_kernel import CODE_LAYOUTS, codes_in_words, codes_transposed, with_kernel
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.decode.draft_kernel import CODE_LAYOUTS, codes_in_words, codes_transposed, with_kernel
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.memory import draft_per_device
+from vegas_jax.runtime.memory import draft_per_device
 from vegas_jax.sharding import Placement
 
 

@@ -14,7 +14,7 @@ from benchmarks.task_families import (
     FAMILIES, LONG_PROMPT_TOKENS, QUESTION_TOKENS, QUESTIONS_PER_PROMPT, QUOTE_TOKENS, REGISTRY, TURNS, family_prompts,
 )
 from vegas_jax.loading.gguf import embedded_smollm2_path, open_gguf
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.loading.tokenizer import Tokenizer
 
 LENGTH = 2048
 

@@ -1,4 +1,4 @@
-"""Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.tree). Behind one small interface, so
+"""Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.decode.tree_shapes). Behind one small interface, so
 another drafter (an EAGLE-style head, say) plugs in beside these two:
 
 - `self`: the model itself with a cheaper attention, one forward per level over that level's nodes, a node's
@@ -12,7 +12,7 @@ another drafter (an EAGLE-style head, say) plugs in beside these two:
   the continuations through it, best match first. No forward pass; nodes no match fills are invalid.
 
 A proposal says whether its children are draws from the distributions it returns (`probs`) or fixed choices; the
-sampled acceptance (vegas_jax.tree_decode.accept_sampled) keeps the output exact either way.
+sampled acceptance (vegas_jax.decode.tree_iteration.accept_sampled) keeps the output exact either way.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import numpy as np
 
 from models.logical_axes import BATCH, axes_field
 from models.quantized import overlay
-from vegas_jax import sampling
+from vegas_jax.decode import sampling
 from vegas_jax.attention.tree import DraftPrefix
-from vegas_jax.draft_kernel import with_kernel
+from vegas_jax.decode.draft_kernel import with_kernel
 
 DRAFTERS = ("self", "ngram")
 NGRAM_MAX = 3  # the longest suffix matched
