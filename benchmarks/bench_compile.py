@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
-from vegas_jax import compilation  # noqa: E402
-from vegas_jax.engine import GenerationOptions  # noqa: E402
+from vegas_jax.runtime import compilation  # noqa: E402
+from vegas_jax.runtime.engine import GenerationOptions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Configurations of the suite's tuning grid: the first compiles alone, the next ones serially, the rest in threads.

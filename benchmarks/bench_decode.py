@@ -14,7 +14,7 @@ state right after prefill. Greedy records of methods other than ar also say, per
 leaves plain decoding's. The generation controls (penalties, logprobs, stop strings) are passed through, so that
 their cost per iteration can be measured against a run without them (a stop string that never occurs keeps the
 token counts equal). With --trees, each DRAFTER:DEPTHxBRANCHING runs after the methods as one more record (draft
-trees, vegas_jax.tree_decode; the self drafter selects its KV by --tree-method), with the tree, the drafter and
+trees, vegas_jax.decode.tree_iteration; the self drafter selects its KV by --tree-method), with the tree, the drafter and
 the accepted-depth histogram: τ per tree shape and drafter against plain decoding. Prints a table; writes JSON to
 --out (and $OUT if set).
 """
@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.prompt_splits import split_prompts  # noqa: E402
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
-from vegas_jax import adaptive_gamma  # noqa: E402
+from vegas_jax.decode import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.metrics import accepted_histogram  # noqa: E402
-from vegas_jax.phases import time_phases  # noqa: E402
+from vegas_jax.runtime.metrics import accepted_histogram  # noqa: E402
+from vegas_jax.runtime.phase_timing import time_phases  # noqa: E402
 from vegas_jax.sharding import make_mesh, parse_mesh  # noqa: E402
 
 
@@ -77,7 +77,7 @@ CONTROLS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logp
 
 def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown: bool,
             repeats: int, reuse_prefill=None) -> tuple[dict, list[np.ndarray]]:
-    """The last of `repeats` runs; with `reuse_prefill` (vegas_jax.prefill_reuse), runs over prompts it holds the
+    """The last of `repeats` runs; with `reuse_prefill` (vegas_jax.runtime.prefill_reuse), runs over prompts it holds the
     prefill of start from that (their prefill_s is then the copy's)."""
     compile_s = None
     for attempt in range(repeats):

@@ -8,7 +8,7 @@ the cost of a draft step and of a Vegas iteration at the scale of an 8B model.
 
 Part `real`: SmolLM2-135M-Instruct on real long prompts (benchmarks/prompts.py), greedy, γ 6: τ and acceptance by
 position per draft precision, with plain decoding's ms per step, a draft step's ms (the draft phase timed alone,
-vegas_jax.phases, divided by γ) and ms per iteration. With --auto also `--gamma auto` (its chosen γ per iteration).
+vegas_jax.runtime.phase_timing, divided by γ) and ms per iteration. With --auto also `--gamma auto` (its chosen γ per iteration).
 
 Part `random`: random bf16 weights of Llama-3.1-8B / Qwen3-8B shapes (benchmarks/random_model.py), timing only: the
 cache is left as allocated (`Engine.start(fill_cache=...)`: no prefill of 32K-128K tokens) at the given context,
@@ -44,10 +44,10 @@ from benchmarks.prompts import long_prompts  # noqa: E402
 from benchmarks.random_model import SHAPES, TINY, random_engine  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions, InputError  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError  # noqa: E402
 from vegas_jax.generate import token_count  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.phases import time_phases  # noqa: E402
+from vegas_jax.runtime.phase_timing import time_phases  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("bf16", "int8", "int4", "int8-a8", "int4-a8")  # -a8: int8 activations (GenerationOptions)

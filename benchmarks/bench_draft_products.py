@@ -5,7 +5,7 @@
     python benchmarks/bench_draft_products.py --smoke --out /tmp/dp   # tiny shapes on a CPU: checks this script
 
 Each weight is quantized from random bf16 values as the drafts quantize the model's (models.quantized: int4 in groups
-of 128 with offsets, int8 per channel), held in a layout of vegas_jax.draft_kernel.CODE_LAYOUTS ("transposed": the
+of 128 with offsets, int8 per channel), held in a layout of vegas_jax.decode.draft_kernel.CODE_LAYOUTS ("transposed": the
 Mosaic GPU kernel, pallas_kernels/weight_only_mgpu.py; "bytes": the Triton-lowered kernels,
 pallas_kernels/weight_only_matmul.py) and multiplied through models.quantized.quantized_matmul with the kernel
 draft_kernel.with_kernel attaches, so a time counts everything a draft's product launches (x's padding, the
@@ -32,7 +32,7 @@ from benchmarks.bench_weight_only import time_chain_ms  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
 from models.quantized import QuantizedWeight, dequantize, group_size_for, nbytes, quantize, quantized_matmul  # noqa: E402
-from vegas_jax.draft_kernel import CODE_LAYOUTS, with_kernel  # noqa: E402
+from vegas_jax.decode.draft_kernel import CODE_LAYOUTS, with_kernel  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
 
 # (K, N) of Llama-3.1-8B's products as a draft makes them: fused q/k/v, o, fused gate/up, down, the LM head.

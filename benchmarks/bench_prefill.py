@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SMOLLM2_135M, random_smollm2_engine  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
-from vegas_jax.engine import GenerationOptions  # noqa: E402
+from vegas_jax.runtime.engine import GenerationOptions  # noqa: E402
 
 
 def prefill(engine, prompts, chunk: int, backend: str, repeats: int):

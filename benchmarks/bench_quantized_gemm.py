@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from models.quantized import FORMULATIONS, integer_codes, quantize_int4, quantize_int8, quantized_matmul  # noqa: E402
 from models.quantized import nbytes  # noqa: E402
-from vegas_jax.compilation import GPU_COMPILER_OPTIONS  # noqa: E402
+from vegas_jax.runtime.compilation import GPU_COMPILER_OPTIONS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}

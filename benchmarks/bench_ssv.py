@@ -7,7 +7,7 @@
 Two parts:
 - `view`: SmolLM2's NSA view (real weights, `--attention nsa-view`) on real prompts of benchmarks/prompts.py
   (the standard library's text in the chat template, `--context` less the new tokens each), greedy: plain NSA
-  decoding, then SSV (draft trees, vegas_jax.tree_decode) with each drafter (ngram; self: the sink-and-window
+  decoding, then SSV (draft trees, vegas_jax.decode.tree_iteration) with each drafter (ngram; self: the sink-and-window
   draft) in the exact class and in the approximate class. The approximate class runs `--approx-mode` (pinned), or with `--ssv-profile` the
   planner's choice (tree and mode); the exact class runs `--tree` (or the planner's tree with a profile).
   Approximate records carry greedy_agreement: the fraction of decoded positions equal to plain NSA decoding's.
@@ -47,10 +47,11 @@ from benchmarks.prompts import long_prompts  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_cache_rows, random_engine, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig  # noqa: E402
-from vegas_jax import loop, tree_decode  # noqa: E402
+from vegas_jax.decode import iteration as loop
+from vegas_jax.decode import tree_iteration as tree_decode  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
-from vegas_jax.drafters import make_drafter  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.decode.drafters import make_drafter  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 
 NSA_1B = ModelConfig(

@@ -39,7 +39,7 @@ from benchmarks.suite_scale import measure_bandwidth, median_seconds  # noqa: E4
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 from pallas_kernels.verify_attention import verify_attention  # noqa: E402
 from vegas_jax.attention.tree import score_weights  # noqa: E402
-from vegas_jax.tree import TreeShape  # noqa: E402
+from vegas_jax.decode.tree_shapes import TreeShape  # noqa: E402
 
 SHAPES = {"nsa-1b": dict(heads=32, kv_heads=2, head_dim=64), "smollm2": dict(heads=9, kv_heads=3, head_dim=64)}
 RESULTS = Path(__file__).parent / "results"

@@ -46,7 +46,7 @@ from benchmarks.profile_decode import gpu_kernel_events  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, measure_bandwidth, median_seconds  # noqa: E402
 from pallas_kernels.weight_only_matmul import (  # noqa: E402
-    UNPACKS, code_blocks, default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
+    INT8_DOT_MIN_K, UNPACKS, code_blocks, default_splits, pack_code_words, weight_only_matmul, weight_only_matmul_reference,
 )
 
 # (K, N) of Llama-3.1-8B's linear layers, as the engine lays them out: fused q/k/v, o, fused gate/up, down.
@@ -211,7 +211,9 @@ def main(argv=None) -> int:
                     variants.append((f"int{bits}", "pallas", bits, fn, w, config + unpack_suffix + split_suffix))
                     # The integer path (x_group a multiple of block_k: the same K blocks, so the same splits), once
                     # for all unpackings, which it does not use.
-                    if integer_dot and args.x_group % bk == 0 and unpack == variant_unpacks[0]:
+                    # Several rows: blocks of at least the int8 dot's K.
+                    if integer_dot and args.x_group % bk == 0 and unpack == variant_unpacks[0] and (
+                            m == 1 or code_blocks(bits, k, group, bk, args.x_group)[0] >= INT8_DOT_MIN_K):
                         integer = functools.partial(fn, integer_dot=True, x_group=args.x_group)
                         variants += [(f"int{bits}", backend, bits, integer, codes, config + split_suffix)
                                      for backend, codes in (("pallas-integer", w), ("pallas-integer-words", words))

@@ -42,11 +42,11 @@ from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa:
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.planner import DEFAULT_ACCEPTANCE, Plan, Planner, load_profile  # noqa: E402
-from vegas_jax.precision import parse_precision  # noqa: E402
-from vegas_jax.ssv import with_plan  # noqa: E402
+from vegas_jax.ssv.planner import DEFAULT_ACCEPTANCE, Plan, Planner, load_profile  # noqa: E402
+from vegas_jax.ssv.precision import parse_precision  # noqa: E402
+from vegas_jax.ssv.choice import with_plan  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGET = 0.9  # the chosen plan's tokens/s over the best candidate's

@@ -1,4 +1,4 @@
-"""How far each approximate mode's modified target (vegas_jax.precision.ApproxMode) is from the exact target, on
+"""How far each approximate mode's modified target (vegas_jax.ssv.precision.ApproxMode) is from the exact target, on
 the SmolLM2 NSA view (real weights): plain decoding of each target (vegas_jax.attention.nsa_approx), no trees.
 
 - top1_agreement: over held-out real text (Python standard-library source, benchmarks.prompts, after the first
@@ -39,7 +39,7 @@ from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noq
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.nsa_approx import greedy_decode, prefill_logits  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.precision import EXACT_MODE, ApproxMode  # noqa: E402
+from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_MODES = "s2w1r1,s4w1r1,s4w2r1,s8w1r1,s1w1r2,s4w1r2,s1w1r3"

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.prompts import stdlib_corpus  # noqa: E402
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.scoring import perplexity  # noqa: E402
+from vegas_jax.runtime.scoring import perplexity  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

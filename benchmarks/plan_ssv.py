@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_io import run_metadata, save_results  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
-from vegas_jax.planner import DEFAULT_ACCEPTANCE, Planner, load_profile  # noqa: E402
-from vegas_jax.precision import parse_precision  # noqa: E402
+from vegas_jax.ssv.planner import DEFAULT_ACCEPTANCE, Planner, load_profile  # noqa: E402
+from vegas_jax.ssv.precision import parse_precision  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

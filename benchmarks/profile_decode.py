@@ -40,9 +40,9 @@ from benchmarks.results_io import check_writable, run_metadata, save_results  # 
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
-from vegas_jax.engine import Engine, GenerationOptions  # noqa: E402
+from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.tree import parse_tree  # noqa: E402
+from vegas_jax.decode.tree_shapes import parse_tree  # noqa: E402
 
 _KINDS = (
     # NCCL's kernels (a mesh's reductions): before "gemm", which their names can match.

@@ -1,4 +1,4 @@
-"""The SSV planner's profile (vegas_jax.planner): kernel time tables measured on this device, composed into the
+"""The SSV planner's profile (vegas_jax.ssv.planner): kernel time tables measured on this device, composed into the
 whole-pass times the planner fits, saved as a vegas-ssv-profile JSON.
 
     python benchmarks/profile_ssv.py --model smollm2-view --distances benchmarks/results/approx-modes-<date>.json
@@ -24,7 +24,7 @@ context) of the grid:
   every position and the continuations of the best `branching` matches gathered (the drafter lives with the
   loop; this is its cost's order, not its code); the self drafter's pass, composed per level with children as
   the linear part at the level's width plus each layer's sink-and-window draft attention; the draft head's
-  proposal (vegas_jax.drafters.HeadDrafter: random head weights, whose values cost nothing), whose cache holds
+  proposal (vegas_jax.decode.drafters.HeadDrafter: random head weights, whose values cost nothing), whose cache holds
   generated rows only, so its time does not grow with the context.
 - the same tree verification under each approximate mode for the --mode-trees shapes (the refresh layers' nodes
   taking their anchors' blocks, the reuse layers' injected, whose own selection XLA then drops as unused).
@@ -58,8 +58,8 @@ from pallas_kernels.nsa_verify import ancestor_mask, nsa_tree_verify  # noqa: E4
 from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
 from vegas_jax.attention.nsa_tree import TREE_SCHEDULE, SinkWindowDraft  # noqa: E402
-from vegas_jax.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
-from vegas_jax.precision import ApproxMode  # noqa: E402
+from vegas_jax.ssv.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
+from vegas_jax.ssv.precision import ApproxMode  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -185,7 +185,7 @@ def approx_tree_ms(config, mode: ApproxMode, caches, q, k, v, gates, length, par
 
 
 def self_draft_ms(config, params, caches, linear, batch: int, context: int, parents: np.ndarray, dtype, key, reps: int):
-    """ms of the self drafter's pass over a tree (vegas_jax.drafters.SelfDrafter): one model pass per level with
+    """ms of the self drafter's pass over a tree (vegas_jax.decode.drafters.SelfDrafter): one model pass per level with
     children, over that level's nodes, each layer attending the sink block, NSA's window and the node's path
     (vegas_jax.attention.nsa_tree.SinkWindowDraft); composed as the linear part at the level's width plus the
     layers' draft attention. `linear` caches linear-part times by rows (filled here as needed)."""

@@ -73,15 +73,18 @@ def prompts_digest(prompts: list[list[int]]) -> str:
 class PromptSet:
     prompts: list[list[int]]
     # split, prompt_tokens, count, python (the standard library's version), files: [{name, sha256, bytes}] of the
-    # files the prompts were cut from, and prompts_sha256 (`prompts_digest`)
+    # files the prompts were cut from, and prompts_sha256 (`prompts_digest`); a task family's (task_families) also
+    # family, and targets: per prompt, what its question asks and where the answer lies
     provenance: dict
 
     def head(self, count: int) -> "PromptSet":
-        """The first `count` prompts: what split_prompts gives for that count (the same slices of the stream)."""
+        """The first `count` prompts: what split_prompts (or task_families.family_prompts) gives for that count
+        (the same slices of the stream)."""
         if count == len(self.prompts):
             return self
         prompts = self.prompts[:count]
-        return PromptSet(prompts, {**self.provenance, "count": count, "prompts_sha256": prompts_digest(prompts)})
+        cut = {"targets": self.provenance["targets"][:count]} if "targets" in self.provenance else {}
+        return PromptSet(prompts, {**self.provenance, "count": count, "prompts_sha256": prompts_digest(prompts), **cut})
 
 
 def chat_frame(tokenizer) -> tuple[list[int], list[int]]:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig, NSALayout, RopeScaling
 from models.decoder import init_params
-from vegas_jax.engine import Engine
+from vegas_jax.runtime.engine import Engine
 from vegas_jax.loading.bundle import LoadedModel
 
 SMOLLM2_135M = ModelConfig(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from vegas_jax import outputs
+from vegas_jax.cli import outputs
 
 
 def save_results(doc: dict, name: str, *folders: Path | None) -> None:

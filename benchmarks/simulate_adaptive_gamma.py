@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
-from vegas_jax import adaptive_gamma  # noqa: E402
-from vegas_jax.adaptive_gamma import GammaControl  # noqa: E402
+from vegas_jax.decode import adaptive_gamma  # noqa: E402
+from vegas_jax.decode.adaptive_gamma import GammaControl  # noqa: E402
 
 # The noise each rule gives adaptive_gamma.choose, from the iteration's standard normals z.
 NOISE = {"symmetric": lambda z: z, "optimistic": jnp.abs, "means": lambda z: None}

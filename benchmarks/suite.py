@@ -3,16 +3,23 @@ the paper's model scale and a transformers peer, in device calls that each end i
 
     python -m benchmarks.suite --preset quick --stage tune --model smollm2.gguf     # then heldout, serve, scale, peer
     python -m benchmarks.suite --preset quick --estimate                           # device time the log lacks
+    python -m benchmarks.suite --preset paper --families quote,retrieval --lengths 7936 --batches 64,32
 
-Stages (`--stage`, comma-separated, or `all`):
+Stages (`--stage`, comma-separated, or `all`); tune, heldout, adaptive and quantized run per task family
+(benchmarks/task_families.py: `--families`, the preset's by default), each family tuned on its own tuning prompts
+and measured on its own held-out ones, every record naming its family:
 - tune: per (length, batch) of the preset, plain decoding once and every speculative method's coordinate search
-  (benchmarks/suite_tuning.py) on the tuning split, greedy, with the preset's shorter runs;
+  (benchmarks/suite_tuning.py) on the tuning split, greedy, with the preset's shorter runs (long generation's runs
+  whole: its point is the cache growing while it decodes);
 - heldout: per (length, batch), on the held-out split, plain decoding and each method at its tuned cell and at the
   common default (γ 6, 7 %, default knobs), greedy and (preset's batches) at temperature 0.7, each measured
   `repeats` times after a warm-up (median, min, max); the ablations vegas-all and last at Vegas's tuned cell;
 - adaptive: per (length, batch) of the preset's adaptive batches, Vegas with `--gamma auto` (γ_max 8) at its tuned
   sparse ratio on the held-out prompts, greedy, against plain decoding and the best fixed γ measured there;
-- serve: continuous batching (128 requests through 64 slots) of plain decoding, Vegas and the baselines, tuned;
+- quantized: per (length, batch) of the preset's quantized batches, Vegas at its tuned cell with int8 and int4 draft
+  weights on the held-out prompts, greedy: acceptance (τ, by draft position) and tokens/s beside bf16's;
+- serve (summarise's prompts, as the peer's): continuous batching (128 requests through 64 slots) of plain
+  decoding, Vegas and the baselines, tuned;
 - scale: Llama-3.1-8B and Qwen3-8B shapes, random weights (benchmarks/suite_scale.py);
 - peer: transformers' generate on the same GGUF and prompts (benchmarks/suite_peer.py; run it in its own call).
 
@@ -41,16 +48,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.prompt_splits import PromptSet, split_prompts  # noqa: E402
+from benchmarks.prompt_splits import PromptSet  # noqa: E402
 from benchmarks.suite_presets import (  # noqa: E402
-    ABLATIONS, BASELINES, COMPILE_S, PRESETS, SAMPLED_TEMPERATURE, SPECULATIVE, STAGES, Preset, describe_costs,
-    run_s,
+    ABLATIONS, BASELINES, COMPILE_S, PRESETS, QUANTIZED, SAMPLED_TEMPERATURE, SPECULATIVE, STAGES, Preset,
+    describe_costs, run_s,
 )
 from benchmarks.suite_records import (  # noqa: E402
     RecordLog, find as find_records, key_fields_differing, latest_per_key, read_logs, record_key,
 )
 from benchmarks.suite_tuning import Cell, next_cells, rates_of, tuned_cell  # noqa: E402
-from vegas_jax.adaptive_gamma import AUTO  # noqa: E402
+from benchmarks.task_families import DEFAULT_FAMILY, FAMILIES, family_prompts  # noqa: E402
+from vegas_jax.decode.adaptive_gamma import AUTO  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 STOPPED = 3  # exit status of a call that stopped for its budget
@@ -108,7 +116,7 @@ def summarize_runs(runs: list[dict], rate: str = "decode_tokens_per_s") -> dict:
         "prefills_reused": sum(bool(r.get("prefill_reused")) for r in runs),
         "acceptance_by_position": middle["acceptance_by_position"],
     }
-    for extra in ("decode_calls", "refill", "gamma_chosen_mean", "gamma_chosen_histogram"):
+    for extra in ("decode_tokens", "decode_calls", "refill", "gamma_chosen_mean", "gamma_chosen_histogram"):
         if extra in middle:
             out[extra] = middle[extra]
     return out
@@ -126,9 +134,9 @@ class Session:
         self._engine = None
         self._tokenizer = None
         self._reuse = None
-        self._prompts: dict[tuple[str, int], PromptSet] = {}
+        self._prompts: dict[tuple[str, str, int], PromptSet] = {}
         self.compiled: set = set()  # loop_key()s of the loops this process compiled
-        self.ar_tokens: dict = {}  # (split, batch, length) -> plain greedy tokens, to compare with
+        self.ar_tokens: dict = {}  # (family, split, batch, length) -> plain greedy tokens, to compare with
         self.incomplete: list[str] = []  # what could not run yet (untuned cells)
         self._provenance = {"code": git_commit(), "source_digest": source_digest(), "model": model_path}
 
@@ -139,7 +147,7 @@ class Session:
             import jax
             import jax.numpy as jnp
 
-            from vegas_jax.engine import Engine
+            from vegas_jax.runtime.engine import Engine
             from vegas_jax.loading import load_model
 
             if self.dtype == "auto":
@@ -151,9 +159,9 @@ class Session:
     @property
     def reuse(self):
         """What lets every static run of a split's prompts at a batch and length start from one prefill (its cache
-        copied, vegas_jax.prefill_reuse): a prefill was 60 % of a tuning run's time at 64 x 7.9K on the H200."""
+        copied, vegas_jax.runtime.prefill_reuse): a prefill was 60 % of a tuning run's time at 64 x 7.9K on the H200."""
         if self._reuse is None:
-            from vegas_jax.prefill_reuse import PrefillReuse
+            from vegas_jax.runtime.prefill_reuse import PrefillReuse
 
             self._reuse = PrefillReuse()
         return self._reuse
@@ -164,18 +172,20 @@ class Session:
             return self._engine.tokenizer
         if self._tokenizer is None:
             from vegas_jax.loading.gguf import open_gguf
-            from vegas_jax.tokenizer import Tokenizer
+            from vegas_jax.loading.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_gguf(open_gguf(self.model_path))
         return self._tokenizer
 
-    def prompts(self, split: str, count: int, length: int) -> PromptSet:
-        """`count` prompts of the split; a smaller count takes the first prompts of a larger one (same slices)."""
-        cached = self._prompts.get((split, length))
+    def prompts(self, split: str, count: int, length: int, family: str = DEFAULT_FAMILY) -> PromptSet:
+        """`count` prompts of the family's split; a smaller count takes the first prompts of a larger one (same
+        slices)."""
+        cached = self._prompts.get((family, split, length))
         if cached is None or len(cached.prompts) < count:
-            cached = split_prompts(self.tokenizer, split, count, length)
-            self._prompts[(split, length)] = cached
-            fields = {"stage": "prompts", "split": split, "prompt_tokens": length, "requests": count}
+            cached = family_prompts(family, self.tokenizer, split, count, length)
+            self._prompts[(family, split, length)] = cached
+            fields = {"stage": "prompts", "split": split, "prompt_tokens": length, "requests": count,
+                      "family": family}
             if record_key(fields) not in self.log:
                 self.log.append({**fields, **cached.provenance})
         return cached.head(count)
@@ -211,8 +221,9 @@ class Session:
         existing = self.recorded(fields)
         if existing is not None:
             return existing
-        what = " ".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "method", "batch", "prompt_tokens",
-                                                                          "model", "context", "split"))
+        what = " ".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "family", "method", "batch",
+                                                                          "prompt_tokens", "model", "context",
+                                                                          "split"))
         self.check_time(estimate_s, what)
         t0 = time.perf_counter()
         result = run()
@@ -232,9 +243,9 @@ class Session:
               + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
         return record
 
-    def estimate(self, method: str, cell: Cell, batch: int, length: int, new_tokens: int, runs: int, *,
+    def estimate(self, method: str, cell: Cell, batch: int, length: int, context: int, new_tokens: int, runs: int, *,
                  sampled: bool, served: bool = False) -> float:
-        compiled = loop_key(method, cell, batch, length, sampled, served) in self.compiled
+        compiled = loop_key(method, cell, batch, length, context, sampled, served) in self.compiled
         kind = "ar" if method == "ar" else "adaptive" if cell.auto_gamma else "speculative"
         compile_s = 0.0 if compiled else COMPILE_S[kind]
         return compile_s + runs * run_s(batch, length, new_tokens) * (3 if served else 1)
@@ -243,16 +254,18 @@ class Session:
 # ---- measurements of SmolLM2 ----------------------------------------------------------------------------------
 
 
-def loop_key(method: str, cell: Cell, batch: int, length: int, sampled: bool, served: bool = False) -> tuple:
-    """What tells one compiled decode loop from another within a session (Session.compiled)."""
-    return method, cell, batch, length, sampled, served
+def loop_key(method: str, cell: Cell, batch: int, length: int, context: int, sampled: bool,
+             served: bool = False) -> tuple:
+    """What tells one compiled decode loop from another within a session (Session.compiled): not the family, whose
+    prompts of one length and context run the same loops."""
+    return method, cell, batch, length, context, sampled, served
 
 
-def options_for(preset: Preset, method: str, cell: Cell, length: int, new_tokens: int, temperature: float):
-    from vegas_jax.engine import GenerationOptions
+def options_for(method: str, cell: Cell, context: int, new_tokens: int, temperature: float):
+    from vegas_jax.runtime.engine import GenerationOptions
 
-    return GenerationOptions(method=method, max_new_tokens=new_tokens, temperature=temperature,
-                             max_model_len=preset.max_model_len[length], **cell.option_fields())
+    return GenerationOptions(max_new_tokens=new_tokens, temperature=temperature, max_model_len=context,
+                             **cell.option_fields(method))
 
 
 def _cell_fields(method: str, cell: Cell) -> dict:
@@ -260,9 +273,9 @@ def _cell_fields(method: str, cell: Cell) -> dict:
 
 
 def _static_fields(stage: str, split: str, method: str, cell: Cell, batch: int, length: int,
-                   temperature: float) -> dict:
-    return {"stage": stage, "split": split, "batch": batch, "prompt_tokens": length, "temperature": temperature,
-            **_cell_fields(method, cell)}
+                   temperature: float, family: str = DEFAULT_FAMILY) -> dict:
+    return {"stage": stage, "family": family, "split": split, "batch": batch, "prompt_tokens": length,
+            "temperature": temperature, **_cell_fields(method, cell)}
 
 
 # Loops compiled at once before a round of sweeps' (or a held-out batch's) measurements. Compiling is most of the
@@ -275,7 +288,8 @@ PARALLEL_COMPILES = 6
 
 
 def compile_ahead(session: Session, stage: str, split: str, configurations: list[tuple[str, Cell]], batch: int,
-                  length: int, temperature: float, new_tokens: int) -> dict[tuple[str, Cell], float]:
+                  length: int, temperature: float, new_tokens: int,
+                  family: str = DEFAULT_FAMILY) -> dict[tuple[str, Cell], float]:
     """Compiles the loops of these (method, cell) configurations (`Engine.start`: prefill and bootstrap too, no
     decoding), skipping those the log has or this process compiled; returns each one's compile seconds, for its
     record. The first compiles alone, so that the programs every configuration of a batch and length shares
@@ -283,43 +297,45 @@ def compile_ahead(session: Session, stage: str, split: str, configurations: list
     GPU; the rest compile concurrently and find those in XLA's caches."""
     from concurrent.futures import ThreadPoolExecutor
 
-    sampled = temperature > 0
+    sampled, context = temperature > 0, session.preset.context(family, length)
     todo = [(method, cell) for method, cell in configurations
-            if loop_key(method, cell, batch, length, sampled) not in session.compiled
-            and session.recorded(_static_fields(stage, split, method, cell, batch, length, temperature)) is None]
+            if loop_key(method, cell, batch, length, context, sampled) not in session.compiled
+            and session.recorded(_static_fields(stage, split, method, cell, batch, length, temperature,
+                                                family)) is None]
     if len(todo) < 2:
         return {}
     rounds = 1 + -(-(len(todo) - 1) // PARALLEL_COMPILES)
     session.check_time(rounds * COMPILE_S["speculative"], f"compiling {len(todo)} configurations at {length} x {batch}")
-    prompts = session.prompts(split, batch, length).prompts
+    prompts = session.prompts(split, batch, length, family).prompts
     engine = session.engine
 
     def start(configuration):
         method, cell = configuration
-        options = options_for(session.preset, method, cell, length, new_tokens, temperature)
+        options = options_for(method, cell, context, new_tokens, temperature)
         return engine.start(prompts, options, reuse_prefill=session.reuse).timings["compile_s"]
 
     seconds = {todo[0]: start(todo[0])}
     with ThreadPoolExecutor(PARALLEL_COMPILES) as pool:
         seconds |= dict(zip(todo[1:], pool.map(start, todo[1:])))
-    session.compiled.update(loop_key(method, cell, batch, length, sampled) for method, cell in todo)
+    session.compiled.update(loop_key(method, cell, batch, length, context, sampled) for method, cell in todo)
     return seconds
 
 
 def measure_static(session: Session, stage: str, split: str, method: str, cell: Cell, batch: int, length: int,
-                   temperature: float, *, new_tokens: int, repeats: int, extra: dict | None = None) -> dict:
-    """One static batch of the split's prompts: warm-up runs, then `repeats` measured runs of the same config.
-    A loop compiled ahead (`compile_ahead`) reports its compile time through `extra`."""
+                   temperature: float, *, new_tokens: int, repeats: int, extra: dict | None = None,
+                   family: str = DEFAULT_FAMILY) -> dict:
+    """One static batch of the family's prompts of the split: warm-up runs, then `repeats` measured runs of the same
+    config. A loop compiled ahead (`compile_ahead`) reports its compile time through `extra`."""
     from benchmarks.bench_decode import first_differences, run_one
 
-    prompts = session.prompts(split, batch, length)
-    fields = _static_fields(stage, split, method, cell, batch, length, temperature)
-    sampled = temperature > 0
+    prompts = session.prompts(split, batch, length, family)
+    fields = _static_fields(stage, split, method, cell, batch, length, temperature, family)
+    sampled, context = temperature > 0, session.preset.context(family, length)
     runs_needed = session.preset.warmup + repeats
 
     def run() -> dict:
         engine = session.engine
-        options = options_for(session.preset, method, cell, length, new_tokens, temperature)
+        options = options_for(method, cell, context, new_tokens, temperature)
         measured_costs = {}
         if options.auto_gamma:
             options, measured_costs = with_measured_costs(engine, prompts.prompts, options)
@@ -327,81 +343,93 @@ def measure_static(session: Session, stage: str, split: str, method: str, cell: 
         for _ in range(runs_needed):
             record, tokens = run_one(engine, prompts.prompts, options, False, 1, reuse_prefill=session.reuse)
             runs.append(record)
-        session.compiled.add(loop_key(method, cell, batch, length, sampled))
+        session.compiled.add(loop_key(method, cell, batch, length, context, sampled))
         out = {**summarize_runs(runs[session.preset.warmup:]), "compile_s": runs[0]["compile_s"],
                "new_tokens": new_tokens, "prompts_sha256": prompts.provenance["prompts_sha256"], **measured_costs,
                **(extra or {})}
+        same = (family, split, batch, length)
         if method == "ar" and not sampled:
-            session.ar_tokens[(split, batch, length)] = tokens
-        elif not sampled and (split, batch, length) in session.ar_tokens:
+            session.ar_tokens[same] = tokens
+        elif not sampled and same in session.ar_tokens:
             # Greedy speculative decoding reproduces plain greedy decoding, up to bf16's near-ties.
-            differences = first_differences(tokens, session.ar_tokens[(split, batch, length)])
+            differences = first_differences(tokens, session.ar_tokens[same])
             out["sequences_identical_to_ar"] = differences.count(None)
         return out
 
-    estimate = session.estimate(method, cell, batch, length, new_tokens, runs_needed + cell.auto_gamma,
+    estimate = session.estimate(method, cell, batch, length, context, new_tokens, runs_needed + cell.auto_gamma,
                                 sampled=sampled)
     return session.measure(fields, estimate, run)
 
 
 def with_measured_costs(engine, prompts, options) -> tuple:
     """Adaptive γ's options with the cost model that a first run of theirs measures and keeps
-    (vegas_jax.adaptive_gamma.Warmup: what `generate` does for a new configuration), given to the measured runs,
+    (vegas_jax.decode.adaptive_gamma.Warmup: what `generate` does for a new configuration), given to the measured runs,
     which then decode in one call as every other method's do (bench_decode.run_one); and, for the record, that
     cost model and the first run's compile time (the measured runs find its loop compiled)."""
     metrics = engine.generate(prompts, options, steps_per_call=None).metrics
     costs = metrics["gamma_costs"]
     if costs is None:
         raise CostsNotTimed(f"its first run ended before its cost model was timed ({options.max_new_tokens} new "
-                            "tokens at most, every request done within vegas_jax.adaptive_gamma.Warmup's forced "
+                            "tokens at most, every request done within vegas_jax.decode.adaptive_gamma.Warmup's forced "
                             "iterations)")
     return (dataclasses.replace(options, gamma_costs=tuple(costs)),
             {"gamma_costs": costs, "compile_s": metrics["compile_s"]})
 
 
-def tune(session: Session, length: int, batch: int) -> None:
+def tune(session: Session, length: int, batch: int, family: str = DEFAULT_FAMILY) -> None:
     """Every method's search, side by side: each round takes the current sweep of every method not done (the
     searches are independent), so that a round's compilations fill the threads (`compile_ahead`)."""
     p = session.preset
+    new_tokens = p.tune_new_tokens_of(family)
     while True:
         todo = []
         for method in ("ar",) + SPECULATIVE:
-            records = search_records(session.log.find, method, batch, length)
+            records = search_records(session.log.find, method, batch, length, family)
             todo += [(method, cell) for cell in next_cells(method, p.grid, rates_of(records))]
         if not todo:
             return
-        compiled = compile_ahead(session, "tune", "tuning", todo, batch, length, 0.0, p.tune_new_tokens)
+        compiled = compile_ahead(session, "tune", "tuning", todo, batch, length, 0.0, new_tokens, family)
         for method, cell in todo:
-            measure_static(session, "tune", "tuning", method, cell, batch, length, 0.0,
-                           new_tokens=p.tune_new_tokens, repeats=p.tune_repeats,
-                           extra={"tuned": False, **_compile_time(compiled, method, cell)})
+            measure_static(session, "tune", "tuning", method, cell, batch, length, 0.0, new_tokens=new_tokens,
+                           repeats=p.tune_repeats, extra={"tuned": False, **_compile_time(compiled, method, cell)},
+                           family=family)
 
 
-def tuned_cells(session: Session, length: int, batch: int) -> dict[str, Cell | None]:
-    """Each speculative method's tuned cell for this length and batch (from the batch it borrows tuning from)."""
+def tuned_cells(session: Session, length: int, batch: int,
+                family: str = DEFAULT_FAMILY) -> dict[str, Cell | None]:
+    """Each speculative method's tuned cell for this family, length and batch (from the batch it borrows tuning
+    from)."""
     p, source = session.preset, session.preset.tuning_batch(batch)
     cells = {}
     for method in SPECULATIVE:
-        cells[method] = tuned_cell(method, p.grid, rates_of(search_records(session.log.find, method, source, length)))
+        records = search_records(session.log.find, method, source, length, family)
+        cells[method] = tuned_cell(method, p.grid, rates_of(records))
     return cells
 
 
-def search_records(find, method: str, batch: int, length: int) -> list[dict]:
-    """The records of one method's tuning search at this batch and length; `find(**fields)` is RecordLog.find or
-    suite_records.find over other records."""
-    return find(stage="tune", split="tuning", method=method, batch=batch, prompt_tokens=length, temperature=0.0)
+def search_records(find, method: str, batch: int, length: int, family: str = DEFAULT_FAMILY) -> list[dict]:
+    """The records of one method's tuning search for this family at this batch and length; `find(**fields)` is
+    RecordLog.find or suite_records.find over other records."""
+    return find(stage="tune", split="tuning", method=method, batch=batch, prompt_tokens=length, temperature=0.0,
+                family=family)
 
 
-def heldout(session: Session, length: int, batch: int) -> None:
+def _where(family: str, length: int, batch: int) -> str:
+    """A cell of a stage, as the not-run lines name it (summarise's as before families existed)."""
+    return f"{length} x {batch}" + ("" if family == DEFAULT_FAMILY else f" ({family})")
+
+
+def heldout(session: Session, length: int, batch: int, family: str = DEFAULT_FAMILY) -> None:
     p = session.preset
-    tuned = tuned_cells(session, length, batch)
+    tuned = tuned_cells(session, length, batch, family)
     temperatures = [0.0] + ([SAMPLED_TEMPERATURE] if batch in p.sampled_batches else [])
+    new_tokens = p.new_tokens_of(family)
     for temperature in temperatures:
         planned = [("ar", Cell.default("ar"), {"tuned": True, "default": True})]
         for method in SPECULATIVE:
             chosen, default = tuned[method], Cell.default(method)
             if chosen is None:
-                session.incomplete.append(f"{method} at {length} x {batch}: not tuned yet (--stage tune)")
+                session.incomplete.append(f"{method} at {_where(family, length, batch)}: not tuned yet (--stage tune)")
                 continue
             planned.append((method, chosen, {"tuned": True, "default": chosen == default}))
             if chosen != default and (temperature == 0 or p.sampled_defaults):
@@ -411,28 +439,47 @@ def heldout(session: Session, length: int, batch: int) -> None:
             planned += [(method, vegas, {"tuned": False, "default": vegas == Cell.default("vegas"),
                                          "at_cell_of": "vegas"}) for method in ABLATIONS]
         compiled = compile_ahead(session, "heldout", "heldout", [(m, c) for m, c, _ in planned], batch, length,
-                                 temperature, p.new_tokens)
+                                 temperature, new_tokens, family)
         for method, cell, extra in planned:
             measure_static(session, "heldout", "heldout", method, cell, batch, length, temperature,
-                           new_tokens=p.new_tokens, repeats=p.repeats,
+                           new_tokens=new_tokens, repeats=p.repeats,
                            extra={"tuned_at_batch": p.tuning_batch(batch), **extra,
-                                  **_compile_time(compiled, method, cell)})
+                                  **_compile_time(compiled, method, cell)}, family=family)
 
 
-def adaptive(session: Session, length: int, batch: int) -> None:
+def adaptive(session: Session, length: int, batch: int, family: str = DEFAULT_FAMILY) -> None:
     """Vegas with adaptive γ at the sparse ratio (and knobs) of its tuned cell, so that what differs from the
     fixed-γ runs of `heldout` is how many drafts each iteration makes; greedy, held-out prompts."""
     p = session.preset
-    tuned = tuned_cells(session, length, batch)["vegas"]
+    tuned = tuned_cells(session, length, batch, family)["vegas"]
     if tuned is None:
-        session.incomplete.append(f"adaptive γ at {length} x {batch}: Vegas not tuned yet (--stage tune)")
+        session.incomplete.append(f"adaptive γ at {_where(family, length, batch)}: Vegas not tuned yet "
+                                  "(--stage tune)")
         return
     try:
         measure_static(session, "adaptive", "heldout", "vegas", dataclasses.replace(tuned, gamma=AUTO), batch,
-                       length, 0.0, new_tokens=p.new_tokens, repeats=p.repeats,
-                       extra={"tuned": False, "at_cell_of": "vegas", "tuned_at_batch": p.tuning_batch(batch)})
+                       length, 0.0, new_tokens=p.new_tokens_of(family), repeats=p.repeats,
+                       extra={"tuned": False, "at_cell_of": "vegas", "tuned_at_batch": p.tuning_batch(batch)},
+                       family=family)
     except CostsNotTimed as e:  # greedy: a rerun would end the same way; the other cells still run
-        session.incomplete.append(f"adaptive γ at {length} x {batch}: {e}")
+        session.incomplete.append(f"adaptive γ at {_where(family, length, batch)}: {e}")
+
+
+def quantized(session: Session, length: int, batch: int, family: str = DEFAULT_FAMILY) -> None:
+    """Vegas at its tuned cell with each quantized draft (QUANTIZED: int8, int4 weights; the target stays bf16, so
+    the output does not change), greedy, held-out prompts: what quantizing the drafts costs in acceptance, beside
+    the bf16 drafts of the heldout stage's record of the same cell."""
+    p = session.preset
+    tuned = tuned_cells(session, length, batch, family)["vegas"]
+    if tuned is None:
+        session.incomplete.append(f"quantized drafts at {_where(family, length, batch)}: Vegas not tuned yet "
+                                  "(--stage tune)")
+        return
+    for weights in QUANTIZED:
+        measure_static(session, "quantized", "heldout", "vegas", tuned.with_value("draft_weights", weights), batch,
+                       length, 0.0, new_tokens=p.new_tokens_of(family), repeats=p.repeats,
+                       extra={"tuned": False, "at_cell_of": "vegas", "tuned_at_batch": p.tuning_batch(batch)},
+                       family=family)
 
 
 def _compile_time(compiled: dict, method: str, cell: Cell) -> dict:
@@ -442,7 +489,8 @@ def _compile_time(compiled: dict, method: str, cell: Cell) -> dict:
 
 def fastest_baseline(session: Session, length: int, batch: int) -> str | None:
     records = [r for r in session.log.find(stage="heldout", split="heldout", batch=batch, prompt_tokens=length,
-                                           temperature=0.0) if r.get("tuned") and r["method"] in BASELINES]
+                                           temperature=0.0, family=DEFAULT_FAMILY)
+               if r.get("tuned") and r["method"] in BASELINES]
     return max(records, key=lambda r: r["decode_tokens_per_s"])["method"] if records else None
 
 
@@ -462,14 +510,17 @@ def serve(session: Session) -> None:
                 session.incomplete.append(f"serve {method} at {case.prompt_tokens} x {case.slots}: not tuned yet")
                 continue
             prompts = session.prompts("heldout", case.requests, case.prompt_tokens)
-            fields = {"stage": "serve", "split": "heldout", "batch": case.slots, "requests": case.requests,
-                      "prompt_tokens": case.prompt_tokens, "temperature": 0.0, **_cell_fields(method, cell)}
+            context = p.context(DEFAULT_FAMILY, case.prompt_tokens)
+            fields = {"stage": "serve", "family": DEFAULT_FAMILY, "split": "heldout", "batch": case.slots,
+                      "requests": case.requests, "prompt_tokens": case.prompt_tokens, "temperature": 0.0,
+                      **_cell_fields(method, cell)}
 
             def run(method=method, cell=cell, prompts=prompts) -> dict:
-                options = options_for(p, method, cell, case.prompt_tokens, p.new_tokens, 0.0)
+                options = options_for(method, cell, context, p.new_tokens, 0.0)
                 runs = [run_served(session.engine, prompts.prompts, options, case.slots, None)[0]
                         for _ in range(p.warmup + p.repeats)]
-                session.compiled.add(loop_key(method, cell, case.slots, case.prompt_tokens, False, served=True))
+                session.compiled.add(loop_key(method, cell, case.slots, case.prompt_tokens, context, False,
+                                              served=True))
                 measured = runs[p.warmup:]
                 steady = [r["steady_decode_tokens_per_s"] for r in measured if r["steady_decode_tokens_per_s"]]
                 return {**summarize_runs(measured), "compile_s": runs[0]["compile_s"], "tuned": True,
@@ -478,21 +529,24 @@ def serve(session: Session) -> None:
                         "steady_decode_tokens_per_s_runs": steady,
                         "prompts_sha256": prompts.provenance["prompts_sha256"]}
 
-            estimate = session.estimate(method, cell, case.slots, case.prompt_tokens, p.new_tokens,
+            estimate = session.estimate(method, cell, case.slots, case.prompt_tokens, context, p.new_tokens,
                                         p.warmup + p.repeats, sampled=False, served=True)
             session.measure(fields, estimate, run)
 
 
 def run_stages(session: Session, stages: list[str]) -> None:
     p = session.preset
-    for length in p.lengths:
-        for batch in p.batches:
-            if "tune" in stages and batch in p.tuned_batches:
-                tune(session, length, batch)
-            if "heldout" in stages:
-                heldout(session, length, batch)
-            if "adaptive" in stages and batch in p.adaptive_batches:
-                adaptive(session, length, batch)
+    for family in p.families:  # one family's cells done before the next's: a call cut short leaves whole families
+        for length in p.lengths_of(family):
+            for batch in p.batches:
+                if "tune" in stages and batch in p.tuned_batches:
+                    tune(session, length, batch, family)
+                if "heldout" in stages:
+                    heldout(session, length, batch, family)
+                if "adaptive" in stages and batch in p.adaptive_batches:
+                    adaptive(session, length, batch, family)
+                if "quantized" in stages and batch in p.quantized_batches:
+                    quantized(session, length, batch, family)
     if "serve" in stages:
         serve(session)
     if "scale" in stages:
@@ -558,6 +612,16 @@ def narrowed(preset: Preset, flag: str, text: str | None) -> Preset:
     return preset.narrowed(**{"lengths": preset.lengths, "batches": preset.batches, field: values})
 
 
+def with_families(preset: Preset, text: str | None) -> Preset:
+    """The preset running these task families (any of task_families.FAMILIES, in the order given)."""
+    if not text:
+        return preset
+    families = tuple(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
+    if not families or set(families) - set(FAMILIES):
+        raise BadFlag(f"--families {text}: choose from {', '.join(FAMILIES)} (comma-separated)")
+    return preset.narrowed(preset.lengths, preset.batches, families)
+
+
 def log_progress(preset: Preset, records: list[dict], model_path: str | None):
     """suite_presets.Left from a log's records (one per key), those of `model_path` as the session keys them (the
     scale stage's name their shapes instead): a tuning search the log completes lacks nothing, a partial one the
@@ -566,22 +630,23 @@ def log_progress(preset: Preset, records: list[dict], model_path: str | None):
     find = functools.partial(find_records, [r for r in records if r.get("stage") == "scale"
                                             or r.get("model") == model_path])
 
-    def left(stage: str, length: int | None, batch: int, method: str | None, expected: int) -> float:
+    def left(stage: str, length: int | None, batch: int, method: str | None, expected: int, family: str) -> float:
         if stage == "tune":
-            if tuned(method, batch, length) is not None:
+            if tuned(method, batch, length, family) is not None:
                 return 0.0
-            found = search_records(find, method, batch, length)
+            found = search_records(find, method, batch, length, family)
         elif stage == "scale":  # a scale case's unit is (context, batch, model)
             found = find(stage=stage, context=length, batch=batch, model=method)
         else:
-            found = find(stage=stage, prompt_tokens=length, batch=batch)
+            found = find(stage=stage, prompt_tokens=length, batch=batch, family=family)
             if stage == "heldout":  # a method tuned to the default cell has one record for both
-                same = sum(tuned(m, preset.tuning_batch(batch), length) == Cell.default(m) for m in SPECULATIVE)
+                same = sum(tuned(m, preset.tuning_batch(batch), length, family) == Cell.default(m)
+                           for m in SPECULATIVE)
                 expected -= same * (2 if batch in preset.sampled_batches and preset.sampled_defaults else 1)
         return max(0.0, 1.0 - len(found) / expected)
 
-    def tuned(method: str, batch: int, length: int) -> Cell | None:
-        return tuned_cell(method, preset.grid, rates_of(search_records(find, method, batch, length)))
+    def tuned(method: str, batch: int, length: int, family: str) -> Cell | None:
+        return tuned_cell(method, preset.grid, rates_of(search_records(find, method, batch, length, family)))
 
     return left
 
@@ -629,6 +694,9 @@ def main(argv=None) -> int:
                         "appended to as the log is; records there the log lacks are added to it first")
     p.add_argument("--lengths", default=None, help="only these of the preset's prompt lengths (comma-separated)")
     p.add_argument("--batches", default=None, help="only these of the preset's batches (comma-separated)")
+    p.add_argument("--families", default=None,
+                   help=f"the task families that tune, heldout, adaptive and quantized run (comma-separated, of "
+                        f"{', '.join(FAMILIES)}; default: the preset's)")
     p.add_argument("--estimate", action="store_true",
                    help="print the estimated device time of what the log lacks and exit (runs nothing)")
     p.add_argument("--remeasure", default=None,
@@ -639,6 +707,7 @@ def main(argv=None) -> int:
 
     try:
         preset = narrowed(narrowed(PRESETS[args.preset], "--lengths", args.lengths), "--batches", args.batches)
+        preset = with_families(preset, args.families)
         stages = parse_stages(args.stage)
         remeasured = parse_stages(args.remeasure, "--remeasure") if args.remeasure else []
         if args.budget_s <= 0:

@@ -1,7 +1,7 @@
 """Plots of the benchmark suite's records (matplotlib, `pip install -e '.[bench]'`): tokens/s against batch per
-method with min-max bars, τ and acceptance by draft position, where an iteration's time goes, and the memory
-roofline fraction at 8B shapes with the throughput projected at SmolLM2's τ. Each function writes one PNG and
-returns its path, or None when the records hold nothing for it."""
+method with min-max bars, τ and acceptance by draft position (summarise's), one plot per task family of the same,
+where an iteration's time goes, and the memory roofline fraction at 8B shapes with the throughput projected at
+SmolLM2's τ. Each function writes one PNG and returns its path, or None when the records hold nothing for it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import suite_tables as tables  # noqa: E402
+from benchmarks.task_families import FAMILIES  # noqa: E402
 
-METHOD_ORDER = ("ar", "vegas", "streaming", "quest", "retrieval", "vegas-all", "last")
+METHOD_ORDER = ("ar", "vegas", "streaming", "quest", "retrieval", "ngram", "vegas-all", "last")
 
 
 def _save(fig, path: Path) -> Path:
@@ -82,6 +83,55 @@ def acceptance(records: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def family(records: list[dict], name: str, path: Path) -> Path | None:
+    """One task family at its longest prompts: tokens/s against batch per method (tuned, min-max bars), τ per
+    method and batch, and acceptance by draft position at the largest batch (tuned cells)."""
+    rows = tables.heldout_rows(records, temperature=0.0, tuned=True, family=name)
+    if not rows:
+        return None
+    length = max(r["prompt_tokens"] for r in rows)
+    rows = [r for r in rows if r["prompt_tokens"] == length]
+    batches = sorted({r["batch"] for r in rows})
+    methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
+    color = {m: f"C{i}" for i, m in enumerate(METHOD_ORDER)}  # one colour per method in all three panels
+    fig, (rates, taus, accepted) = plt.subplots(1, 3, figsize=(17, 4.4))
+    drafting = [m for m in methods if m != "ar"]
+    width = 0.8 / max(1, len(drafting))
+    for i, method in enumerate(methods):
+        points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["batch"])
+        median = [r["decode_tokens_per_s"] for r in points]
+        rates.errorbar([r["batch"] * 2 ** (0.05 * (i - 3)) for r in points], median, marker="o", capsize=3,
+                       yerr=[[m - r["decode_tokens_per_s_min"] for m, r in zip(median, points)],
+                             [r["decode_tokens_per_s_max"] - m for m, r in zip(median, points)]], label=method,
+                       color=color[method])
+    for i, method in enumerate(drafting):
+        tau = {r["batch"]: r["tau"] for r in rows if r["method"] == method}
+        taus.bar([j + i * width for j, b in enumerate(batches) if b in tau], [tau[b] for b in batches if b in tau],
+                 width, label=method, color=color[method])
+    rates.set_xscale("log", base=2)
+    rates.set_yscale("log")
+    rates.set_xlabel("batch")
+    rates.set_ylabel("decode tokens/s (median, min-max bars)")
+    rates.set_title(f"{name}: held-out, {length}-token prompts, greedy, each tuned", fontsize=10)
+    rates.legend(fontsize=8)
+    taus.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"B{b}" for b in batches])
+    taus.set_ylabel("τ (tokens per iteration)")
+    taus.set_title(f"{name}: τ at each method's tuned cell", fontsize=10)
+    taus.legend(fontsize=8)
+    largest = max(batches)
+    for r in sorted((r for r in rows if r["batch"] == largest and r["method"] != "ar"),
+                    key=lambda r: METHOD_ORDER.index(r["method"])):
+        rates_by_position = r["acceptance_by_position"]
+        accepted.plot(range(1, len(rates_by_position) + 1), rates_by_position, marker="o", label=r["method"],
+                      color=color[r["method"]])
+    accepted.set_xlabel("draft position")
+    accepted.set_ylabel("acceptance rate")
+    accepted.set_ylim(0, 1.02)
+    accepted.set_title(f"{name}: acceptance by position at the tuned cells, B{largest}", fontsize=10)
+    accepted.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def iteration_time(records: list[dict], path: Path) -> Path | None:
     rows = [r for r in tables.scale_rows(records) if r.get("profile")]
     if not rows:
@@ -137,11 +187,15 @@ def roofline(records: list[dict], path: Path) -> Path | None:
 
 
 def write_all(records: list[dict], folder: Path, prefix: str) -> dict[str, Path]:
-    """Every plot the records allow: {name: path}."""
+    """Every plot the records allow: {name: path}; a task family's is named family-NAME."""
     written = {}
     for name, plot in (("throughput", throughput), ("acceptance", acceptance), ("iteration-time", iteration_time),
                        ("roofline", roofline)):
         out = plot(records, folder / f"{prefix}-{name}.png")
         if out is not None:
             written[name] = out
+    for name in FAMILIES:
+        out = family(records, name, folder / f"{prefix}-family-{name}.png")
+        if out is not None:
+            written[f"family-{name}"] = out
     return written

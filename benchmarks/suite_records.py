@@ -2,7 +2,8 @@
 a run stopped by a time limit keeps everything it measured and the next run skips it.
 
 A record's key is what was measured (KEY_FIELDS); two records with the same key are the same measurement, and the
-later one wins when they are read back (a re-measurement replaces, never averages). A line cut short by a kill
+later one wins when they are read back (a re-measurement replaces, never averages). A key field a record lacks
+takes its KEY_DEFAULTS value: the records made before task families existed are the summarise family's. A line cut short by a kill
 is ignored when the log is read (and reported), never half-parsed.
 """
 
@@ -15,8 +16,17 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from benchmarks.task_families import DEFAULT_FAMILY
+
 KEY_FIELDS = ("stage", "model", "method", "batch", "prompt_tokens", "context", "split", "gamma", "sparse_ratio",
-              "knobs", "temperature", "requests")
+              "knobs", "temperature", "requests", "family")
+KEY_DEFAULTS = {"family": DEFAULT_FAMILY}
+
+
+def value_of(record: dict, field: str):
+    """A record's field, or its KEY_DEFAULTS value when the record lacks it."""
+    value = record.get(field)
+    return KEY_DEFAULTS.get(field) if value is None else value
 
 
 def _canonical(value):
@@ -30,18 +40,18 @@ def _canonical(value):
 
 def record_key(record: dict) -> str:
     """What a record measured, as one string: equal for records of the same measurement."""
-    return json.dumps([_canonical(record.get(field)) for field in KEY_FIELDS])
+    return json.dumps([_canonical(value_of(record, field)) for field in KEY_FIELDS])
 
 
 def key_fields_differing(a: dict, b: dict) -> list[str]:
     """The key fields on which two records differ (none: record_key(a) == record_key(b))."""
-    return [f for f in KEY_FIELDS if _canonical(a.get(f)) != _canonical(b.get(f))]
+    return [f for f in KEY_FIELDS if _canonical(value_of(a, f)) != _canonical(value_of(b, f))]
 
 
 def find(records: Iterable[dict], **fields) -> list[dict]:
-    """The records whose fields equal these (compared as keys compare them)."""
+    """The records whose fields equal these (compared as keys compare them, defaults included)."""
     want = {k: _canonical(v) for k, v in fields.items()}
-    return [r for r in records if all(_canonical(r.get(k)) == v for k, v in want.items())]
+    return [r for r in records if all(_canonical(value_of(r, k)) == v for k, v in want.items())]
 
 
 class RecordLog:

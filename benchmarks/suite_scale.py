@@ -25,7 +25,7 @@ from benchmarks.profile_decode import gpu_kernel_events, summarize
 from benchmarks.random_model import SHAPES, random_cache_rows, random_engine
 from benchmarks.suite_presets import SCALE_CASE_S, SCALE_METHODS, SCALE_MODEL_S, Preset
 from models.config import ModelConfig
-from vegas_jax.engine import GenerationOptions
+from vegas_jax.runtime.engine import GenerationOptions
 from vegas_jax.inputs import InputError
 
 WARMUP_ITERATIONS = 2
@@ -194,7 +194,7 @@ def bytes_in_use_per_device() -> list[int] | None:
 
 
 def fits(engine, batch: int, context: int, method: str) -> str | None:
-    """None if the run fits the device (vegas_jax.memory's plan), else the refusal."""
+    """None if the run fits the device (vegas_jax.runtime.memory's plan), else the refusal."""
     options = GenerationOptions(method=method, max_new_tokens=64, max_model_len=context)
     try:
         engine.plan([[1] * (context - 64)] * batch, options)

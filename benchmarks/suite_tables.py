@@ -1,12 +1,18 @@
-"""The benchmark suite's records turned into what the report shows: rows of a kind, speedups, the issue's targets
-(met, missed, or not yet measured), throughput projected at SmolLM2's τ, and Markdown tables. Pure functions of
-the records, so the results in docs/benchmarks.md are regenerated from the JSON and never copied by hand."""
+"""The benchmark suite's records turned into what the report shows: rows of a kind, speedups, the issues' targets
+(met, missed, or not yet measured), the task families compared and their geometric mean, throughput projected at
+SmolLM2's τ, and Markdown tables. Pure functions of the records, so the results in README.md and docs/ are
+regenerated from the JSON and never copied by hand. The tables and targets from before task families read
+summarise's records (a record naming no family is summarise's); the families' own read each family's."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from benchmarks.suite_presets import BASELINES, PRESETS
+from benchmarks.suite_records import value_of
+from benchmarks.task_families import DEFAULT_FAMILY, FAMILIES, REGISTRY
+
 EIGHT_K = 7936  # the suite's 8K prompts: 8,192 tokens of context less 256 new tokens
 
 
@@ -14,9 +20,15 @@ def _is(r: dict, **fields) -> bool:
     return all(r.get(k) == v for k, v in fields.items())
 
 
+def family_of(r: dict) -> str:
+    return value_of(r, "family")
+
+
 def heldout_rows(records, *, temperature: float | None = None, tuned: bool | None = None,
-                 default: bool | None = None, stage: str = "heldout") -> list[dict]:
-    rows = [r for r in records if r.get("stage") == stage]
+                 default: bool | None = None, stage: str = "heldout",
+                 family: str | None = DEFAULT_FAMILY) -> list[dict]:
+    """A stage's rows (held-out by default) of one family (None: every family's), filtered."""
+    rows = [r for r in records if r.get("stage") == stage and family in (None, family_of(r))]
     if temperature is not None:
         rows = [r for r in rows if r.get("temperature") == temperature]
     if tuned is not None:
@@ -40,10 +52,13 @@ def scale_rows(records) -> list[dict]:
 
 
 def plain_rate(records, r: dict) -> float | None:
-    """Plain decoding's rate measured with record r: same stage, split, batch, length, temperature, requests."""
+    """Plain decoding's rate measured with record r: same stage (a quantized draft's, the held-out one), family,
+    split, batch, length, temperature, requests."""
+    stage = "heldout" if r.get("stage") == "quantized" else r.get("stage")
     for other in records:
-        if other.get("method") == "ar" and all(other.get(k) == r.get(k) for k in
-                                           ("stage", "split", "batch", "prompt_tokens", "temperature", "requests")):
+        if (other.get("method") == "ar" and other.get("stage") == stage and family_of(other) == family_of(r)
+                and all(other.get(k) == r.get(k) for k in ("split", "batch", "prompt_tokens", "temperature",
+                                                            "requests"))):
             return other["decode_tokens_per_s"]
     return None
 
@@ -160,19 +175,20 @@ def target_iteration(records, most: float = 3.0) -> Target:
                   "; ".join(parts) or "-")
 
 
-def adaptive_comparisons(records) -> list[dict]:
-    """Per adaptive-γ record (the suite's adaptive stage), and per held-out row its log's preset times adaptive γ
-    at but has no record of yet (auto None), the rates it is judged against, measured on the same held-out prompts,
-    batch and length: plain decoding's and the fastest fixed γ's (Vegas at its tuned and at the default cell).
-    Longest prompts and largest batches first."""
-    autos = {(r["prompt_tokens"], r["batch"]): r for r in records if r.get("stage") == "adaptive"}
-    for r in heldout_rows(records, temperature=0.0):
+def adaptive_comparisons(records, family: str = DEFAULT_FAMILY) -> list[dict]:
+    """Per adaptive-γ record of the family (the suite's adaptive stage), and per held-out row its log's preset
+    times adaptive γ at but has no record of yet (auto None), the rates it is judged against, measured on the same
+    held-out prompts, batch and length: plain decoding's and the fastest fixed γ's (Vegas at its tuned and at the
+    default cell). Longest prompts and largest batches first."""
+    autos = {(r["prompt_tokens"], r["batch"]): r for r in heldout_rows(records, stage="adaptive", family=family)}
+    for r in heldout_rows(records, temperature=0.0, family=family):
         preset = PRESETS.get(r.get("log", "").removeprefix("suite-"))
-        if r["method"] == "ar" and preset is not None and r["batch"] in preset.adaptive_batches:
+        if (r["method"] == "ar" and preset is not None and r["batch"] in preset.adaptive_batches
+                and family in preset.families):
             autos.setdefault((r["prompt_tokens"], r["batch"]), None)
     out = []
     for (length, batch), auto in sorted(autos.items(), key=lambda item: (-item[0][0], -item[0][1])):
-        same = [o for o in heldout_rows(records, temperature=auto["temperature"] if auto else 0.0)
+        same = [o for o in heldout_rows(records, temperature=auto["temperature"] if auto else 0.0, family=family)
                 if (o["batch"], o["prompt_tokens"]) == (batch, length)]
         fixed = [o for o in same if o["method"] == "vegas"]
         plain = next((o for o in same if o["method"] == "ar"), None)
@@ -206,9 +222,118 @@ def targets_adaptive(records, floor: float = 0.97, within: float = 0.05) -> list
                    status(over_best[0]), _worst_first(*over_best) + left)]
 
 
+# ---- task families (issue 48) ----------------------------------------------------------------------------
+
+
+def headline_length(family: str) -> int:
+    """The prompt length a family is compared at across families: 8K, or its own (long generation's short one)."""
+    return REGISTRY[family].prompt_tokens or EIGHT_K
+
+
+def family_cells(records, family: str) -> list[dict]:
+    """Per (prompt length, batch) of the family's held-out greedy rows, longest and largest first: plain decoding,
+    Vegas and each baseline at its tuned cell, the fastest baseline, and Vegas's rate over it and over plain
+    decoding (None where a side is missing)."""
+    rows = heldout_rows(records, temperature=0.0, tuned=True, family=family)
+    out = []
+    for length, batch in sorted({(r["prompt_tokens"], r["batch"]) for r in rows}, reverse=True):
+        cell = {r["method"]: r for r in rows if (r["prompt_tokens"], r["batch"]) == (length, batch)}
+        baselines = {m: cell[m] for m in BASELINES if m in cell}
+        best = max(baselines.values(), key=lambda r: r["decode_tokens_per_s"]) if baselines else None
+        vegas, plain = cell.get("vegas"), cell.get("ar")
+        out.append({"family": family, "length": length, "batch": batch, "plain": plain, "vegas": vegas,
+                    "baselines": baselines, "best": best,
+                    "over_best": vegas["decode_tokens_per_s"] / best["decode_tokens_per_s"] if vegas and best else None,
+                    "over_plain": vegas["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if vegas and plain
+                    else None})
+    return out
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def across_families(records) -> list[dict]:
+    """Per batch measured, largest first: each family's cell at its headline length (family_cells) and the
+    geometric means across the families measured there of Vegas over the fastest baseline and over plain."""
+    cells = {(c["family"], c["batch"]): c for family in FAMILIES for c in family_cells(records, family)
+             if c["length"] == headline_length(family)}
+    out = []
+    for batch in sorted({b for _, b in cells}, reverse=True):
+        row = {family: cells[family, batch] for family in FAMILIES if (family, batch) in cells}
+        means = {}
+        for key in ("over_best", "over_plain"):
+            values = [c[key] for c in row.values() if c[key] is not None]
+            means[key] = geometric_mean(values) if values else None
+        out.append({"batch": batch, "families": row, **means})
+    return out
+
+
+def _family_label(c: dict) -> str:
+    return f"{c['family']} B{c['batch']}"
+
+
+def target_families_over_baselines(records, families=("quote", "retrieval"), need: float = 1.3) -> Target:
+    """Vegas >= 1.3x the fastest tuned baseline on quote/edit and retrieval, held-out, greedy, batch 32-64, 8K."""
+    checks, parts = [], []
+    for family in families:
+        for c in family_cells(records, family):
+            if c["length"] == EIGHT_K and c["batch"] in (32, 64) and c["over_best"] is not None:
+                checks.append(c["over_best"] >= need)
+                parts.append(f"{_family_label(c)}: {_digits(c['over_best'], need, 2)}x {c['best']['method']}")
+    return Target(f"Vegas >= {need:g}x the best tuned baseline on {' and '.join(families)}, batch 32-64, 8K",
+                  _status(checks), _worst_first(checks, parts))
+
+
+def target_geometric_mean(records, need: float = 1.15) -> Target:
+    """Vegas over the fastest tuned baseline, geometric mean across the families (each at its headline length),
+    >= 1.15x at batch 32 and 64; met so far while families are missing there."""
+    checks, parts, incomplete = [], [], False
+    for row in across_families(records):
+        if row["batch"] in (32, 64) and row["over_best"] is not None:
+            checks.append(row["over_best"] >= need)
+            measured = [f for f, c in row["families"].items() if c["over_best"] is not None]
+            missing = [f for f in FAMILIES if f not in measured]
+            incomplete |= bool(missing)
+            parts.append(f"B{row['batch']}: {_digits(row['over_best'], need, 2)}x over {len(measured)} families"
+                         + (f" (not yet measured: {', '.join(missing)})" if missing else ""))
+    status = "met so far" if incomplete and checks and all(checks) else _status(checks)
+    return Target(f"Vegas >= {need:g}x the best tuned baseline, geometric mean across task families, batch 32-64",
+                  status, "; ".join(parts) or "-")
+
+
+def target_no_family_below(records, floor: float = 0.97) -> Target:
+    """No family's Vegas below 0.97x its fastest tuned baseline at any batch of its headline length (a miss needs
+    a stated measured reason beside the table)."""
+    checks, parts = [], []
+    for family in FAMILIES:
+        for c in family_cells(records, family):
+            if c["length"] == headline_length(family) and c["over_best"] is not None:
+                checks.append(c["over_best"] >= floor)
+                parts.append(f"{_family_label(c)}: {_digits(c['over_best'], floor, 2)}x {c['best']['method']}")
+    return Target(f"no task family below {floor:g}x the best tuned baseline (or a stated measured reason)",
+                  _status(checks), _worst_first(checks, parts))
+
+
+def target_two_families_over_plain(records, need: float = 2.0, families_needed: int = 2) -> Target:
+    """Vegas >= 2x plain decoding at batch 64 x 8K on at least two families."""
+    cells = [c for family in FAMILIES for c in family_cells(records, family)
+             if c["length"] == EIGHT_K and c["batch"] == 64 and c["over_plain"] is not None]
+    reaching = [c for c in cells if c["over_plain"] >= need]
+    status = ("met" if len(reaching) >= families_needed else "not yet measured" if not cells
+              else "missed" if len(cells) == len([f for f in FAMILIES if headline_length(f) == EIGHT_K])
+              else "missed so far")
+    parts = [f"{c['family']} {_digits(c['over_plain'], need, 2)}x" for c in
+             sorted(cells, key=lambda c: -c["over_plain"])]
+    return Target(f"Vegas >= {need:g}x plain decoding at batch 64 x 8K on at least {families_needed} families", status,
+                  "; ".join(parts) or "-")
+
+
 def targets(records, legacy=()) -> list[Target]:
     return [target_vegas_over_baselines(records), target_tau(records, legacy), target_roofline(records, 8, 0.85),
-            target_roofline(records, 1, 0.75), target_iteration(records), *targets_adaptive(records)]
+            target_roofline(records, 1, 0.75), target_iteration(records), *targets_adaptive(records),
+            target_families_over_baselines(records), target_geometric_mean(records), target_no_family_below(records),
+            target_two_families_over_plain(records)]
 
 
 # ---- projection at SmolLM2's τ -----------------------------------------------------------------------------
@@ -219,7 +344,8 @@ def tau_source(tau_records, method: str, batch: int) -> dict | None:
     before the suite, a legacy record), the longest prompts measured, the batch closest to `batch`."""
     rows = [r for r in tau_records if r.get("method") == method and r.get("temperature") == 0.0
             and r.get("gamma") == 6 and r.get("sparse_ratio") == 0.07 and r.get("tau")
-            and (r.get("stage") == "legacy" or (r.get("stage") == "heldout" and r.get("default")))]
+            and (r.get("stage") == "legacy" or (r.get("stage") == "heldout" and r.get("default")
+                                                and family_of(r) == DEFAULT_FAMILY))]
     if not rows:
         return None
     longest = max(r["prompt_tokens"] for r in rows)

@@ -4,7 +4,9 @@ by the same coordinate search, on the tuning split; the cell it ends on is its t
 The search, from the common default cell (γ 6, ratio 7 %, the method's default knobs): sweep γ over the grid with
 everything else fixed and keep the fastest; then the ratio at that γ; then each of the method's knobs in turn; with
 `refine`, γ once more at the final ratio and knobs. Every sweep includes the cell it starts from, so a step never
-makes the result slower on the tuning set. A grid of g γ values, r ratios and k_i values per knob costs at most
+makes the result slower on the tuning set. N-gram trees (NGRAM: prompt lookup, vegas_jax.decode.drafters, with plain
+decoding's attention) select no KV, so they have no ratio: γ is their tree's depth and their knob its branching,
+and a sweep leaves out the trees of more nodes than one verification pass takes. A grid of g γ values, r ratios and k_i values per knob costs at most
 g + r + sum(k_i) - (number of sweeps - 1) distinct cells (each compiled once) instead of g * r * prod(k_i).
 
 The search is a pure function of what has been measured (`next_cells`, `tuned_cell`): a run stopped halfway
@@ -16,16 +18,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from vegas_jax.adaptive_gamma import AUTO
-from vegas_jax.options import METHOD_KNOBS, GenerationOptions
+from vegas_jax.decode.adaptive_gamma import AUTO
+from vegas_jax.runtime.options import METHOD_KNOBS, GenerationOptions
+from vegas_jax.decode.tree_shapes import MAX_TREE_NODES
 
 DEFAULT_GAMMA = GenerationOptions.gamma
 DEFAULT_RATIO = GenerationOptions.sparse_ratio
+NGRAM = "ngram"  # the suite's name for n-gram trees: GenerationOptions(method="ar", drafter="ngram", draft_tree=...)
+# Knobs of the suite's own methods (no GenerationOptions field of that name): (method, default). A grid that names
+# no values for one searches its default only.
+SUITE_KNOBS = {"tree_branching": (NGRAM, 1)}
 
 
 def default_knobs(method: str) -> dict[str, int]:
-    """The method's own knobs (GenerationOptions field names) at their defaults; none for Vegas and plain decoding."""
-    return {knob: getattr(GenerationOptions, knob) for knob, owner in METHOD_KNOBS.items() if owner == method}
+    """The method's own knobs at their defaults (GenerationOptions field names, or SUITE_KNOBS'); none for Vegas
+    and plain decoding."""
+    knobs = {knob: getattr(GenerationOptions, knob) for knob, owner in METHOD_KNOBS.items() if owner == method}
+    return knobs | {knob: default for knob, (owner, default) in SUITE_KNOBS.items() if owner == method}
+
+
+def tree_nodes(depth: int, branching: int) -> int:
+    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.decode.tree_shapes.parse_tree)."""
+    return sum(branching**d for d in range(1, depth + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +55,8 @@ class Cell:
     def default(cls, method: str) -> "Cell":
         if method == "ar":
             return cls(0, None)
-        return cls(DEFAULT_GAMMA, DEFAULT_RATIO, tuple(sorted(default_knobs(method).items())))
+        ratio = None if method == NGRAM else DEFAULT_RATIO
+        return cls(DEFAULT_GAMMA, ratio, tuple(sorted(default_knobs(method).items())))
 
     @classmethod
     def of(cls, record: Mapping) -> "Cell":
@@ -59,9 +74,12 @@ class Cell:
     def value(self, axis: str):
         return getattr(self, axis) if axis in ("gamma", "sparse_ratio") else dict(self.knobs)[axis]
 
-    def option_fields(self) -> dict:
-        """The GenerationOptions fields this cell sets."""
-        fields = dict(self.knobs)
+    def option_fields(self, method: str) -> dict:
+        """The GenerationOptions fields this cell of the method sets (method among them)."""
+        if method == NGRAM:
+            depth, branching = self.gamma, dict(self.knobs)["tree_branching"]
+            return {"method": "ar", "drafter": "ngram", "draft_tree": f"{depth}x{branching}", "gamma": depth}
+        fields = {"method": method, **dict(self.knobs)}
         if self.gamma:
             fields.update(gamma=self.gamma, sparse_ratio=self.sparse_ratio)
         return fields
@@ -69,8 +87,14 @@ class Cell:
     def label(self) -> str:
         if not self.gamma:
             return "-"
+        ratio = "" if self.sparse_ratio is None else f", {100 * self.sparse_ratio:g} %"
         knobs = "".join(f", {k.split('_', 1)[1]} {v}" for k, v in self.knobs)
-        return f"γ {self.gamma}, {100 * self.sparse_ratio:g} %{knobs}"
+        return f"γ {self.gamma}{ratio}{knobs}"
+
+    def measurable(self) -> bool:
+        """Whether one verification pass takes it: an n-gram tree's nodes at most MAX_TREE_NODES."""
+        branching = dict(self.knobs).get("tree_branching")
+        return branching is None or self.auto_gamma or tree_nodes(self.gamma, branching) <= MAX_TREE_NODES
 
 
 def _rounded(cell: Cell) -> Cell:
@@ -88,14 +112,16 @@ class Grid:
     def __post_init__(self):
         # The default cell is on the grid, so the search starts from a measured cell and can always keep it.
         for name, values, default in [("gammas", self.gammas, DEFAULT_GAMMA), ("ratios", self.ratios, DEFAULT_RATIO),
-                                      *[(k, self.knobs.get(k, ()), getattr(GenerationOptions, k)) for k in METHOD_KNOBS]]:
+                                      *[(k, self.knobs.get(k, ()), getattr(GenerationOptions, k)) for k in METHOD_KNOBS],
+                                      *[(k, self.knobs.get(k, (d,)), d) for k, (_, d) in SUITE_KNOBS.items()]]:
             if default not in values:
                 raise ValueError(f"grid {name} {values} must include the default {default}")
 
     def sweeps(self, method: str) -> list[tuple[str, tuple]]:
         """(axis, values) in search order for this method."""
-        own = [(knob, tuple(self.knobs[knob])) for knob in default_knobs(method)]
-        steps = [("gamma", self.gammas), ("sparse_ratio", self.ratios), *own]
+        own = [(knob, tuple(self.knobs.get(knob, (default,)))) for knob, default in default_knobs(method).items()]
+        ratios = [] if method == NGRAM else [("sparse_ratio", self.ratios)]
+        steps = [("gamma", self.gammas), *ratios, *own]
         return steps + [("gamma", self.gammas)] if self.refine else steps
 
     def size(self, method: str) -> int:
@@ -115,7 +141,7 @@ def _replay(method: str, grid: Grid, rates: Mapping[Cell, float]) -> tuple[Cell,
     if method == "ar":
         return current, [] if current in rates else [current]
     for axis, values in grid.sweeps(method):
-        sweep = [_rounded(current.with_value(axis, v)) for v in values]
+        sweep = [c for c in (_rounded(current.with_value(axis, v)) for v in values) if c.measurable()]
         missing = [c for c in sweep if c not in rates]
         if missing:
             return current, missing

@@ -1,4 +1,4 @@
-"""The shared selection of the approximate NSA modes (V2, vegas_jax.precision.ApproxMode): every query of an
+"""The shared selection of the approximate NSA modes (V2, vegas_jax.ssv.precision.ApproxMode): every query of an
 aligned span of `span` positions takes the selection its span's first query (the anchor) derived. A pass (plain
 decoding, a prefill chunk, or a draft tree) finds each row's anchor among the rows it sees (its causal prefix, or a
 tree node's ancestors and itself); an anchor before the pass is the one the cache stored.

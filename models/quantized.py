@@ -99,9 +99,10 @@ def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
 
 
 def in_words(w: QuantizedWeight) -> QuantizedWeight:
-    """The same weight with its codes four rows a word (QuantizedWeight.word_bits)."""
+    """The same weight with its codes four rows a word (QuantizedWeight.word_bits), from any layout."""
     if w.word_bits:
         return w
+    w = in_bytes(w)
     rows, out = w.values.shape[0], w.values.shape[1:]
     grouped = jnp.moveaxis(w.values.reshape((rows // 4, 4) + out), 1, -1)  # [rows / 4, *out, 4]
     return dataclasses.replace(w, values=lax.bitcast_convert_type(grouped, jnp.int32), word_bits=w.bits)
@@ -111,7 +112,7 @@ TRANSPOSED_INT4_ZERO = 8  # a transposed int4 code v stands for the stored code 
 
 
 def in_transposed(w: QuantizedWeight) -> QuantizedWeight:
-    """The same weight with its codes transposed (QuantizedWeight.transposed)."""
+    """The same weight with its codes transposed (QuantizedWeight.transposed), from any layout."""
     if w.transposed:
         return w
     w = in_bytes(w)

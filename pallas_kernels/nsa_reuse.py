@@ -1,4 +1,4 @@
-"""The fused NSA decode kernel of a reuse layer (vegas_jax.precision.ApproxMode): the selection comes injected (the
+"""The fused NSA decode kernel of a reuse layer (vegas_jax.ssv.precision.ApproxMode): the selection comes injected (the
 nearest refresh layer's), so no compressed scoring, no top-n and no second launch stand between the branches. One
 pallas_call does the compressed, selected and window branches and the gates.
 

@@ -19,7 +19,7 @@ without a dot, int4 at 2-16 rows as the transposed product w^T x^T, and a dot wi
 asked for by `integer_dot`, multiplies int8 or int4 codes by rows of x quantized to int8, in integers (one row: PTX
 dp4a; 2-16 rows: an int8 tensor-core dot): an approximation of the product (x's quantization error, about 1 % of
 the output), for drafts that ask for int8 activations. On a Hopper GPU the drafts' float products at up to 16 rows
-go through pallas_kernels/weight_only_mgpu.py instead (vegas_jax.draft_kernel.code_layout), whose layout avoids the
+go through pallas_kernels/weight_only_mgpu.py instead (vegas_jax.decode.draft_kernel.code_layout), whose layout avoids the
 tile shuffles that keep these kernels issue-bound.
 """
 
@@ -37,6 +37,9 @@ from pallas_kernels import ptx
 from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2
 
 _MIN_ROWS = 16  # Triton dots need every dimension >= 16
+# An int8 dot's K on NVIDIA tensor cores (mma k32): Triton's front end refuses less, Pallas's lowering does not, and
+# on an H100 blocks of 16 (int4 groups of 32) gave products wrong by about their own size.
+INT8_DOT_MIN_K = 32
 
 
 def _block_partial(x, q, scale, offset):
@@ -213,8 +216,8 @@ def weight_only_integer_rows_kernel(xq_ref, xs_ref, q_ref, scale_ref, offset_ref
     """weight_only_integer_kernel for 2-16 rows, on the tensor cores: the rows' int8 codes (xq_ref [16, K], padded
     rows zero; xs_ref [16, K / x_group] their scales) times each block's codes as an int8 tile (int4: the two nibble
     tiles masked into bytes, no float conversion), a dot with an int32 accumulator, scaled once a block per row and
-    column. dp4a per row would multiply the one-row kernel's instructions by the rows. Not measured yet on the GPU
-    (benchmarks/bench_weight_only.py --integer-dot at rows > 1); drafts do not use it yet."""
+    column. dp4a per row would multiply the one-row kernel's instructions by the rows. Blocks of at least
+    INT8_DOT_MIN_K code rows."""
     split = pl.program_id(1)
 
     def body(i, acc):
@@ -376,6 +379,9 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     check_power_of_2("block_k", block_k, 16)
     if integer_dot and x_group % block_k:
         raise ValueError(f"x_group {x_group} does not tile into blocks of {block_k}")
+    if integer_dot and m > 1 and block_k < INT8_DOT_MIN_K:
+        raise ValueError(f"integer_dot on {m} rows multiplies blocks of at least {INT8_DOT_MIN_K} code rows (the "
+                         f"tensor cores' int8 dot); got {block_k} ({bits}-bit group {group}, x_group {x_group})")
     check_power_of_2("block_n", block_n, 16)
     if nibble_unpack == "prmt" and (block_k * block_n) % (4 * 32 * num_warps):
         raise ValueError(f"nibble_unpack 'prmt' takes four code bytes a thread at a time: a {block_k} x {block_n} "

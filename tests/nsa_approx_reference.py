@@ -1,4 +1,4 @@
-"""A float64 numpy transcription of the approximate modes' modified targets (vegas_jax.precision's docstring), one
+"""A float64 numpy transcription of the approximate modes' modified targets (vegas_jax.ssv.precision's docstring), one
 query row at a time with plain loops over the oracle's NSA rules (tests/nsa_reference.py), sharing no code with the
 package: refresh layer R(l) = l - l % r; the selection of (l, t, h) is the oracle's top-(c n) selection of layer
 R(l)'s query at the span anchor a(t) = t - t % S; every other branch is the query's own."""

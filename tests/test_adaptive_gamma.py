@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vegas_jax import adaptive_gamma
-from vegas_jax.adaptive_gamma import GammaControl, Warmup
+from vegas_jax.decode import adaptive_gamma
+from vegas_jax.decode.adaptive_gamma import GammaControl, Warmup
 
 
 def pass_drafts(g: int, gamma_max: int) -> int:

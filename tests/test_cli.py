@@ -17,8 +17,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from vegas_jax import compilation, convert, flag_environment, generate, score, scoring
-from vegas_jax.engine import Engine, GenerationOptions, InputError
+from vegas_jax import convert, generate, score
+from vegas_jax.runtime import compilation
+from vegas_jax.cli import flag_environment
+from vegas_jax.runtime import scoring
+from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
 from vegas_jax.loading import load_model
 
 REPO = Path(__file__).parent.parent
@@ -740,7 +743,7 @@ def _strict(text: str) -> dict:
 def test_a_decode_of_no_measured_time_has_no_speed(monkeypatch, capsys, tmp_path, slots):
     """A clock that does not move (decode_s exactly 0, as a coarse clock can give): no tokens/s, no speedup, and a
     JSON that is JSON (null, never NaN), printed and written, from generate and from serve."""
-    from vegas_jax import engine as engine_module
+    from vegas_jax.runtime import engine as engine_module
 
     monkeypatch.setattr(engine_module, "time", type("Frozen", (), {"perf_counter": staticmethod(lambda: 1.0)}))
     path = tmp_path / "out.json"

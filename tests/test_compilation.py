@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vegas_jax import compilation
+from vegas_jax.runtime import compilation
 
 
 def test_unknown_option_falls_back_with_a_warning(monkeypatch):

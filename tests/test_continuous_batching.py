@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
-from vegas_jax.engine import InputError
-from vegas_jax.serving import SlotTable
+from vegas_jax.runtime.engine import InputError
+from vegas_jax.runtime.serving import SlotTable
 
 LENGTHS = [45, 12, 80, 7, 33, 60, 21]
 

@@ -1,4 +1,4 @@
-"""The trained draft head (models.draft_head, vegas_jax.drafters.HeadDrafter, vegas_jax.train_draft_head) on tiny
+"""The trained draft head (models.draft_head, vegas_jax.decode.drafters.HeadDrafter, vegas_jax.train_draft_head) on tiny
 random models in float32, each against an independent reference: training lowers the loss on held-back sequences
 and a resumed run ends where an uninterrupted one does; the head drafter's chain equals the head run from scratch
 over the whole verified history (target hidden states by a dense forward of the emitted sequence); greedy decoding
@@ -26,9 +26,9 @@ from tests.test_planner import profile_doc
 from tests.test_sampling_distribution import chi_square_p_value
 from vegas_jax import train_draft_head
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.drafters import HeadDrafter
-from vegas_jax.engine import Engine, GenerationOptions, InputError
-from vegas_jax.loop import step_keys, request_step
+from vegas_jax.decode.drafters import HeadDrafter
+from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
+from vegas_jax.decode.iteration import request_step, step_keys
 
 SETTINGS = train_draft_head.Settings(prompts=16, prompt_tokens=12, new_tokens=24, steps=60, batch=4,
                                      learning_rate=3e-3, unroll=2, generate_batch=16)
@@ -78,7 +78,7 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
 
 
 def draft_head_params(folder, engine):
-    from vegas_jax.draft_head_checkpoint import load_head
+    from vegas_jax.loading.draft_head_checkpoint import load_head
 
     return load_head(folder, engine.config)
 

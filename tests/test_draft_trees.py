@@ -1,4 +1,4 @@
-"""Draft trees (vegas_jax.tree, tree_decode, drafters) on a tiny random Qwen3 in float32, each against an
+"""Draft trees (vegas_jax.decode.tree_shapes, tree_decode, drafters) on a tiny random Qwen3 in float32, each against an
 independent reference: every node's logits from one tree pass equal full recomputation of its root-to-node path,
 and the committed path's K/V equal that recomputation's; greedy tree speculation with each drafter equals greedy
 decoding by full recomputation (`dense_greedy`), ragged batches, with the caches after acceptance, the
@@ -21,13 +21,13 @@ from models.kv_cache import KVCache
 from tests.test_lossless_tiny import dense_greedy, prompts, tiny_engine
 from tests.test_sampling_distribution import (VOCAB, chi_square_p_value, continuation_logits, processed_probs,
                                               tiny_sampler)
-from vegas_jax import tree_decode
+from vegas_jax.decode import tree_iteration as tree_decode
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.attention.family import DenseFamily
 from vegas_jax.attention.tree import TreeAttention
-from vegas_jax.engine import Engine, GenerationOptions, InputError
-from vegas_jax.metrics import accepted_histogram
-from vegas_jax.tree import TreeShape, parse_tree
+from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
+from vegas_jax.runtime.metrics import accepted_histogram
+from vegas_jax.decode.tree_shapes import TreeShape, parse_tree
 
 _forward = jax.jit(forward, static_argnames="config")
 # Depths 0 1 1 2 2 2 3 3: unequal branching, a leaf above the deepest level, two paths of depth 3.

@@ -30,8 +30,8 @@ from tests.test_cli import BASE, COMMON, FIXTURE, MAX_NEW, PROMPT, REPO, run_mai
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax import generate
 from vegas_jax.attention.backend import default_backend
-from vegas_jax.engine import Engine, GenerationOptions, InputError
-from vegas_jax.pacing import Pacer
+from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
+from vegas_jax.runtime.pacing import Pacer
 from vegas_jax.loading import CheckpointError, load_model
 from vegas_jax.loading.orbax_ckpt import save_orbax
 

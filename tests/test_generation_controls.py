@@ -22,13 +22,16 @@ import tokenizers
 
 from models.kv_cache import KVCache
 from tests.test_lossless_tiny import GREEDY, IdsTokenizer, _dense_forward, prompts, tiny_engine
-from vegas_jax import penalties, sampling, scoring, stops
+from vegas_jax.decode import penalties
+from vegas_jax.decode import sampling
+from vegas_jax.runtime import scoring
+from vegas_jax.decode import stops
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.engine import Engine, InputError
+from vegas_jax.runtime.engine import Engine, InputError
 from vegas_jax.loading import load_model
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.logprobs import Logprobs, host_list
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.decode.logprobs import Logprobs, host_list
+from vegas_jax.loading.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB, NEW = 288, 48

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from tests.test_lossless_tiny import GREEDY, dense_greedy, prompts, tiny_engine
-from vegas_jax.engine import InputError
+from vegas_jax.runtime.engine import InputError
 
 NEW = 64
 # sparse_ratio 1: the drafts attend to everything, so the target accepts every draft (test_lossless_tiny's

@@ -63,7 +63,7 @@ def test_score_matches_transformers(smollm2):
     64 ids at every position, not a whole row: the differences of scored log-probabilities equal the differences of
     those logits (the log-softmax's normaliser cancels), only the top token is greedy, and their probabilities sum to
     at most 1. One batch of 12 pairs."""
-    from vegas_jax.engine import Engine
+    from vegas_jax.runtime.engine import Engine
 
     pairs = [(case["ids"], [t]) for case in LOGIT_CASES for t in case["top_ids"][:3]]
     head = LOGIT_CASES[0]["ids"][:3]
@@ -82,7 +82,7 @@ def test_score_matches_transformers(smollm2):
 def test_stop_strings_read_smollm2_text_as_its_tokens_bytes(smollm2):
     """Stop strings are matched on the bytes of the emitted tokens: for SmolLM2's vocabulary (checked token by token
     inside token_bytes) the decoded text of any sequence is the UTF-8 decoding of its tokens' bytes joined."""
-    from vegas_jax import stops
+    from vegas_jax.decode import stops
 
     pieces = stops.token_bytes(smollm2.tokenizer)
     assert len(pieces) == smollm2.config.vocab_size and pieces[smollm2.tokenizer.eos_ids[0]] == b""

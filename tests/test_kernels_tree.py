@@ -25,9 +25,9 @@ from tests.test_kernels_verify import make_case as make_verify_case
 from tests.test_lossless_tiny import prompts, tiny_engine
 from vegas_jax.attention.tree import TreeAttention
 from vegas_jax.attention.verify import ScoreRequest
-from vegas_jax.engine import GenerationOptions
+from vegas_jax.runtime.engine import GenerationOptions
 from vegas_jax.sharding import Placement
-from vegas_jax.tree import TreeShape
+from vegas_jax.decode.tree_shapes import TreeShape
 
 SCORE_TOLERANCE = 1e-5  # logit scores are float32 sums of bf16-exact products in both dtypes
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from models.quantized import dequantize
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading import load_model
 
 pytestmark = pytest.mark.slow

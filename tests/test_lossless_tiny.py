@@ -16,15 +16,15 @@ from models.config import ModelConfig
 from models.decoder import forward, init_params
 from models.kv_cache import KVCache
 from models.quantized import QuantizedWeight
-from vegas_jax import adaptive_gamma
+from vegas_jax.decode import adaptive_gamma
 from vegas_jax.attention.dense import DenseAttention
 from pallas_kernels.weight_only_matmul import weight_only_matmul
-from vegas_jax import draft_kernel
-from vegas_jax.draft_kernel import with_kernel
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.decode import draft_kernel
+from vegas_jax.decode.draft_kernel import with_kernel
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.metrics import request_metrics
-from vegas_jax.selection import POLICIES
+from vegas_jax.runtime.metrics import request_metrics
+from vegas_jax.decode.selection import POLICIES
 from vegas_jax.sharding import Placement
 
 
@@ -272,7 +272,7 @@ def test_load_gives_an_engine_for_a_checkpoint():
 
 def test_prefill_chunk_bounds_score_memory():
     """Bigger batches and longer caches prefill in smaller chunks, so the score arrays stay bounded."""
-    from vegas_jax.prefill_chunks import PREFILL_SCORE_BYTES, prefill_chunk_for_memory
+    from vegas_jax.runtime.prefill_chunks import PREFILL_SCORE_BYTES, prefill_chunk_for_memory
 
     for batch, heads, capacity in [(1, 9, 8448), (64, 9, 8448), (8, 32, 131200), (256, 64, 131200)]:
         chunk = prefill_chunk_for_memory(batch, heads, capacity)
@@ -282,7 +282,7 @@ def test_prefill_chunk_bounds_score_memory():
 
 
 def test_prefill_spans_cover_the_prompt_in_at_most_two_sizes():
-    from vegas_jax.prefill_chunks import PREFILL_TAIL_CHUNK, prefill_spans
+    from vegas_jax.runtime.prefill_chunks import PREFILL_TAIL_CHUNK, prefill_spans
 
     assert prefill_spans(0, 2048) == []
     assert prefill_spans(4096, 2048) == [(0, 2048), (2048, 2048)]
@@ -319,7 +319,7 @@ def test_two_chunk_sizes_prefill_as_one(monkeypatch):
 def test_prefill_chunk_bounds_activation_memory():
     """The kernel path needs no score arrays, but a chunk of every sequence at once still holds the MLP's gate and
     up activations: SmolLM2 keeps 2048-token chunks at batch 64, Llama-3.1-8B's MLP halves them there."""
-    from vegas_jax.prefill_chunks import PREFILL_ACTIVATION_BYTES, prefill_chunk_for_activations
+    from vegas_jax.runtime.prefill_chunks import PREFILL_ACTIVATION_BYTES, prefill_chunk_for_activations
 
     for batch, intermediate in [(1, 1536), (64, 1536), (64, 14336), (512, 14336), (4096, 28672)]:
         chunk = prefill_chunk_for_activations(batch, intermediate)

@@ -1,4 +1,4 @@
-"""The precision of the engine's dots follows its model's dtype (vegas_jax.compilation.matmul_precision): a float32
+"""The precision of the engine's dots follows its model's dtype (vegas_jax.runtime.compilation.matmul_precision): a float32
 model's programs multiply in float32 on an NVIDIA GPU, XLA's dots at HIGHEST and the Pallas kernels' Triton dots at
 IEEE precision, not TF32 (JAX's default for float32 there, which made greedy speculation differ from plain decoding
 at near-ties, issue 49); a bf16 model's programs are as JAX makes them; and the user's own setting is the same
@@ -22,9 +22,10 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from h200_lowering import lower_for_h200
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from tests.test_nsa_trees import tiny_model
-from vegas_jax import compilation, prefill
-from vegas_jax import engine as engine_module
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.runtime import compilation
+from vegas_jax.runtime import prefill
+from vegas_jax.runtime import engine as engine_module
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 
 # Each configuration's kernels: the sparse draft and verification kernels and radix top-k (vegas), the weight-only
 # matmul of quantized drafts (int8), adaptive γ's passes of several widths (auto), tree attention (a dense tree),

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
-from vegas_jax.engine import InputError
+from vegas_jax.runtime.engine import InputError
 from vegas_jax.generate import main
-from vegas_jax.memory import device_bytes, estimate
+from vegas_jax.runtime.memory import device_bytes, estimate
 from vegas_jax.sharding import Placement
 
 

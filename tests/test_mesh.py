@@ -97,7 +97,7 @@ def scenario_tiny() -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from tests.test_lossless_tiny import GREEDY, prompts
-    from vegas_jax.engine import Engine
+    from vegas_jax.runtime.engine import Engine
     from vegas_jax.sharding import make_mesh
 
     loaded = _tiny_qwen3()
@@ -200,7 +200,7 @@ def scenario_nsa() -> dict:
     from models.config import NSALayout
     from models.decoder import init_params
     from tests.test_lossless_tiny import GREEDY, prompts
-    from vegas_jax.engine import Engine
+    from vegas_jax.runtime.engine import Engine
     from vegas_jax.loading.bundle import LoadedModel
     from vegas_jax.sharding import make_mesh
 
@@ -227,7 +227,7 @@ def scenario_smollm2() -> dict:
 
     import jax.numpy as jnp
 
-    from vegas_jax.engine import Engine, GenerationOptions
+    from vegas_jax.runtime.engine import Engine, GenerationOptions
     from vegas_jax.generate import main
     from vegas_jax.loading import load_model
     from vegas_jax.sharding import make_mesh
@@ -263,7 +263,7 @@ def scenario_head() -> dict:
 
     from tests.test_draft_head import trained
     from tests.test_lossless_tiny import prompts
-    from vegas_jax.engine import Engine, GenerationOptions
+    from vegas_jax.runtime.engine import Engine, GenerationOptions
     from vegas_jax.sharding import make_mesh
 
     loaded = _tiny_qwen3()

@@ -22,7 +22,7 @@ from models.config import NSA_1B_LAYOUT, NSA_PAPER_LAYOUT, NSA_VIEW_LAYOUT, NSAL
 from models.nsa_cache import NSALayerCache, compressed_rows
 from nsa_reference import model_logits, nsa_rows
 from vegas_jax.attention.nsa import NSAAttention
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading import load_model
 from vegas_jax.sharding import Placement
 

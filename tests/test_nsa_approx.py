@@ -1,4 +1,4 @@
-"""The approximate NSA modes (vegas_jax.precision.ApproxMode): the fused reuse-layer kernel (interpret mode) equals
+"""The approximate NSA modes (vegas_jax.ssv.precision.ApproxMode): the fused reuse-layer kernel (interpret mode) equals
 its jnp twin and the float64 oracle given injected blocks; the shared selection of V2 equals its definition found
 by brute force on chains and trees; plain decoding of each modified target (jnp path, and the kernels for one mode)
 equals a float64 numpy transcription of its definition (tests/nsa_approx_reference.py) on a tiny NSA model."""
@@ -22,7 +22,7 @@ from test_nsa import TINY_NSA, tiny_nsa_weights, write_tiny_nsa
 from vegas_jax.attention.nsa_approx import branches_with_blocks, greedy_decode
 from vegas_jax.inputs import InputError
 from vegas_jax.loading import load_model
-from vegas_jax.precision import ApproxMode
+from vegas_jax.ssv.precision import ApproxMode
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 KERNEL_LAYOUT = NSALayout(32, 16, 16, 4, 32, forced_initial=1, forced_local=1)

@@ -26,7 +26,7 @@ from tests.test_lossless_tiny import IdsTokenizer, prompts
 from tests.test_sampling_distribution import VOCAB, chi_square_p_value, processed_probs, tiny_sampler
 from vegas_jax.attention.family import with_attention
 from vegas_jax.attention.nsa import NSAAttention
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
 
 # Small versions of the layouts, so that 40-110-token prompts reach past the top-n blocks and the window:
@@ -160,7 +160,7 @@ def test_the_loops_tree_verification_lowers_to_triton_for_h200():
     from models.nsa_cache import NSALayerCache, compressed_rows
     from pallas_kernels.nsa_verify import nsa_tree_verify
     from vegas_jax.attention.nsa_tree import TREE_SCHEDULE
-    from vegas_jax.tree import TreeShape
+    from vegas_jax.decode.tree_shapes import TreeShape
 
     tree, batch, capacity, heads, kv_heads, dim = TreeShape.full(4, 2), 2, 4096, 32, 2, 64
     parents, rows, spec = jnp.asarray(tree.parents, jnp.int32), compressed_rows(NSA_1B_LAYOUT, capacity), \

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from vegas_jax.inputs import InputError
-from vegas_jax.planner import DEFAULT_ACCEPTANCE, AcceptanceTracker, Planner, expected_tokens, load_profile, tree_nodes
-from vegas_jax.precision import ApproxMode, parse_precision
+from vegas_jax.ssv.planner import DEFAULT_ACCEPTANCE, AcceptanceTracker, Planner, expected_tokens, load_profile, tree_nodes
+from vegas_jax.ssv.precision import ApproxMode, parse_precision
 
 BATCHES, CONTEXTS = (1, 8, 32), (1024, 8192, 32768)
 ROWS = sorted({1} | {tree_nodes(d, k) + 1 for d in range(1, 7) for k in (1, 2, 3) if tree_nodes(d, k) <= 64})
@@ -227,7 +227,7 @@ def test_the_planner_chooses_between_drafters_by_their_cost_and_acceptance(tmp_p
     """A head drafting at a tenth of a plain step per level beside n-gram lookup (nearly free): at the same
     acceptance the cheaper n-gram trees win; a head accepted far more often than the lookup wins instead, and the
     engine's DrafterAcceptance keeps each drafter's running acceptance apart."""
-    from vegas_jax.planner import DrafterAcceptance
+    from vegas_jax.ssv.planner import DrafterAcceptance
 
     doc = profile_doc()
     doc["drafts"] += [{"drafter": "head", "nodes": r - 1, "batch": b, "context": c,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from test_lossless_tiny import GREEDY, prompts, tiny_engine
-from vegas_jax import memory
-from vegas_jax.prefill_reuse import PrefillReuse
+from vegas_jax.runtime import memory
+from vegas_jax.runtime.prefill_reuse import PrefillReuse
 
 OPTIONS = dataclasses.replace(GREEDY, max_new_tokens=24)
 RUNS = [("ar", 0.0), ("vegas", 0.0), ("streaming", 0.0), ("quest", 0.0), ("retrieval", 0.0), ("vegas", 0.8)]

@@ -31,11 +31,11 @@ from models.quantized import (
 from pallas_kernels.weight_only_matmul import pack_code_words
 from tests.test_lossless_tiny import tiny_engine
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.draft_kernel import codes_in_words, codes_transposed, with_kernel
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.decode.draft_kernel import CODE_LAYOUTS, codes_in_words, codes_transposed, with_kernel
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.memory import draft_per_device
+from vegas_jax.runtime.memory import draft_per_device
 from vegas_jax.sharding import Placement
 
 
@@ -202,6 +202,21 @@ def test_codes_transposed_round_trip_and_multiply_alike(rng, kind, groups, in_sh
     got = np.asarray(quantized_matmul(jnp.asarray(x), t, jnp.float32))
     want = float64_product(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)).reshape(rows, k), ints, w)
     assert np.max(np.abs(got.reshape(rows, -1) - want)) < 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_code_layouts_convert_from_any_layout(rng, kind):
+    """A loaded model keeps one copy of a precision's draft tree and converts it to whichever layout the next run
+    asks for (LoadedModel.draft_params): every layout reached from every other holds the stored codes bit for bit
+    (words from transposed once packed the transposed codes four features a word)."""
+    w, _ = _random_weight(rng, kind, 256, (128,), 2 if kind == "int4" else 1, 1)
+    tree = [w]
+    for layout in ("transposed", "words", "transposed", "bytes", "words", "bytes", "transposed", "transposed",
+                   "words", "words", "bytes"):
+        tree = CODE_LAYOUTS[layout](tree)
+        (t,) = jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+        assert (bool(t.transposed), bool(t.word_bits)) == (layout == "transposed", layout == "words"), layout
+        np.testing.assert_array_equal(np.asarray(in_bytes(t).values), np.asarray(w.values), err_msg=layout)
 
 
 def test_weights_the_transposed_kernel_does_not_tile_stay_in_bytes(rng):

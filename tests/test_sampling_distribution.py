@@ -29,9 +29,11 @@ from models.config import ModelConfig
 from models.decoder import forward, init_params
 from models.kv_cache import KVCache
 from tests.test_lossless_tiny import IdsTokenizer, prompts
-from vegas_jax import loop, penalties, sampling
+from vegas_jax.decode import iteration as loop
+from vegas_jax.decode import penalties
+from vegas_jax.decode import sampling
 from vegas_jax.attention.dense import DenseAttention
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading.bundle import LoadedModel
 
 VOCAB, NEW, GAMMA = 4, 5, 3

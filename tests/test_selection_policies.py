@@ -1,5 +1,5 @@
 """Each selection policy against a numpy reference written from its definition (docs/method.md,
-`vegas_jax.selection`), on fixed scores, caches and states: which positions it selects, its state after an update, the retrieval refresh
+`vegas_jax.decode.selection`), on fixed scores, caches and states: which positions it selects, its state after an update, the retrieval refresh
 rhythm; and the verification pass's score collection (`VerifyAttention`, jnp path) against float64 numpy for
 every score mode and row set."""
 
@@ -16,8 +16,8 @@ from models.attention import NewTokens, rope_tables
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from vegas_jax.attention.verify import SCORE_MODES, SCORE_ROWS, ScoreRequest, VerifyAttention
-from vegas_jax.loop import replace_rows
-from vegas_jax.selection import Budget, SelectContext, Selection, make_policy
+from vegas_jax.decode.iteration import replace_rows
+from vegas_jax.decode.selection import Budget, SelectContext, Selection, make_policy
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 2, 2, 2, 16
 HEADS = KV_HEADS * GROUP

@@ -1,4 +1,4 @@
-"""SSV in the decode loop (vegas_jax.ssv): precision classes, approximate modes and the planner on a tiny random
+"""SSV in the decode loop (vegas_jax.ssv.choice): precision classes, approximate modes and the planner on a tiny random
 3-layer NSA checkpoint (fla format), float32. With an approximate mode, greedy tree speculation equals plain greedy
 decoding of that mode's modified target (vegas_jax.attention.nsa_approx.greedy_decode, itself checked against a
 float64 transcription of the target in tests/test_nsa_approx.py) token for token on a ragged batch: a mode pinned
@@ -19,9 +19,9 @@ import pytest
 from test_nsa import TINY_NSA, write_tiny_nsa
 from test_planner import profile_doc
 from vegas_jax.attention.nsa_approx import greedy_decode
-from vegas_jax.engine import Engine, GenerationOptions
+from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading import load_model
-from vegas_jax.precision import ApproxMode
+from vegas_jax.ssv.precision import ApproxMode
 
 TINY_3 = {**TINY_NSA, "num_hidden_layers": 3}  # layers 0 and 2 refresh, layer 1 reuses (refresh every 2)
 LENGTHS, NEW = [52, 37], 14  # past the 2 selected blocks and the window; the steps cross spans and blocks

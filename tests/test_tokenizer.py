@@ -15,7 +15,7 @@ from tokenizers import processors
 
 from vegas_jax.loading import CheckpointError
 from vegas_jax.loading.gguf import embedded_smollm2_path, open_gguf
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.loading.tokenizer import Tokenizer
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "tokenizer_ids.json").read_text())
 STRINGS = REFERENCE["strings"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
+from vegas_jax.runtime.engine import Engine, GenerationOptions, GenerationResult, InputError
 
 __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "load"]
 

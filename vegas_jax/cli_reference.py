@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from vegas_jax import flag_environment, generate, score, train_draft_head
+from vegas_jax import generate, score, train_draft_head
+from vegas_jax.cli import flag_environment
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 # What a flag's value looks like, by its argparse type.
@@ -53,7 +54,7 @@ def _default(action: argparse.Action) -> str:
 
 
 def _variable(action: argparse.Action) -> str:
-    """The flag's VEGAS_<FLAG> variable (vegas_jax.flag_environment); repeatable flags have none."""
+    """The flag's VEGAS_<FLAG> variable (vegas_jax.cli.flag_environment); repeatable flags have none."""
     return "-" if isinstance(action, flag_environment._REPEATABLE) else f"`{flag_environment.variable(action)}`"
 
 

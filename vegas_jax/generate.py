@@ -20,11 +20,14 @@ import threading
 import time
 from pathlib import Path
 
-from vegas_jax import flag_environment, inputs, outputs, stops
+from vegas_jax.cli import flag_environment
+from vegas_jax import inputs
+from vegas_jax.cli import outputs
+from vegas_jax.decode import stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
-from vegas_jax.engine import Engine, GenerationOptions, GenerationResult, InputError
-from vegas_jax.options import METHODS
-from vegas_jax.serving import check_serving
+from vegas_jax.runtime.engine import Engine, GenerationOptions, GenerationResult, InputError
+from vegas_jax.runtime.options import METHODS
+from vegas_jax.runtime.serving import check_serving
 
 DTYPES = ("auto", "bfloat16", "float32")
 # Decode runs in device calls of about this long (Engine.stream's seconds_per_call): a SIGINT is answered, and
@@ -49,7 +52,7 @@ def token_count(text: str) -> int:
 
 
 def gamma_value(text: str) -> int | str:
-    """--gamma: a whole number of drafts, or `auto` (vegas_jax.adaptive_gamma)."""
+    """--gamma: a whole number of drafts, or `auto` (vegas_jax.decode.adaptive_gamma)."""
     if text == "auto":
         return text
     try:
@@ -332,7 +335,7 @@ def _prompt_sources(args) -> list[str]:
 
 def _check_output_path(path: Path) -> None:
     """Before any work: the file can be written where it is asked for (its folder is made if missing), tried with
-    the temporary file `_write_json` starts with (vegas_jax.outputs)."""
+    the temporary file `_write_json` starts with (vegas_jax.cli.outputs)."""
     if path.is_dir():
         raise InputError("--output-json {}: is a directory", path)
     try:
@@ -428,7 +431,7 @@ def _stream(engine: Engine, prompts, options, args, progress, interrupt, *, stre
 class _StreamedText:
     """--stream's text: as generated, but never past where the final text ends. A stop string can begin in one
     chunk and complete in a later one, so the last (longest stop string - 1) characters wait until they cannot be
-    its beginning; the chunk that completes one shows the text up to it (vegas_jax.stops.cut_text)."""
+    its beginning; the chunk that completes one shows the text up to it (vegas_jax.decode.stops.cut_text)."""
 
     def __init__(self, engine: Engine, batch: int, options: GenerationOptions):
         self.decoders = [engine.tokenizer.incremental_decoder() for _ in range(batch)]
@@ -682,7 +685,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         import jax
 
         if args.compile_cache_dir:
-            from vegas_jax.compilation import use_persistent_cache
+            from vegas_jax.runtime.compilation import use_persistent_cache
 
             use_persistent_cache(args.compile_cache_dir, "{compile_cache_dir}")
 
@@ -758,7 +761,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         runs = [(options.method, result)]
         _print_metrics(result, options.method)
         if args.phase_times:
-            from vegas_jax.phases import time_phases
+            from vegas_jax.runtime.phase_timing import time_phases
 
             result.metrics["phase_ms"] = time_phases(engine, engine.start(prompts, options))
             print("phase times (ms): " + json.dumps(result.metrics["phase_ms"]), file=sys.stderr)
@@ -784,7 +787,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                 longest = max(len(p) for p in prompts) + options.max_new_tokens
                 print(slowdown_reason(jax.default_backend(), result.options, result.metrics, len(prompts), longest),
                       file=sys.stderr)
-        from vegas_jax.compilation import persistent_cache_report
+        from vegas_jax.runtime.compilation import persistent_cache_report
 
         cache = persistent_cache_report()
         if cache is not None:

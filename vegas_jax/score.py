@@ -21,7 +21,7 @@ from pathlib import Path
 from vegas_jax.generate import (DTYPES, INTERRUPTED, _check_output_path, _flag, _load, _mesh, _OneLineErrors,
                                 _resolve_dtype, _write_json, read_text)
 from vegas_jax.inputs import InputError
-from vegas_jax.scoring import perplexity
+from vegas_jax.runtime.scoring import perplexity
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         if args.output_json:
             _check_output_path(args.output_json)
         dtype_name, dtype = _resolve_dtype(args.dtype)
-        from vegas_jax.engine import Engine
+        from vegas_jax.runtime.engine import Engine
 
         engine = Engine(_load(args.model, dtype, _mesh(args), "bf16"))  # scoring reads no drafts
         t0 = time.perf_counter()

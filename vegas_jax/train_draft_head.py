@@ -4,16 +4,16 @@ vegas_jax.train_draft_head --out FOLDER` (docs/draft-head.md).
 Self-distillation: the engine decodes the tuning split's prompts greedily (benchmarks.prompt_splits; never the
 held-out split, on which the head is measured), and the head learns, at every generated position, the target's own
 next hidden state and next-token distribution. The head's context starts at each prompt's last token, as in
-decoding (vegas_jax.drafters.HeadMemory: prefill computes no hidden states).
+decoding (vegas_jax.decode.drafters.HeadMemory: prefill computes no hidden states).
 
 Training-time test: decoding feeds the head its own predictions after the first draft, so the head is trained on
 that too. Pass 0 reads the target's hidden states; pass j reads pass j - 1's predictions shifted by one row and
 attends as a draft at depth j + 1 does: to the verified rows (pass 0's) up to j rows back, then to one row of each
 pass 1..j, its own draft path.
 
-A run checkpoints (Orbax, vegas_jax.draft_head_checkpoint) every --checkpoint-every steps and before --time-limit
-runs out, and resumes from its folder's newest step when run again with the same flags: a long training fits
-commands of limited length. The generated data is kept in the folder (data.npz) and reused.
+A run checkpoints (Orbax, vegas_jax.loading.draft_head_checkpoint) every --checkpoint-every steps and before
+--time-limit runs out, and resumes from its folder's newest step when run again with the same flags: a long
+training fits commands of limited length. The generated data is kept in the folder (data.npz) and reused.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import optax
 from models import draft_head
 from models.config import ModelConfig
 from models.decoder import forward
-from vegas_jax import draft_head_checkpoint
+from vegas_jax.loading import draft_head_checkpoint
 from vegas_jax.attention.family import ATTENTION_CHOICES, family_of, with_attention
-from vegas_jax.engine import Engine
+from vegas_jax.runtime.engine import Engine
 from vegas_jax.inputs import InputError
-from vegas_jax.options import CAPACITY_ALIGN
+from vegas_jax.runtime.options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement
 
 DATA_FILE = "data.npz"
@@ -84,7 +84,7 @@ class Settings:
 # ---- data ------------------------------------------------------------------------------------------------------
 def make_data(engine, prompt_ids: list[list[int]], settings: Settings, progress=None) -> dict:
     """{tokens [S, P + N] int32 (prompt, then the greedy continuation, zeros after it), generated [S] int32}."""
-    from vegas_jax.engine import GenerationOptions
+    from vegas_jax.runtime.options import GenerationOptions
 
     lengths = {len(p) for p in prompt_ids}
     if lengths != {settings.prompt_tokens}:
@@ -400,7 +400,7 @@ def run(args) -> int:
 
 
 def _generation_bytes(engine, settings: Settings) -> int:
-    from vegas_jax.engine import GenerationOptions
+    from vegas_jax.runtime.options import GenerationOptions
 
     plan = engine.plan([[0] * settings.prompt_tokens] * settings.generate_batch,
                        GenerationOptions(max_new_tokens=settings.new_tokens))

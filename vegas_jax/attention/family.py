@@ -7,7 +7,7 @@ Committing a tree's accepted path (node j's K/V in scratch row base + j; vegas_j
 to base + depth, as plain decoding of its tokens would have written them; NSA then pools the compressed rows of
 the blocks those rows complete (models.nsa_cache.pool_blocks), so its cache equals plain decoding's too.
 
-The NSA family carries the approximate mode whose modified target it runs (vegas_jax.precision.ApproxMode; the
+The NSA family carries the approximate mode whose modified target it runs (vegas_jax.ssv.precision.ApproxMode; the
 exact target by default): its cache adds the stored span selections, its full passes are the modified target's
 (vegas_jax.attention.nsa_approx), its tree verification verifies that target, and committing a path also stores
 the selections of the anchors on it."""
@@ -24,7 +24,7 @@ from models.nsa_cache import NSACache, pool_blocks
 from vegas_jax.attention.nsa import NSAAttention
 from vegas_jax.attention.nsa_approx import ApproxNSACache, modified_target, record_spans
 from vegas_jax.attention.nsa_tree import NSATreeVerify, SinkWindowDraft
-from vegas_jax.precision import EXACT_MODE, ApproxMode
+from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode
 from vegas_jax.attention.tree import DraftPrefix, TreeAttention, copy_path_rows, path_positions
 from vegas_jax.attention.verify import ScoreRequest, VerifyAttention
 from vegas_jax.inputs import InputError
@@ -42,7 +42,7 @@ class DenseFamily:
 
     def tree_verify_attention(self, config: ModelConfig, placement: Placement, tree, base,
                               request: ScoreRequest | None = None) -> TreeAttention:
-        """The verification pass over every node of `tree` (vegas_jax.tree.TreeShape), roots at rows base [B]."""
+        """The verification pass over every node of `tree` (vegas_jax.decode.tree_shapes.TreeShape), roots at rows base [B]."""
         rows = base[:, None] + jnp.arange(tree.rows)[None, :]
         return TreeAttention(rows, base, jnp.asarray(tree.ancestors), None, request, config.num_layers,
                              tuple(tree.levels[-1]), placement)
@@ -50,7 +50,7 @@ class DenseFamily:
     def tree_draft_attention(self, config: ModelConfig, rows, base, ancestors,
                              prefix: DraftPrefix | None) -> TreeAttention:
         """The self drafter's pass over one level's nodes (rows [B, S], ancestors [S, R]): sparse attention over
-        the KV selection `prefix` and the recent rows (vegas_jax.drafters)."""
+        the KV selection `prefix` and the recent rows (vegas_jax.decode.drafters)."""
         if prefix is None:
             raise ValueError("the dense self drafter drafts with a selection policy's KV selection")
         return TreeAttention(rows, base, ancestors, prefix)

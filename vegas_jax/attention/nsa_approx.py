@@ -1,4 +1,4 @@
-"""The modified NSA targets of the approximate kernel modes (vegas_jax.precision.ApproxMode defines them) as an
+"""The modified NSA targets of the approximate kernel modes (vegas_jax.ssv.precision.ApproxMode defines them) as an
 attention over an NSA cache, for plain decoding of such a target: refresh layers derive selections (the span
 anchors', top_n widened), reuse layers take the nearest refresh layer's and attend with them.
 
@@ -28,7 +28,7 @@ from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, sel
 from models.nsa_shared_selection import BEFORE_PASS, anchor_rows, chain_sees, shared_blocks
 from pallas_kernels.nsa_reuse import nsa_reuse_decode
 from vegas_jax.attention.nsa import _attend, _grouped, compressed_probabilities, selected_row_mask, window_mask
-from vegas_jax.precision import ApproxMode
+from vegas_jax.ssv.precision import ApproxMode
 from vegas_jax.sharding import Placement
 
 

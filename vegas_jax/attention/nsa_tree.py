@@ -1,4 +1,4 @@
-"""NSA attention over the nodes of a draft tree (vegas_jax.tree; rows and positions as in
+"""NSA attention over the nodes of a draft tree (vegas_jax.decode.tree_shapes; rows and positions as in
 vegas_jax.attention.tree: node j's K/V in scratch row base + j, its RoPE position base + its depth): the exact
 verification pass, and the self drafter's cheaper pass.
 
@@ -7,7 +7,7 @@ verification pass, and the self drafter's cheaper pass.
   path completes included; the selected rows through TREE_SCHEDULE, as Pallas kernels on the kernel backend
   and as their XLA twin elsewhere). Only the nodes' raw K/V are written (to their scratch rows); the compressed
   rows of the blocks a path completes are pooled when the accepted path is committed (NSAFamily.commit_path).
-  With an approximate mode (vegas_jax.precision.ApproxMode) it verifies the mode's modified target instead:
+  With an approximate mode (vegas_jax.ssv.precision.ApproxMode) it verifies the mode's modified target instead:
   refresh layers give each node its span anchor's selection (the node's, an ancestor's, or the span's stored in
   the cache), reuse layers the nearest refresh layer's (vegas_jax.attention.nsa_approx.tree_reselect).
 - SinkWindowDraft, the self drafter of an NSA model: one softmax over the sink rows [0, sink), the `window` rows
@@ -30,7 +30,7 @@ from pallas_kernels.nsa_tree_select import V1Launch
 from pallas_kernels.nsa_verify import nsa_tree_verify
 from vegas_jax.attention.core import masked_attention
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, tree_reselect
-from vegas_jax.precision import ApproxMode
+from vegas_jax.ssv.precision import ApproxMode
 from vegas_jax.sharding import Placement
 
 
@@ -69,7 +69,7 @@ class NSATreeVerify:
     top_n) with a mode or return_blocks, else None. `carried`: the last refresh layer's, in this pass."""
 
     base: jax.Array  # [B] int32 the root's row (the committed length)
-    parents: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # the tree (vegas_jax.tree.TreeShape)
+    parents: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # the tree (vegas_jax.decode.tree_shapes.TreeShape)
     layout: NSALayout = dataclasses.field(metadata=dict(static=True))
     kind: str = dataclasses.field(default="nsa", metadata=dict(static=True))
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))

@@ -53,7 +53,7 @@ def copy_path_rows(layer: jax.Array, base: jax.Array, path: jax.Array, accepted:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftPrefix:
-    """The part of the cache before the tree that a draft pass reads: a KV selection (vegas_jax.selection.Selection's
+    """The part of the cache before the tree that a draft pass reads: a KV selection (vegas_jax.decode.selection.Selection's
     arrays) and the recent rows from recent_start."""
 
     indices: jax.Array  # [layers, B, K_max]

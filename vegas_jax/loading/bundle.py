@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from vegas_jax.tokenizer import Tokenizer
+    from vegas_jax.loading.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -34,12 +34,12 @@ class LoadedModel:
         """The draft tree of `precision` (None for bf16: the draft reads the model's own weights), made on first
         use and kept: from a GGUF file's own blocks where they have that precision, else quantized from the
         parameters. DraftWeightsError when the shapes admit no such draft. `layout`: how the codes are held, one
-        row a byte ("bytes"), four rows a word for the integer kernel ("words", vegas_jax.draft_kernel.
+        row a byte ("bytes"), four rows a word for the integer kernel ("words", vegas_jax.decode.draft_kernel.
         codes_in_words), or transposed for the Mosaic GPU kernel ("transposed", codes_transposed); one copy
         kept."""
         if precision == "bf16":
             return None
-        from vegas_jax import draft_kernel
+        from vegas_jax.decode import draft_kernel
 
         if precision in self.drafts:
             self.drafts[precision] = draft_kernel.CODE_LAYOUTS[layout](self.drafts[precision])

@@ -28,7 +28,7 @@ from vegas_jax.loading import gguf_blocks
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.loading.checkpoint_files import CheckpointError
 from vegas_jax.loading.placing import ParamPlacer, place_quantized, quantize_draft
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.loading.tokenizer import Tokenizer
 
 T = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)

@@ -23,7 +23,7 @@ from models.decoder import checkpoint_param_shapes
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.loading.checkpoint_files import CheckpointError, read_json_object
 from vegas_jax.loading.placing import ParamPlacer
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.loading.tokenizer import Tokenizer
 
 
 class _Layout(NamedTuple):

@@ -27,7 +27,7 @@ from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.loading.checkpoint_files import CheckpointError, read_json_object
 from vegas_jax.loading.placing import relayout
 from vegas_jax.sharding import Placement, check_model_fits
-from vegas_jax.tokenizer import Tokenizer
+from vegas_jax.loading.tokenizer import Tokenizer
 
 CONFIG_FILE = "vegas_config.json"
 FORMAT = "vegas-jax-orbax"

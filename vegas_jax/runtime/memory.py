@@ -24,7 +24,7 @@ from models.config import ModelConfig
 from models.decoder import param_axes
 from models.logical_axes import HEADS, MLP
 from models.nsa_cache import compressed_rows
-from vegas_jax.precision import EXACT_MODE, ApproxMode
+from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode
 from models.quantized import nbytes
 from vegas_jax.inputs import InputError
 from vegas_jax.sharding import Placement
@@ -58,7 +58,7 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
              stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16,
              approx_mode: ApproxMode = EXACT_MODE, kept_prefill: bool = False) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
-    bf16 drafts. kept_prefill: a copy of the cache is held besides (vegas_jax.prefill_reuse)."""
+    bf16 drafts. kept_prefill: a copy of the cache is held besides (vegas_jax.runtime.prefill_reuse)."""
     dtype = np.dtype(params["embed"].dtype).itemsize
     rows = batch // placement.data_shards
     kv_heads = config.num_kv_heads // placement.model_shards

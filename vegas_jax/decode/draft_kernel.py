@@ -41,7 +41,7 @@ from models.quantized import (
 )
 from pallas_kernels import weight_only_mgpu
 from pallas_kernels._common import NUM_SMS
-from pallas_kernels.weight_only_matmul import int8_rows, weight_only_matmul
+from pallas_kernels.weight_only_matmul import INT8_DOT_MIN_K, int8_rows, weight_only_matmul
 from vegas_jax.sharding import Placement
 
 # The largest blocks (block_k, block_n) tried, by path: the fastest measured on the H200 at Llama-3.1-8B's shapes
@@ -82,8 +82,9 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
 
 def codes_in_words(draft_params):
     """The draft tree with the codes of every weight the integer kernel multiplies four rows a word (its layout;
-    the others as they were). Made beside the tree it is given: both are held until that one is dropped."""
+    the others in bytes). Made beside the tree it is given: both are held until that one is dropped."""
     def pack(w):
+        w = in_bytes(w)  # the tree may hold another layout: LoadedModel.draft_params keeps one copy
         if _blocks(w, "one row") is None or w.values.shape[0] % 4:
             return w
         int8_group(w)  # the integer path's condition (Engine's plan has refused a model that fails it)
@@ -178,7 +179,10 @@ def _rounded(x: jax.Array, x_group: int | None) -> jax.Array:
 def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_group: int | None) -> jax.Array:
     """models.quantized's kernel signature: x [M, K] times the weight -> [M, prod(out)] in out_dtype."""
     rows = x.shape[0]
-    integer_dot = x_group is not None and (rows == 1 or (w.bits == 4 and rows <= INTEGER_ROWS))
+    # Several rows multiply in integers in blocks of at least the int8 dot's K: int4 groups of 32 (GGUF's Q4_0 /
+    # Q4_1) give blocks of 16 bytes, whose rows are rounded and multiplied in floating point, the same products.
+    integer_dot = x_group is not None and (rows == 1 or (
+        w.bits == 4 and rows <= INTEGER_ROWS and w.group_size // 2 >= INT8_DOT_MIN_K))
     if rows > 1 or not integer_dot:
         w = in_bytes(w)  # only the one-row integer path reads words
     path = "one row" if rows == 1 else "integer rows" if integer_dot else "rows"

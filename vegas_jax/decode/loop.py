@@ -1,7 +1,7 @@
 """The compiled decode loop: one `lax.while_loop` of iterations of the configured kind. A chain of γ drafts
-(vegas_jax.loop.chain_iteration); with adaptive γ a chain of the g drafts chosen for that iteration, verified in
-the narrowest compiled pass that holds them, g = 0 being a plain step (vegas_jax.adaptive_gamma); or a draft tree
-(vegas_jax.tree_decode). Trees build on the chain's phases, so the choice between them is made here, above both."""
+(vegas_jax.decode.iteration.chain_iteration); with adaptive γ a chain of the g drafts chosen for that iteration, verified in
+the narrowest compiled pass that holds them, g = 0 being a plain step (vegas_jax.decode.adaptive_gamma); or a draft tree
+(vegas_jax.decode.tree_iteration). Trees build on the chain's phases, so the choice between them is made here, above both."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from vegas_jax import adaptive_gamma, tree_decode
-from vegas_jax.loop import DecodeConfig, DecodeState, chain_iteration
+from vegas_jax.decode import adaptive_gamma
+from vegas_jax.decode import tree_iteration as tree_decode
+from vegas_jax.decode.iteration import DecodeConfig, DecodeState, chain_iteration
 
 
 def iteration(params, draft_params, state: DecodeState, *, config: DecodeConfig) -> DecodeState:

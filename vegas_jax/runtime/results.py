@@ -7,10 +7,11 @@ import dataclasses
 
 import numpy as np
 
-from vegas_jax import loop, stops
-from vegas_jax.logprobs import TokenLogprob, host_list
-from vegas_jax.metrics import pooled_metrics, request_metrics
-from vegas_jax.options import GenerationOptions
+from vegas_jax.decode import iteration as loop
+from vegas_jax.decode import stops
+from vegas_jax.decode.logprobs import TokenLogprob, host_list
+from vegas_jax.runtime.metrics import pooled_metrics, request_metrics
+from vegas_jax.runtime.options import GenerationOptions
 from vegas_jax.sharding import Placement
 
 

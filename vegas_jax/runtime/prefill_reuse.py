@@ -9,7 +9,7 @@ buffer for buffer against fresh prefills, every method). At SmolLM2's size, batc
 a second on the H200 and the copy a few milliseconds.
 
 One cache is kept (the last prompts'): it holds a cache's bytes besides the run's own, which the run's memory
-plan counts (vegas_jax.memory, `kept_prefill`)."""
+plan counts (vegas_jax.runtime.memory, `kept_prefill`)."""
 
 from __future__ import annotations
 

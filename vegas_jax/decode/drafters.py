@@ -1,5 +1,5 @@
-"""Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.tree), behind one small interface
-(init_state, propose, record):
+"""Drafters: what proposes a draft tree's tokens each iteration (vegas_jax.decode.tree_shapes), behind one small
+interface (init_state, propose, record):
 
 - `self`: the model itself with a cheaper attention, one forward per level over that level's nodes, a node's
   children its draft distribution's top choices (greedy) or draws from it without replacement (sampling: the
@@ -17,7 +17,7 @@
   drafts level by level from its own predicted hidden states, children chosen as the self drafter's are.
 
 A proposal says whether its children are draws from the distributions it returns (`probs`) or fixed choices; the
-sampled acceptance (vegas_jax.tree_decode.accept_sampled) keeps the output exact either way.
+sampled acceptance (vegas_jax.decode.tree_iteration.accept_sampled) keeps the output exact either way.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import numpy as np
 from models import draft_head
 from models.logical_axes import BATCH, axes_field
 from models.quantized import overlay
-from vegas_jax import sampling
+from vegas_jax.decode import sampling
 from vegas_jax.attention.tree import DraftPrefix
-from vegas_jax.draft_kernel import with_kernel
+from vegas_jax.decode.draft_kernel import with_kernel
 
 DRAFTERS = ("self", "ngram", "head")
 NGRAM_MAX = 3  # the longest suffix matched

@@ -1,7 +1,7 @@
 """The library API: an `Engine` holds a loaded model and turns prompts into tokens, text and metrics.
 
-A run: prompts to ids (vegas_jax.prompt_encoding), what it compiles and allocates, or why it does not fit
-(vegas_jax.run_plan), the batch's start (vegas_jax.prefill: prefill once per (batch, chunk size, cache capacity)
+A run: prompts to ids (vegas_jax.runtime.prompt_encoding), what it compiles and allocates, or why it does not fit
+(vegas_jax.runtime.run_plan), the batch's start (vegas_jax.runtime.prefill: prefill once per (batch, chunk size, cache capacity)
 and at most once more for the tail chunks), then the compiled decode loop, driven from here: `stream` calls it
 and hands out tokens as they come, `serve` admits queued requests into finished rows between its calls.
 """
@@ -19,20 +19,28 @@ from models import draft_head, draft_weights
 from models.decoder import param_axes
 from models.kv_cache import KVCache
 from models.logical_axes import Axes, axes_of
-from vegas_jax import decode_loop, draft_head_checkpoint, draft_kernel, loop, prefill, run_plan, scoring, ssv, stops
-from vegas_jax.adaptive_gamma import CostBook, with_control
+from vegas_jax.decode import loop as decode_loop
+from vegas_jax.decode import draft_kernel
+from vegas_jax.decode import iteration as loop
+from vegas_jax.loading import draft_head_checkpoint
+from vegas_jax.runtime import prefill
+from vegas_jax.runtime import run_plan
+from vegas_jax.runtime import scoring
+from vegas_jax.ssv import choice as ssv
+from vegas_jax.decode import stops
+from vegas_jax.decode.adaptive_gamma import CostBook, with_control
 from vegas_jax.attention.backend import default_backend
-from vegas_jax.compilation import Programs, matmul_precision
+from vegas_jax.runtime.compilation import Programs, matmul_precision
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.planner import DrafterAcceptance
-from vegas_jax.prefill_reuse import PrefillReuse
-from vegas_jax.options import GenerationOptions
-from vegas_jax.pacing import Pacer
-from vegas_jax.prompt_encoding import encode_prompts
-from vegas_jax.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
+from vegas_jax.ssv.planner import DrafterAcceptance
+from vegas_jax.runtime.prefill_reuse import PrefillReuse
+from vegas_jax.runtime.options import GenerationOptions
+from vegas_jax.runtime.pacing import Pacer
+from vegas_jax.runtime.prompt_encoding import encode_prompts
+from vegas_jax.runtime.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
                                streamed_tokens, token_rows)
-from vegas_jax.serving import SlotTable, check_serving
+from vegas_jax.runtime.serving import SlotTable, check_serving
 from vegas_jax.sharding import Placement, on_all_shards, round_up_to_shards
 
 __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "RequestResult", "Started",
@@ -50,8 +58,8 @@ class Started:
     decode: Callable
     timings: dict
     draft_params: Any = None  # what the drafts read besides the parameters (None: nothing; int8 / int4 copies)
-    options: Any = None  # the options the run decodes with (GenerationOptions, vegas_jax.ssv's choice made)
-    ssv_plan: dict | None = None  # the SSV planner's choice (vegas_jax.planner.Plan.report), None: the default plan
+    options: Any = None  # the options the run decodes with (GenerationOptions, vegas_jax.ssv.choice's choice made)
+    ssv_plan: dict | None = None  # the SSV planner's choice (vegas_jax.ssv.planner.Plan.report), None: the default plan
 
 
 class Engine:
@@ -89,7 +97,7 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat_template: bool | None = None) -> list[list[int]]:
-        """The token ids of a batch of prompts (vegas_jax.prompt_encoding): strings through the tokenizer, or the
+        """The token ids of a batch of prompts (vegas_jax.runtime.prompt_encoding): strings through the tokenizer, or the
         chat template as one user message when the model has one unless told otherwise; conversations through
         the chat template; token ids checked and kept."""
         return encode_prompts(self.tokenizer, self.config.vocab_size, prompts, chat_template)
@@ -105,7 +113,7 @@ class Engine:
     def plan(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None,
              refill: int | None = None) -> dict:
         """What a run of these prompts (with `slots`: served through that many) would compile and allocate, without
-        doing either: the mesh, the compiled shapes and the bytes per device (vegas_jax.memory). InputError if it
+        doing either: the mesh, the compiled shapes and the bytes per device (vegas_jax.runtime.memory). InputError if it
         does not fit."""
         return self._fitted_plan(prompt_ids, options, slots=slots, refill=refill).summary
 
@@ -120,7 +128,7 @@ class Engine:
     def _draft_params(self, config: loop.DecodeConfig, rows: int):
         """What the config's drafts read over `rows` batch rows: the draft head's params (drafter head), or the
         quantized weights' codes in the layout of the kernel that multiplies them
-        (vegas_jax.draft_kernel.code_layout)."""
+        (vegas_jax.decode.draft_kernel.code_layout)."""
         if config.tree is not None and config.drafter == "head":
             if self.draft_head is None:
                 raise InputError("{drafter} head: this engine has no draft head; load one with "
@@ -134,7 +142,7 @@ class Engine:
             raise InputError("{draft_weights} {}: {}", precision, e) from None
 
     def _stop_table(self, options: GenerationOptions) -> np.ndarray:
-        """vegas_jax.stops.table for these options and the tokenizer's EOS ids (kept: building one for stop strings
+        """vegas_jax.decode.stops.table for these options and the tokenizer's EOS ids (kept: building one for stop strings
         walks every token's bytes)."""
         key = (tuple(self.tokenizer.eos_ids), options.stop_token_ids, options.stop)
         if key not in self._stop_tables:
@@ -150,7 +158,7 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------------------------------
     def _prefill(self, ids, options, config, capacity, timings, **kwargs) -> loop.DecodeState:
-        """vegas_jax.prefill.prefill with this engine's model, compiled programs and stop table."""
+        """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table."""
         return prefill.prefill(self.model, self.programs, ids, options, config, capacity, self._stop_table(options),
                                timings, **kwargs)
 
@@ -185,7 +193,7 @@ class Engine:
         prompts' keys and values, so the tokens that follow mean nothing; only their cost does. The cache it is
         given is its own: where it writes over that cache's buffers (donates them), no second cache is allocated.
 
-        `reuse_prefill` (a `PrefillReuse`, vegas_jax.prefill_reuse): runs over the same prompts, whatever their
+        `reuse_prefill` (a `PrefillReuse`, vegas_jax.runtime.prefill_reuse): runs over the same prompts, whatever their
         method and settings, start from the cache the first one's prefill left (copied; timings' prefill_reused
         says whether this run did), and decode exactly as after their own prefill. Its kept cache is counted in
         the memory plan."""
@@ -362,7 +370,7 @@ class Engine:
     def score(self, prompts, continuations, *, batch_size: int = 8, prefill_chunk: int = 2048,
               progress: Callable[[str, int, int], None] | None = None) -> list[scoring.Scored]:
         """Each continuation's tokens' log-probabilities after its prompt, their sum and whether each was the most
-        likely token (vegas_jax.scoring): pairs of strings or token-id sequences, `batch_size` pairs per pass, in
+        likely token (vegas_jax.runtime.scoring): pairs of strings or token-id sequences, `batch_size` pairs per pass, in
         chunks of at most `prefill_chunk` tokens. `scoring.perplexity(result)` is the perplexity over all of them."""
         scored, _ = scoring.score(self.model, self.placement, self.programs, prompts, continuations,
                                   batch_size=batch_size, prefill_chunk=prefill_chunk, progress=progress)

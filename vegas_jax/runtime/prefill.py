@@ -1,5 +1,5 @@
 """A batch's start (`Engine.start`, and each admission group of `Engine.serve`): its decode state created straight
-into its shards, prefill of all but each prompt's last token in chunks (vegas_jax.prefill_chunks), then the
+into its shards, prefill of all but each prompt's last token in chunks (vegas_jax.runtime.prefill_chunks), then the
 bootstrap step. The state returned is the one a decode loop starts from."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import numpy as np
 
 from models.decoder import param_axes
 from models.logical_axes import axes_of
-from vegas_jax import loop, penalties, sampling
-from vegas_jax.compilation import Programs
+from vegas_jax.decode import iteration as loop
+from vegas_jax.decode import penalties
+from vegas_jax.decode import sampling
+from vegas_jax.runtime.compilation import Programs
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.options import GenerationOptions
-from vegas_jax.prefill_chunks import prefill_chunk, prefill_spans
-from vegas_jax.prefill_reuse import PrefillReuse
+from vegas_jax.runtime.options import GenerationOptions
+from vegas_jax.runtime.prefill_chunks import prefill_chunk, prefill_spans
+from vegas_jax.runtime.prefill_reuse import PrefillReuse
 
 
 def initial_state(model: LoadedModel, programs: Programs, ids, options: GenerationOptions, config: loop.DecodeConfig,

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vegas_jax import loop
-from vegas_jax.compilation import Programs, compile_jitted
-from vegas_jax.engine import Engine, Started
+from vegas_jax.decode import iteration as loop
+from vegas_jax.runtime.compilation import Programs, compile_jitted
+from vegas_jax.runtime.engine import Engine, Started
 from vegas_jax.inputs import InputError
 
 

@@ -1,8 +1,8 @@
 """SSV's choice for one run of an NSA model: which draft tree (or plain decoding) and which target (the exact model,
 or an approximate mode's modified target) the run decodes with, within the user's precision class
-(vegas_jax.precision).
+(vegas_jax.ssv.precision).
 
-- With a device profile (`ssv_profile`, benchmarks/profile_ssv.py writes one): the planner (vegas_jax.planner)
+- With a device profile (`ssv_profile`, benchmarks/profile_ssv.py writes one): the planner (vegas_jax.ssv.planner)
   chooses the tree shape, the mode and with it the refresh schedule for the run's longest prompt and batch, at the
   running acceptance (`acceptance`, each drafter's, kept by the engine across its runs and fed each run's accepted
   depths). The user gives no draft_tree nor approx_mode then: the planner owns both; with `drafter` auto it also
@@ -21,10 +21,10 @@ import dataclasses
 
 from models.config import ModelConfig
 from vegas_jax.inputs import InputError
-from vegas_jax.planner import DrafterAcceptance, Plan, Planner, load_profile
+from vegas_jax.ssv.planner import DrafterAcceptance, Plan, Planner, load_profile
+from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode, parse_precision
 
 AUTO_DRAFTER = "auto"  # drafter: the planner's choice (with ssv_profile)
-from vegas_jax.precision import EXACT_MODE, ApproxMode, parse_precision
 
 
 def approx_mode_of(options) -> ApproxMode:

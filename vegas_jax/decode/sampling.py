@@ -6,7 +6,7 @@ exactly greedy verification, so one acceptance rule serves both. When every requ
 greedy`), the loop skips probabilities altogether and compares argmaxes.
 
 The order is Hugging Face transformers' (and, but for min-p, vLLM's): the history-dependent penalties
-(vegas_jax.penalties) on the raw logits first, then temperature, top-k, top-p and min-p. Min-p keeps the tokens
+(vegas_jax.decode.penalties) on the raw logits first, then temperature, top-k, top-p and min-p. Min-p keeps the tokens
 whose probability after temperature is at least min_p times the most likely token's; top-k and top-p always keep
 that token and renormalising keeps ratios, so filtering min-p on the tempered logits before or after top-k / top-p
 keeps the same set (transformers applies it after them; vLLM before top-p, which differs when both are given).
@@ -40,7 +40,7 @@ class SamplingParams:
     top_k: jax.Array = axes_field(BATCH)  # [B] int32; 0 means off
     top_p: jax.Array = axes_field(BATCH)  # [B] float32; 1 means off
     min_p: jax.Array = axes_field(BATCH)  # [B] float32; 0 means off
-    repetition_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 1 means off (vegas_jax.penalties)
+    repetition_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 1 means off (vegas_jax.decode.penalties)
     presence_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 0 means off
     frequency_penalty: jax.Array = axes_field(BATCH)  # [B] float32; 0 means off
 

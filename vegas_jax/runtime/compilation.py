@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from vegas_jax import outputs
+from vegas_jax.cli import outputs
 from vegas_jax.inputs import InputError
 
 # A decode step's GEMMs are skinny (batch rows by the model width). On the H200 XLA's Triton GEMM emitter tiles

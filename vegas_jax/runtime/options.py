@@ -1,6 +1,6 @@
 """What a generation request asks for: `GenerationOptions`, one frozen value per request, its fields checked for type
 and range before anything compiles (InputError names the field), and what follows from them (the compiled γ, the
-draft tree, the selection policy's knobs). The engine (vegas_jax.engine) runs them."""
+draft tree, the selection policy's knobs). The engine (vegas_jax.runtime.engine) runs them."""
 
 from __future__ import annotations
 
@@ -9,16 +9,19 @@ import math
 from typing import Any
 
 from models.quantized import PRECISIONS
-from vegas_jax import adaptive_gamma, inputs, ssv, stops
+from vegas_jax.decode import adaptive_gamma
+from vegas_jax import inputs
+from vegas_jax.ssv import choice as ssv
+from vegas_jax.decode import stops
 from vegas_jax.attention.verify import SCORE_MODES
-from vegas_jax.draft_kernel import ACTIVATIONS
-from vegas_jax.drafters import DRAFTERS
+from vegas_jax.decode.draft_kernel import ACTIVATIONS
+from vegas_jax.decode.drafters import DRAFTERS
 from vegas_jax.inputs import InputError
-from vegas_jax.selection import POLICIES
-from vegas_jax.tree import TreeShape, parse_tree
+from vegas_jax.decode.selection import POLICIES
+from vegas_jax.decode.tree_shapes import TreeShape, parse_tree
 
 METHODS = ("ar",) + POLICIES
-# The cache's capacity is a multiple of this many rows (vegas_jax.engine), which Quest's pages and retrieval's
+# The cache's capacity is a multiple of this many rows (vegas_jax.runtime.engine), which Quest's pages and retrieval's
 # chunks must tile.
 CAPACITY_ALIGN = 128
 INT32_MAX = 2**31 - 1
@@ -43,7 +46,7 @@ class GenerationOptions:
     top_p: float = 1.0
     seed: int = 0
     method: str = "ar"
-    gamma: int | str = 6  # or "auto" (vegas_jax.adaptive_gamma)
+    gamma: int | str = 6  # or "auto" (vegas_jax.decode.adaptive_gamma)
     sparse_ratio: float = 0.07
     min_sparse_tokens: int = 256
     score_mode: str = "logit"
@@ -56,35 +59,35 @@ class GenerationOptions:
     retrieval_every: int = 4
     max_model_len: int | None = None
     prefill_chunk: int = 2048
-    # Where generation ends (vegas_jax.stops): stop strings (the text ends before the first, or after it with
+    # Where generation ends (vegas_jax.decode.stops): stop strings (the text ends before the first, or after it with
     # include_stop) and token ids that end a request as EOS does.
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop: bool = False
-    # History-dependent penalties (vegas_jax.penalties: repetition as transformers', presence and frequency as
-    # OpenAI's and vLLM's) and min-p (vegas_jax.sampling).
+    # History-dependent penalties (vegas_jax.decode.penalties: repetition as transformers', presence and frequency as
+    # OpenAI's and vLLM's) and min-p (vegas_jax.decode.sampling).
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
-    # Each generated token's log-probability and this many most likely alternatives (vegas_jax.logprobs).
+    # Each generated token's log-probability and this many most likely alternatives (vegas_jax.decode.logprobs).
     logprobs: int | None = None
     draft_weights: str = "bf16"  # bf16 (the model's own weights), int8 or int4 (models.draft_weights)
     # What the drafts' quantized products multiply: bf16 (x as computed) or int8 (x rounded to int8 per group of
-    # positions, multiplied in integers at one row where kernels run; vegas_jax.draft_kernel).
+    # positions, multiplied in integers at one row where kernels run; vegas_jax.decode.draft_kernel).
     draft_activations: str = "bf16"
     gamma_max: int | None = None  # with gamma "auto": the most drafts of an iteration (default 8)
     # With gamma "auto": what an iteration of g = 1..γ_max drafts costs, in plain steps (>= 1 each); None: timed at
-    # the start of a run (vegas_jax.adaptive_gamma.Warmup; a run's metrics report them as `gamma_costs`).
+    # the start of a run (vegas_jax.decode.adaptive_gamma.Warmup; a run's metrics report them as `gamma_costs`).
     gamma_costs: tuple[float, ...] | None = None
-    # A draft tree `DEPTHxBRANCHING` (vegas_jax.tree; 6x1 is a chain) verified in one pass, and what drafts it
-    # (vegas_jax.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a selection method;
-    # an NSA model's sink-and-window draft, with method ar), ngram (prompt lookup, with method ar: no draft pass,
-    # no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's draft_head); with
-    # an ssv_profile also auto (the planner chooses the drafter).
+    # A draft tree `DEPTHxBRANCHING` (vegas_jax.decode.tree_shapes; 6x1 is a chain) verified in one pass, and what
+    # drafts it (vegas_jax.decode.drafters): self (the model's cheaper draft: a dense model's sparse draft, with a
+    # selection method; an NSA model's sink-and-window draft, with method ar), ngram (prompt lookup, with method ar:
+    # no draft pass, no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's
+    # draft_head); with an ssv_profile also auto (the planner chooses the drafter).
     draft_tree: str | None = None
     drafter: str = "self"
-    # SSV on NSA models (vegas_jax.ssv): the precision class (vegas_jax.precision: exact never changes the output;
+    # SSV on NSA models (vegas_jax.ssv.choice): the precision class (vegas_jax.ssv.precision: exact never changes the output;
     # approximate allows the approximate modes whose measured top-1 disagreement with the exact target is at most
     # precision_tolerance, default 0.05), an approximate mode pinned by its label (s<span>w<widen>r<refresh>; with
     # precision approximate), and a device profile from which the planner chooses the tree and the mode.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from vegas_jax import inputs
 from vegas_jax.inputs import InputError
-from vegas_jax.options import INT32_MAX
+from vegas_jax.runtime.options import INT32_MAX
 
 
 class Pacer:

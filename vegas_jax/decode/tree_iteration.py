@@ -1,5 +1,5 @@
-"""One decode iteration over a draft tree (vegas_jax.tree): a drafter proposes the tree's tokens
-(vegas_jax.drafters), one target pass verifies every node (tree attention: node j's K/V in scratch row committed + j,
+"""One decode iteration over a draft tree (vegas_jax.decode.tree_shapes): a drafter proposes the tree's tokens
+(vegas_jax.decode.drafters), one target pass verifies every node (tree attention: node j's K/V in scratch row committed + j,
 RoPE at committed + its depth), acceptance picks a root-to-node path, and committing the path copies its K/V rows
 to the contiguous positions committed + depth, as if its tokens had been decoded one by one (the model's attention
 family says how: vegas_jax.attention.family; NSA also pools the compressed blocks the path completes).
@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vegas_jax import loop, sampling
-from vegas_jax.drafters import Verified, make_drafter
+from vegas_jax.decode import iteration as loop
+from vegas_jax.decode import sampling
+from vegas_jax.decode.drafters import Verified, make_drafter
 
 
 def verify(params, state, cache, tokens, config, with_hidden=False):

@@ -1,5 +1,5 @@
 """What a run compiles and allocates, decided before either happens: the loop's static configuration, the cache
-capacity and the bytes per device (vegas_jax.memory), or an InputError naming what does not fit.
+capacity and the bytes per device (vegas_jax.runtime.memory), or an InputError naming what does not fit.
 
 Compiled shapes: the bootstrap step and the decode loop once per (batch, cache capacity, method configuration,
 sampling mode, output buffer width: max_new_tokens rounded up to OUTPUT_BUCKET). The cache capacity is
@@ -19,14 +19,19 @@ import numpy as np
 
 from models import draft_weights
 from models.config import ModelConfig
-from vegas_jax import draft_kernel, inputs, loop, memory, sampling, ssv
+from vegas_jax.decode import draft_kernel
+from vegas_jax import inputs
+from vegas_jax.decode import iteration as loop
+from vegas_jax.runtime import memory
+from vegas_jax.decode import sampling
+from vegas_jax.ssv import choice as ssv
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
-from vegas_jax.planner import DrafterAcceptance
-from vegas_jax.prefill_chunks import prefill_chunk
-from vegas_jax.selection import Budget, make_policy
-from vegas_jax.serving import check_serving
+from vegas_jax.runtime.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
+from vegas_jax.ssv.planner import DrafterAcceptance
+from vegas_jax.runtime.prefill_chunks import prefill_chunk
+from vegas_jax.decode.selection import Budget, make_policy
+from vegas_jax.runtime.serving import check_serving
 from vegas_jax.sharding import Placement, check_model_fits, round_up_to_shards
 
 AUTO_LENGTH_BUCKET = 1024
@@ -35,7 +40,7 @@ OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: m
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    options: GenerationOptions  # what the run decodes with (vegas_jax.ssv's choice made)
+    options: GenerationOptions  # what the run decodes with (vegas_jax.ssv.choice's choice made)
     config: loop.DecodeConfig
     capacity: int  # cache rows per sequence
     summary: dict  # Engine.plan's report
@@ -46,9 +51,9 @@ def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], o
         slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
         drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once it is
-    known to fit its devices; InputError otherwise. `stop_table_of`: the options' vegas_jax.stops table, asked for
-    once the options are checked (its stop ids within the vocabulary). `drafters`: those the engine can run (the
-    SSV planner's choices with drafter auto)."""
+    known to fit its devices; InputError otherwise. `stop_table_of`: the options' vegas_jax.decode.stops table,
+    asked for once the options are checked (its stop ids within the vocabulary). `drafters`: those the engine can
+    run (the SSV planner's choices with drafter auto)."""
     model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
     options, ssv_plan = ssv.resolve(options, model_config, prompt_lens, acceptance, drafters)
     config, capacity = loop_config(model_config, placement, prompt_lens, options)

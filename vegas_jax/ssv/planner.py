@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from vegas_jax.inputs import InputError
-from vegas_jax.precision import ApproxMode, PrecisionClass
+from vegas_jax.ssv.precision import ApproxMode, PrecisionClass
 
 PROFILE_FORMAT = "vegas-ssv-profile"
 PROFILE_VERSION = 1
@@ -40,7 +40,7 @@ DEFAULT_ACCEPTANCE = 0.6  # alpha before any step was observed
 
 
 def tree_nodes(depth: int, branching: int) -> int:
-    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.tree's shapes)."""
+    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.decode.tree_shapes's shapes)."""
     return sum(branching ** d for d in range(1, depth + 1))
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.logical_axes import BATCH, axes_field
-from vegas_jax.sampling import SamplingParams
+from vegas_jax.decode.sampling import SamplingParams
 
 
 @jax.tree_util.register_dataclass

@@ -28,10 +28,10 @@ from models.kv_cache import KVCache
 from models.logical_axes import BATCH, Axes, axes_of
 from vegas_jax import inputs
 from vegas_jax.attention.family import family_of
-from vegas_jax.compilation import Programs
+from vegas_jax.runtime.compilation import Programs
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.options import CAPACITY_ALIGN, round_up
+from vegas_jax.runtime.options import CAPACITY_ALIGN, round_up
 from vegas_jax.sharding import Placement, round_up_to_shards
 
 # Each chunk's logits, their log-softmax and a temporary of XLA's: the chunk shrinks so that these stay under this

@@ -4,7 +4,7 @@ activations, one shard's rows and heads) and the spans that cover a prompt with 
 from __future__ import annotations
 
 from models.config import ModelConfig
-from vegas_jax.options import round_up
+from vegas_jax.runtime.options import round_up
 from vegas_jax.sharding import Placement
 
 # Without kernels, prefill attends each chunk to the whole cache through float32 score arrays [B, H_q, chunk, T]

@@ -1,16 +1,16 @@
 """The decode loop's state and phases: chunked prefill, a bootstrap step, then the iterations of one jitted
-`lax.while_loop` (vegas_jax.decode_loop), each of which drafts γ tokens with sparse attention, verifies them in
+`lax.while_loop` (vegas_jax.decode.loop), each of which drafts γ tokens with sparse attention, verifies them in
 one full-attention pass, accepts a prefix, and selects the next draft's KV. With γ = 0 the iteration is exactly
 plain autoregressive decoding (no drafts, no selection).
 
 Every verified position's logits are processed as plain decoding would process them after that position's own
-prefix: penalties (vegas_jax.penalties) count the drafts before the row on top of the emitted tokens, in the draft
+prefix: penalties (vegas_jax.decode.penalties) count the drafts before the row on top of the emitted tokens, in the draft
 steps and in verification alike, so greedy output stays plain greedy output and speculative sampling stays exact.
-Stops (vegas_jax.stops: ids and strings) are found on each emitted token, also inside a run of accepted drafts.
+Stops (vegas_jax.decode.stops: ids and strings) are found on each emitted token, also inside a run of accepted drafts.
 
 Drafts may read weight-only quantized copies of the linear weights (`draft_params`, models.draft_weights);
 verification always reads the model's own, so the output does not depend on them. With adaptive γ
-(vegas_jax.adaptive_gamma) each iteration drafts g <= γ tokens, g chosen in the loop, and g = 0 is a plain step.
+(vegas_jax.decode.adaptive_gamma) each iteration drafts g <= γ tokens, g chosen in the loop, and g = 0 is a plain step.
 
 Lengths: `committed[b]` tokens of sequence b have verified K/V at positions [0, committed). `last_token[b]`, the
 newest emitted token, has no K/V yet; the next verification writes it at position `committed`. Draft K/V are
@@ -30,15 +30,17 @@ from models.decoder import forward
 from models.kv_cache import KVCache
 from models.logical_axes import BATCH, Axes, axes_field, axes_of
 from models.quantized import overlay
-from vegas_jax import adaptive_gamma, penalties, sampling
-from vegas_jax.logprobs import Logprobs
+from vegas_jax.decode import adaptive_gamma
+from vegas_jax.decode import penalties
+from vegas_jax.decode import sampling
+from vegas_jax.decode.logprobs import Logprobs
 from vegas_jax.attention.family import family_of
-from vegas_jax.draft_kernel import with_kernel
-from vegas_jax.drafters import Verified, make_drafter
-from vegas_jax.precision import EXACT_MODE, ApproxMode
-from vegas_jax.selection import Policy, SelectContext, Selection
+from vegas_jax.decode.draft_kernel import with_kernel
+from vegas_jax.decode.drafters import Verified, make_drafter
+from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode
+from vegas_jax.decode.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
-from vegas_jax.tree import TreeShape
+from vegas_jax.decode.tree_shapes import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +56,14 @@ class DecodeConfig:
     placement: Placement = Placement()  # attention backend and mesh
     logprobs: int | None = None  # log-probabilities of the emitted tokens and this many alternatives; None: off
     draft_weights: str = "bf16"  # what the drafts read: bf16 (the model's weights) | int8 | int4 (draft_params)
-    draft_activations: str = "bf16"  # what their quantized products multiply: bf16 | int8 (vegas_jax.draft_kernel)
+    draft_activations: str = "bf16"  # what their quantized products multiply: bf16 | int8 (vegas_jax.decode.draft_kernel)
     adaptive_gamma: bool = False  # gamma is γ_max; each iteration drafts as many as adaptive_gamma chooses
-    # A draft tree (vegas_jax.tree_decode) in place of the chain of γ drafts; γ is then its depth.
+    # A draft tree (vegas_jax.decode.tree_iteration) in place of the chain of γ drafts; γ is then its depth.
     tree: TreeShape | None = None
-    # With a tree (vegas_jax.drafters): self (the model's cheaper draft: a dense model's reads the policy) | ngram |
-    # head (a trained draft head, models.draft_head: the loop's draft_params are its params).
+    # With a tree (vegas_jax.decode.drafters): self (the model's cheaper draft: a dense model's reads the policy) |
+    # ngram | head (a trained draft head, models.draft_head: the loop's draft_params are its params).
     drafter: str = "self"
-    # The approximate NSA mode whose modified target every pass runs (vegas_jax.precision; exact: the model).
+    # The approximate NSA mode whose modified target every pass runs (vegas_jax.ssv.precision; exact: the model).
     mode: ApproxMode = EXACT_MODE
 
     def __post_init__(self):
@@ -128,7 +130,7 @@ class DecodeState:
     keys: jax.Array = axes_field(BATCH)  # [B] per-request PRNG keys
     sampling: sampling.SamplingParams
     history: penalties.History | None  # emitted-token counts and prompt tokens; None without penalties
-    stop_table: jax.Array = axes_field(None, None)  # [S, V] int32 (vegas_jax.stops.table)
+    stop_table: jax.Array = axes_field(None, None)  # [S, V] int32 (vegas_jax.decode.stops.table)
     stop_state: jax.Array = axes_field(BATCH)  # [B] int32: the stop automaton's state after the emitted text
     logprobs: Logprobs | None  # None without logprobs
     selection: Selection
@@ -136,8 +138,8 @@ class DecodeState:
     metrics: Metrics
     step: jax.Array = axes_field()  # scalar int32: iterations run
     gamma_control: adaptive_gamma.GammaControl | None = None  # with adaptive γ
-    drafter_state: Any = ()  # a tree's drafter's memory (vegas_jax.drafters: the ngram drafter's tokens so far, the
-    # head drafter's K/V and pending rows)
+    drafter_state: Any = ()  # a tree's drafter's memory (vegas_jax.decode.drafters: the ngram drafter's tokens so
+    # far, the head drafter's K/V and pending rows)
 
 
 def init_state(
@@ -260,7 +262,7 @@ def _emit(state: DecodeState, candidates: jax.Array, count: jax.Array, active: j
 def _processed(logits: jax.Array, state: DecodeState, drafts: jax.Array, preceding: jax.Array,
                config: DecodeConfig) -> jax.Array:
     """The logits [B, R, V] sampling reads: penalised (when some request has a penalty) with each row's own
-    history, the emitted tokens and drafts[:, :preceding[r]] (vegas_jax.penalties.apply)."""
+    history, the emitted tokens and drafts[:, :preceding[r]] (vegas_jax.decode.penalties.apply)."""
     if not config.sampling.penalties:
         return logits
     return penalties.apply(logits, state.history, state.sampling, drafts, preceding)
