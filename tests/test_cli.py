@@ -653,7 +653,7 @@ def test_score_cli_bad_pairs_are_one_line(capsys, tmp_path, lines, needles):
 ])
 def test_score_cli_refuses_unreadable_pairs_and_unwritable_outputs_before_loading(monkeypatch, capsys, tmp_path,
                                                                                    content, output, needle):
-    monkeypatch.setattr(score, "_load", lambda *_: pytest.fail("loaded before the files were checked"))
+    monkeypatch.setattr(score, "load_checkpoint", lambda *_: pytest.fail("loaded before the files were checked"))
     path = tmp_path / "pairs.jsonl"
     path.write_bytes(content)
     rc = score.main(["--pairs", str(path), *(["--output-json", output] if output else [])])

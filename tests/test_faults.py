@@ -29,6 +29,7 @@ from safetensors.numpy import load_file, save_file
 from tests.test_cli import BASE, COMMON, FIXTURE, MAX_NEW, PROMPT, REPO, run_main
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax import generate
+from vegas_jax.cli import arguments, outputs
 from vegas_jax.attention.backend import default_backend
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
 from vegas_jax.runtime.pacing import Pacer
@@ -175,9 +176,9 @@ def test_library_errors_name_the_python_argument_and_the_cli_its_flag(engine):
     for options, library, cli in cases:
         with pytest.raises(InputError) as e:
             engine.check_input(["hi"], options)
-        assert str(e.value).startswith(library) and e.value.render(generate._flag).startswith(cli)
+        assert str(e.value).startswith(library) and e.value.render(arguments.flag).startswith(cli)
         # Across processes too: pickled as template and values.
-        assert pickle.loads(pickle.dumps(e.value)).render(generate._flag) == e.value.render(generate._flag)
+        assert pickle.loads(pickle.dumps(e.value)).render(arguments.flag) == e.value.render(arguments.flag)
     with pytest.raises(InputError, match=r"^steps_per_call must be None or >= 1, got 0$"):
         next(engine.stream(["hi"], OPTIONS, steps_per_call=0))
     with pytest.raises(InputError, match=r"^chat_template must be True or False, got 'no' \(str\)$"):
@@ -428,7 +429,7 @@ def test_json_is_never_half_written(monkeypatch, tmp_path):
 
     monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        generate._write_json(path, {"new": 1})
+        outputs.write_json(path, {"new": 1})
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
 
 

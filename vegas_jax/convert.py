@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from models.config import UnsupportedModelError
 from vegas_jax.cli import outputs
-from vegas_jax.generate import INTERRUPTED
+from vegas_jax.cli.arguments import INTERRUPTED
 from vegas_jax.loading import CheckpointError, load_model, where_and_why
 from vegas_jax.loading.orbax_ckpt import save_orbax
 

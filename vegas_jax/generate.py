@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from vegas_jax.cli import flag_environment
+from vegas_jax.cli.arguments import (DTYPES, INTERRUPTED, OneLineErrors, flag, load_checkpoint, mesh_of,
+                                     read_text, resolve_dtype)
 from vegas_jax import inputs
 from vegas_jax.cli import outputs
 from vegas_jax.decode import stops
@@ -29,12 +31,10 @@ from vegas_jax.runtime.engine import Engine, GenerationOptions, GenerationResult
 from vegas_jax.runtime.options import METHODS
 from vegas_jax.runtime.serving import check_serving
 
-DTYPES = ("auto", "bfloat16", "float32")
 # Decode runs in device calls of about this long (Engine.stream's seconds_per_call): a SIGINT is answered, and
 # --stream prints, at the end of the call under way. Each return to the host cost 2-6 ms at 64 slots of 7.9K
 # tokens on the H200, 1-2 % of this.
 SECONDS_PER_CALL = 0.25
-INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 # stdout's reader closed early: 128 + SIGPIPE, what a shell reports for a writer that SIGPIPE ended (`yes | head -1`),
 # so `set -o pipefail` scripts see it as they would any other writer's. Not 1 (Python's docs' suggestion): 1 here
 # means a request failed. Nothing is said on stderr, as `yes` or `cat` say nothing: the reader chose to stop.
@@ -69,15 +69,8 @@ def numbers(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """argparse prints its usage before an error; bad input here gets exactly one line."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineErrors(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0],
+    p = OneLineErrors(prog="python -m vegas_jax.generate", description=__doc__.splitlines()[0],
                        epilog="Every flag that takes one value, and every switch, also reads VEGAS_<FLAG> from the "
                               "environment (--max-new-tokens: VEGAS_MAX_NEW_TOKENS; switches 1/0); a flag given "
                               "here wins.")
@@ -218,22 +211,6 @@ def _init_distributed(args) -> None:
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
 
 
-def _mesh(args):
-    if args.mesh is None:
-        return None
-    from vegas_jax.sharding import make_mesh, parse_mesh
-
-    return make_mesh(parse_mesh(args.mesh))
-
-
-_FLAGS = {"prompts": "--prompt", "stop_token_ids": "--stop-token-id"}
-
-
-def _flag(name: str) -> str:
-    """The flag for a library argument that an InputError names (every option is a flag of the same name)."""
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
 class _Interrupt:
     """SIGINT while generating. Once the engine has asked `stop` (it is decoding, and returns to the host every
     SECONDS_PER_CALL or so), SIGINT only asks it to stop at its next return, so that what it finished is kept;
@@ -274,18 +251,6 @@ class _Progress:
         for bar in self.bars.values():
             bar.close()
         self.bars.clear()
-
-
-def read_text(path: Path, flag: str) -> str:
-    """A text file's content, read as UTF-8, strictly (a leading byte-order mark dropped): a file that is not
-    UTF-8 is refused, naming the first byte that is not, rather than read with replacement characters."""
-    try:
-        return path.read_text(encoding="utf-8-sig")
-    except OSError as e:
-        raise InputError(flag + " {}: {}", path, e.strerror) from None
-    except UnicodeDecodeError as e:
-        raise InputError(flag + " {}: not UTF-8 text (byte {:#04x} at offset {}); files are read as UTF-8", path,
-                         e.object[e.start], e.start) from None
 
 
 def _read_messages(path: Path) -> list[dict]:
@@ -333,64 +298,11 @@ def _prompt_sources(args) -> list[str]:
             + [f"--messages {path}" for path in args.messages])
 
 
-def _check_output_path(path: Path) -> None:
-    """Before any work: the file can be written where it is asked for (its folder is made if missing), tried with
-    the temporary file `_write_json` starts with (vegas_jax.cli.outputs)."""
-    if path.is_dir():
-        raise InputError("--output-json {}: is a directory", path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError("--output-json {}: cannot make its folder: {}", path, e.strerror) from None
-    try:
-        outputs.probe(_temporary(path))
-    except OSError as e:
-        raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
-
-
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    """Written to a temporary file beside `path`, then renamed over it: an interrupted or failed write never
-    leaves a half-written file at `path`."""
-    temporary = _temporary(path)
-    try:
-        temporary.write_text(json.dumps(doc, indent=1))
-        os.replace(temporary, path)
-    except OSError as e:
-        raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def _resolve_dtype(name: str):
-    import jax
-    import jax.numpy as jnp
-
-    if name == "auto":
-        name = "bfloat16" if jax.default_backend() == "gpu" else "float32"
-    return name, {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
-
-
 def _options(args) -> GenerationOptions:
     # Every option is a flag of the same name.
     return GenerationOptions.check(
         GenerationOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationOptions)})
     )
-
-
-def _load(model: str | None, dtype, mesh, draft_weights: str):
-    """The checkpoint, laid out on `mesh`, with the draft weights asked for; any failure to read it is an
-    InputError `--model PATH: cause`."""
-    from models.config import UnsupportedModelError
-    from vegas_jax.loading import CheckpointError, load_model, where_and_why
-
-    try:
-        return load_model(model, dtype, mesh, draft_weights)
-    except (CheckpointError, UnsupportedModelError) as e:
-        raise InputError("--model {}", where_and_why(model, e)) from None
 
 
 def _pacing(interrupt: _Interrupt) -> dict:
@@ -614,7 +526,7 @@ def _interrupted(out: dict, path: Path | None, render) -> int:
         line += f": {finished} of {len(out['requests'])} requests finished"
         if path is not None:
             try:
-                _write_json(path, {**out, "interrupted": True})
+                outputs.write_json(path, {**out, "interrupted": True})
                 line += f", written to {path}"
             except InputError as e:
                 line += f"; error: {render(e)}"
@@ -629,7 +541,7 @@ def _kept(out: dict, path: Path | None, error: str) -> str:
     if "requests" not in out or path is None:
         return ""
     try:
-        _write_json(path, {**out, "interrupted": False, "error": error})
+        outputs.write_json(path, {**out, "interrupted": False, "error": error})
     except InputError:
         return ""
     return f"; the run's output was written to {path}"
@@ -662,7 +574,7 @@ def _parse_and_run(argv: list[str]) -> int:
     except SystemExit as e:  # argparse exits on --help and on malformed flags; callers of main() get the code
         return e.code
     from_variables = {dest: variable for dest, variable in taken.items() if dest not in given}
-    name = lambda argument: from_variables.get(argument) or _flag(argument)  # noqa: E731: what errors call it
+    name = lambda argument: from_variables.get(argument) or flag(argument)  # noqa: E731: what errors call it
     sources = {"prompts": _prompt_sources(args)}  # a prompt is named by its flag or file, not its batch index
     render = lambda error: error.render(name, sources)  # noqa: E731
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
@@ -706,15 +618,15 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             raise InputError("--draft-head: only with --drafter head and a --draft-tree")
         if args.compare_ar and options.effective_gamma == 0:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
-        mesh = _mesh(args)
+        mesh = mesh_of(args)
         if args.phase_times and mesh is not None:
             raise InputError("{phase_times}: not with {mesh} (the phases are timed on one device)")
         if args.phase_times and args.draft_tree:
             raise InputError("{phase_times}: not with {draft_tree} (the phases timed are the chain's)")
         prompts = _read_prompts(args)
         if args.output_json:
-            _check_output_path(args.output_json)
-        dtype_name, dtype = _resolve_dtype(args.dtype)
+            outputs.check_json_path(args.output_json)
+        dtype_name, dtype = resolve_dtype(args.dtype)
         from vegas_jax.attention.backend import default_backend
 
         default_backend()  # VEGAS_KERNELS is checked before the model loads
@@ -722,7 +634,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             raise InputError("{attention} must be one of {}, got {!r}", ", ".join(ATTENTION_CHOICES), args.attention)
 
         t0 = time.perf_counter()
-        loaded = _load(args.model, dtype, mesh, options.draft_weights if options.effective_gamma else None)
+        loaded = load_checkpoint(args.model, dtype, mesh, options.draft_weights if options.effective_gamma else None)
         load_s = time.perf_counter() - t0
         loaded = dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention))
         engine = Engine(loaded, draft_head=args.draft_head)
@@ -736,7 +648,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             doc = {"plan": plan, "prompt_tokens": [len(p) for p in prompts]}
             print(json.dumps(doc, indent=1))
             if args.output_json:
-                _write_json(args.output_json, doc)
+                outputs.write_json(args.output_json, doc)
             return 0
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
                     **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
@@ -795,7 +707,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             print(f"compile cache {cache['dir']}: {cache['hits']} programs read from it, {cache['misses']} compiled "
                   "and written", file=sys.stderr)
         if args.output_json:
-            _write_json(args.output_json, {**out, "interrupted": False})
+            outputs.write_json(args.output_json, {**out, "interrupted": False})
     except InputError as e:
         message = render(e)
         print(f"error: {message}{_kept(out, args.output_json, message)}", file=sys.stderr)

@@ -17,15 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-# The CLIs share generate's helpers: one-line errors, dtype, loading, the mesh flag, atomic JSON output.
-from vegas_jax.generate import (DTYPES, INTERRUPTED, _check_output_path, _flag, _load, _mesh, _OneLineErrors,
-                                _resolve_dtype, _write_json, read_text)
+from vegas_jax.cli.arguments import (DTYPES, INTERRUPTED, OneLineErrors, flag, load_checkpoint, mesh_of,
+                                     read_text, resolve_dtype)
+from vegas_jax.cli.outputs import check_json_path, write_json
 from vegas_jax.inputs import InputError
 from vegas_jax.runtime.scoring import perplexity
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineErrors(prog="python -m vegas_jax.score", description=__doc__.splitlines()[0])
+    p = OneLineErrors(prog="python -m vegas_jax.score", description=__doc__.splitlines()[0])
     p.add_argument("--model",
                    help="GGUF file, Hugging Face folder, or vegas-jax Orbax folder (default: embedded SmolLM2)")
     p.add_argument("--pairs", type=Path, required=True,
@@ -67,11 +67,11 @@ def main(argv=None) -> int:
     try:
         prompts, continuations = read_pairs(args.pairs)
         if args.output_json:
-            _check_output_path(args.output_json)
-        dtype_name, dtype = _resolve_dtype(args.dtype)
+            check_json_path(args.output_json)
+        dtype_name, dtype = resolve_dtype(args.dtype)
         from vegas_jax.runtime.engine import Engine
 
-        engine = Engine(_load(args.model, dtype, _mesh(args), "bf16"))  # scoring reads no drafts
+        engine = Engine(load_checkpoint(args.model, dtype, mesh_of(args), "bf16"))  # scoring reads no drafts
         t0 = time.perf_counter()
         scored = engine.score(prompts, continuations, batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
         seconds = time.perf_counter() - t0
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         print(f"perplexity {total:.4f} over {tokens} tokens of {len(scored)} continuations ({dtype_name}, "
               f"{seconds:.2f}s)")
         if args.output_json:
-            _write_json(args.output_json, {"model": args.model or "embedded:SmolLM2-135M-Instruct",
+            write_json(args.output_json, {"model": args.model or "embedded:SmolLM2-135M-Instruct",
                                            "dtype": dtype_name, "pairs": [dataclasses.asdict(s) for s in scored],
                                            "perplexity": total, "tokens": tokens, "seconds": seconds})
     except InputError as e:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
 
 
 def _pair_flag(name: str) -> str:
-    return "--pairs" if name in ("prompts", "continuations") else _flag(name)
+    return "--pairs" if name in ("prompts", "continuations") else flag(name)
 
 
 if __name__ == "__main__":
