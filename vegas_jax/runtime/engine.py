@@ -36,7 +36,7 @@ from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.ssv.planner import DrafterAcceptance
 from vegas_jax.runtime.prefill_reuse import PrefillReuse
 from vegas_jax.runtime.options import GenerationOptions
-from vegas_jax.runtime.pacing import Pacer
+from vegas_jax.runtime.pacing import DecodeCalls, Pacer
 from vegas_jax.runtime.prompt_encoding import encode_prompts
 from vegas_jax.runtime.results import (GenerationResult, RequestResult, StreamedTokens, generation_result, host_rows,
                                streamed_tokens, token_rows)
@@ -244,15 +244,12 @@ class Engine:
         yield [streamed_tokens(host, i, 0, int(seen[i]), k) for i in range(batch)]
 
         t0 = time.perf_counter()
+        calls = DecodeCalls(started.decode, params, draft_params, placement, pacer, adaptive)
         num_generated, done, step = seen, *placement.fetch((state.done, state.step))
         while not bool(np.all(done)) and not placement.agreed(stop is not None and bool(stop())):
-            call_start, before = time.perf_counter(), int(step)
-            state, limit = adaptive.before_call(state, before, pacer.limit(before))
-            state = started.decode(params, draft_params, state, np.int32(limit), np.int32(rows))
-            num_generated, done, step = placement.fetch((state.num_generated, state.done, state.step))
-            elapsed = placement.agreed(time.perf_counter() - call_start)  # paces the next call on every process
-            pacer.update(int(step) - before, elapsed)
-            adaptive.after_call(int(step) - before, elapsed)
+            state, iterations, _ = calls(state, int(step), rows)
+            step = int(step) + iterations
+            num_generated, done = placement.fetch((state.num_generated, state.done))
             if pacer.steps is not None:
                 host = placement.fetch(token_rows(state, config))
                 yield [streamed_tokens(host, i, int(seen[i]), int(num_generated[i]), k) for i in range(batch)]
@@ -327,6 +324,7 @@ class Engine:
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
         adaptive = self._gamma_book.for_run(config, options.gamma_costs, slots, capacity)
+        calls = DecodeCalls(decode, params, draft_params, placement, pacer, adaptive)
 
         while not placement.agreed(stop is not None and bool(stop())):
             for group, targets in table.groups():
@@ -349,14 +347,7 @@ class Engine:
             if not table.occupied():
                 break
             before, step = placement.fetch((state.num_generated, state.step))
-            t0 = time.perf_counter()
-            state, limit = adaptive.before_call(state, int(step), pacer.limit(int(step)))
-            state = decode(params, draft_params, state, np.int32(limit), np.int32(table.finished_limit()))
-            jax.block_until_ready(state.done)
-            elapsed = placement.agreed(time.perf_counter() - t0)  # paces the next call on every process
-            iterations = int(placement.fetch(state.step)) - int(step)
-            pacer.update(iterations, elapsed)
-            adaptive.after_call(iterations, elapsed)
+            state, iterations, elapsed = calls(state, int(step), table.finished_limit())
             table.after_call(host_rows(state, config), before, iterations, elapsed)
             if progress:
                 progress("requests", len(table.finished), len(ids))

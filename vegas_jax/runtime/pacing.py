@@ -1,7 +1,11 @@
-"""How many loop iterations each decode call of a run may take: the host can react (to `stop`, to stream tokens)
-only between calls."""
+"""How many loop iterations each decode call of a run may take, and the decode calls themselves: the host can react
+(to `stop`, to stream tokens, to admit requests) only between calls."""
 
 from __future__ import annotations
+
+import time
+
+import numpy as np
 
 from vegas_jax import inputs
 from vegas_jax.inputs import InputError
@@ -28,3 +32,26 @@ class Pacer:
     def update(self, iterations: int, elapsed: float) -> None:
         if self.seconds is not None and iterations > 0 and elapsed > 0:
             self.steps = max(1, min(2 * self.steps, int(iterations * self.seconds / elapsed)))
+
+
+class DecodeCalls:
+    """The host's side of every decode call, for `Engine.stream` and `Engine.serve` alike: each call's step limit
+    (the Pacer's, and adaptive γ's warm-up, `control`: an adaptive_gamma.RunControl), the compiled loop run up to it,
+    and the call's iterations and seconds (agreed by every process of a mesh, so that all pace alike) fed back to
+    both."""
+
+    def __init__(self, decode, params, draft_params, placement, pacer: Pacer, control):
+        self.decode, self.params, self.draft_params = decode, params, draft_params
+        self.placement, self.pacer, self.control = placement, pacer, control
+
+    def __call__(self, state, step: int, finished_limit: int):
+        """(the state after one decode call from loop step `step`, its iterations, its seconds). The loop returns
+        early once `finished_limit` rows are done."""
+        start = time.perf_counter()
+        state, limit = self.control.before_call(state, step, self.pacer.limit(step))
+        state = self.decode(self.params, self.draft_params, state, np.int32(limit), np.int32(finished_limit))
+        iterations = int(self.placement.fetch(state.step)) - step  # waits for the call
+        elapsed = self.placement.agreed(time.perf_counter() - start)
+        self.pacer.update(iterations, elapsed)
+        self.control.after_call(iterations, elapsed)
+        return state, iterations, elapsed
