@@ -743,9 +743,11 @@ def _strict(text: str) -> dict:
 def test_a_decode_of_no_measured_time_has_no_speed(monkeypatch, capsys, tmp_path, slots):
     """A clock that does not move (decode_s exactly 0, as a coarse clock can give): no tokens/s, no speedup, and a
     JSON that is JSON (null, never NaN), printed and written, from generate and from serve."""
-    from vegas_jax.runtime import engine as engine_module
+    from vegas_jax.runtime import engine as engine_module, pacing
 
-    monkeypatch.setattr(engine_module, "time", type("Frozen", (), {"perf_counter": staticmethod(lambda: 1.0)}))
+    frozen = type("Frozen", (), {"perf_counter": staticmethod(lambda: 1.0)})
+    for module in (engine_module, pacing):  # the engine's clock, and the decode calls' (pacing.DecodeCalls)
+        monkeypatch.setattr(module, "time", frozen)
     path = tmp_path / "out.json"
     argv = [*BASE, *VEGAS, "--prompt", PROMPT, "--compare-ar", "--output-json", str(path)]
     assert generate.main([*argv, *(["--slots", str(slots)] if slots else [])]) == 0
