@@ -34,6 +34,7 @@ import optax
 from models import draft_head
 from models.config import ModelConfig
 from models.decoder import forward
+from vegas_jax.cli.arguments import OneLineErrors
 from vegas_jax.loading import draft_head_checkpoint
 from vegas_jax.attention.family import ATTENTION_CHOICES, family_of, with_attention
 from vegas_jax.runtime.engine import Engine
@@ -319,7 +320,7 @@ SETTING_HELP = {
 }
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vegas_jax.train_draft_head", description=__doc__.split("\n\n")[0])
+    p = OneLineErrors(prog="python -m vegas_jax.train_draft_head", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (.gguf, HF or vegas-jax Orbax folder); default: the "
                                                  "embedded SmolLM2-135M")
     p.add_argument("--out", required=True, help="checkpoint folder (resumed from when it holds one)")
