@@ -158,9 +158,11 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------------------------------
     def _prefill(self, ids, options, config, capacity, timings, **kwargs) -> loop.DecodeState:
-        """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table."""
+        """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table (and the
+        draft head, which prefill runs over the prompts, when it drafts)."""
+        head = self._draft_params(config, 0) if config.tree is not None and config.drafter == "head" else None
         return prefill.prefill(self.model, self.programs, ids, options, config, capacity, self._stop_table(options),
-                               timings, **kwargs)
+                               timings, head=head, **kwargs)
 
     def _compile_decode(self, config, state, draft_params, timings) -> Callable:
         """The compiled decode loop: decode(params, draft_params, state, step_limit, finished_limit), the limits
