@@ -75,7 +75,9 @@ def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], o
                                output_width=config.max_new_tokens,
                                sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
                                logprobs=config.logprobs, stop_table=stop_table.shape, prefill_chunk=chunk,
-                               refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill)
+                               refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill,
+                               head_slots=capacity + config.tree.rows
+                               if config.tree is not None and config.drafter == "head" else 0)
     memory.check_fits(estimate, placement)
     return RunPlan(options, config, capacity, {
         "ssv_plan": None if ssv_plan is None else ssv_plan.report(),
