@@ -58,7 +58,8 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
     check = train_draft_head.make_data(engine, held_back, SETTINGS)
     loss = jax.jit(lambda head: train_draft_head.loss_and_metrics(
         head, target, jnp.asarray(check["tokens"]), jnp.asarray(check["generated"]), model=model,
-        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll, placement=engine.placement))
+        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll,
+        context_tokens=SETTINGS.context_tokens, placement=engine.placement))
     before, before_metrics = loss(draft_head.init_params(model, jnp.float32, SETTINGS.seed))
     head = jax.tree.map(np.asarray, engine.draft_head)
     after, after_metrics = loss(head)
