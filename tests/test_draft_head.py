@@ -9,6 +9,7 @@ error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -28,6 +29,7 @@ from vegas_jax import train_draft_head
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.decode.drafters import HeadDrafter
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
+from vegas_jax.runtime.prefill_reuse import PrefillReuse
 from vegas_jax.decode.iteration import request_step, step_keys
 
 SETTINGS = train_draft_head.Settings(prompts=16, prompt_tokens=12, new_tokens=24, steps=60, batch=4,
@@ -165,6 +167,23 @@ def test_prefill_writes_the_heads_rows_of_every_prompt_position(dense):
             rows = len(prompt) - 1
             np.testing.assert_allclose(np.asarray(memory.k[b, :rows]), want[b][0], atol=1e-5, rtol=1e-5)
             np.testing.assert_allclose(np.asarray(memory.v[b, :rows]), want[b][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_prefill_keeps_the_heads_rows_with_the_cache(dense):
+    """A head run started from a kept prefill (vegas_jax.runtime.prefill_reuse) starts from the state of its own
+    prefill, the head's rows included; a prefill kept without the head is not reused for one with it."""
+    from tests.test_prefill_reuse import host
+
+    engine, _, _ = dense
+    ids = prompts([12, 37, 9], engine.config.vocab_size, seed=6)
+    head = GenerationOptions(max_new_tokens=NEW, draft_tree="3x2", drafter="head", prefill_chunk=16)
+    reuse = PrefillReuse()
+    engine.start(ids, dataclasses.replace(head, draft_tree="2x1", drafter="ngram"), reuse_prefill=reuse)
+    assert not engine.start(ids, head, reuse_prefill=reuse).timings["prefill_reused"]  # keeps the head's now
+    reused = engine.start(ids, head, reuse_prefill=reuse)
+    assert reused.timings["prefill_reused"]
+    for a, b in zip(host(engine.start(ids, head).state), host(reused.state), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("tree", ["4x1", "2x3"])
