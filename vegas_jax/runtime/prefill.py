@@ -84,7 +84,8 @@ def prefill(model: LoadedModel, programs: Programs, ids, options: GenerationOpti
     width = spans[-1][0] + spans[-1][1] if spans else 0
     tokens, following = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
     for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache, a kept prefill)
-        tokens[i, : len(p) - 1], following[i, : len(p) - 1] = p[:-1], p[1:]  # following: the head's
+        # following: the token after each prefilled row, which the head's row reads
+        tokens[i, : len(p) - 1], following[i, : len(p) - 1] = p[:-1], p[1:]
     t0 = time.perf_counter()
     p_axes, cache_axes, state_axes = param_axes(params), axes_of(state.cache), axes_of(state)
     compiled = {}
@@ -99,7 +100,7 @@ def prefill(model: LoadedModel, programs: Programs, ids, options: GenerationOpti
         else:
             memory_axes = axes_of(state.drafter_state)
             compiled[size] = programs.compile(
-                "prefill", loop.prefill_chunk_with_head, params, head, state.cache, state.drafter_state, *steps,
+                "prefill-head", loop.prefill_chunk_with_head, params, head, state.cache, state.drafter_state, *steps,
                 steps[0], donate=(2, 3), layout=placement,
                 in_axes=(p_axes, draft_head.param_axes(head), cache_axes, memory_axes,
                          *(loop.PREFILL_TOKENS_AXES,) * 3),
