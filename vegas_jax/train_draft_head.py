@@ -5,8 +5,9 @@ Self-distillation: the engine decodes the tuning split's prompts greedily (bench
 held-out split, on which the head is measured), and the head learns, at every generated position, the target's own
 next hidden state and next-token distribution. The head runs over the prompt's rows too, as in decoding (prefill
 writes them, vegas_jax.decode.drafters.prefill_rows), so it learns to attend to the prompt: to copy from it. The
-loss is on the generated positions only, the ones decoding drafts; `context_tokens` bounds how many prompt rows
-before each prompt's last the head runs over (the last ones), which bounds its attention at long prompts.
+prompt rows it runs over learn too (head_loss: better drafts, measured on a tiny copying model); `context_tokens`
+bounds how many prompt rows before each prompt's last the head runs over (the last ones), which bounds its
+attention and its prompt rows' logits at long prompts.
 
 Training-time test: decoding feeds the head its own predictions after the first draft, so the head is trained on
 that too. Pass 0 reads the target's hidden states over the prompt's and the generated rows; pass j (over the
@@ -132,15 +133,18 @@ def pass_visibility(context: int, rows: int, passes: int, j: int) -> np.ndarray:
     return (slot <= context + r - j) | ((slot >= verified) & (i + 1 <= j) & (t == r - j + i + 1))
 
 
-def target_pass(target, tokens, *, model: ModelConfig, prompt_tokens: int, placement: Placement):
+def target_pass(target, tokens, *, model: ModelConfig, prompt_tokens: int, context_tokens: int,
+                placement: Placement):
     """What the head learns from, for tokens [B, P + N]: the target's last hidden states [B, P + N, D] and its
-    next-token distributions at rows P .. P + N - 1 ([B, N, V]), by one full-attention pass of the target (outside
-    the differentiated function: no gradient reaches the target, nor its kernels)."""
+    next-token distributions at rows P - c .. P + N - 1 ([B, c + N, V], c the prompt rows the head trains on:
+    head_loss), by one full-attention pass of the target (outside the differentiated function: no gradient reaches
+    the target, nor its kernels)."""
     batch, width = tokens.shape
-    rows, family = width - prompt_tokens, family_of(model)
+    family = family_of(model)
+    first = prompt_tokens - min(context_tokens, prompt_tokens - 1)
     cache = family.create_cache(model, batch, -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN, target["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    logit_rows = jnp.broadcast_to(prompt_tokens + jnp.arange(rows), (batch, rows))
+    logit_rows = jnp.broadcast_to(jnp.arange(first, width), (batch, width - first))
     logits, _, _, hidden = forward(target, tokens, positions, cache, family.full_attention(model, placement),
                                    config=model, logit_rows=logit_rows, with_hidden=True)
     return hidden, jax.nn.softmax(logits, axis=-1)
@@ -150,19 +154,24 @@ def loss_and_metrics(head, target, tokens, generated, *, model: ModelConfig, pro
                      context_tokens: int, placement: Placement):
     """(loss, {agreement [unroll + 1]: top-1 agreement of pass j with the target}) over a batch of tokens [B, P + N]
     of which the first P + generated[b] are real."""
-    hidden, target_probs = target_pass(target, tokens, model=model, prompt_tokens=prompt_tokens, placement=placement)
+    hidden, target_probs = target_pass(target, tokens, model=model, prompt_tokens=prompt_tokens,
+                                       context_tokens=context_tokens, placement=placement)
     return head_loss(head, target, tokens, generated, hidden, target_probs, model=model, prompt_tokens=prompt_tokens,
                      unroll=unroll, context_tokens=context_tokens)
 
 
 def head_loss(head, target, tokens, generated, hidden, target_probs, *, model: ModelConfig, prompt_tokens: int,
               unroll: int, context_tokens: int):
-    """loss_and_metrics given the target pass (target_pass)."""
+    """loss_and_metrics given the target pass (target_pass). Pass 0's prompt rows learn as its generated rows do
+    (the target's next distribution and hidden state), in a term of their own: on the tiny copying model of
+    docs/draft-head.md this raised the head's agreement at every depth once trained; the agreement reported is the
+    generated positions', where decoding drafts."""
     batch, width = tokens.shape
     rows, passes = width - prompt_tokens, unroll + 1
     context = min(context_tokens, prompt_tokens - 1)  # prompt rows before position P - 1
     first = prompt_tokens - 1 - context  # pass 0's first row's position
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    prompt_probs, target_probs = target_probs[:, :context], target_probs[:, context:]
     target_choice = jnp.argmax(target_probs, axis=-1)
     wanted = normalized(hidden[:, prompt_tokens:])  # generated row r (position P - 1 + r) predicts the state at P + r
     slots = context + passes * rows
@@ -180,6 +189,12 @@ def head_loss(head, target, tokens, generated, hidden, target_probs, *, model: M
             write = at - (prompt_tokens - 1) + context + j * rows
         visible = jnp.broadcast_to(jnp.asarray(pass_visibility(context, rows, passes, j)), (batch, at.shape[1], slots))
         out, k, v = draft_head.features(head, target, model, features, following, at, k, v, write, visible)
+        if j == 0 and context:  # prompt row i (position first + i) predicts the target at first + 1 + i
+            prompt_out = out[:, :context]
+            distill = -jnp.sum(prompt_probs * jax.nn.log_softmax(draft_head.logits(target, model, prompt_out), -1), -1)
+            regress = jnp.mean(jnp.square(normalized(prompt_out) - normalized(hidden[:, first + 1 : prompt_tokens])),
+                               axis=-1)
+            total = total + jnp.mean(distill + FEATURE_WEIGHT * regress)
         out = out[:, -rows:]  # the generated rows' predictions
         logits = draft_head.logits(target, model, out)
         valid = (jnp.arange(rows)[None, :] >= j) & (jnp.arange(rows)[None, :] < generated[:, None])
@@ -224,7 +239,7 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         record["settings"] = dataclasses.asdict(settings)  # steps may grow
 
     taught = functools.partial(target_pass, model=model, prompt_tokens=settings.prompt_tokens,
-                               placement=engine.placement)
+                               context_tokens=settings.context_tokens, placement=engine.placement)
     loss_fn = functools.partial(head_loss, model=model, prompt_tokens=settings.prompt_tokens, unroll=settings.unroll,
                                 context_tokens=settings.context_tokens)
 
@@ -318,12 +333,14 @@ def memory_plan(model: ModelConfig, settings: Settings, target_bytes: int, dtype
     capacity = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
     kv = 2 * model.num_layers * b * capacity * model.num_kv_heads * model.head_dim * dtype_bytes
     vocab_rows = b * rows * model.vocab_size * 4  # one float32 [B, N, V]
+    prompt_vocab_rows = b * (verified - rows) * model.vocab_size * 4  # the prompt rows' (pass 0's)
     return {
         "target params": target_bytes,
         "head params, gradients, Adam moments (float32)": 4 * 4 * head_params,
         "target pass: KV cache and hidden states": kv + b * width * model.hidden_size * (4 + dtype_bytes),
-        "target logits and probabilities": 2 * vocab_rows,
-        "head logits, log-softmax and their gradients, every pass": 3 * passes * vocab_rows,
+        "target logits and probabilities (prompt rows too)": 2 * (vocab_rows + prompt_vocab_rows),
+        "head logits, log-softmax and their gradients, every pass (pass 0's prompt rows too)":
+            3 * (passes * vocab_rows + prompt_vocab_rows),
         "head K/V, scores and activations, every pass (pass 0 over prompt rows too)": b * slots * (
             4 * slots * model.num_heads + 16 * model.hidden_size + 8 * model.intermediate_size),
         "data (token ids, host)": settings.prompts * width * 4,
