@@ -318,8 +318,8 @@ def _iteration_work(options: GenerationOptions, metrics: dict) -> str:
     tree = options.tree
     if tree is not None:
         drafting = "a prompt lookup" if options.drafting.drafter == "ngram" else f"{tree.depth} draft passes"
-        return (f"{drafting} for a {options.drafting.draft_tree} tree of {tree.num_nodes} drafts and a {tree.rows}-token "
-                "verification")
+        return (f"{drafting} for a {options.drafting.draft_tree} tree of {tree.num_nodes} drafts and a "
+                f"{tree.rows}-token verification")
     if options.auto_gamma:
         mean, most = metrics["gamma_chosen_mean"], options.effective_gamma
         if mean is None:  # no iteration ran

@@ -205,7 +205,7 @@ class Engine:
         draft_params = self._draft_params(config, rows)
         state = self._prefill(ids, options, config, capacity, timings, rows=rows,
                               progress=progress, fill_cache=fill_cache, reuse_prefill=reuse_prefill)
-        if options.adaptive_gamma.costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
+        if options.adaptive_gamma.costs is not None:  # a caller of `decode` runs adaptive γ on them from the start
             state = with_control(state, config.placement, -1, options.adaptive_gamma.costs)
         decode = self._compile_decode(config, state, draft_params, timings)
         return Started(ids, config, state, decode, timings, draft_params, options, plan.summary["ssv_plan"])

@@ -1,6 +1,8 @@
-"""What a generation request asks for: `GenerationOptions`, one frozen value per request, its fields checked for type
-and range before anything compiles (InputError names the field), and what follows from them (the compiled γ, the
-draft tree, the selection policy's knobs). The engine (vegas_jax.runtime.engine) runs them."""
+"""What a generation request asks for: `GenerationOptions`, one frozen value per request in two layers (the options
+every user sets, flat; the research knobs, nested per method: vegas_jax.runtime.research_options), its fields
+checked for type and range before anything compiles (InputError names the option by its flat name, its CLI flag's),
+and what follows from them (the compiled γ, the draft tree, the selection policy's knobs). A run resolves them once
+into its plan (vegas_jax.runtime.run_plan.resolve), which the engine (vegas_jax.runtime.engine) runs."""
 
 from __future__ import annotations
 
@@ -17,9 +19,8 @@ from vegas_jax.decode.drafters import DRAFTERS
 from vegas_jax.inputs import InputError
 from vegas_jax.decode.selection import POLICIES
 from vegas_jax.decode.tree_shapes import TreeShape, parse_tree
-from vegas_jax.runtime.research_options import (CAPACITY_ALIGN, MAX_GAMMA, AdaptiveGammaConfig, QuestConfig,
-                                                RetrievalConfig, SelectionConfig, SsvConfig, StreamingConfig,
-                                                TreeConfig)
+from vegas_jax.runtime.research_options import (MAX_GAMMA, AdaptiveGammaConfig, QuestConfig, RetrievalConfig,
+                                                SelectionConfig, SsvConfig, StreamingConfig, TreeConfig)
 
 METHODS = ("ar",) + POLICIES
 INT32_MAX = 2**31 - 1

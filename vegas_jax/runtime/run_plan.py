@@ -27,7 +27,8 @@ from vegas_jax.decode import sampling
 from vegas_jax.ssv import choice as ssv
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.runtime.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
+from vegas_jax.runtime.options import INT32_MAX, GenerationOptions, round_up
+from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.ssv.planner import DrafterAcceptance
 from vegas_jax.runtime.prefill_chunks import prefill_chunk
 from vegas_jax.decode.selection import Budget, make_policy
@@ -54,12 +55,12 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
         drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once its
     options are checked, SSV's choice made and the run known to fit its devices; InputError otherwise. Each run
-    resolves its plan once, and nothing downstream checks or changes its options again. `stop_table_of`: the options' vegas_jax.decode.stops table,
-    asked for once the options are checked (its stop ids within the vocabulary). `drafters`: those the engine can
-    run (the SSV planner's choices with drafter auto)."""
+    resolves its plan once, and nothing downstream checks or changes its options again. `stop_table_of`: the
+    options' vegas_jax.decode.stops table, asked for once the options are checked (its stop ids within the
+    vocabulary). `drafters`: those the engine can run (the SSV planner's choices with drafter auto)."""
     model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
     asked = GenerationOptions.check(options)
-    choice = ssv.resolve(asked, model_config, prompt_lens, acceptance, drafters)
+    choice = ssv.choose(asked, model_config, prompt_lens, acceptance, drafters)
     options = choice.applied_to(asked)
     if choice.plan is not None:
         options.validate()  # the planner's tree against the other options (penalties take no tree)
@@ -165,14 +166,14 @@ def max_model_len(model: ModelConfig, prompt_lens: list[int], options: Generatio
 
 def decode_config(model: ModelConfig, placement: Placement, options: GenerationOptions,
                   max_model_len: int) -> loop.DecodeConfig:
-    gamma = options.effective_gamma
+    gamma, selection = options.effective_gamma, options.selection
     policy = None
     if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
-        budget = Budget.for_length(options.selection.sparse_ratio, options.selection.min_sparse_tokens, max_model_len)
+        budget = Budget.for_length(selection.sparse_ratio, selection.min_sparse_tokens, max_model_len)
         policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
     mode = sampling.SamplingParams.create(1, *options.sampling_values).mode()
     width = round_up(options.max_new_tokens, OUTPUT_BUCKET)
-    return loop.DecodeConfig(model, gamma, policy, options.selection.score_mode, mode, width, placement, options.logprobs,
+    return loop.DecodeConfig(model, gamma, policy, selection.score_mode, mode, width, placement, options.logprobs,
                              draft_weights=options.draft_weights if gamma else "bf16",
                              draft_activations=options.draft_activations if gamma else "bf16",
                              adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafting.drafter,

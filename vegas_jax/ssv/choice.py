@@ -58,8 +58,8 @@ def approx_mode_of(options) -> ApproxMode:
     return EXACT_MODE if options.ssv.approx_mode is None else ApproxMode.from_name(options.ssv.approx_mode)
 
 
-def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance: DrafterAcceptance,
-            drafters: tuple[str, ...]) -> Choice:
+def choose(options, config: ModelConfig, prompt_lengths: list[int], acceptance: DrafterAcceptance,
+           drafters: tuple[str, ...]) -> Choice:
     """The run's Choice, for options that GenerationOptions.check has checked; InputError naming the option at
     fault. drafters: those the engine can run."""
     ssv = options.ssv
