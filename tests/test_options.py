@@ -27,6 +27,13 @@ def test_flat_keywords_land_in_their_nested_values():
     assert hash(options) == hash(GenerationOptions(**options.flat()))
 
 
+def test_plain_decoding_drops_what_only_drafts_use():
+    """--compare-ar's run: a baseline's knob, refused with method ar, goes with the drafts."""
+    options = GenerationOptions.check(GenerationOptions(method="quest", quest_page=32, sparse_ratio=0.5))
+    plain = GenerationOptions.check(options.plain())
+    assert (plain.method, plain.quest, plain.effective_gamma) == ("ar", QuestConfig(), 0)
+
+
 def test_an_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="sparse_ration"):
         GenerationOptions(sparse_ration=0.5)

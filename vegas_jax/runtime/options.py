@@ -256,11 +256,13 @@ class GenerationOptions:
         return self.gamma
 
     def plain(self) -> "GenerationOptions":
-        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them, no
-        planner (a pinned approximate mode stays: plain decoding of its target)."""
+        """The same request with plain decoding (what --compare-ar runs): no drafts, nothing about them (a
+        baseline's knobs would be refused with method ar), no planner (a pinned approximate mode stays: plain
+        decoding of its target)."""
         return dataclasses.replace(self, method="ar", gamma=GenerationOptions.gamma, draft_weights="bf16",
                                    draft_activations="bf16", adaptive_gamma=AdaptiveGammaConfig(),
-                                   drafting=TreeConfig(), ssv=dataclasses.replace(self.ssv, profile=None))
+                                   drafting=TreeConfig(), ssv=dataclasses.replace(self.ssv, profile=None),
+                                   **{method: RESEARCH[method]() for method in BASELINES})
 
     @property
     def sampling_values(self) -> tuple:
