@@ -20,7 +20,7 @@ from vegas_jax.inputs import InputError
 from vegas_jax.decode.selection import POLICIES
 from vegas_jax.decode.tree_shapes import TreeShape, parse_tree
 from vegas_jax.runtime.research_options import (MAX_GAMMA, AdaptiveGammaConfig, QuestConfig, RetrievalConfig,
-                                                SelectionConfig, SsvConfig, StreamingConfig, TreeConfig)
+                                                SelectionConfig, SsvConfig, StreamingConfig, TreeConfig, option)
 
 METHODS = ("ar",) + POLICIES
 INT32_MAX = 2**31 - 1
@@ -46,34 +46,46 @@ class GenerationOptions:
     knobs nested by the method or mechanism they tune (vegas_jax.runtime.research_options). A research knob is also
     taken as a flat keyword (`GenerationOptions(method="quest", quest_page=32)`, `dataclasses.replace(options,
     sparse_ratio=0.1)`, its CLI flag's name) and lands in its nested value, and is read so too
-    (`options.quest_page`); `flat()` gives every option by its flat name."""
+    (`options.quest_page`); `flat()` gives every option by its flat name. Every field carries its help, from which
+    its CLI flag is made (vegas_jax.cli.option_flags)."""
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    method: str = "ar"
-    gamma: int | str = 6  # or "auto" (vegas_jax.decode.adaptive_gamma; its knobs: adaptive_gamma)
-    max_model_len: int | None = None
-    prefill_chunk: int = 2048
+    max_new_tokens: int = option(256, "tokens to generate per request, never exceeded (also when drafts run ahead)")
+    temperature: float = option(0.0, "0 means greedy")
+    top_k: int = option(0, "0 means off")
+    top_p: float = option(1.0, "1 means off")
+    min_p: float = option(0.0, "keep tokens at least this times as likely as the most likely one (0 means off)")
+    # History-dependent penalties (vegas_jax.decode.penalties: repetition as transformers', presence and frequency as
+    # OpenAI's and vLLM's); min-p above (vegas_jax.decode.sampling).
+    repetition_penalty: float = option(1.0, "transformers': logits of prompt and output tokens divided (if > 0) or "
+                                            "multiplied by it; 1 off")
+    presence_penalty: float = option(0.0, "OpenAI's / vLLM's: subtracted from the logits of tokens in the output so "
+                                          "far; in [-2, 2]")
+    frequency_penalty: float = option(0.0, "OpenAI's / vLLM's: times a token's count in the output so far, "
+                                           "subtracted; in [-2, 2]")
     # Where generation ends (vegas_jax.decode.stops): stop strings (the text ends before the first, or after it with
     # include_stop) and token ids that end a request as EOS does.
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop: bool = False
-    # History-dependent penalties (vegas_jax.decode.penalties: repetition as transformers', presence and frequency as
-    # OpenAI's and vLLM's) and min-p (vegas_jax.decode.sampling).
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_p: float = 0.0
+    stop: tuple[str, ...] = option((), "stop string: the output ends before it (found across tokens); repeatable")
+    stop_token_ids: tuple[int, ...] = option((), "token id that ends a request as EOS does; repeatable")
+    include_stop: bool = option(False, "keep the stop string at the end of the text")
     # Each generated token's log-probability and this many most likely alternatives (vegas_jax.decode.logprobs).
-    logprobs: int | None = None
-    draft_weights: str = "bf16"  # bf16 (the model's own weights), int8 or int4 (models.draft_weights)
-    # What the drafts' quantized products multiply: bf16 (x as computed) or int8 (x rounded to int8 per group of
-    # positions, multiplied in integers at one row where kernels run; vegas_jax.decode.draft_kernel).
-    draft_activations: str = "bf16"
+    logprobs: int | None = option(None, "report each generated token's log-probability and its K most likely "
+                                        "alternatives")
+    seed: int = option(0, "request i uses seed + i")
+    max_model_len: int | None = option(None, "KV cache length (default: prompt + max-new-tokens rounded up to 1024, "
+                                             "capped at the model's)")
+    prefill_chunk: int = option(2048, "prompt tokens per prefill step (smaller bounds memory)")
+    method: str = option("ar", "one of: " + ", ".join(METHODS))
+    # or "auto" (vegas_jax.decode.adaptive_gamma; its knobs: adaptive_gamma)
+    gamma: int | str = option(6, "draft tokens per iteration, or auto: chosen each iteration from the measured costs "
+                                 "and the running acceptance (at most --gamma-max; 0 = a plain step)")
+    # bf16 (the model's own weights), int8 or int4 (models.draft_weights), and what their quantized products multiply:
+    # bf16 (x as computed) or int8 (x rounded to int8 per group of positions, multiplied in integers at one row where
+    # kernels run; vegas_jax.decode.draft_kernel).
+    draft_weights: str = option("bf16", "what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 "
+                                        "(groups); verification always reads the model's weights")
+    draft_activations: str = option("bf16", "what the drafts' quantized products multiply (with --draft-weights int8 "
+                                            "or int4): bf16, or int8 (x rounded to int8 per group; on the GPU one "
+                                            "row multiplies in integers)")
     # The research knobs, one value per method or mechanism (RESEARCH).
     selection: SelectionConfig = SelectionConfig()
     streaming: StreamingConfig = StreamingConfig()

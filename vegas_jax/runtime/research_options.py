@@ -3,7 +3,8 @@
 and Vegas's scores, each baseline's own knobs, adaptive γ's γ_max and costs, the draft tree, and SSV's precision and
 plan. Each value checks its own fields (type, then range) and names them by their flat option name (`quest_page`,
 not `page`): the name its CLI flag and GenerationOptions' flat keyword carry. What depends on other options (a
-knob of a method not run, costs without `gamma auto`) is GenerationOptions.validate's to check."""
+knob of a method not run, costs without `gamma auto`) is GenerationOptions.validate's to check. Every field of an
+option carries its help (`option`), from which its CLI flag is made (vegas_jax.cli.option_flags)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ CAPACITY_ALIGN = 128
 # Drafts per iteration: beyond a few dozen every verification pass mostly checks tokens that are rejected anyway,
 # and the draft probabilities ([batch, γ, vocabulary] float32 when sampling) grow with γ.
 MAX_GAMMA = 64
+
+
+def option(default, help: str):
+    """An option's field: its default, and its help (its CLI flag's)."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 class ResearchOptions:
@@ -54,9 +60,9 @@ class SelectionConfig(ResearchOptions):
     """The draft's KV selection (every method but ar): its budget, a fraction of the current length with a floor
     in tokens, and how Vegas scores the cache's tokens (logit | weight; vegas_jax.attention.verify)."""
 
-    sparse_ratio: float = 0.07
-    min_sparse_tokens: int = 256
-    score_mode: str = "logit"
+    sparse_ratio: float = option(0.07, "draft KV budget as a fraction of the current length")
+    min_sparse_tokens: int = option(256, "the draft KV budget's floor, in tokens")
+    score_mode: str = option("logit", "logit | weight")
 
     def _problems(self) -> list[tuple]:
         return [
@@ -75,7 +81,7 @@ class StreamingConfig(ResearchOptions):
     """MagicDec-Stream: sink tokens of the budget (the rest is the recent window)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"sinks": "stream_sinks"}
-    sinks: int = 16
+    sinks: int = option(16, "--method streaming: sink tokens of the budget (the rest is the recent window)")
 
     def _problems(self) -> list[tuple]:
         return [(self.sinks >= 1, "{stream_sinks} must be >= 1, got {}", self.sinks)]
@@ -86,7 +92,7 @@ class QuestConfig(ResearchOptions):
     """Quest: tokens per page; pages tile the cache, whose capacity is a multiple of CAPACITY_ALIGN."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"page": "quest_page"}
-    page: int = 16
+    page: int = option(16, "--method quest: tokens per page (divides 128)")
 
     def _problems(self) -> list[tuple]:
         return [(self.page >= 1 and CAPACITY_ALIGN % self.page == 0,
@@ -99,8 +105,8 @@ class RetrievalConfig(ResearchOptions):
     its chunks before ranking them afresh."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"chunk": "retrieval_chunk", "every": "retrieval_every"}
-    chunk: int = 32
-    every: int = 4
+    chunk: int = option(32, "--method retrieval: tokens per chunk (divides 128)")
+    every: int = option(4, "--method retrieval: iterations between rankings of the chunks")
 
     def _problems(self) -> list[tuple]:
         return [(self.chunk >= 1 and CAPACITY_ALIGN % self.chunk == 0,
@@ -115,8 +121,10 @@ class AdaptiveGammaConfig(ResearchOptions):
     run, and reported in its metrics as `gamma_costs`)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"costs": "gamma_costs"}
-    gamma_max: int | None = None
-    costs: tuple[float, ...] | None = None
+    gamma_max: int | None = option(None, "with --gamma auto: the most drafts of an iteration (8)")
+    costs: tuple[float, ...] | None = option(
+        None, "with --gamma auto: what an iteration of 1, 2, .., --gamma-max drafts costs in plain steps, "
+              "comma-separated (default: timed at the start; a run's metrics report them)")
 
     def _problems(self) -> list[tuple]:
         return [
@@ -135,8 +143,11 @@ class TreeConfig(ResearchOptions):
     no draft pass, no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's
     draft_head); with an SSV profile also auto (the planner chooses the drafter)."""
 
-    draft_tree: str | None = None
-    drafter: str = "self"
+    draft_tree: str | None = option(None, "verify a draft tree DEPTHxBRANCHING (e.g. 4x2; 6x1 is a chain; at most "
+                                          "64 nodes) instead of a chain of --gamma drafts")
+    drafter: str = option("self", "with --draft-tree: self (the model's cheaper draft: a dense model's sparse draft, "
+                                  "with --method; an NSA model's sink and window), ngram (prompt lookup) or head (a "
+                                  "trained draft head, --draft-head)")
 
     def _problems(self) -> list[tuple]:
         if self.draft_tree is not None:
@@ -152,10 +163,15 @@ class SsvConfig(ResearchOptions):
     with precision approximate), and a device profile from which the planner chooses the tree and the mode."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"profile": "ssv_profile"}
-    precision: str = "exact"
-    precision_tolerance: float | None = None
-    approx_mode: str | None = None
-    profile: str | None = None
+    precision: str = option("exact", "NSA models: exact (never changes the output) | approximate (allows "
+                                     "approximate modes whose measured top-1 disagreement is at most "
+                                     "--precision-tolerance)")
+    precision_tolerance: float | None = option(
+        None, "with --precision approximate: the largest top-1 disagreement allowed, in [0, 0.5] (0.05)")
+    approx_mode: str | None = option(None, "with --precision approximate and no --ssv-profile: run this approximate "
+                                           "mode's modified target (s<span>w<widen>r<refresh>, e.g. s8w1r2)")
+    profile: str | None = option(None, "NSA models: a device profile (benchmarks/profile_ssv.py); the planner "
+                                       "chooses the draft tree and the mode within --precision")
 
     def _problems(self) -> list[tuple]:
         precision = parse_precision(self.precision, self.precision_tolerance)
