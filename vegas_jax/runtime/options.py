@@ -75,7 +75,7 @@ class GenerationOptions:
                                              "capped at the model's)")
     prefill_chunk: int = option(2048, "prompt tokens per prefill step (smaller bounds memory)")
     method: str = option("ar", "one of: " + ", ".join(METHODS))
-    # or "auto" (vegas_jax.decode.adaptive_gamma; its knobs: adaptive_gamma)
+    # A count, or "auto" (vegas_jax.decode.adaptive_gamma; its knobs: the nested adaptive_gamma).
     gamma: int | str = option(6, "draft tokens per iteration, or auto: chosen each iteration from the measured costs "
                                  "and the running acceptance (at most --gamma-max; 0 = a plain step)")
     # bf16 (the model's own weights), int8 or int4 (models.draft_weights), and what their quantized products multiply:
