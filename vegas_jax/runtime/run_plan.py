@@ -43,16 +43,20 @@ OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: m
 class RunPlan:
     options: GenerationOptions  # the caller's, checked (GenerationOptions.check)
     choice: ssv.Choice  # the run's draft tree and target: the caller's, or the SSV planner's (vegas_jax.ssv.choice)
-    decoding: GenerationOptions  # what the run decodes with: `options` with `choice` applied
     config: loop.DecodeConfig
     capacity: int  # cache rows per sequence
     summary: dict  # Engine.plan's report
 
+    @property
+    def decoding(self) -> GenerationOptions:
+        """What the run decodes with: the caller's options with SSV's choice applied."""
+        return self.choice.applied_to(self.options)
+
 
 def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
-        acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
-        slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
-        drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
+            acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
+            slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
+            drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once its
     options are checked, SSV's choice made and the run known to fit its devices; InputError otherwise. Each run
     resolves its plan once, and nothing downstream checks or changes its options again. `stop_table_of`: the
@@ -85,7 +89,7 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
                                logprobs=config.logprobs, stop_table=stop_table.shape, prefill_chunk=chunk,
                                refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill)
     memory.check_fits(estimate, placement)
-    return RunPlan(asked, choice, options, config, capacity, {
+    return RunPlan(asked, choice, config, capacity, {
         "ssv_plan": None if choice.plan is None else choice.plan.report(),
         "placement": placement.describe(),
         "mesh": {"data": placement.data_shards, "model": placement.model_shards},
