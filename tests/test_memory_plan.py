@@ -124,7 +124,7 @@ def _unquantized_shapes(fixture: Path):
 
 def test_the_policy_knobs_reach_the_policy_and_its_memory():
     """Quest's page bounds take 2 x layers x rows x capacity / page x KV heads x head dim values: halving the page
-    doubles them. The policy the loop compiles carries the knobs (`run_plan.fit`)."""
+    doubles them. The policy the loop compiles carries the knobs (`run_plan.resolve`)."""
     engine = tiny_engine()
     c = engine.config
     batch = prompts([45, 12, 80], c.vocab_size)

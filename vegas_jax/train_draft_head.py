@@ -43,7 +43,7 @@ from vegas_jax.loading import draft_head_checkpoint
 from vegas_jax.attention.family import ATTENTION_CHOICES, family_of, with_attention
 from vegas_jax.runtime.engine import Engine
 from vegas_jax.inputs import InputError
-from vegas_jax.runtime.options import CAPACITY_ALIGN
+from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement
 
 DATA_FILE = "data.npz"
