@@ -283,3 +283,12 @@ def prompt_batch(prompts: Any, vocab_size: int, name: str = "prompts") -> list[s
         else:
             batch.append(_token_ids(prompt, i, vocab_size, name))
     return batch
+
+
+def probe_writable(path) -> None:
+    """Writes an empty file at `path` (a name of the caller's own, beside what it will write) and removes it;
+    OSError when it cannot be written: an output folder is checked before the work that fills it."""
+    try:
+        path.write_bytes(b"")
+    finally:
+        path.unlink(missing_ok=True)

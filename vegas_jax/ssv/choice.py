@@ -21,7 +21,6 @@ import dataclasses
 
 from models.config import ModelConfig
 from vegas_jax.inputs import InputError
-from vegas_jax.runtime.research_options import TreeConfig
 from vegas_jax.ssv.planner import DrafterAcceptance, Plan, Planner, load_profile
 from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode, parse_precision
 
@@ -30,27 +29,29 @@ AUTO_DRAFTER = "auto"  # drafter: the planner's choice (with ssv_profile)
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """What one run decodes with: its draft tree and drafter (a TreeConfig: the user's, or the planner's), its
-    target's mode (None: the exact target), and the planner's Plan (None: the default plan, the user's own)."""
+    """What one run decodes with: its draft tree (None: plain decoding) and drafter (the user's, or the
+    planner's), its target's mode (None: the exact target), and the planner's Plan (None: the default plan, the
+    user's own)."""
 
-    drafting: TreeConfig
+    draft_tree: str | None
+    drafter: str
     approx_mode: str | None
     plan: Plan | None
 
     @classmethod
-    def of_plan(cls, plan: Plan) -> "Choice":
-        """The planner's choice (plain decoding: no tree, the default drafter)."""
+    def of_plan(cls, plan: Plan, default_drafter: str) -> "Choice":
+        """The planner's choice (plain decoding: no tree, `default_drafter`)."""
         tree = plan.tree_spec
-        return cls(TreeConfig(tree, plan.drafter if tree else TreeConfig.drafter),
-                   None if plan.mode == "exact" else plan.mode, plan)
+        return cls(tree, plan.drafter if tree else default_drafter, None if plan.mode == "exact" else plan.mode, plan)
 
     def applied_to(self, options):
         """The options the run decodes with: the caller's, with this choice's tree and mode (the same options
         under the default plan)."""
         if self.plan is None:
             return options
-        return dataclasses.replace(options, drafting=self.drafting,
-                                   ssv=dataclasses.replace(options.ssv, approx_mode=self.approx_mode))
+        return dataclasses.replace(
+            options, drafting=dataclasses.replace(options.drafting, draft_tree=self.draft_tree, drafter=self.drafter),
+            ssv=dataclasses.replace(options.ssv, approx_mode=self.approx_mode))
 
 
 def approx_mode_of(options) -> ApproxMode:
@@ -65,7 +66,7 @@ def choose(options, config: ModelConfig, prompt_lengths: list[int], acceptance: 
     ssv = options.ssv
     precision = parse_precision(ssv.precision, ssv.precision_tolerance)
     mode = approx_mode_of(options)
-    default = Choice(options.drafting, ssv.approx_mode, None)
+    default = Choice(options.drafting.draft_tree, options.drafting.drafter, ssv.approx_mode, None)
     if config.attention == "dense":
         if precision.name != "exact" or not mode.is_exact or ssv.profile is not None:
             flag = "{ssv_profile}" if ssv.profile is not None else "{precision} approximate"
@@ -93,8 +94,10 @@ def choose(options, config: ModelConfig, prompt_lengths: list[int], acceptance: 
                          "them", drafter, ssv.profile, ", ".join(profiled) or "none")
     else:
         choices = (drafter,)
-    return Choice.of_plan(Planner(profile, precision, choices).plan(max(prompt_lengths), len(prompt_lengths),
-                                                                     acceptance.alphas(choices)))
+    plan = Planner(profile, precision, choices).plan(max(prompt_lengths), len(prompt_lengths),
+                                                     acceptance.alphas(choices))
+    # Plain decoding takes the drafter a run without a tree has (auto would ask for a tree).
+    return Choice.of_plan(plan, default_drafter=type(options.drafting)().drafter)
 
 
 def observe(acceptance: DrafterAcceptance, options, depth_histogram: list[int]) -> None:
