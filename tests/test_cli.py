@@ -690,19 +690,24 @@ def test_converted_checkpoint_generates_the_same_tokens(capsys, tmp_path, refere
 # ---- the module entry point ------------------------------------------------------------------------------------
 
 
+def _without_cache_settings() -> dict:
+    """This environment without the JAX and CLI compile-cache settings the test session sets."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE",
+                                 "VEGAS_COMPILE_CACHE"))}
+
+
 def test_module_entry_point_exit_codes_and_compile_cache(reference, tmp_path):
-    """`python -m vegas_jax.generate` prints the library's text; a second process given the first one's
+    """`python -m vegas_jax.generate` prints the library's text and, by default, keeps its compiled programs in the
+    user cache folder ($XDG_CACHE_HOME/vegas-jax/compiled); a second process given that folder as
     --compile-cache-dir (here through $VEGAS_COMPILE_CACHE_DIR) reads every program it needs from it, compiles
     none, and prints the same text. Both run without the caller's JAX cache settings."""
     _, ref = reference
     cmd = [sys.executable, "-m", "vegas_jax.generate", *BASE]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE",
-                                "VEGAS_COMPILE_CACHE"))}
-    cache = tmp_path / "compile-cache"
+    env = _without_cache_settings() | {"XDG_CACHE_HOME": str(tmp_path / "user-cache")}
+    cache = tmp_path / "user-cache" / "vegas-jax" / "compiled"
     report = re.compile(rf"compile cache {re.escape(str(cache))}: (\d+) programs read from it, (\d+) compiled")
-    ok = subprocess.run([*cmd, "--prompt", PROMPT, "--compile-cache-dir", str(cache)], cwd=REPO,
-                        capture_output=True, text=True, timeout=120, env=env)
+    ok = subprocess.run([*cmd, "--prompt", PROMPT], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.endswith(f"\n{ref.text}\n")
     first = report.search(ok.stderr)
@@ -715,6 +720,21 @@ def test_module_entry_point_exit_codes_and_compile_cache(reference, tmp_path):
     bad = subprocess.run([*cmd, "--prompt", PROMPT, "--top-p", "0"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, env=env)
     assert (bad.returncode, bad.stderr) == (2, "error: --top-p must be in (0, 1], got 0.0\n")
+
+
+def test_a_default_cache_folder_that_cannot_be_made_costs_a_note_and_off_keeps_none(tmp_path):
+    """The default folder is a convenience: where it cannot be made (here $XDG_CACHE_HOME is a file) the run goes
+    on with one note naming what to pass; `--compile-cache-dir off` keeps no programs and says nothing of it."""
+    env = _without_cache_settings() | {"XDG_CACHE_HOME": str(_a_file(tmp_path))}
+    cmd = [sys.executable, "-m", "vegas_jax.generate", *BASE, "--prompt", PROMPT, "--dry-run", "--quiet"]
+    noted = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert noted.returncode == 0, noted.stderr
+    notes = [line for line in noted.stderr.splitlines() if line.startswith("note: compiled programs are not kept")]
+    assert len(notes) == 1 and "the default --compile-cache-dir" in notes[0] and "'off'" in notes[0], noted.stderr
+    off = subprocess.run([*cmd, "--compile-cache-dir", "off"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert off.returncode == 0 and "compiled programs" not in off.stderr, off.stderr
+    assert off.stdout == noted.stdout
 
 
 @pytest.mark.parametrize("method", ["ar", "vegas"])

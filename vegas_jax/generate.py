@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--compile-cache-dir", default=None,
                    help="keep compiled programs in this folder (made if missing; JAX's persistent compilation "
-                        "cache), so a later run of the same shapes skips compiling (default: none)")
+                        "cache), so a later run of the same shapes skips compiling; 'off': keep none (default: "
+                        "$XDG_CACHE_HOME/vegas-jax/compiled or ~/.cache/vegas-jax/compiled, at most 4 GiB, least "
+                        "recently read programs dropped first; JAX_COMPILATION_CACHE_DIR, when set, instead)")
     p.add_argument("--mesh", default=None,
                    help="run on a device mesh: data=D,model=M (D splits the batch, M each layer's heads and MLP; "
                         "D x M = all devices of all processes); default: one device")
@@ -494,16 +496,34 @@ def _parse_and_run(argv: list[str]) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
+def _keep_compiled_programs(folder: str | None, render) -> None:
+    """The persistent compilation cache: the folder named (an error if it cannot be used), none for 'off', and by
+    default the user cache folder unless JAX's own cache is set; a default folder that cannot be used costs a note
+    and compiling, not the run."""
+    from vegas_jax.runtime import compilation
+
+    if folder == "off":
+        return
+    if folder:
+        compilation.use_persistent_cache(folder, "{compile_cache_dir}")
+        return
+    if compilation.jax_cache_configured():
+        return
+    default = compilation.default_cache_folder()
+    try:
+        compilation.use_persistent_cache(default, "the default --compile-cache-dir", compilation.DEFAULT_CACHE_BYTES)
+    except InputError as e:
+        print(f"note: compiled programs are not kept ({render(e)}); name a folder with --compile-cache-dir, or "
+              "'off'", file=sys.stderr)
+
+
 def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
     out = {}  # what --output-json gets, filled in as it becomes known
     try:
         _init_distributed(args)
         import jax
 
-        if args.compile_cache_dir:
-            from vegas_jax.runtime.compilation import use_persistent_cache
-
-            use_persistent_cache(args.compile_cache_dir, "{compile_cache_dir}")
+        _keep_compiled_programs(args.compile_cache_dir, render)
 
         # One process speaks for all: every process runs the same command on the global mesh.
         speaker = jax.process_index() == 0

@@ -132,12 +132,30 @@ _cache_counts: collections.Counter = collections.Counter()
 _cache_dir: Path | None = None
 
 
-def use_persistent_cache(directory: str | os.PathLike, source: str = "{compile_cache_dir}") -> Path:
+# The CLI's folder when none is named: a user cache folder, bounded so that programs of many shapes cannot fill the
+# disk (JAX evicts the least recently read beyond it; one 8B-shape decode loop is tens of MB).
+DEFAULT_CACHE_BYTES = 4 << 30
+
+
+def default_cache_folder() -> Path:
+    """Where the CLI keeps compiled programs unless told otherwise: $XDG_CACHE_HOME/vegas-jax/compiled, else
+    ~/.cache/vegas-jax/compiled."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vegas-jax" / "compiled"
+
+
+def jax_cache_configured() -> bool:
+    """Whether JAX's own persistent cache is already set (JAX_COMPILATION_CACHE_DIR, jax.config): the caller's
+    choice, which the CLI's default folder leaves alone."""
+    return bool(jax.config.jax_compilation_cache_dir)
+
+
+def use_persistent_cache(directory: str | os.PathLike, source: str = "{compile_cache_dir}",
+                         max_bytes: int = -1) -> Path:
     """Compiled programs are written to and read from `directory` (made if missing), every program whatever its
     compile time or size: a CLI run that finds the decode loop there skips its compilation (tens of seconds on a
     GPU for a large model). InputError naming `source` (the flag, or the variable it came from) when the folder
     cannot be made or written. Process-wide (JAX's own configuration, fixed once JAX has compiled with it): a
-    second call naming another folder is an error."""
+    second call naming another folder is an error. max_bytes: the folder's bound (-1: none)."""
     global _cache_dir
     path = Path(directory).expanduser()
     try:
@@ -155,6 +173,7 @@ def use_persistent_cache(directory: str | os.PathLike, source: str = "{compile_c
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size limit (0 is JAX's default)
+    jax.config.update("jax_compilation_cache_max_size", max_bytes)
     jax.monitoring.register_event_listener(_count_cache_event)
     _cache_dir = path
     return path
