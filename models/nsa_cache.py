@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, NSALayout
-from models.kv_cache import write_rows
+from models.kv_cache import set_layer, write_rows
 from models.logical_axes import BATCH, KV_HEADS, axes_field
 
 
@@ -51,34 +51,35 @@ class NSALayerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NSACache:
-    """Per layer, the arrays of an NSALayerCache; one array per layer, as KVCache and for its reasons."""
+    """Every layer's NSALayerCache arrays stacked along a leading layer axis [L, ...], as KVCache and for its
+    reasons (one scanned layer body carries the whole cache)."""
 
-    k: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    v: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    k_cmp: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    v_cmp: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
+    k: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    v: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    k_cmp: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    v_cmp: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "NSACache":
         rows = compressed_rows(config.nsa, capacity)
-        zeros = lambda n: tuple(jnp.zeros((batch, n, config.num_kv_heads, config.head_dim), dtype)
-                                for _ in range(config.num_layers))
+        zeros = lambda n: jnp.zeros((config.num_layers, batch, n, config.num_kv_heads, config.head_dim), dtype)
         return cls(k=zeros(capacity), v=zeros(capacity), k_cmp=zeros(rows), v_cmp=zeros(rows))
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1]
 
-    def layer(self, i: int) -> NSALayerCache:
+    def layer(self, i) -> NSALayerCache:
+        """Layer i's cache (i: a Python int or a traced int32)."""
         return NSALayerCache(self.k[i], self.v[i], self.k_cmp[i], self.v_cmp[i])
 
-    @classmethod
-    def from_layers(cls, layers: list[NSALayerCache]) -> "NSACache":
-        return cls(*(tuple(getattr(c, f) for c in layers) for f in ("k", "v", "k_cmp", "v_cmp")))
+    def with_layer(self, i, layer: NSALayerCache) -> "NSACache":
+        """This cache with layer i's arrays replaced by `layer`'s (models.kv_cache.set_layer)."""
+        return NSACache(*(set_layer(getattr(self, f), i, getattr(layer, f)) for f in ("k", "v", "k_cmp", "v_cmp")))
 
 
 def write_tokens(cache: NSALayerCache, k: jax.Array, v: jax.Array, positions: jax.Array,

@@ -280,10 +280,11 @@ def sparse_decode_attention(
     """
     if layer is None:
         indices, counts, layer = indices[None], counts[None], 0
-    if not 0 <= layer < indices.shape[0]:
+    if isinstance(layer, int) and not 0 <= layer < indices.shape[0]:  # a traced layer (scanned layers): unchecked
         raise ValueError(f"layer {layer} out of range for {indices.shape[0]} stacked selections")
     return _sparse_decode_attention(
-        qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, jnp.int32(layer), recent_start, position,
+        qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, jnp.asarray(layer, jnp.int32), recent_start,
+        position,
         sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from models.config import ModelConfig, NSALayout
 from models.logical_axes import BATCH, KV_HEADS, axes_field
+from models.kv_cache import set_layer
 from models.nsa_cache import NSACache, NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from models.nsa_shared_selection import BEFORE_PASS, anchor_rows, chain_sees, shared_blocks
@@ -46,14 +47,13 @@ class ApproxNSACache:
     num_spans = capacity / share_span, and 1 unread column when share_span is 1: every row is its own anchor)."""
 
     nsa: NSACache
-    spans: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
+    spans: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)  # [L, B, num_spans, H_kv, n'] stacked
 
     @classmethod
     def create(cls, config: ModelConfig, mode: ApproxMode, batch: int, capacity: int, dtype=jnp.bfloat16):
         width = mode.selection_layout(config.nsa).top_n
         num_spans = -(-capacity // mode.share_span) if mode.share_span > 1 else 1
-        spans = tuple(jnp.full((batch, num_spans, config.num_kv_heads, width), NO_BLOCK, jnp.int32)
-                      for _ in range(config.num_layers))
+        spans = jnp.full((config.num_layers, batch, num_spans, config.num_kv_heads, width), NO_BLOCK, jnp.int32)
         return cls(NSACache.create(config, batch, capacity, dtype), spans)
 
     @property
@@ -64,12 +64,11 @@ class ApproxNSACache:
     def batch(self) -> int:
         return self.nsa.batch
 
-    def layer(self, i: int) -> ApproxLayerCache:
+    def layer(self, i) -> ApproxLayerCache:
         return ApproxLayerCache(self.nsa.layer(i), self.spans[i])
 
-    @classmethod
-    def from_layers(cls, layers: list[ApproxLayerCache]) -> "ApproxNSACache":
-        return cls(NSACache.from_layers([c.nsa for c in layers]), tuple(c.spans for c in layers))
+    def with_layer(self, i, layer: ApproxLayerCache) -> "ApproxNSACache":
+        return ApproxNSACache(self.nsa.with_layer(i, layer.nsa), set_layer(self.spans, i, layer.spans))
 
 
 def stored_blocks(spans: jax.Array, positions: jax.Array, span: int) -> jax.Array:
@@ -140,6 +139,9 @@ class ApproxNSAAttention:
     kind: str = dataclasses.field(default="nsa", metadata=dict(static=True))
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
     carried: jax.Array | None = None
+
+    # Refresh and reuse layers differ and hand selections on (after_layer): the decoder runs them unrolled.
+    layer_specific = True
 
     def scored_tokens_limit(self, group: int) -> None:
         """No limit: the modified target's passes collect no selection scores (VerifyAttention's limit)."""

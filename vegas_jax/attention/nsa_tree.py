@@ -109,6 +109,11 @@ class NSATreeVerify:
         keep = self.return_blocks or mode is not None
         return out, cache, blocks if keep else None
 
+    @property
+    def layer_specific(self) -> bool:
+        """A mode's refresh and reuse layers differ and hand selections on: the decoder runs them unrolled."""
+        return self.mode is not None
+
     def after_layer(self, layer: int, aux) -> "NSATreeVerify":
         """The next layer's attention: a refresh layer's selections carried on (models.decoder calls it)."""
         if self.mode is not None and self.mode.refreshes(layer):

@@ -106,6 +106,11 @@ class TreeAttention:
         on_path = jnp.take(self.ancestors, jnp.clip(offset, 0, width - 1), axis=1)  # [S, B, T]
         return before[:, None, :] | (in_tree[:, None, :] & jnp.moveaxis(on_path, 0, 1))
 
+    @property
+    def layer_specific(self) -> bool:
+        """Only the last layer collects scores: the layers differ, so the decoder runs them unrolled."""
+        return self.request is not None and self.request.last_layer_only
+
     def collects(self, layer: int) -> bool:
         if self.request is None:
             return False

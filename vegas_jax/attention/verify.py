@@ -53,6 +53,11 @@ class VerifyAttention:
     # the selection.
     last_draft: jax.Array | None = None
 
+    @property
+    def layer_specific(self) -> bool:
+        """Only the last layer collects scores: the layers differ, so the decoder runs them unrolled."""
+        return self.request is not None and self.request.last_layer_only
+
     def collects(self, layer: int) -> bool:
         if self.request is None:
             return False

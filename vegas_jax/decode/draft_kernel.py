@@ -77,7 +77,7 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
                    else functools.partial(_xla_product, x_group=x_group))
         return dataclasses.replace(w, kernel=product)
 
-    return jax.tree.map(attach, draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return _map_weights(attach, draft_params)
 
 
 def codes_in_words(draft_params):
@@ -106,7 +106,10 @@ def codes_in_bytes(draft_params):
 
 def check_int8_activations(draft_params) -> None:
     """ValueError (int8_group's) when a weight of the draft tree admits no group for int8 activations."""
-    for w in jax.tree.leaves(draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+    # A stacked layer weight is checked as one layer's (all layers share its shapes).
+    layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), draft_params["layers"])
+    tree = {k: v for k, v in draft_params.items() if k != "layers"} | {"layers": layer_shapes}
+    for w in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
         if isinstance(w, QuantizedWeight):
             int8_group(w)
 
@@ -133,8 +136,14 @@ def _hopper() -> bool:
 
 
 def _map_weights(fn, tree):
-    return jax.tree.map(lambda w: fn(w) if isinstance(w, QuantizedWeight) else w, tree,
-                        is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    """fn on every QuantizedWeight of a draft tree; on its stacked "layers" ([L, ...] arrays) on each layer's
+    weight (vmapped), so that fn's choices (blocks, groups, layouts) see one layer's shapes."""
+    one = lambda w: fn(w) if isinstance(w, QuantizedWeight) else w  # noqa: E731
+    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    mapped = {k: jax.tree.map(one, v, is_leaf=is_weight) for k, v in tree.items() if k != "layers"}
+    if "layers" in tree:
+        mapped["layers"] = jax.tree.map(jax.vmap(one), tree["layers"], is_leaf=is_weight)
+    return mapped
 
 
 def int8_group(w: QuantizedWeight) -> int:
