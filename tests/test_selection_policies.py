@@ -71,7 +71,7 @@ def random_cache(rng, batch: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def as_cache(k: list[np.ndarray], v: list[np.ndarray]) -> KVCache:
-    return KVCache(tuple(jnp.asarray(x, jnp.float32) for x in k), tuple(jnp.asarray(x, jnp.float32) for x in v))
+    return KVCache(jnp.asarray(np.stack(k), jnp.float32), jnp.asarray(np.stack(v), jnp.float32))  # layers stacked
 
 
 def context(scores, committed, candidates_end, accepted, cache, first=False) -> SelectContext:

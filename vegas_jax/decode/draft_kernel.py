@@ -106,9 +106,10 @@ def codes_in_bytes(draft_params):
 
 def check_int8_activations(draft_params) -> None:
     """ValueError (int8_group's) when a weight of the draft tree admits no group for int8 activations."""
-    # A stacked layer weight is checked as one layer's (all layers share its shapes).
-    layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), draft_params["layers"])
-    tree = {k: v for k, v in draft_params.items() if k != "layers"} | {"layers": layer_shapes}
+    tree = draft_params
+    if isinstance(tree, dict) and "layers" in tree:  # a stacked layer weight: checked as one layer's (all alike)
+        layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree["layers"])
+        tree = tree | {"layers": layer_shapes}
     for w in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
         if isinstance(w, QuantizedWeight):
             int8_group(w)
@@ -140,10 +141,10 @@ def _map_weights(fn, tree):
     weight (vmapped), so that fn's choices (blocks, groups, layouts) see one layer's shapes."""
     one = lambda w: fn(w) if isinstance(w, QuantizedWeight) else w  # noqa: E731
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    if not (isinstance(tree, dict) and "layers" in tree):  # weights of one layer (or the LM head) alone
+        return jax.tree.map(one, tree, is_leaf=is_weight)
     mapped = {k: jax.tree.map(one, v, is_leaf=is_weight) for k, v in tree.items() if k != "layers"}
-    if "layers" in tree:
-        mapped["layers"] = jax.tree.map(jax.vmap(one), tree["layers"], is_leaf=is_weight)
-    return mapped
+    return mapped | {"layers": jax.tree.map(jax.vmap(one), tree["layers"], is_leaf=is_weight)}
 
 
 def int8_group(w: QuantizedWeight) -> int:
