@@ -50,7 +50,7 @@ class ParamPlacer:
 def stack_placed(layers: list) -> Any:
     """Per-layer trees of placed arrays as one tree of stacked arrays [L, ...], each split over the mesh as its
     layers were, the leading layer axis whole on every device. Both are held until the caller drops the layers:
-    a transient second copy of the layer weights, one weight name at a time."""
+    a transient second copy of the layer weights."""
     def stack(*xs):
         sharding = xs[0].sharding
         if isinstance(sharding, NamedSharding):
