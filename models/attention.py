@@ -9,6 +9,11 @@ example the scores that guide KV selection). A dense layer's cache is the pair (
 inside a layer cache. Dense, sparse-draft and verification attention are implementations
 of this protocol living outside the model code, passed to `forward` as a pytree, so their dynamic inputs
 (indices, lengths) are traced arrays and their configuration static.
+
+The layer index an attention receives is a traced int32 scalar when the decoder scans its layers (one body for
+all of them: models.decoder) and a Python int when it runs them unrolled. An attention whose behaviour or aux
+depends on which layer it serves (a static decision: only the last layer collects scores, refresh and reuse
+layers of an NSA approximate mode) sets `layer_specific` true; the decoder then runs its layers unrolled.
 """
 
 from __future__ import annotations
