@@ -188,10 +188,14 @@ class Decoder(nnx.Module):
         layer_graph, stacked = nnx.split(self.layers)
 
         def run_layer(i, layer_params, x, cache, attention):
-            # The layer reads its cache slice (cache.layer(i), a dynamic_slice at a traced i when scanned) and
-            # writes it back with a dynamic_update_slice at i into the carried stacked cache, which XLA keeps in
-            # place. The slice is materialised for the attention (the kernels take one layer's [B, T, H, D]); the
-            # cache is never copied whole, and the layer's own writes are row scatters into that slice.
+            # How a layer reaches its cache: its slice (cache.layer(i), a dynamic_slice, at a traced i when
+            # scanned) goes to the attention as the [B, T, H, D] arrays every attention and kernel takes, and the
+            # slice it returns goes back with a dynamic_update_slice at i into the stacked cache (the scan's
+            # carry, donated by the loop), which XLA updates in place: the cache is never copied whole. Why not
+            # the stack and i into each kernel (as sparse_decode already reads stacked selections by index): it
+            # would change every attention and kernel at once; XLA fuses the slice into the jnp attentions'
+            # reads, and materialises it (one layer's K and V) only in front of a kernel, which the GPU
+            # comparison of VEGAS_SCAN_LAYERS=1 against 0 measures.
             layer = nnx.merge(layer_graph, layer_params)
             x, layer_cache, aux = layer(i, x, positions, rope, cache.layer(i), attention, tp)
             return x, cache.with_layer(i, layer_cache), aux
@@ -205,8 +209,8 @@ class Decoder(nnx.Module):
                 return (x, cache), aux
 
             (x, kv_cache), stacked_aux = jax.lax.scan(step, (x, kv_cache), (jnp.arange(num_layers), stacked))
-            # Per-layer aux as the unrolled layers return it; consumers that stack it again (the selection
-            # policies) make XLA's concatenate of the scan output's slices, which it folds back into the output.
+            # Per-layer aux as the unrolled layers return it (the selection policies stack the score rows again:
+            # [L, B, T] floats, small beside the cache).
             aux_out = tuple(layer_of(stacked_aux, i) for i in range(num_layers))
         else:  # unrolled: the GPU speed comparison's baseline, and attentions that differ by layer
             aux_out = []
