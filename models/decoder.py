@@ -191,11 +191,12 @@ class Decoder(nnx.Module):
             # How a layer reaches its cache: its slice (cache.layer(i), a dynamic_slice, at a traced i when
             # scanned) goes to the attention as the [B, T, H, D] arrays every attention and kernel takes, and the
             # slice it returns goes back with a dynamic_update_slice at i into the stacked cache (the scan's
-            # carry, donated by the loop), which XLA updates in place: the cache is never copied whole. Why not
-            # the stack and i into each kernel (as sparse_decode already reads stacked selections by index): it
-            # would change every attention and kernel at once; XLA fuses the slice into the jnp attentions'
-            # reads, and materialises it (one layer's K and V) only in front of a kernel, which the GPU
-            # comparison of VEGAS_SCAN_LAYERS=1 against 0 measures.
+            # carry, donated by the loop), which XLA updates in place: the cache is never copied whole, but the
+            # layer's slice is (the new rows are scattered into it, and a kernel takes it as an operand), so
+            # each layer reads and writes its K and V once more per pass than separate per-layer arrays did,
+            # scanned or unrolled alike. Handing the stack and i to every attention and kernel (as sparse_decode
+            # already reads stacked selections by index) would remove that copy but change them all at once;
+            # it waits for the GPU decode-speed comparison to show what the copy costs.
             layer = nnx.merge(layer_graph, layer_params)
             x, layer_cache, aux = layer(i, x, positions, rope, cache.layer(i), attention, tp)
             return x, cache.with_layer(i, layer_cache), aux
