@@ -188,16 +188,15 @@ class Decoder(nnx.Module):
         layer_graph, stacked = nnx.split(self.layers)
 
         def run_layer(i, layer_params, x, cache, attention):
-            # How a layer reaches its cache: its slice (cache.layer(i), a dynamic_slice, at a traced i when
-            # scanned) goes to the attention as the [B, T, H, D] arrays every attention and kernel takes, and the
-            # slice it returns goes back with a dynamic_update_slice at i into the stacked cache (the scan's
-            # carry, donated by the loop), which XLA updates in place: the cache is never copied whole, but the
-            # layer's slice is (the new rows are scattered into it, and a kernel takes it as an operand), so
-            # each layer reads and writes its K and V once more per pass than separate per-layer arrays did,
-            # scanned or unrolled alike. Handing the stack and i to every attention and kernel (as sparse_decode
-            # already reads stacked selections by index) would remove that copy but change them all at once;
-            # it waits for the GPU decode-speed comparison to show what the copy costs.
             layer = nnx.merge(layer_graph, layer_params)
+            if isinstance(cache, KVCache):
+                # A dense layer's attention takes both stacks [L, B, T, H, D] and the layer index: it reads the
+                # layer's rows where they lie and scatters only the new tokens' rows into the carried stacks, in
+                # place (models.kv_cache.KVCache).
+                x, (k, v), aux = layer(i, x, positions, rope, (cache.k, cache.v), attention, tp)
+                return x, KVCache(k, v), aux
+            # The NSA caches' attentions still take one layer's arrays: its slice is taken out and written back,
+            # a copy of the layer's cache per pass (a dense cache's attentions were changed not to: issue 52).
             x, layer_cache, aux = layer(i, x, positions, rope, cache.layer(i), attention, tp)
             return x, cache.with_layer(i, layer_cache), aux
 

@@ -19,8 +19,10 @@ class KVCache:
 
     One stacked array rather than one per layer, so the decoder's scanned layer body (models.decoder) carries the
     whole cache through `lax.scan` and every layer runs the same compiled program; the layer axis is never split
-    over a mesh. A layer reads its slice with `layer(i)` and writes it back with `with_layer(i, ...)`, a
-    dynamic_update_slice of the carried (donated) buffer that XLA performs in place.
+    over a mesh. A layer's attention takes both stacks and the layer index: it reads its layer's rows in place
+    (kernels index the stack, jnp reads index it inside the consuming dot) and writes only the new tokens' rows
+    (`write_layer_rows`), which XLA scatters into the carried (donated) buffer in place. A layer's [B, T, H, D]
+    slice is never taken out and written back: that copied each layer's cache on every pass (issue 52).
     """
 
     k: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
@@ -39,20 +41,23 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
-    def layer(self, i) -> tuple[jax.Array, jax.Array]:
-        """Layer i's cache as dense attentions take it: (k, v). i: a Python int or a traced int32 (scanned)."""
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """Layer i's (k, v) [B, T, H_kv, D], for inspecting a layer (the slices are copies)."""
         return self.k[i], self.v[i]
-
-    def with_layer(self, i, layer: tuple[jax.Array, jax.Array]) -> "KVCache":
-        """This cache with layer i's slice replaced by `layer` (a `layer(i)` after the attention wrote to it)."""
-        k, v = layer
-        return KVCache(k=set_layer(self.k, i, k), v=set_layer(self.v, i, v))
 
 
 def set_layer(stacked: jax.Array, i, layer: jax.Array) -> jax.Array:
     """stacked[i] = layer, as a dynamic_update_slice (in place on a carried or donated buffer) for a static or a
     traced layer index alike."""
     return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, axis=0)
+
+
+def write_layer_rows(stacked: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
+    """stacked[layer, b, positions[b, s]] = rows[b, s] for a stacked cache [L, B, T, ...] (layer: a Python int or
+    a traced int32): one scatter of the new rows alone, in place on a carried or donated buffer; positions past
+    the end are dropped, never clamped onto valid rows."""
+    batch_index = jnp.arange(stacked.shape[1])[:, None]
+    return stacked.at[layer, batch_index, positions].set(rows.astype(stacked.dtype), mode="drop")
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:

@@ -39,6 +39,23 @@ def check_power_of_2(name: str, value: int, minimum: int = 1):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
+def stacked_caches(q, k_cache, v_cache, layer, num_query_dims: int = 4):
+    """(k, v, layer) for a kernel that reads one layer of stacked caches [L, B, T, H_kv, D] in place: the stacks
+    and layer as given (`layer` an int or traced int32), or per-layer caches [B, T, H_kv, D] (layer None) as a
+    stack of one. The kernel takes the whole stack and the layer as operands and indexes with it, so a scanned
+    layer body never slices a layer out (a copy of its cache per pass, issue 52). Callers vmap the stacks over
+    their batch axis 1, where Pallas's batching indexes the block without moving the axis (a transpose)."""
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    elif k_cache.ndim != 5:
+        raise ValueError(f"with a layer the caches must be stacked [L, B, T, H_kv, D], got {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches must both be [L, B, T, H_kv, D]; got {k_cache.shape}, {v_cache.shape}")
+    one_layer = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    check_cache_shapes(q, one_layer, one_layer, num_query_dims)
+    return k_cache, v_cache, jnp.asarray(layer, jnp.int32)
+
+
 def check_cache_shapes(q, k_cache, v_cache, num_query_dims: int):
     """q [B, (S,) H_q, D] against caches [B, T, H_kv, D]."""
     if q.ndim != num_query_dims:

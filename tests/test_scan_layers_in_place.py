@@ -21,10 +21,11 @@ from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 
 LAYERS = 3
 KV_HEADS, HEAD_DIM = 2, 16  # tiny_engine's
+CACHE_DTYPE = "f32"  # tiny_engine's float32 model
 
 # `%name = TYPE opcode(` where TYPE is an array or a tuple of arrays.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-_]*)\(")
-_ARRAY = re.compile(r"[a-z0-9]+\[([0-9,]*)\]")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 # Instructions that name a buffer without writing one.
 _ALIASING = {"parameter", "get-tuple-element", "bitcast", "tuple", "while", "conditional", "call",
              "constant", "after-all", "opt-barrier"}
@@ -35,14 +36,31 @@ def fused_computations(hlo: str) -> set[str]:
     return set(re.findall(r"fusion\(.*?calls=%([^\s,]+)", hlo))
 
 
+def transposing_fusions(hlo: str) -> set[str]:
+    """Names of the fusion instructions whose computation transposes: CPU XLA's dots take a batched operand with
+    its batch axes (B, KV head) leading, so the jnp attention's q.k and p.v products read a layer's K and V
+    [B, T, H_kv, D] through a transposed copy. That is the CPU dot's operand layout, made from main's per-layer
+    arrays as well; the GPU runs the Pallas kernels, which read the stacks as they lie
+    (test_kernels_take_the_whole_stacked_cache)."""
+    transposing, computation = set(), None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            header = re.match(r"^(?:ENTRY )?%(\S+)", line)
+            computation = header.group(1) if header else None
+        elif (match := _INSTRUCTION.match(line)) and match.group(3) == "transpose":
+            transposing.add(computation)
+    return {name for name, called in re.findall(r"%(\S+) = [^\n]*? fusion\(.*?calls=%([^\s,]+)", hlo)
+            if called in transposing}
+
+
 def cache_copies(hlo: str) -> list[str]:
     """The instructions of a compiled program that write a buffer of one layer's K or V cache ([B, T, H_kv, D]
     elements with a T axis, whatever its layout), or copy a whole stacked cache [L, B, T, H_kv, D]."""
-    stacks = {tuple(map(int, dims.split(","))) for dims in _ARRAY.findall(hlo)
-              if dims.count(",") == 4 and _is_stack(tuple(map(int, dims.split(","))))}
+    stacks = {tuple(map(int, dims.split(","))) for dtype, dims in _ARRAY.findall(hlo)
+              if dtype == CACHE_DTYPE and dims.count(",") == 4 and _is_stack(tuple(map(int, dims.split(","))))}
     assert stacks, "no stacked cache [L, B, T, H_kv, D] in the program"
     layer_sizes = {(s[1] * s[2] * s[3] * s[4], s[2]) for s in stacks}
-    fused = fused_computations(hlo)
+    fused, transposes = fused_computations(hlo), transposing_fusions(hlo)
     found, computation = [], None
     for line in hlo.splitlines():
         if line and not line.startswith(" "):
@@ -50,9 +68,11 @@ def cache_copies(hlo: str) -> list[str]:
             computation = header.group(1) if header else None
             continue
         match = _INSTRUCTION.match(line)
-        if match is None or computation in fused or match.group(3) in _ALIASING:
+        if match is None or computation in fused or match.group(3) in _ALIASING or match.group(1) in transposes:
             continue
-        for dims in _ARRAY.findall(match.group(2)):
+        for dtype, dims in _ARRAY.findall(match.group(2)):
+            if dtype != CACHE_DTYPE:  # a mask or index array that happens to have a layer's element count
+                continue
             shape = tuple(int(d) for d in dims.split(",") if d)
             size = 1
             for d in shape:
@@ -94,3 +114,52 @@ def test_programs_never_copy_a_layers_cache(engine, method):
     for name, hlo in programs.items():
         assert "while" in hlo  # the scanned layers are a while loop
         assert cache_copies(hlo) == [], name
+
+
+# A StableHLO tensor type: `tensor<3x2x384x2x16xf32>`.
+_TENSOR = re.compile(r"tensor<((?:\d+x)+)([a-z0-9]+)>")
+
+
+def _tensor_shapes(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in dims.rstrip("x").split("x")) for dims, dtype in _TENSOR.findall(text)
+            if dtype == CACHE_DTYPE]
+
+
+def kernel_cache_operands(stablehlo: str) -> list[tuple[int, ...]]:
+    """The cache-shaped operands ([..., T, H_kv, D]) of every Triton kernel call of a StableHLO module."""
+    shapes = []
+    for line in stablehlo.splitlines():
+        if "__gpu$xla.gpu.triton" in line and " : (" in line:
+            operands = line.rsplit(" : (", 1)[1].split(") -> ", 1)[0]
+            shapes += [s for s in _tensor_shapes(operands) if len(s) >= 3 and s[-2:] == (KV_HEADS, HEAD_DIM)]
+    return shapes
+
+
+def stack_transposes(stablehlo: str, stack: tuple[int, ...]) -> list[str]:
+    """The StableHLO ops that transpose (copy) a whole stacked cache: a kernel reading the stack along another
+    axis order than it lies in (as Pallas's vmap makes of an aliased operand batched at axis 1)."""
+    return [line.strip()[:200] for line in stablehlo.splitlines()
+            if "stablehlo.transpose" in line and stack in _tensor_shapes(line)]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("method,fields", [("vegas", {}), ("vegas-tree", dict(gamma=2, draft_tree="2x2"))])
+def test_kernels_take_the_whole_stacked_cache(method, fields, monkeypatch):
+    """The programs lowered for an H200 with the Pallas kernels (tests/h200_lowering.py): every kernel that reads
+    or writes the cache (verification, sparse draft, tree attention) takes the whole stack [L, B, T, H_kv, D] as its
+    operand (the layer is a scalar operand it indexes with), never a layer's slice: a kernel's operand is a
+    buffer, so a slice there would be a copy of the layer's cache per pass, whatever XLA fuses. Nor is a stack
+    transposed for a kernel. (A tree's draft passes run the jnp attention, whose dots read the layer through
+    XLA's transposed operand copy, as they read main's per-layer arrays.)"""
+    from tests.test_matmul_precision import gpu_programs
+
+    engine = tiny_engine(layers=LAYERS)
+    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=16, **fields)
+    programs = gpu_programs(engine, options, monkeypatch)
+    for name, (text, _) in programs.items():
+        operands = kernel_cache_operands(text)
+        assert operands, f"{name}: no kernel reads the cache"
+        stacks = set(operands)
+        assert len(stacks) == 1 and len(next(iter(stacks))) == 5 and next(iter(stacks))[0] == LAYERS, \
+            (name, stacks)
+        assert stack_transposes(text, next(iter(stacks))) == [], name

@@ -320,8 +320,8 @@ class QuestDraftAttention:
         pages, page_counts = top_k_indices(bound, k_pages, max(1, self.budget.k_max // self.page))
         indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
         out, k_cache, v_cache = sparse_attend(
-            new, k_cache, v_cache, indices[None], (page_counts * self.page)[None], 0, self.recent_start,
-            positions, self.placement,
+            new, k_cache, v_cache, layer, indices, page_counts * self.page, self.recent_start, positions,
+            self.placement,
         )
         return out, k_cache, v_cache, None
 
