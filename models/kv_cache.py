@@ -41,14 +41,10 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Layer i's (k, v) [B, T, H_kv, D], for inspecting a layer (the slices are copies)."""
-        return self.k[i], self.v[i]
-
 
 def set_layer(stacked: jax.Array, i, layer: jax.Array) -> jax.Array:
     """stacked[i] = layer, as a dynamic_update_slice (in place on a carried or donated buffer) for a static or a
-    traced layer index alike."""
+    traced layer index alike: how the NSA caches' layers write back the slice their attentions took."""
     return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, axis=0)
 
 
