@@ -87,9 +87,13 @@ def test_nsa_view_pass_is_the_same_in_both_loops(engine):
     assert_same(scanned, unrolled)
 
 
-def test_vegas_loop_emits_the_same_tokens_in_both_loops(engine, monkeypatch):
+# Vegas (verification and sparse draft attention), a draft tree (tree attention), Quest (its draft attention bounds
+# pages of the layer it serves, reading the stacked cache).
+@pytest.mark.parametrize("fields", [dict(method="vegas"), dict(method="vegas", gamma=2, draft_tree="2x2"),
+                                    dict(method="quest")], ids=["vegas", "vegas-tree", "quest"])
+def test_decode_loop_emits_the_same_tokens_in_both_loops(engine, monkeypatch, fields):
     batch = prompts([45, 12, 80], engine.config.vocab_size)
-    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=48)
+    options = dataclasses.replace(GREEDY, max_new_tokens=48, **fields)
     scanned = engine.generate(batch, options)
     monkeypatch.setenv("VEGAS_SCAN_LAYERS", "0")
     assert not engine.placement.scan_layers
