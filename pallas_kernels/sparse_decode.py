@@ -2,7 +2,8 @@
 
 For sequence b the key set is the union of the cache rows `indices[b, :counts[b]]` (all below recent_start[b],
 distinct), the contiguous rows `[recent_start[b], position[b])` and the new token at position[b]. The kernel
-reads the cached K/V rows straight from the cache `[B, T, H_kv, D]` (no gathered copy in HBM) and runs split-K
+reads the cached K/V rows straight from the cache `[B, T, H_kv, D]`, or from one layer of stacked caches
+`[L, B, T, H_kv, D]` (the stacks and the layer are operands: no gathered or sliced copy in HBM) and runs split-K
 flash decoding: the listed and recent rows are laid end to end as one list of "virtual keys", each split takes an
 equal share of that list, and the per-split partial softmax results are combined in plain JAX afterwards. One
 program handles all query heads of a KV head, padded to 16 rows because Triton dots need every dimension >= 16.
