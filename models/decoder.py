@@ -163,6 +163,22 @@ def layer_of(layers: Any, i: int) -> Any:
     return jax.tree.map(lambda x: x[i], layers)
 
 
+def split_quantized(stacked: Any) -> tuple[list, Any]:
+    """(the leaves of stacked layer parameters [L, ...] that a layer body takes sliced, QuantizedWeights (a draft
+    pass's) left out as None; layer_params(i, those leaves sliced to layer i) -> layer i's parameters). A quantized
+    weight stays whole and names its layer (QuantizedWeight.layer), so that its kernel reads the layer in place:
+    the scan's per-layer slice of a kernel's operand would be a copy of every draft weight per layer and pass."""
+    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(stacked, is_leaf=is_weight)
+
+    def layer_params(i, sliced_leaves):
+        layer = jnp.asarray(i, jnp.int32)
+        return treedef.unflatten([dataclasses.replace(leaf, layer=layer) if is_weight(leaf) else sliced_leaf
+                                  for leaf, sliced_leaf in zip(leaves, sliced_leaves)])
+
+    return [None if is_weight(leaf) else leaf for leaf in leaves], layer_params
+
+
 def per_layer(tree: dict) -> dict:
     """A tree whose "layers" are stacked (parameters, a draft tree) with them as {i: layer i's tree} instead, the
     layout checkpoints store: for inspecting a layer (its slices are copies)."""
@@ -201,21 +217,22 @@ class Decoder(nnx.Module):
             return x, cache.with_layer(i, layer_cache), aux
 
         num_layers = self.config.num_layers
+        sliced, layer_params = split_quantized(stacked)
         if scan_layers and not layer_specific(attention):
             def step(carry, layer_input):
                 x, cache = carry
-                i, layer_params = layer_input
-                x, cache, aux = run_layer(i, layer_params, x, cache, attention)
+                i, layer_leaves = layer_input
+                x, cache, aux = run_layer(i, layer_params(i, layer_leaves), x, cache, attention)
                 return (x, cache), aux
 
-            (x, kv_cache), stacked_aux = jax.lax.scan(step, (x, kv_cache), (jnp.arange(num_layers), stacked))
+            (x, kv_cache), stacked_aux = jax.lax.scan(step, (x, kv_cache), (jnp.arange(num_layers), sliced))
             # Per-layer aux as the unrolled layers return it (the selection policies stack the score rows again:
             # [L, B, T] floats, small beside the cache).
             aux_out = tuple(layer_of(stacked_aux, i) for i in range(num_layers))
         else:  # unrolled: the GPU speed comparison's baseline, and attentions that differ by layer
             aux_out = []
             for i in range(num_layers):
-                x, kv_cache, aux = run_layer(i, layer_of(stacked, i), x, kv_cache, attention)
+                x, kv_cache, aux = run_layer(i, layer_params(i, layer_of(sliced, i)), x, kv_cache, attention)
                 aux_out.append(aux)
                 if layer_specific(attention) and hasattr(attention, "after_layer"):  # hands a result on (nsa_approx)
                     attention = attention.after_layer(i, aux)

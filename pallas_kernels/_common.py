@@ -56,6 +56,16 @@ def stacked_caches(q, k_cache, v_cache, layer, num_query_dims: int = 4):
     return k_cache, v_cache, jnp.asarray(layer, jnp.int32)
 
 
+def stacked_weight(q, scale, offset, layer):
+    """(q, scale, offset, layer) as the kernels take them: every layer's arrays stacked [L, ...] and the layer read
+    (int32 []), as given, or one layer's arrays (layer None) as a stack of one (a reshape, no copy). The whole stack
+    is the kernel's operand: a layer's slice there would be a buffer of its own, a copy of the weight per layer and
+    pass of a scanned layer body."""
+    if layer is None:
+        return q[None], scale[None], None if offset is None else offset[None], jnp.int32(0)
+    return q, scale, offset, jnp.asarray(layer, jnp.int32)
+
+
 def check_cache_shapes(q, k_cache, v_cache, num_query_dims: int):
     """q [B, (S,) H_q, D] against caches [B, T, H_kv, D]."""
     if q.ndim != num_query_dims:

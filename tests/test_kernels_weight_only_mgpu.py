@@ -65,3 +65,34 @@ def test_untileable_shapes_are_refused(shape, blocks, message):
     with pytest.raises(ValueError, match=message):
         weight_only_matmul_mgpu(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((n, k), jnp.int4),
                                 jnp.ones((k // 128, n), jnp.bfloat16), None, group=128, interpret=True, **blocks)
+
+
+@pytest.mark.parametrize("bits, with_offset", [(4, True), (8, False)])
+def test_stacked_weights_read_only_the_given_layer(bits, with_offset):
+    """Given every layer's weight stacked [L, ...] and a traced layer, the kernel multiplies that layer's weight
+    alone, read in place (the other layers' scales and offsets NaN): the same products as the layer's own arrays
+    give; the jnp twin reads the same layer."""
+    m, k, n, group, layer = 3, 512, 128, 128, 1
+    rng = np.random.default_rng(bits)
+    q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
+    dtype = jnp.int4 if bits == 4 else jnp.int8
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    others = _weight(rng, n, k, bits, group, with_offset)[0]
+    stack = lambda a, other: jnp.stack([jnp.asarray(a if i == layer else other) for i in range(3)])  # noqa: E731
+    codes = stack(q, others).astype(dtype)
+    scales = stack(scale, np.full_like(scale, np.nan)).astype(jnp.bfloat16)
+    offsets = None if offset is None else stack(offset, np.full_like(offset, np.nan)).astype(jnp.bfloat16)
+    blocks = dict(group=group, zero_point=8 if bits == 4 else 0, block_n=64, block_k=128, splits=2, stages=2,
+                  out_dtype=jnp.float32, interpret=True)
+    got = jax.jit(lambda i: weight_only_matmul_mgpu(x, codes, scales, offsets, i, **blocks))(jnp.int32(layer))
+    assert np.all(np.isfinite(np.asarray(got)))
+    alone = weight_only_matmul_mgpu(x, codes[layer], scales[layer], None if offsets is None else offsets[layer],
+                                    **blocks)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+    reference = weight_only_matmul_mgpu_reference(x, codes, scales, offsets, layer, group=group,
+                                                  zero_point=blocks["zero_point"])
+    exact = weight_only_matmul_mgpu_reference(x, codes[layer], scales[layer],
+                                              None if offsets is None else offsets[layer], group=group,
+                                              zero_point=blocks["zero_point"])
+    np.testing.assert_array_equal(np.asarray(reference), np.asarray(exact))
+    assert np.max(np.abs(np.asarray(got) - np.asarray(reference, np.float32))) < 1e-2 * np.abs(exact).max()
