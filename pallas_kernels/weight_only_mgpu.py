@@ -46,15 +46,15 @@ def _swizzled(block_cols: int, bits: int):
 
 @functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
                                              "out_dtype", "interpret"))
-def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0, block_n: int = 128,
-                            block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
+def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0,
+                            block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
                             interpret: bool = False):
     """x [M, K] @ w -> [M, N] in out_dtype (default x's), x rounded to bf16. wt [N, K] int4 or int8 codes
     (signed), w[k, n] = (wt[n, k] + zero_point) * scale[k // group, n] + offset[k // group, n]; scale and offset
     [K / group, N] (offset may be None). layer (int32 []): wt, scale and offset hold every layer's weight stacked
     [L, ...] and the product is layer `layer`'s, which the kernel reads in place (its TMA copies start at the
-    layer). block_k: K positions a pipeline step loads, whole groups or a part of
-    one; splits: how many programs share each block of features along K; stages: blocks in flight."""
+    layer). block_k: K positions a pipeline step loads, whole groups or a part of one; splits: how many programs
+    share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
     wt, scale, offset, layer = stacked_weight(wt, scale, offset, layer)
     num_layers, n, k2 = wt.shape
@@ -77,9 +77,17 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     w_transforms, x_transforms = _swizzled(step_group, bits), _swizzled(step_group, 16)
     scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
 
-    def kernel(x_gmem, layer_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
+    # The kernel reads scales and offsets in bf16. Others (float32 models') are converted here, a buffer made per call
+    # either way: of the layer's alone, a stack of one (whose layer 0 the kernel reads; the codes' layer is `layer`).
+    groups, group_layer = (scale,) if offset is None else (scale, offset), layer
+    if scale.dtype != jnp.bfloat16:
+        groups = tuple(lax.dynamic_index_in_dim(g, layer).astype(jnp.bfloat16) for g in groups)
+        group_layer = jnp.int32(0)
+    layers = jnp.stack([layer, group_layer])  # the layer the kernel reads of the codes, and of the groups
+
+    def kernel(x_gmem, layers_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
-        layer = layer_gmem[0]
+        code_layer, group_layer = layers_gmem[0], layers_gmem[1]
         features = pl.ds(feature_block * block_n, block_n)
         positions = pl.ds(split * steps * block_k, steps * block_k)
         groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
@@ -108,8 +116,8 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
             groups = [s_gmem] + ([] if o_gmem is None else [o_gmem])
             plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, x_spec] + [g_spec] * len(groups),
                                 max_concurrent_steps=min(stages, steps))(
-                w_gmem.at[layer, features, positions], x_gmem.at[:, positions],
-                *(g.at[layer, groups_of_split, features] for g in groups))
+                w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
+                *(g.at[group_layer, groups_of_split, features] for g in groups))
             out_smem[...] = acc_ref[...]
 
         pl.run_scoped(compute, plgpu.ACC((block_n, rows), jnp.float32))
@@ -117,10 +125,9 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, features])
         plgpu.wait_smem_to_gmem(0)
 
-    def without_offset(x_gmem, layer_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
-        kernel(x_gmem, layer_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
+    def without_offset(x_gmem, layers_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
+        kernel(x_gmem, layers_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
 
-    groups = (scale,) if offset is None else (scale, offset)
     partial = plgpu.kernel(
         kernel if offset is not None else without_offset,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
@@ -132,7 +139,7 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="weight_only_matmul_mgpu",
-    )(xp, layer[None], wt, *(g.astype(jnp.bfloat16) for g in groups))
+    )(xp, layers, wt, *groups)
     return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
 
 

@@ -67,11 +67,12 @@ def test_untileable_shapes_are_refused(shape, blocks, message):
                                 jnp.ones((k // 128, n), jnp.bfloat16), None, group=128, interpret=True, **blocks)
 
 
-@pytest.mark.parametrize("bits, with_offset", [(4, True), (8, False)])
-def test_stacked_weights_read_only_the_given_layer(bits, with_offset):
+@pytest.mark.parametrize("bits, with_offset, scale_dtype", [(4, True, jnp.bfloat16), (8, False, jnp.bfloat16),
+                                                           (4, True, jnp.float32)])
+def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtype):
     """Given every layer's weight stacked [L, ...] and a traced layer, the kernel multiplies that layer's weight
-    alone, read in place (the other layers' scales and offsets NaN): the same products as the layer's own arrays
-    give; the jnp twin reads the same layer."""
+    alone, read in place (the other layers' scales and offsets NaN; float32 scales: the layer's converted to the
+    kernel's bf16): the same products as the layer's own arrays give; the jnp twin reads the same layer."""
     m, k, n, group, layer = 3, 512, 128, 128, 1
     rng = np.random.default_rng(bits)
     q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
@@ -80,8 +81,8 @@ def test_stacked_weights_read_only_the_given_layer(bits, with_offset):
     others = _weight(rng, n, k, bits, group, with_offset)[0]
     stack = lambda a, other: jnp.stack([jnp.asarray(a if i == layer else other) for i in range(3)])  # noqa: E731
     codes = stack(q, others).astype(dtype)
-    scales = stack(scale, np.full_like(scale, np.nan)).astype(jnp.bfloat16)
-    offsets = None if offset is None else stack(offset, np.full_like(offset, np.nan)).astype(jnp.bfloat16)
+    scales = stack(scale, np.full_like(scale, np.nan)).astype(scale_dtype)
+    offsets = None if offset is None else stack(offset, np.full_like(offset, np.nan)).astype(scale_dtype)
     blocks = dict(group=group, zero_point=8 if bits == 4 else 0, block_n=64, block_k=128, splits=2, stages=2,
                   out_dtype=jnp.float32, interpret=True)
     got = jax.jit(lambda i: weight_only_matmul_mgpu(x, codes, scales, offsets, i, **blocks))(jnp.int32(layer))
