@@ -8,6 +8,9 @@ design.
 
 The check reads XLA's compiled CPU program (`Compiled.as_text()`): every instruction outside fusions is a buffer
 XLA allocates or writes, so an instruction whose result has one layer's cache size is a copy of a layer.
+
+Programs lowered for an H200 show the kernels' operands: each kernel that reads the cache takes the whole stack, and
+each weight-only kernel of a quantized draft the whole stacked draft weights, never a layer's slice.
 """
 
 from __future__ import annotations
@@ -163,3 +166,47 @@ def test_kernels_take_the_whole_stacked_cache(method, fields, monkeypatch):
         assert len(stacks) == 1 and len(next(iter(stacks))) == 5 and next(iter(stacks))[0] == LAYERS, \
             (name, stacks)
         assert stack_transposes(text, next(iter(stacks))) == [], name
+
+
+def weight_kernel_operands(stablehlo: str) -> list[tuple[str, list[tuple[tuple[int, ...], str]]]]:
+    """(backend, [(shape, dtype) of each array operand but the first, x]) of every weight-only kernel call of a
+    StableHLO module: the Triton-lowered kernels' and the Mosaic GPU kernel's. Scalars (the Triton kernels' layer)
+    are no arrays; the Mosaic GPU kernel's layers are a vector of int32."""
+    calls = []
+    for line in stablehlo.splitlines():
+        if "stablehlo.custom_call" in line and "weight_only_matmul" in line and " : (" in line:
+            backend = "mosaic" if "@mosaic_gpu" in line else "triton"
+            operands = line.rsplit(" : (", 1)[1].split(") -> ", 1)[0]
+            arrays = [(tuple(int(d) for d in dims.rstrip("x").split("x")), dtype)
+                      for dims, dtype in _TENSOR.findall(operands)]
+            calls.append((backend, arrays[1:]))
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("draft_weights,hopper", [("int8", False), ("int4", False), ("int8", True), ("int4", True)])
+def test_weight_kernels_take_the_whole_stacked_draft_weights(draft_weights, hopper, monkeypatch):
+    """The decode program lowered for an H200 with the Pallas kernels, Vegas drafting with quantized weights: every
+    weight-only kernel takes each stacked layer weight's codes, scales and offsets whole [L, ...] (the layer is an
+    operand it indexes with), never a layer's slice, which as a kernel's operand would be a buffer of its own: a
+    copy of every draft weight per layer and draft pass. The LM head, no layer weight, comes as a stack of one.
+    `hopper`: as on a Hopper GPU, where the engine holds the codes transposed for the Mosaic GPU kernel
+    (draft_kernel.code_layout); this model's scales are float32, which that kernel converts to its bf16 for the
+    layer alone (weight_only_mgpu), so there its codes are checked."""
+    from tests.test_matmul_precision import gpu_programs
+    from vegas_jax.decode import draft_kernel
+
+    monkeypatch.setattr(draft_kernel, "_hopper", lambda: hopper)
+    engine = tiny_engine(layers=LAYERS)
+    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=16, draft_weights=draft_weights)
+    text, _ = gpu_programs(engine, options, monkeypatch)["decode"]
+    calls = weight_kernel_operands(text)
+    assert {backend for backend, _ in calls} == ({"mosaic", "triton"} if hopper else {"triton"})
+    vocab = engine.config.vocab_size
+    for backend, operands in calls:
+        weights = [(shape, dtype) for shape, dtype in operands if len(shape) > 1]  # the layer(s): a scalar, a vector
+        if backend == "mosaic":
+            weights = [(shape, dtype) for shape, dtype in weights if dtype in ("i4", "i8")]
+        assert weights, (backend, operands)
+        for shape, dtype in weights:
+            assert shape[0] == LAYERS or (shape[0] == 1 and vocab in shape), (backend, operands)
