@@ -169,23 +169,27 @@ def test_kernels_take_the_whole_stacked_cache(method, fields, monkeypatch):
 
 
 def weight_kernel_operands(stablehlo: str) -> list[tuple[str, list[tuple[tuple[int, ...], str]]]]:
-    """(backend, [(shape, dtype) of each array operand but the first, x]) of every weight-only kernel call of a
-    StableHLO module: the Triton-lowered kernels' and the Mosaic GPU kernel's. Scalars (the Triton kernels' layer)
-    are no arrays; the Mosaic GPU kernel's layers are a vector of int32."""
+    """(kernel, [(shape, dtype) of each weight operand]) of every weight-only kernel call of a StableHLO module: the
+    Triton-lowered kernels' (by name) and the Mosaic GPU kernel's ("mosaic"). Its operands are x (the integer
+    kernels: x's int8 codes and their scales), the layer (Triton: a scalar, no array; Mosaic GPU: a vector of two
+    int32) and the weight's arrays."""
     calls = []
     for line in stablehlo.splitlines():
         if "stablehlo.custom_call" in line and "weight_only_matmul" in line and " : (" in line:
-            backend = "mosaic" if "@mosaic_gpu" in line else "triton"
+            kernel = "mosaic" if "@mosaic_gpu" in line else re.search(r'name = "(weight_only_\w+)"', line).group(1)
             operands = line.rsplit(" : (", 1)[1].split(") -> ", 1)[0]
             arrays = [(tuple(int(d) for d in dims.rstrip("x").split("x")), dtype)
                       for dims, dtype in _TENSOR.findall(operands)]
-            calls.append((backend, arrays[1:]))
+            x_operands = 2 if "integer" in kernel else 1
+            calls.append((kernel, [a for a in arrays[x_operands:] if len(a[0]) > 1]))
     return calls
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("draft_weights,hopper", [("int8", False), ("int4", False), ("int8", True), ("int4", True)])
-def test_weight_kernels_take_the_whole_stacked_draft_weights(draft_weights, hopper, monkeypatch):
+@pytest.mark.parametrize("draft_weights,activations,hopper", [
+    ("int8", "bf16", False), ("int4", "bf16", False), ("int4", "int8", False),  # int8 rows: the integer kernels
+    ("int8", "bf16", True), ("int4", "bf16", True)])
+def test_weight_kernels_take_the_whole_stacked_draft_weights(draft_weights, activations, hopper, monkeypatch):
     """The decode program lowered for an H200 with the Pallas kernels, Vegas drafting with quantized weights: every
     weight-only kernel takes each stacked layer weight's codes, scales and offsets whole [L, ...] (the layer is an
     operand it indexes with), never a layer's slice, which as a kernel's operand would be a buffer of its own: a
@@ -198,15 +202,18 @@ def test_weight_kernels_take_the_whole_stacked_draft_weights(draft_weights, hopp
 
     monkeypatch.setattr(draft_kernel, "_hopper", lambda: hopper)
     engine = tiny_engine(layers=LAYERS)
-    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=16, draft_weights=draft_weights)
+    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=16, draft_weights=draft_weights,
+                                  draft_activations=activations)
     text, _ = gpu_programs(engine, options, monkeypatch)["decode"]
     calls = weight_kernel_operands(text)
-    assert {backend for backend, _ in calls} == ({"mosaic", "triton"} if hopper else {"triton"})
+    kernels = {kernel for kernel, _ in calls}
+    assert ("mosaic" in kernels) == hopper and any(k.startswith("weight_only_matmul_") for k in kernels), kernels
+    if activations == "int8":
+        assert "weight_only_matmul_integer_rows" in kernels, kernels
     vocab = engine.config.vocab_size
-    for backend, operands in calls:
-        weights = [(shape, dtype) for shape, dtype in operands if len(shape) > 1]  # the layer(s): a scalar, a vector
-        if backend == "mosaic":
+    for kernel, weights in calls:
+        if kernel == "mosaic":
             weights = [(shape, dtype) for shape, dtype in weights if dtype in ("i4", "i8")]
-        assert weights, (backend, operands)
+        assert weights, kernel
         for shape, dtype in weights:
-            assert shape[0] == LAYERS or (shape[0] == 1 and vocab in shape), (backend, operands)
+            assert shape[0] == LAYERS or (shape[0] == 1 and vocab in shape), (kernel, weights)
