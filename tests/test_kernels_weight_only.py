@@ -116,21 +116,24 @@ def test_bad_layouts_are_refused():
                            nibble_unpack="lut")
 
 
+LLAMA_LAYERS = 32
+
+
 @pytest.mark.parametrize("rows,layout", [(1, "vector"), (8, "swapped"), (32, "rows")])
 def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
     """The kernels pass the Pallas Triton lowering's checks at a real draft shape (Llama-3.1-8B's fused gate/up,
-    int4 in groups of 128), one per layout the entry picks."""
+    int4 in groups of 128, its 32 layers stacked as the scanned layers hand them, and a traced layer), one per
+    layout the entry picks."""
     k, n, group = 4096, 28672, 128
     assert _layout(4, jnp.bfloat16, rows) == layout
     spec = jax.ShapeDtypeStruct
-    text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
-                          spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
-                          group=group)
+    weight = (spec((LLAMA_LAYERS, k // 2, n), jnp.uint8), spec((LLAMA_LAYERS, k // group, n), jnp.bfloat16),
+              spec((LLAMA_LAYERS, k // group, n), jnp.bfloat16), spec((), jnp.int32))
+    text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), *weight, bits=4, group=group)
     assert f"weight_only_matmul_{layout}" in text
     if layout != "vector":  # the dot kernels' byte-permute unpacking: four code bytes an instance of the asm
-        text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
-                              spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
-                              group=group, nibble_unpack="prmt")
+        text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), *weight, bits=4, group=group,
+                              nibble_unpack="prmt")
         assert "prmt.b32" in text
 
 
@@ -240,22 +243,25 @@ def test_integer_dot_refuses_what_it_does_not_multiply():
 
 
 def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
-    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up, one row: int8 per output channel, and
-    int4 in GGUF's Q4_1 groups of 32 with offsets; eight rows, int4 in groups of 128."""
-    k, n = 4096, 28672
+    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up (its 32 layers stacked, a traced layer),
+    one row: int8 per output channel, and int4 in GGUF's Q4_1 groups of 32 with offsets; eight rows, int4 in groups
+    of 128."""
+    k, n, layers = 4096, 28672, LLAMA_LAYERS
     spec = jax.ShapeDtypeStruct
+    layer = spec((), jnp.int32)
     for bits, rows, dtype, group in ((8, k, jnp.int8, k), (4, k // 2, jnp.uint8, 32)):
-        scales = spec((k // group, n), jnp.bfloat16)
+        scales = spec((layers, k // group, n), jnp.bfloat16)
         offset = scales if bits == 4 else None
-        for codes in (spec((rows, n), dtype), spec((rows // 4, n), jnp.int32)):  # as stored, and in words
-            text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, scales, offset, bits=bits,
-                                  group=group, block_k=16 if bits == 4 else 32, block_n=256, integer_dot=True)
+        for codes in (spec((layers, rows, n), dtype), spec((layers, rows // 4, n), jnp.int32)):  # as stored, words
+            text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, scales, offset, layer,
+                                  bits=bits, group=group, block_k=16 if bits == 4 else 32, block_n=256,
+                                  integer_dot=True)
             assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
         # Eight rows: the int8 dot (codes as stored), on blocks of at least its K (int4: groups of 128).
         group = max(group, 128)
-        scales = spec((k // group, n), jnp.bfloat16)
-        text = lower_for_h200(weight_only_matmul, spec((8, k), jnp.bfloat16), spec((rows, n), dtype), scales,
-                              scales if bits == 4 else None, bits=bits, group=group, block_k=64, block_n=128,
+        scales = spec((layers, k // group, n), jnp.bfloat16)
+        text = lower_for_h200(weight_only_matmul, spec((8, k), jnp.bfloat16), spec((layers, rows, n), dtype), scales,
+                              scales if bits == 4 else None, layer, bits=bits, group=group, block_k=64, block_n=128,
                               integer_dot=True)
         assert "weight_only_matmul_integer_rows" in text
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from h200_lowering import lower_for_h200
 from pallas_kernels.weight_only_mgpu import weight_only_matmul_mgpu, weight_only_matmul_mgpu_reference
 
 
@@ -97,3 +98,15 @@ def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtyp
                                               zero_point=blocks["zero_point"])
     np.testing.assert_array_equal(np.asarray(reference), np.asarray(exact))
     assert np.max(np.abs(np.asarray(got) - np.asarray(reference, np.float32))) < 1e-2 * np.abs(exact).max()
+
+
+def test_stacked_weights_lower_for_the_h200_at_llama_shapes():
+    """At Llama-3.1-8B's fused gate/up (int4 in groups of 128, its 32 layers stacked, a traced layer) the kernel
+    lowers for an H200 with the whole stack its operand: the layer is where its TMA copies start."""
+    k, n, group, layers = 4096, 28672, 128, 32
+    spec = jax.ShapeDtypeStruct
+    scales = spec((layers, k // group, n), jnp.bfloat16)
+    text = lower_for_h200(weight_only_matmul_mgpu, spec((8, k), jnp.bfloat16), spec((layers, n, k), jnp.int4),
+                          scales, scales, spec((), jnp.int32), group=group, zero_point=8)
+    calls = [line for line in text.splitlines() if "@mosaic_gpu" in line and " : (" in line]
+    assert len(calls) == 1 and f"tensor<{layers}x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]
