@@ -341,22 +341,21 @@ def default_splits(column_blocks: int, k_blocks: int) -> int:
                                              "num_stages", "interpret", "out_dtype", "integer_dot", "x_group",
                                              "nibble_unpack", "prefetch"))
 def weight_only_matmul(x, q, scale, offset=None, layer=None, *, bits: int, group: int, block_k: int = 64,
-                       block_n: int = 128,
-                       num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                       block_n: int = 128, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
                        interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128,
                        nibble_unpack: str = "ops", prefetch: bool | None = None):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
-    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). layer (int32 []): q,
-    scale and offset hold every layer's weight stacked [L, ...] and the product is layer `layer`'s, which the
-    kernel reads in place (stacked_weight). integer_dot (1-16
-    rows): x quantized to int8 per x_group positions and multiplied in integers (one row: weight_only_integer_kernel;
-    more: weight_only_integer_rows_kernel), the exact product of those quantized rows, an approximation of x @ w
-    within x's quantization error. nibble_unpack (int4 at 2 rows or more, the dot kernels): how code bytes become
-    bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte permutes, four bytes an instruction;
-    _nibble_tiles), the same values either way. prefetch (one row): each program loads its next K block's codes
-    before it multiplies the current one (_walk_blocks); by default with codes stored as words, the drafts' int8
-    activations at one row, where it took three of a layer's int4 products at Llama-3.1-8B's shapes from 55.1 to 50.5 us
-    (q/k/v, gate/up and down in the drafts' 32 x 256 blocks; the float vector kernel lost 5-30 % with it: H200,
+    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). layer (int32 []): q, scale
+    and offset hold every layer's weight stacked [L, ...] and the product is layer `layer`'s, which the kernel reads
+    in place (stacked_weight). integer_dot (1-16 rows): x quantized to int8 per x_group positions and multiplied in
+    integers (one row: weight_only_integer_kernel; more: weight_only_integer_rows_kernel), the exact product of those
+    quantized rows, an approximation of x @ w within x's quantization error. nibble_unpack (int4 at 2 rows or more,
+    the dot kernels): how code bytes become bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte
+    permutes, four bytes an instruction; _nibble_tiles), the same values either way. prefetch (one row): each program
+    loads its next K block's codes before it multiplies the current one (_walk_blocks); by default with codes stored
+    as words, the drafts' int8 activations at one row, where it took three of a layer's int4 products at
+    Llama-3.1-8B's shapes from 55.1 to 50.5 us (q/k/v, gate/up and down in the drafts' 32 x 256 blocks; the float
+    vector kernel lost 5-30 % with it: H200,
     `benchmarks/bench_weight_only.py --rows 1 --bits 4 --integer-dot --prefetch 0,1`,
     weight-only-2026-12-04-s35-prefetch.json)."""
     m, k = x.shape

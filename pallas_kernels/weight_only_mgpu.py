@@ -77,8 +77,8 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     w_transforms, x_transforms = _swizzled(step_group, bits), _swizzled(step_group, 16)
     scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
 
-    # The kernel reads scales and offsets in bf16. Others (float32 models') are converted here, a buffer made per call
-    # either way: of the layer's alone, a stack of one (whose layer 0 the kernel reads; the codes' layer is `layer`).
+    # The kernel reads scales and offsets in bf16. Others (float32 models') are converted here, a buffer made per
+    # call either way: of the layer's alone, a stack of one (whose layer 0 the kernel reads; the codes' is `layer`).
     groups, group_layer = (scale,) if offset is None else (scale, offset), layer
     if scale.dtype != jnp.bfloat16:
         groups = tuple(lax.dynamic_index_in_dim(g, layer).astype(jnp.bfloat16) for g in groups)
