@@ -45,7 +45,7 @@ from benchmarks.random_model import SHAPES, TINY, random_engine  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError  # noqa: E402
-from vegas_jax.generate import token_count  # noqa: E402
+from vegas_jax.cli.option_flags import token_count  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.runtime.phase_timing import time_phases  # noqa: E402
 

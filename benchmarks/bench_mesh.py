@@ -44,7 +44,7 @@ from benchmarks.random_model import SHAPES, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import gpu_seconds, time_iterations  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError  # noqa: E402
-from vegas_jax.generate import token_count  # noqa: E402
+from vegas_jax.cli.option_flags import token_count  # noqa: E402
 from vegas_jax.sharding import DATA, MODEL, Placement, make_mesh, parse_mesh  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -46,7 +46,7 @@ from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.ssv.planner import DEFAULT_ACCEPTANCE, Plan, Planner, load_profile  # noqa: E402
 from vegas_jax.ssv.precision import parse_precision  # noqa: E402
-from vegas_jax.ssv.choice import with_plan  # noqa: E402
+from vegas_jax.ssv.choice import Choice  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGET = 0.9  # the chosen plan's tokens/s over the best candidate's
@@ -85,8 +85,8 @@ def check_class(engine: Engine, prompts, profile, precision: str, args, log: Rec
         elif not in_budget():
             left += 1
         else:
-            options = with_plan(GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision,
-                                                  drafter=args.drafter), plan)
+            options = Choice.of_plan(plan).applied_to(
+                GenerationOptions(max_new_tokens=args.max_new_tokens, precision=precision, drafter=args.drafter))
             measured.append(measure(engine, prompts, options, "candidate", plan, precision, args, log))
     summary = {"kind": "summary", "precision": precision, "batch": batch, "prompt_tokens": prompt_tokens,
                "candidates": len(candidates), "measured": len(measured), "left_by_budget": left,

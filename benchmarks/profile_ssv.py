@@ -25,7 +25,7 @@ context) of the grid:
   loop; this is its cost's order, not its code); the self drafter's pass, composed per level with children as
   the linear part at the level's width plus each layer's sink-and-window draft attention; the draft head's
   proposal (vegas_jax.decode.drafters.HeadDrafter: random head weights, whose values cost nothing), whose cache holds
-  generated rows only, so its time does not grow with the context.
+  a row for every position of the context (prefill writes the prompt's), so its attention grows with the context.
 - the same tree verification under each approximate mode for the --mode-trees shapes (the refresh layers' nodes
   taking their anchors' blocks, the reuse layers' injected, whose own selection XLA then drops as unused).
 A pass's time is then linear + the sum over layers of their attention (refresh or reuse), and each passes record
@@ -207,12 +207,13 @@ def self_draft_ms(config, params, caches, linear, batch: int, context: int, pare
     return total
 
 
-HEAD_SLOTS = 512  # the head cache's rows: a run's new tokens and its tree's scratch rows
+HEAD_SPARE_SLOTS = 64  # the head cache's rows past the context: its tree's scratch rows (and generated rows)
 
 
-def head_draft_ms(config, params, batch: int, parents: np.ndarray, reps: int) -> float:
+def head_draft_ms(config, params, batch: int, context: int, parents: np.ndarray, reps: int) -> float:
     """ms of the head drafter's proposal over a tree: one head pass over the verified rows (depth + 1), then one
-    per level with children, each with the target's LM head over its nodes (as HeadDrafter.propose runs them)."""
+    per level with children, each with the target's LM head over its nodes (as HeadDrafter.propose runs them),
+    every pass attending over the head's cache of the whole context."""
     from models import draft_head
 
     ancestors = np.asarray(ancestor_mask(jnp.asarray(parents)))
@@ -223,17 +224,19 @@ def head_draft_ms(config, params, batch: int, parents: np.ndarray, reps: int) ->
     head = jax.tree.map(lambda x: x.astype(dtype), draft_head.init_params(config))
     hidden = jnp.zeros((batch, int(depths.max()) + 1, config.hidden_size), dtype)
 
+    slots = context + HEAD_SPARE_SLOTS
+
     @jax.jit
     def propose(head):
-        k, v = draft_head.empty_cache(config, batch, HEAD_SLOTS, dtype)
-        visible = jnp.ones((batch, 1, HEAD_SLOTS), bool)
+        k, v = draft_head.empty_cache(config, batch, slots, dtype)
+        visible = jnp.ones((batch, 1, slots), bool)
         rows = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
         out, k, v = draft_head.features(head, params, config, hidden, rows, rows, k, v, rows, visible)
         logits = [draft_head.logits(params, config, out[:, -1:])]
         for nodes in levels[1:]:
             at = jnp.broadcast_to(jnp.asarray(nodes), (batch, len(nodes)))
             out, k, v = draft_head.features(head, params, config, out[:, :1].repeat(len(nodes), 1), at, at, k, v,
-                                            HEAD_SLOTS - len(parents) + at, visible)
+                                            slots - len(parents) + at, visible)
             logits.append(draft_head.logits(params, config, out))
         return [jax.lax.top_k(x, 4)[1] for x in logits]
 
@@ -391,7 +394,7 @@ def main(argv=None) -> int:
                 record(drafts, drafter="ngram", nodes=rows - 1, batch=batch, context=context,
                        ms=ngram_draft_ms(batch, context, depth, branching, args.reps))
                 record(drafts, drafter="head", nodes=rows - 1, batch=batch, context=context,
-                       ms=head_draft_ms(config, params, batch, np.asarray(parents), args.reps))
+                       ms=head_draft_ms(config, params, batch, context, np.asarray(parents), args.reps))
                 record(drafts, drafter="self", nodes=rows - 1, batch=batch, context=context,
                        ms=self_draft_ms(config, params, caches, linear, batch, context, np.asarray(parents), dtype,
                                         key, args.reps), source="composed")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from vegas_jax.cli import outputs
+from vegas_jax import inputs
 
 
 def save_results(doc: dict, name: str, *folders: Path | None) -> None:
@@ -36,7 +36,7 @@ def check_writable(flag: str, folder: Path | str | None) -> None:
     for name, path in named:
         try:
             Path(path).mkdir(parents=True, exist_ok=True)
-            outputs.probe(Path(path) / f".results-write-probe-{os.getpid()}")
+            inputs.probe_writable(Path(path) / f".results-write-probe-{os.getpid()}")
         except OSError as e:
             print(f"error: {name} {path}: cannot write results there ({e.strerror or e})", file=sys.stderr)
             raise SystemExit(2) from None

@@ -26,6 +26,7 @@ from benchmarks.random_model import SHAPES, random_cache_rows, random_engine
 from benchmarks.suite_presets import SCALE_CASE_S, SCALE_METHODS, SCALE_MODEL_S, Preset
 from models.config import ModelConfig
 from vegas_jax.runtime.engine import GenerationOptions
+from vegas_jax.runtime.options import DEFAULTS
 from vegas_jax.inputs import InputError
 
 WARMUP_ITERATIONS = 2
@@ -235,7 +236,7 @@ def _fields(model: str, context: int, batch: int, method: str) -> dict:
 
 def scale_cell(method: str) -> tuple[int, float | None]:
     """(γ, sparse ratio) a scale case runs at: plain decoding's, or the engine's defaults."""
-    return (0, None) if method == "ar" else (GenerationOptions.gamma, GenerationOptions.sparse_ratio)
+    return (0, None) if method == "ar" else (DEFAULTS["gamma"], DEFAULTS["sparse_ratio"])
 
 
 def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, method, iterations) -> dict:

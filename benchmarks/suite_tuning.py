@@ -19,11 +19,11 @@ import dataclasses
 from typing import Mapping
 
 from vegas_jax.decode.adaptive_gamma import AUTO
-from vegas_jax.runtime.options import METHOD_KNOBS, GenerationOptions
+from vegas_jax.runtime.options import DEFAULTS, METHOD_KNOBS
 from vegas_jax.decode.tree_shapes import MAX_TREE_NODES
 
-DEFAULT_GAMMA = GenerationOptions.gamma
-DEFAULT_RATIO = GenerationOptions.sparse_ratio
+DEFAULT_GAMMA = DEFAULTS["gamma"]
+DEFAULT_RATIO = DEFAULTS["sparse_ratio"]
 NGRAM = "ngram"  # the suite's name for n-gram trees: GenerationOptions(method="ar", drafter="ngram", draft_tree=...)
 # Knobs of the suite's own methods (no GenerationOptions field of that name): (method, default). A grid that names
 # no values for one searches its default only.
@@ -33,7 +33,7 @@ SUITE_KNOBS = {"tree_branching": (NGRAM, 1)}
 def default_knobs(method: str) -> dict[str, int]:
     """The method's own knobs at their defaults (GenerationOptions field names, or SUITE_KNOBS'); none for Vegas
     and plain decoding."""
-    knobs = {knob: getattr(GenerationOptions, knob) for knob, owner in METHOD_KNOBS.items() if owner == method}
+    knobs = {knob: DEFAULTS[knob] for knob, owner in METHOD_KNOBS.items() if owner == method}
     return knobs | {knob: default for knob, (owner, default) in SUITE_KNOBS.items() if owner == method}
 
 
@@ -112,7 +112,7 @@ class Grid:
     def __post_init__(self):
         # The default cell is on the grid, so the search starts from a measured cell and can always keep it.
         for name, values, default in [("gammas", self.gammas, DEFAULT_GAMMA), ("ratios", self.ratios, DEFAULT_RATIO),
-                                      *[(k, self.knobs.get(k, ()), getattr(GenerationOptions, k)) for k in METHOD_KNOBS],
+                                      *[(k, self.knobs.get(k, ()), DEFAULTS[k]) for k in METHOD_KNOBS],
                                       *[(k, self.knobs.get(k, (d,)), d) for k, (_, d) in SUITE_KNOBS.items()]]:
             if default not in values:
                 raise ValueError(f"grid {name} {values} must include the default {default}")

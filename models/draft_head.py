@@ -4,7 +4,7 @@ current one and the next token, read out through the target's own final norm and
 Row p of the head takes (f_p, x_{p+1}): f_p the target's last-layer output (before its final norm) at position p,
 x_{p+1} the token after it. Its output f'_{p+1} stands for f_{p+1}, so LM_head(norm(f'_{p+1})) is a distribution
 over x_{p+2}. Drafting feeds f' back in as the next row's feature (vegas_jax.decode.drafters.HeadDrafter). The
-head's rows attend to each other through its own small KV cache, with RoPE at p.
+head's rows attend to each other through its own KV cache (one layer's, a row per position), with RoPE at p.
 
 Params are a plain nested dict (flax.nnx defines them, as models.decoder does); `features` and `logits` are pure
 functions of it. The head owns only the fusing projection and its layer: the token embedding, final norm and LM

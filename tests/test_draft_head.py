@@ -9,6 +9,7 @@ error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -28,6 +29,7 @@ from vegas_jax import train_draft_head
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.decode.drafters import HeadDrafter
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
+from vegas_jax.runtime.prefill_reuse import PrefillReuse
 from vegas_jax.decode.iteration import request_step, step_keys
 
 SETTINGS = train_draft_head.Settings(prompts=16, prompt_tokens=12, new_tokens=24, steps=60, batch=4,
@@ -58,7 +60,8 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
     check = train_draft_head.make_data(engine, held_back, SETTINGS)
     loss = jax.jit(lambda head: train_draft_head.loss_and_metrics(
         head, target, jnp.asarray(check["tokens"]), jnp.asarray(check["generated"]), model=model,
-        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll, placement=engine.placement))
+        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll,
+        context_tokens=SETTINGS.context_tokens, placement=engine.placement))
     before, before_metrics = loss(draft_head.init_params(model, jnp.float32, SETTINGS.seed))
     head = jax.tree.map(np.asarray, engine.draft_head)
     after, after_metrics = loss(head)
@@ -88,10 +91,11 @@ _features = jax.jit(draft_head.features, static_argnums=2)
 WIDTH = 64  # every reference pass's rows, padding after the real ones (causal: they change none of them)
 
 
-def reference_chain(engine, head, sequence: list[int], origin: int, depth: int) -> list[int]:
+def reference_chain(engine, head, sequence: list[int], depth: int) -> list[int]:
     """The head's greedy chain after `sequence`, recomputed from scratch: the target's hidden states by a dense
-    forward of the whole sequence, the head over its rows origin .. len - 2 (row p: hidden state p, token p + 1)
-    with causal attention, then each draft's row appended and the whole head pass run again."""
+    forward of the whole sequence, the head over all its rows 0 .. len - 2, prompt and generated alike (row p:
+    hidden state p, token p + 1) with causal attention, then each draft's row appended and the whole head pass run
+    again."""
     model, target = engine.config, engine.model.params
     tokens = jnp.asarray([sequence + [0] * (WIDTH - len(sequence))])
     positions = jnp.arange(WIDTH)[None]
@@ -99,14 +103,14 @@ def reference_chain(engine, head, sequence: list[int], origin: int, depth: int) 
                                DenseAttention(), config=model, with_hidden=True)
     features = np.zeros((1, WIDTH, model.hidden_size), np.float32)
     following = np.zeros((1, WIDTH), np.int32)
-    rows = len(sequence) - 1 - origin
-    features[0, :rows], following[0, :rows] = hidden[0, origin : len(sequence) - 1], sequence[origin + 1 :]
+    rows = len(sequence) - 1
+    features[0, :rows], following[0, :rows] = hidden[0, :rows], sequence[1:]
     causal = jnp.tril(jnp.ones((WIDTH, WIDTH), bool))[None]
     drafts = []
     for _ in range(depth):
         k, v = draft_head.empty_cache(model, 1, WIDTH, jnp.float32)
         out, _, _ = _features(head, target, model, jnp.asarray(features), jnp.asarray(following),
-                              origin + positions, k, v, positions, causal)
+                              positions, k, v, positions, causal)
         token = int(jnp.argmax(draft_head.logits(target, model, out[:, rows - 1 : rows])[0, 0]))
         drafts.append(token)
         features[0, rows], following[0, rows] = out[0, rows - 1], token
@@ -115,11 +119,12 @@ def reference_chain(engine, head, sequence: list[int], origin: int, depth: int) 
 
 
 def test_the_head_drafters_chain_is_the_head_over_the_whole_history(dense):
-    """After a few iterations (rows written by earlier proposals, ragged batch), a proposal's chain equals
-    reference_chain, which carries no head cache between drafts."""
+    """After a few iterations (prompt rows written by chunked prefill, generated rows by earlier proposals, ragged
+    batch), a proposal's chain equals reference_chain, which carries no head cache between drafts."""
     engine, _, _ = dense
-    ids = prompts([12, 17, 9], engine.config.vocab_size, seed=4)
-    opts = GenerationOptions(max_new_tokens=NEW, draft_tree="4x1", drafter="head")
+    ids = prompts([12, 37, 9], engine.config.vocab_size, seed=4)
+    # Chunks of 16: the longest prompt's 36 prefilled rows take three chunks, a ragged tail.
+    opts = GenerationOptions(max_new_tokens=NEW, draft_tree="4x1", drafter="head", prefill_chunk=16)
     started = engine.start(ids, opts)
     state = started.decode(engine.model.params, started.draft_params, started.state, np.int32(3), np.int32(3))
     config = started.config
@@ -129,8 +134,56 @@ def test_the_head_drafters_chain_is_the_head_over_the_whole_history(dense):
     output, count = np.asarray(state.output), np.asarray(state.num_generated)
     for b, prompt in enumerate(ids):
         sequence = prompt + output[b, : count[b]].tolist()
-        want = reference_chain(engine, engine.draft_head, sequence, len(prompt) - 1, 4)
+        want = reference_chain(engine, engine.draft_head, sequence, 4)
         assert np.asarray(drafts[b, 1:]).tolist() == want, b
+
+
+def reference_prompt_rows(engine, head, prompt: list[int]):
+    """(K, V) [len - 1, K, H] each: the head's rows of the prompt's positions 0 .. len - 2 from scratch (the
+    target's hidden states by a dense forward of the prompt, the head over them with causal attention)."""
+    model, target = engine.config, engine.model.params
+    rows = len(prompt) - 1
+    tokens = jnp.asarray([prompt + [0] * (WIDTH - len(prompt))])
+    positions = jnp.arange(WIDTH)[None]
+    _, _, _, hidden = _forward(target, tokens, positions, KVCache.create(model, 1, WIDTH, jnp.float32),
+                               DenseAttention(), config=model, with_hidden=True)
+    following = jnp.asarray([prompt[1:] + [0] * (WIDTH - rows)])
+    k, v = draft_head.empty_cache(model, 1, WIDTH, jnp.float32)
+    _, k, v = _features(head, target, model, hidden, following, positions, k, v, positions,
+                        jnp.tril(jnp.ones((WIDTH, WIDTH), bool))[None])
+    return np.asarray(k[0, :rows]), np.asarray(v[0, :rows])
+
+
+def test_prefill_writes_the_heads_rows_of_every_prompt_position(dense):
+    """In chunks of 16 (three for the longest prompt, a ragged batch) as in one chunk: the head's K/V of every
+    prefilled position equals the head run from scratch over the prompt."""
+    engine, _, _ = dense
+    ids = prompts([12, 37, 9], engine.config.vocab_size, seed=5)
+    want = [reference_prompt_rows(engine, engine.draft_head, p) for p in ids]
+    for chunk in (16, 2048):
+        options = GenerationOptions(max_new_tokens=NEW, draft_tree="4x1", drafter="head", prefill_chunk=chunk)
+        memory = engine.start(ids, options).state.drafter_state
+        for b, prompt in enumerate(ids):
+            rows = len(prompt) - 1
+            np.testing.assert_allclose(np.asarray(memory.k[b, :rows]), want[b][0], atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(memory.v[b, :rows]), want[b][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_prefill_keeps_the_heads_rows_with_the_cache(dense):
+    """A head run started from a kept prefill (vegas_jax.runtime.prefill_reuse) starts from the state of its own
+    prefill, the head's rows included; a prefill kept without the head is not reused for one with it."""
+    from tests.test_prefill_reuse import host
+
+    engine, _, _ = dense
+    ids = prompts([12, 37, 9], engine.config.vocab_size, seed=6)
+    head = GenerationOptions(max_new_tokens=NEW, draft_tree="3x2", drafter="head", prefill_chunk=16)
+    reuse = PrefillReuse()
+    engine.start(ids, dataclasses.replace(head, draft_tree="2x1", drafter="ngram"), reuse_prefill=reuse)
+    assert not engine.start(ids, head, reuse_prefill=reuse).timings["prefill_reused"]  # keeps the head's now
+    reused = engine.start(ids, head, reuse_prefill=reuse)
+    assert reused.timings["prefill_reused"]
+    for a, b in zip(host(engine.start(ids, head).state), host(reused.state), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("tree", ["4x1", "2x3"])

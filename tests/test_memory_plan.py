@@ -53,6 +53,24 @@ def test_plan_counts_the_generation_controls():
     assert step[True] - step[False] == 2 * 3 * 6 * c.vocab_size * 4
 
 
+def test_plan_counts_the_draft_heads_cache_over_the_whole_context():
+    """The head drafter keeps K and V of one layer for every position of the cache and its tree's scratch rows
+    (float32 here), besides the model's cache."""
+    import jax.numpy as jnp
+
+    from models import draft_head
+
+    engine = tiny_engine()
+    c = engine.config
+    engine.use_draft_head(draft_head.init_params(c, jnp.float32, 0))
+    batch = prompts([45, 12, 80], c.vocab_size)
+    plans = {drafter: engine.plan(batch, dataclasses.replace(GREEDY, gamma=4, draft_tree="4x2", drafter=drafter))
+             for drafter in ("ngram", "head")}
+    rows = 1 + 2 + 4 + 8 + 16  # a 4x2 tree's nodes: depth 4, two children each
+    extra = plans["head"]["bytes_per_device"]["kv_cache"] - plans["ngram"]["bytes_per_device"]["kv_cache"]
+    assert extra == 2 * 3 * (plans["head"]["cache_capacity"] + rows) * c.num_kv_heads * c.head_dim * 4
+
+
 def test_a_run_that_cannot_fit_is_refused_before_allocating():
     engine = tiny_engine()
     limit, _ = device_bytes(engine.placement)
@@ -106,7 +124,7 @@ def _unquantized_shapes(fixture: Path):
 
 def test_the_policy_knobs_reach_the_policy_and_its_memory():
     """Quest's page bounds take 2 x layers x rows x capacity / page x KV heads x head dim values: halving the page
-    doubles them. The policy the loop compiles carries the knobs (`run_plan.fit`)."""
+    doubles them. The policy the loop compiles carries the knobs (`run_plan.resolve`)."""
     engine = tiny_engine()
     c = engine.config
     batch = prompts([45, 12, 80], c.vocab_size)

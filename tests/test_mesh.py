@@ -260,8 +260,11 @@ def scenario_smollm2() -> dict:
 
 def scenario_head() -> dict:
     """A trained draft head (vegas_jax.train_draft_head, on one device) drafting on meshes: greedy chains on
-    (data=4, model=2), sampled trees on (data=2, model=4), each against one device."""
+    (data=4, model=2), sampled trees on (data=2, model=4), each against one device; the head's K/V of the
+    prompts, which prefill (chunks of 16) writes on each data shard, against one device's."""
     import tempfile
+
+    import numpy as np
 
     from tests.test_draft_head import trained
     from tests.test_lossless_tiny import prompts
@@ -279,10 +282,13 @@ def scenario_head() -> dict:
                         ("data=2,model=4", dict(draft_tree="2x2", temperature=0.8, logprobs=2))]:
         data, model = (int(part.split("=")[1]) for part in mesh.split(","))
         engine = Engine(loaded.on_mesh(make_mesh({"data": data, "model": model})), draft_head=folder)
-        options = GenerationOptions(max_new_tokens=24, drafter="head", **extra)
+        options = GenerationOptions(max_new_tokens=24, drafter="head", prefill_chunk=16, **extra)
         reference, got = _run_to_end(one, batch, options), _run_to_end(engine, batch, options)
+        prompt_rows = [np.asarray(e.start(batch, options).state.drafter_state.k)[: len(batch), : max(map(len, batch))]
+                       for e in (one, engine)]
         out["runs"].append({"mesh": mesh, **{k: got[k] == reference[k] for k in ("tokens", "accepted", "top_ids")},
-                            "drafts_accepted": int(sum(map(sum, reference["accepted"])))})
+                            "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
+                            "prompt_rows": bool(np.allclose(*prompt_rows, atol=1e-5, rtol=1e-5))})
     return out
 
 
@@ -326,6 +332,7 @@ def test_a_draft_head_drafts_on_a_mesh_as_on_one_device():
     assert [run["mesh"] for run in out["runs"]] == ["data=4,model=2", "data=2,model=4"]
     for run in out["runs"]:
         assert run["tokens"] and run["accepted"] and run["top_ids"] and run["drafts_accepted"] > 0, run
+        assert run["prompt_rows"], run
 
 
 def test_the_loop_keeps_its_layout_without_gathering(tiny):

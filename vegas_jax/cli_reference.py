@@ -12,18 +12,12 @@ import sys
 from pathlib import Path
 
 from vegas_jax import generate, score, train_draft_head
-from vegas_jax.cli import flag_environment
+from vegas_jax.cli import flag_environment, option_flags
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 # What a flag's value looks like, by its argparse type.
-VALUES = {generate.token_count: "N (K, M suffixes)", generate.gamma_value: "N \\| auto",
-          generate.numbers: "C1,C2,...", int: "N", float: "X", Path: "PATH"}
-
-
-# Flags the parser gives no help text.
-NOTES = {"--max-new-tokens": "tokens to generate per request, never exceeded (also when drafts run ahead)",
-         "--min-sparse-tokens": "the draft KV budget's floor, in tokens",
-         "--prefill-chunk": "prompt tokens per prefill step (smaller bounds memory)"}
+VALUES = {option_flags.token_count: "N (K, M suffixes)", option_flags.gamma_value: "N \\| auto",
+          option_flags.numbers: "C1,C2,...", int: "N", float: "X", Path: "PATH"}
 
 
 def _cell(text: str) -> str:
@@ -58,14 +52,14 @@ def _variable(action: argparse.Action) -> str:
     return "-" if isinstance(action, flag_environment._REPEATABLE) else f"`{flag_environment.variable(action)}`"
 
 
-def flags_table(parser: argparse.ArgumentParser, *, with_variables: bool) -> str:
+def flags_table(actions: list[argparse.Action], *, with_variables: bool) -> str:
     head = ["flag", "value", "default", "meaning"] + (["environment"] if with_variables else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for action in parser._actions:
+    for action in actions:
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue
         repeat = " (repeatable)" if isinstance(action, flag_environment._REPEATABLE) else ""
-        meaning = _cell(action.help or NOTES.get(action.option_strings[0], ""))
+        meaning = _cell(action.help or "")
         cells = [", ".join(f"`{o}`" for o in action.option_strings), _value(action) + repeat, _default(action), meaning]
         cells += [_variable(action)] if with_variables else []
         lines.append("| " + " | ".join(cells) + " |")
@@ -74,8 +68,13 @@ def flags_table(parser: argparse.ArgumentParser, *, with_variables: bool) -> str
 
 def _section(module, *, with_variables: bool) -> list[str]:
     parser = module.build_parser()
-    out = [f"## `{parser.prog}`", "", _prose(module.__doc__.strip()), "",
-           flags_table(parser, with_variables=with_variables)]
+    out = [f"## `{parser.prog}`", "", _prose(module.__doc__.strip())]
+    # The help's headings (generate's options every user sets, and its research knobs), each with its table.
+    groups = [g for g in parser._action_groups if any(a.option_strings for a in g._group_actions)]
+    for group in groups:
+        if len(groups) > 1:
+            out += ["", f"### {group.title}"] + (["", _prose(group.description)] if group.description else [])
+        out += ["", flags_table(group._group_actions, with_variables=with_variables)]
     if parser.epilog:
         out += ["", _prose(parser.epilog)]
     return out + [""]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import UnsupportedModelError
-from vegas_jax.cli import outputs
+from vegas_jax import inputs
 from vegas_jax.cli.arguments import INTERRUPTED
 from vegas_jax.loading import CheckpointError, load_model, where_and_why
 from vegas_jax.loading.orbax_ckpt import save_orbax
@@ -57,7 +57,7 @@ def _check_output(output: Path, model: str | None, force: bool) -> None:
     if not nearest.is_dir():
         raise _UsageError(f"--output {output}: {nearest} is not a directory")
     try:
-        outputs.probe(nearest / f".vegas-write-probe-{os.getpid()}")
+        inputs.probe_writable(nearest / f".vegas-write-probe-{os.getpid()}")
     except OSError as e:
         raise _UsageError(f"--output {output}: cannot be written: {e.strerror}") from None
 

@@ -25,10 +25,10 @@ from vegas_jax.cli.arguments import (DTYPES, INTERRUPTED, OneLineErrors, flag, l
                                      read_text, resolve_dtype)
 from vegas_jax import inputs
 from vegas_jax.cli import outputs
+from vegas_jax.cli.option_flags import add_option_flags, build_options
 from vegas_jax.decode import stops
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention
 from vegas_jax.runtime.engine import Engine, GenerationOptions, GenerationResult, InputError
-from vegas_jax.runtime.options import METHODS
 from vegas_jax.runtime.serving import check_serving
 
 # Decode runs in device calls of about this long (Engine.stream's seconds_per_call): a SIGINT is answered, and
@@ -39,34 +39,6 @@ SECONDS_PER_CALL = 0.25
 # so `set -o pipefail` scripts see it as they would any other writer's. Not 1 (Python's docs' suggestion): 1 here
 # means a request failed. Nothing is said on stderr, as `yes` or `cat` say nothing: the reader chose to stop.
 READER_GONE = 141
-
-
-def token_count(text: str) -> int:
-    """An integer, optionally with a K (1024) or M (1024**2) suffix: `32K`, `128k`."""
-    scale = {"k": 1024, "m": 1024**2}.get(text[-1:].lower(), 1)
-    digits = text[:-1] if scale > 1 else text
-    try:
-        return int(digits) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number (a K or M suffix is allowed): {text!r}") from None
-
-
-def gamma_value(text: str) -> int | str:
-    """--gamma: a whole number of drafts, or `auto` (vegas_jax.decode.adaptive_gamma)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number or auto: {text!r}") from None
-
-
-def numbers(text: str) -> tuple[float, ...]:
-    """A comma-separated list of numbers (--gamma-costs)."""
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,80 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="system message for every request (each --prompt becomes the user message after it)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the model's chat template (default: when the model has one)")
-    p.add_argument("--max-new-tokens", type=token_count, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 means off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 means off")
-    p.add_argument("--min-p", type=float, default=GenerationOptions.min_p,
-                   help="keep tokens at least this times as likely as the most likely one (0 means off)")
-    p.add_argument("--repetition-penalty", type=float, default=GenerationOptions.repetition_penalty,
-                   help="transformers': logits of prompt and output tokens divided (if > 0) or multiplied by it; 1 off")
-    p.add_argument("--presence-penalty", type=float, default=GenerationOptions.presence_penalty,
-                   help="OpenAI's / vLLM's: subtracted from the logits of tokens in the output so far; in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float, default=GenerationOptions.frequency_penalty,
-                   help="OpenAI's / vLLM's: times a token's count in the output so far, subtracted; in [-2, 2]")
-    p.add_argument("--stop", action="append", default=[],
-                   help="stop string: the output ends before it (found across tokens); repeatable")
-    p.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=[],
-                   help="token id that ends a request as EOS does; repeatable")
-    p.add_argument("--include-stop", action="store_true", help="keep the stop string at the end of the text")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="report each generated token's log-probability and its K most likely alternatives")
-    p.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    p.add_argument("--max-model-len", type=token_count, default=None,
-                   help="KV cache length (default: prompt + max-new-tokens rounded up to 1024, capped at the model's)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--attention", default=None,
                    help="dense | nsa-view: the training-free NSA view of a dense model (selected 16-token blocks "
                         "and a 128-token window; --method ar); default: the checkpoint's own (NSA checkpoints "
                         "load as NSA)")
-    p.add_argument("--gamma", type=gamma_value, default=GenerationOptions.gamma,
-                   help="draft tokens per iteration, or auto: chosen each iteration from the measured costs and the "
-                        "running acceptance (at most --gamma-max; 0 = a plain step)")
-    p.add_argument("--gamma-max", type=int, default=None, help="with --gamma auto: the most drafts of an iteration (8)")
-    p.add_argument("--gamma-costs", type=numbers, default=None,
-                   help="with --gamma auto: what an iteration of 1, 2, .., --gamma-max drafts costs in plain steps, "
-                        "comma-separated (default: timed at the start; a run's metrics report them)")
-    p.add_argument("--draft-weights", default=GenerationOptions.draft_weights,
-                   help="what the drafts read: bf16 (the model's weights), int8 (per channel) or int4 (groups); "
-                        "verification always reads the model's weights")
-    p.add_argument("--draft-activations", default=GenerationOptions.draft_activations,
-                   help="what the drafts' quantized products multiply (with --draft-weights int8 or int4): bf16, or "
-                        "int8 (x rounded to int8 per group; on the GPU one row multiplies in integers)")
-    p.add_argument("--draft-tree", default=None,
-                   help="verify a draft tree DEPTHxBRANCHING (e.g. 4x2; 6x1 is a chain; at most 64 nodes) instead of "
-                        "a chain of --gamma drafts")
-    p.add_argument("--drafter", default=GenerationOptions.drafter,
-                   help="with --draft-tree: self (the model's cheaper draft: a dense model's sparse draft, with "
-                        "--method; an NSA model's sink and window), ngram (prompt lookup) or head (a trained draft "
-                        "head, --draft-head)")
     p.add_argument("--draft-head", default=None,
                    help="with --drafter head: the trained draft head's folder (python -m vegas_jax.train_draft_head)")
-    p.add_argument("--precision", default=GenerationOptions.precision,
-                   help="NSA models: exact (never changes the output) | approximate (allows approximate modes "
-                        "whose measured top-1 disagreement is at most --precision-tolerance)")
-    p.add_argument("--precision-tolerance", type=float, default=None,
-                   help="with --precision approximate: the largest top-1 disagreement allowed, in [0, 0.5] (0.05)")
-    p.add_argument("--approx-mode", default=None,
-                   help="with --precision approximate and no --ssv-profile: run this approximate mode's modified "
-                        "target (s<span>w<widen>r<refresh>, e.g. s8w1r2)")
-    p.add_argument("--ssv-profile", default=None,
-                   help="NSA models: a device profile (benchmarks/profile_ssv.py); the planner chooses the draft "
-                        "tree and the mode within --precision")
-    p.add_argument("--sparse-ratio", type=float, default=GenerationOptions.sparse_ratio,
-                   help="draft KV budget as a fraction of the current length")
-    p.add_argument("--min-sparse-tokens", type=token_count, default=GenerationOptions.min_sparse_tokens)
-    p.add_argument("--score-mode", default=GenerationOptions.score_mode, help="logit | weight")
-    p.add_argument("--stream-sinks", type=int, default=GenerationOptions.stream_sinks,
-                   help="--method streaming: sink tokens of the budget (the rest is the recent window)")
-    p.add_argument("--quest-page", type=int, default=GenerationOptions.quest_page,
-                   help="--method quest: tokens per page (divides 128)")
-    p.add_argument("--retrieval-chunk", type=int, default=GenerationOptions.retrieval_chunk,
-                   help="--method retrieval: tokens per chunk (divides 128)")
-    p.add_argument("--retrieval-every", type=int, default=GenerationOptions.retrieval_every,
-                   help="--method retrieval: iterations between rankings of the chunks")
-    p.add_argument("--prefill-chunk", type=token_count, default=GenerationOptions.prefill_chunk)
     p.add_argument("--slots", type=int, default=None,
                    help="continuous batching: at most this many requests decode together, the others queue and are "
                         "admitted as requests finish (default: all prompts in one batch)")
@@ -186,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (jax.distributed)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    add_option_flags(p)
     return p
 
 
@@ -299,10 +205,8 @@ def _prompt_sources(args) -> list[str]:
 
 
 def _options(args) -> GenerationOptions:
-    # Every option is a flag of the same name.
-    return GenerationOptions.check(
-        GenerationOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationOptions)})
-    )
+    """The options the flags give, checked before the model loads (bad input gets one line at once)."""
+    return GenerationOptions.check(build_options(args))
 
 
 def _pacing(interrupt: _Interrupt) -> dict:
@@ -413,9 +317,9 @@ def _iteration_work(options: GenerationOptions, metrics: dict) -> str:
     verification scores (a chain of γ drafts, adaptive γ's mean choice, or a draft tree's nodes)."""
     tree = options.tree
     if tree is not None:
-        drafting = "a prompt lookup" if options.drafter == "ngram" else f"{tree.depth} draft passes"
-        return (f"{drafting} for a {options.draft_tree} tree of {tree.num_nodes} drafts and a {tree.rows}-token "
-                "verification")
+        drafting = "a prompt lookup" if options.drafting.drafter == "ngram" else f"{tree.depth} draft passes"
+        return (f"{drafting} for a {options.drafting.draft_tree} tree of {tree.num_nodes} drafts and a "
+                f"{tree.rows}-token verification")
     if options.auto_gamma:
         mean, most = metrics["gamma_chosen_mean"], options.effective_gamma
         if mean is None:  # no iteration ran
@@ -457,7 +361,7 @@ def _remedies(options: GenerationOptions) -> str:
     --sparse-ratio only with a --method's selection)."""
     no_tree = ("without --draft-tree no drafts are made" if options.method == "ar"
                else "--method ar without --draft-tree skips drafting")
-    if options.tree is not None and options.drafter == "ngram":
+    if options.tree is not None and options.drafting.drafter == "ngram":
         return "prompt lookup finds little of the output in the prompt here: " + no_tree
     remedies = []
     if options.tree is not None:
@@ -614,7 +518,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                 raise InputError("--stream: not with --slots (continuous batching returns whole requests)")
         elif args.refill is not None:
             raise InputError("--refill: only with --slots")
-        if args.draft_head is not None and not (options.draft_tree and options.drafter == "head"):
+        if args.draft_head is not None and not (options.drafting.draft_tree and options.drafting.drafter == "head"):
             raise InputError("--draft-head: only with --drafter head and a --draft-tree")
         if args.compare_ar and options.effective_gamma == 0:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
@@ -652,7 +556,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                 outputs.write_json(args.output_json, doc)
             return 0
         resolved = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "dtype": dtype_name,
-                    **dataclasses.asdict(options), "chat_template": args.chat_template, "prompts": len(prompts),
+                    **options.flat(), "chat_template": args.chat_template, "prompts": len(prompts),
                     "system": args.system, "messages": [str(p) for p in args.messages],
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
                     "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"]}

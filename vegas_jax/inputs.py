@@ -139,10 +139,10 @@ def _field_check(hint: Any) -> Callable[[Any, str], Any] | None:
     return _CHECKS.get(hint)
 
 
-def plain_fields(obj: Any) -> dict[str, Any]:
+def plain_fields(obj: Any, names: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Every field of the dataclass `obj` annotated int, float, str, bool or a tuple of one of them (optionally
-    `| None`) checked against its annotation and converted to a plain Python value; InputError names the field.
-    Fields of other types are left to their own checks."""
+    `| None`) checked against its annotation and converted to a plain Python value; InputError names the field
+    (by `names`' name for it where it has one). Fields of other types are left to their own checks."""
     hints = typing.get_type_hints(type(obj))
     values = {}
     for field in dataclasses.fields(obj):
@@ -150,7 +150,7 @@ def plain_fields(obj: Any) -> dict[str, Any]:
         kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         check = _field_check(kinds[0]) if len(kinds) == 1 or kinds[1:] == (type(None),) else None
         if check is not None and not (value is None and type(None) in kinds):
-            values[field.name] = check(value, field.name)
+            values[field.name] = check(value, (names or {}).get(field.name, field.name))
     return values
 
 
@@ -283,3 +283,12 @@ def prompt_batch(prompts: Any, vocab_size: int, name: str = "prompts") -> list[s
         else:
             batch.append(_token_ids(prompt, i, vocab_size, name))
     return batch
+
+
+def probe_writable(path) -> None:
+    """Writes an empty file at `path` (a name of the caller's own, beside what it will write) and removes it;
+    OSError when it cannot be written: an output folder is checked before the work that fills it."""
+    try:
+        path.write_bytes(b"")
+    finally:
+        path.unlink(missing_ok=True)

@@ -3,13 +3,17 @@ vegas_jax.train_draft_head --out FOLDER` (docs/draft-head.md).
 
 Self-distillation: the engine decodes the tuning split's prompts greedily (benchmarks.prompt_splits; never the
 held-out split, on which the head is measured), and the head learns, at every generated position, the target's own
-next hidden state and next-token distribution. The head's context starts at each prompt's last token, as in
-decoding (vegas_jax.decode.drafters.HeadMemory: prefill computes no hidden states).
+next hidden state and next-token distribution. The head runs over the prompt's rows too, as in decoding (prefill
+writes them, vegas_jax.decode.drafters.prefill_rows), so it learns to attend to the prompt: to copy from it. The
+prompt rows it runs over learn too (head_loss: better drafts, measured on a tiny copying model); `context_tokens`
+bounds how many prompt rows before each prompt's last the head runs over (the last ones), which bounds its
+attention and its prompt rows' logits at long prompts.
 
 Training-time test: decoding feeds the head its own predictions after the first draft, so the head is trained on
-that too. Pass 0 reads the target's hidden states; pass j reads pass j - 1's predictions shifted by one row and
-attends as a draft at depth j + 1 does: to the verified rows (pass 0's) up to j rows back, then to one row of each
-pass 1..j, its own draft path.
+that too. Pass 0 reads the target's hidden states over the prompt's and the generated rows; pass j (over the
+generated rows) reads pass j - 1's predictions shifted by one row and attends as a draft at depth j + 1 does: to
+the verified rows (pass 0's, prompt included) up to j rows back, then to one row of each pass 1..j, its own draft
+path.
 
 A run checkpoints (Orbax, vegas_jax.loading.draft_head_checkpoint) every --checkpoint-every steps and before
 --time-limit runs out, and resumes from its folder's newest step when run again with the same flags: a long
@@ -39,7 +43,7 @@ from vegas_jax.loading import draft_head_checkpoint
 from vegas_jax.attention.family import ATTENTION_CHOICES, family_of, with_attention
 from vegas_jax.runtime.engine import Engine
 from vegas_jax.inputs import InputError
-from vegas_jax.runtime.options import CAPACITY_ALIGN
+from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement
 
 DATA_FILE = "data.npz"
@@ -58,6 +62,10 @@ class Settings:
     batch: int = 16  # sequences per step
     learning_rate: float = 3e-4
     unroll: int = 3  # training-time-test passes after the teacher-forced one (drafts of depth 2 .. unroll + 1)
+    # Prompt rows before each prompt's last that the head runs over (the last ones): all of a default prompt's.
+    # Its attention costs [B, H, rows, rows] float32 for rows = context_tokens + new_tokens: 4K prompts need a
+    # bound (`--dry-run` shows the plan).
+    context_tokens: int = 1024
     seed: int = 0
     generate_batch: int = 64  # prompts per engine call while making the data
 
@@ -71,6 +79,7 @@ class Settings:
             (1 <= self.batch <= self.prompts, "{batch} must be in [1, {prompts}], got {}", self.batch),
             (0 < self.learning_rate < 1, "{learning_rate} must be in (0, 1), got {}", self.learning_rate),
             (0 <= self.unroll < self.new_tokens, "{unroll} must be in [0, {new_tokens}), got {}", self.unroll),
+            (self.context_tokens >= 0, "{context_tokens} must be >= 0, got {}", self.context_tokens),
             (self.generate_batch >= 1, "{generate_batch} must be >= 1, got {}", self.generate_batch),
         ]
         for ok, template, *values in checks:
@@ -110,55 +119,83 @@ def make_data(engine, prompt_ids: list[list[int]], settings: Settings, progress=
 
 
 # ---- loss ------------------------------------------------------------------------------------------------------
-def pass_visibility(rows: int, passes: int, j: int) -> np.ndarray:
-    """[rows, passes * rows] bool: what row r of pass j sees, the head's K/V laid out pass by pass (a draft at
-    depth j + 1: the verified rows up to r - j, then row r - j + i of each pass i = 1..j)."""
+def pass_visibility(context: int, rows: int, passes: int, j: int) -> np.ndarray:
+    """What each row of pass j sees, the head's K/V laid out pass by pass: pass 0's context + rows rows (the last
+    `context` prompt rows, then the generated ones), then `rows` rows of each later pass. Pass 0 ([context + rows,
+    slots] bool) is causal; row r of pass j >= 1 ([rows, slots]) is a draft at depth j + 1: it sees pass 0's rows up
+    to generated row r - j (the prompt's included), then row r - j + i of each pass i = 1..j."""
+    verified = context + rows
+    slot = np.arange(verified + (passes - 1) * rows)[None, :]
+    if j == 0:
+        return slot <= np.arange(verified)[:, None]
     r = np.arange(rows)[:, None]
-    i, t = np.divmod(np.arange(passes * rows)[None, :], rows)
-    return ((i == 0) & (t <= r - j)) | ((i >= 1) & (i <= j) & (t == r - j + i))
+    i, t = np.divmod(slot - verified, rows)
+    return (slot <= context + r - j) | ((slot >= verified) & (i + 1 <= j) & (t == r - j + i + 1))
 
 
-def target_pass(target, tokens, *, model: ModelConfig, prompt_tokens: int, placement: Placement):
+def target_pass(target, tokens, *, model: ModelConfig, prompt_tokens: int, context_tokens: int,
+                placement: Placement):
     """What the head learns from, for tokens [B, P + N]: the target's last hidden states [B, P + N, D] and its
-    next-token distributions at rows P .. P + N - 1 ([B, N, V]), by one full-attention pass of the target (outside
-    the differentiated function: no gradient reaches the target, nor its kernels)."""
+    next-token distributions at rows P - c .. P + N - 1 ([B, c + N, V], c the prompt rows the head trains on:
+    head_loss), by one full-attention pass of the target (outside the differentiated function: no gradient reaches
+    the target, nor its kernels)."""
     batch, width = tokens.shape
-    rows, family = width - prompt_tokens, family_of(model)
+    family = family_of(model)
+    first = prompt_tokens - min(context_tokens, prompt_tokens - 1)
     cache = family.create_cache(model, batch, -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN, target["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    logit_rows = jnp.broadcast_to(prompt_tokens + jnp.arange(rows), (batch, rows))
+    logit_rows = jnp.broadcast_to(jnp.arange(first, width), (batch, width - first))
     logits, _, _, hidden = forward(target, tokens, positions, cache, family.full_attention(model, placement),
                                    config=model, logit_rows=logit_rows, with_hidden=True)
     return hidden, jax.nn.softmax(logits, axis=-1)
 
 
 def loss_and_metrics(head, target, tokens, generated, *, model: ModelConfig, prompt_tokens: int, unroll: int,
-                     placement: Placement):
+                     context_tokens: int, placement: Placement):
     """(loss, {agreement [unroll + 1]: top-1 agreement of pass j with the target}) over a batch of tokens [B, P + N]
     of which the first P + generated[b] are real."""
-    hidden, target_probs = target_pass(target, tokens, model=model, prompt_tokens=prompt_tokens, placement=placement)
+    hidden, target_probs = target_pass(target, tokens, model=model, prompt_tokens=prompt_tokens,
+                                       context_tokens=context_tokens, placement=placement)
     return head_loss(head, target, tokens, generated, hidden, target_probs, model=model, prompt_tokens=prompt_tokens,
-                     unroll=unroll)
+                     unroll=unroll, context_tokens=context_tokens)
 
 
 def head_loss(head, target, tokens, generated, hidden, target_probs, *, model: ModelConfig, prompt_tokens: int,
-              unroll: int):
-    """loss_and_metrics given the target pass (target_pass)."""
+              unroll: int, context_tokens: int):
+    """loss_and_metrics given the target pass (target_pass). Pass 0's prompt rows learn as its generated rows do
+    (the target's next distribution and hidden state), in a term of their own: on the tiny copying model of
+    docs/draft-head.md this raised the head's agreement at every depth once trained; the agreement reported is the
+    generated positions', where decoding drafts."""
     batch, width = tokens.shape
     rows, passes = width - prompt_tokens, unroll + 1
+    context = min(context_tokens, prompt_tokens - 1)  # prompt rows before position P - 1
+    first = prompt_tokens - 1 - context  # pass 0's first row's position
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    prompt_probs, target_probs = target_probs[:, :context], target_probs[:, context:]
     target_choice = jnp.argmax(target_probs, axis=-1)
-    wanted = normalized(hidden[:, prompt_tokens:])  # row r predicts the hidden state at P + r
-    following = tokens[:, prompt_tokens:]  # row r (position P - 1 + r) reads the token at P + r
-    row_positions = positions[:, prompt_tokens - 1 : width - 1]
-    k, v = draft_head.empty_cache(model, batch, passes * rows, jnp.float32)
-    features = hidden[:, prompt_tokens - 1 : width - 1].astype(jnp.float32)  # pass 0's: the target's own
+    wanted = normalized(hidden[:, prompt_tokens:])  # generated row r (position P - 1 + r) predicts the state at P + r
+    slots = context + passes * rows
+    k, v = draft_head.empty_cache(model, batch, slots, jnp.float32)
     total, agreement = 0.0, []
     for j in range(passes):
-        write = jnp.broadcast_to(j * rows + jnp.arange(rows), (batch, rows))
-        visible = jnp.broadcast_to(jnp.asarray(pass_visibility(rows, passes, j)), (batch, rows, passes * rows))
-        out, k, v = draft_head.features(head, target, model, features, following, row_positions, k, v, write,
-                                        visible)
+        if j == 0:  # the target's own hidden states, prompt rows and generated rows
+            at = positions[:, first : width - 1]
+            features, following = hidden[:, first : width - 1].astype(jnp.float32), tokens[:, first + 1 :]
+            write = at - first
+        else:  # the generated rows, each reading the previous pass's prediction a row before
+            at = positions[:, prompt_tokens - 1 : width - 1]
+            features = jnp.pad(out[:, :-1], ((0, 0), (1, 0), (0, 0)))
+            following = tokens[:, prompt_tokens:]
+            write = at - (prompt_tokens - 1) + context + j * rows
+        visible = jnp.broadcast_to(jnp.asarray(pass_visibility(context, rows, passes, j)), (batch, at.shape[1], slots))
+        out, k, v = draft_head.features(head, target, model, features, following, at, k, v, write, visible)
+        if j == 0 and context:  # prompt row i (position first + i) predicts the target at first + 1 + i
+            prompt_out = out[:, :context]
+            distill = -jnp.sum(prompt_probs * jax.nn.log_softmax(draft_head.logits(target, model, prompt_out), -1), -1)
+            regress = jnp.mean(jnp.square(normalized(prompt_out) - normalized(hidden[:, first + 1 : prompt_tokens])),
+                               axis=-1)
+            total = total + jnp.mean(distill + FEATURE_WEIGHT * regress)
+        out = out[:, -rows:]  # the generated rows' predictions
         logits = draft_head.logits(target, model, out)
         valid = (jnp.arange(rows)[None, :] >= j) & (jnp.arange(rows)[None, :] < generated[:, None])
         count = jnp.maximum(jnp.sum(valid), 1)
@@ -166,7 +203,6 @@ def head_loss(head, target, tokens, generated, hidden, target_probs, *, model: M
         regress = jnp.mean(jnp.square(normalized(out) - wanted), axis=-1)
         total = total + jnp.sum(jnp.where(valid, distill + FEATURE_WEIGHT * regress, 0.0)) / count
         agreement.append(jnp.sum(valid & (jnp.argmax(logits, axis=-1) == target_choice)) / count)
-        features = jnp.pad(out[:, :-1], ((0, 0), (1, 0), (0, 0)))  # the next pass's row r: this pass's row r - 1
     return total / passes, {"agreement": jnp.stack(agreement)}
 
 
@@ -203,8 +239,9 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         record["settings"] = dataclasses.asdict(settings)  # steps may grow
 
     taught = functools.partial(target_pass, model=model, prompt_tokens=settings.prompt_tokens,
-                               placement=engine.placement)
-    loss_fn = functools.partial(head_loss, model=model, prompt_tokens=settings.prompt_tokens, unroll=settings.unroll)
+                               context_tokens=settings.context_tokens, placement=engine.placement)
+    loss_fn = functools.partial(head_loss, model=model, prompt_tokens=settings.prompt_tokens, unroll=settings.unroll,
+                                context_tokens=settings.context_tokens)
 
     @jax.jit
     def update(head, opt_state, target, tokens, generated):  # target an argument: a constant XLA would fold
@@ -237,7 +274,8 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
 
 def check_resumable(saved: dict, settings: Settings) -> None:
     for name, value in settings.data_fields().items() | {"unroll": settings.unroll, "batch": settings.batch,
-                                                         "seed": settings.seed}.items():
+                                                         "seed": settings.seed,
+                                                         "context_tokens": settings.context_tokens}.items():
         if saved.get(name) != value:
             raise InputError("{" + name + "} {}: the checkpoint was trained with {}; give that, or a new {out}",
                              value, saved.get(name))
@@ -290,17 +328,21 @@ def memory_plan(model: ModelConfig, settings: Settings, target_bytes: int, dtype
                                                                 is_leaf=lambda x: isinstance(x, tuple)))
     b, width, rows, passes = settings.batch, settings.prompt_tokens + settings.new_tokens, settings.new_tokens, \
         settings.unroll + 1
+    verified = min(settings.context_tokens, settings.prompt_tokens - 1) + rows  # pass 0's rows
+    slots = verified + (passes - 1) * rows
     capacity = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
     kv = 2 * model.num_layers * b * capacity * model.num_kv_heads * model.head_dim * dtype_bytes
     vocab_rows = b * rows * model.vocab_size * 4  # one float32 [B, N, V]
+    prompt_vocab_rows = b * (verified - rows) * model.vocab_size * 4  # the prompt rows' (pass 0's)
     return {
         "target params": target_bytes,
         "head params, gradients, Adam moments (float32)": 4 * 4 * head_params,
         "target pass: KV cache and hidden states": kv + b * width * model.hidden_size * (4 + dtype_bytes),
-        "target logits and probabilities": 2 * vocab_rows,
-        "head logits, log-softmax and their gradients, every pass": 3 * passes * vocab_rows,
-        "head K/V and activations, every pass": passes * b * rows * (
-            4 * passes * rows * model.num_heads + 16 * model.hidden_size + 8 * model.intermediate_size),
+        "target logits and probabilities (prompt rows too)": 2 * (vocab_rows + prompt_vocab_rows),
+        "head logits, log-softmax and their gradients, every pass (pass 0's prompt rows too)":
+            3 * (passes * vocab_rows + prompt_vocab_rows),
+        "head K/V, scores and activations, every pass (pass 0 over prompt rows too)": b * slots * (
+            4 * slots * model.num_heads + 16 * model.hidden_size + 8 * model.intermediate_size),
         "data (token ids, host)": settings.prompts * width * 4,
     }
 
@@ -315,6 +357,9 @@ SETTING_HELP = {
     "learning_rate": "AdamW's peak learning rate (warm-up, then cosine decay to a tenth)",
     "unroll": "training-time-test passes after the teacher-forced one: the head learns drafts of depth 2 .. "
               "unroll + 1 from its own predictions",
+    "context_tokens": "prompt rows before each prompt's last that the head runs over in training (the last ones; "
+                      "decoding runs it over the whole prompt): its attention costs float32 [batch, heads, rows, "
+                      "rows] for rows = this + --new-tokens, so 4K prompts want a bound (see --dry-run)",
     "seed": "the head's initialisation and each step's batch",
     "generate_batch": "prompts per engine call while making the data",
 }

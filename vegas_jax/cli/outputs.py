@@ -9,16 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from vegas_jax import inputs
 from vegas_jax.inputs import InputError
-
-
-def probe(path: Path) -> None:
-    """Writes an empty file at `path` (a name of the caller's own, beside what it will write) and removes it;
-    OSError when it cannot be written."""
-    try:
-        path.write_bytes(b"")
-    finally:
-        path.unlink(missing_ok=True)
 
 
 class Stdout:
@@ -66,7 +58,7 @@ def check_json_path(path: Path) -> None:
     except OSError as e:
         raise InputError("--output-json {}: cannot make its folder: {}", path, e.strerror) from None
     try:
-        probe(_temporary(path))
+        inputs.probe_writable(_temporary(path))
     except OSError as e:
         raise InputError("--output-json {}: cannot be written: {}", path, e.strerror) from None
 

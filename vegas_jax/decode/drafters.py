@@ -11,10 +11,11 @@ interface (init_state, propose, record):
   last tokens and what followed each are merged into the tree: a node's children are the distinct next tokens of
   the continuations through it, best match first. No forward pass; nodes no match fills are invalid.
 - `head`: a trained EAGLE-style draft head (models.draft_head): one decoder layer over the target's last hidden
-  state and the next token, its own small KV cache, the target's final norm and LM head. The target's hidden
-  states of the accepted tokens come from the verification pass that accepted them (`Verified.hidden`); the head
-  writes their rows at the start of the next proposal (so its first level costs one head pass over them), then
-  drafts level by level from its own predicted hidden states, children chosen as the self drafter's are.
+  state and the next token, its own KV cache over the whole context, the target's final norm and LM head. Prefill
+  writes the prompt's rows (`prefill_rows`, from the hidden states of each prefill chunk); the target's hidden
+  states of the accepted tokens come from the verification pass that accepted them (`Verified.hidden`), and the
+  head writes their rows at the start of the next proposal (so its first level costs one head pass over them),
+  then drafts level by level from its own predicted hidden states, children chosen as the self drafter's are.
 
 A proposal says whether its children are draws from the distributions it returns (`probs`) or fixed choices; the
 sampled acceptance (vegas_jax.decode.tree_iteration.accept_sampled) keeps the output exact either way.
@@ -106,7 +107,7 @@ class SelfDrafter:
     name: str = "self"
     reads_hidden: bool = False
 
-    def init_state(self, config, prompt_lengths, prompt_tokens, dtype):
+    def init_state(self, config, prompt_lengths, prompt_tokens, capacity, dtype):
         return ()
 
     def record(self, drafter_state, verified: Verified):
@@ -154,7 +155,7 @@ class NgramDrafter:
     name: str = "ngram"
     reads_hidden: bool = False
 
-    def init_state(self, config, prompt_lengths, prompt_tokens, dtype):
+    def init_state(self, config, prompt_lengths, prompt_tokens, capacity, dtype):
         return Context(prompt_tokens.astype(jnp.int32))
 
     def record(self, drafter_state: Context, verified: Verified) -> Context:
@@ -221,18 +222,53 @@ def ngram_tree(context: jax.Array, length: jax.Array, tree) -> tuple[jax.Array, 
 class HeadMemory:
     """The head drafter's memory: its K/V rows and the verified rows it has yet to write.
 
-    Slot t of k / v holds the head row of position origin + t (origin: the prompt's last position, the first whose
-    target hidden state the loop sees: prefill computes no hidden states, so the head's context starts there, as
-    in training, vegas_jax.train_draft_head). The last `scratch` slots hold the current proposal's tree nodes, slot
+    Slot t of k / v holds the head row of position t: prefill writes the prompt's rows (`prefill_rows`), the
+    proposals the generated ones, so the head attends to the whole context as in training
+    (vegas_jax.train_draft_head). The last `scratch` slots hold the current proposal's tree nodes, slot
     context + node, never read by a later proposal."""
 
     k: jax.Array = axes_field(BATCH, None, None, None)  # [B, T, K, H]
     v: jax.Array = axes_field(BATCH, None, None, None)
-    origin: jax.Array = axes_field(BATCH)  # [B] int32
     start: jax.Array = axes_field(BATCH)  # [B] int32: the position of the first pending row
     count: jax.Array = axes_field(BATCH)  # [B] int32: pending rows
     hidden: jax.Array = axes_field(BATCH, None, None)  # [B, W, D]: the target's hidden state at each pending row
     following: jax.Array = axes_field(BATCH, None)  # [B, W] int32: the token after each pending row
+
+
+# The head's attention runs through float32 score arrays [B, H, rows, T] over its whole cache (about three live at
+# once): prefill runs the head over a chunk's rows in pieces that keep them under this many bytes (as
+# vegas_jax.runtime.prefill_chunks bounds the target's own jnp attention).
+HEAD_PREFILL_SCORE_BYTES = 2**32
+
+
+def head_prefill_piece(rows: int, chunk: int, num_heads: int, slots: int) -> int:
+    """The rows of a chunk the head runs over at once in prefill: the largest divisor of `chunk` whose score
+    arrays over `rows` batch rows fit HEAD_PREFILL_SCORE_BYTES (at least 1)."""
+    most = max(1, HEAD_PREFILL_SCORE_BYTES // (3 * 4 * rows * num_heads * slots))
+    return max(d for d in range(1, min(chunk, most) + 1) if chunk % d == 0)
+
+
+def prefill_rows(head, params, memory: HeadMemory, hidden: jax.Array, following: jax.Array, positions: jax.Array,
+                 model) -> HeadMemory:
+    """The head's K/V of a prefill chunk's rows written into memory: hidden [B, C, D] the target's last hidden
+    states at positions [B, C] (the same in every sequence), following [B, C] the token after each. Row p attends
+    causally to the slots up to p, as in decoding. The chunk runs in pieces (head_prefill_piece) so that the
+    head's score arrays stay bounded whatever the context; rows past a prompt write slots that its own rows
+    overwrite before any proposal reads them."""
+    batch, chunk = following.shape
+    slots = memory.k.shape[1]
+    piece = head_prefill_piece(batch, chunk, model.num_heads, slots)
+    split = lambda x: jnp.moveaxis(x.reshape(batch, chunk // piece, piece, *x.shape[2:]), 1, 0)
+
+    def step(kv, rows):
+        h, f, p = rows
+        visible = jnp.arange(slots)[None, None, :] <= p[:, :, None]
+        _, k, v = draft_head.features(head, params, model, h, f, p, *kv, p, visible)
+        return (k, v), None
+
+    (k, v), _ = jax.lax.scan(step, (memory.k, memory.v), (split(hidden.astype(memory.hidden.dtype)),
+                                                           split(following), split(positions)))
+    return dataclasses.replace(memory, k=k, v=v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,12 +276,12 @@ class HeadDrafter:
     name: str = "head"
     reads_hidden: bool = True
 
-    def init_state(self, config, prompt_lengths, prompt_tokens, dtype) -> HeadMemory:
+    def init_state(self, config, prompt_lengths, prompt_tokens, capacity, dtype) -> HeadMemory:
         batch, tree, model = prompt_lengths.shape[0], config.tree, config.model
-        # Positions origin .. origin + max_new_tokens + depth hold rows; then the scratch slots.
-        k, v = draft_head.empty_cache(model, batch, config.max_new_tokens + tree.depth + 1 + tree.rows, dtype)
+        # A slot for every position of the cache (prompt and generation), then the scratch slots.
+        k, v = draft_head.empty_cache(model, batch, capacity + tree.rows, dtype)
         zeros = jnp.zeros((batch,), jnp.int32)
-        return HeadMemory(k, v, (prompt_lengths - 1).astype(jnp.int32), zeros, zeros,
+        return HeadMemory(k, v, zeros, zeros,
                           jnp.zeros((batch, tree.depth + 1, model.hidden_size), dtype),
                           jnp.zeros((batch, tree.depth + 1), jnp.int32))
 
@@ -267,8 +303,7 @@ class HeadDrafter:
 
         # The verified rows: written into the context; the last one's output drafts the root's children.
         row = jnp.arange(memory.following.shape[1])[None, :]
-        first = memory.start - memory.origin
-        at = first[:, None] + row
+        at = memory.start[:, None] + row
         write = jnp.where((row < memory.count[:, None]) & (at < context), at, slots)
         visible = (slot[None, None, :] <= at[:, :, None]) & (slot < context)
         out, k, v = draft_head.features(head, params, model, memory.hidden, memory.following,
@@ -279,7 +314,7 @@ class HeadDrafter:
 
         tokens, probs = empty_draft(state, config)
         finite = jnp.ones((batch,), bool)
-        seen = slot[None, :] < (state.committed - memory.origin)[:, None]  # [B, T]: the verified rows
+        seen = slot[None, :] < state.committed[:, None]  # [B, T]: the verified rows
         for depth, level in enumerate(tree.levels[:-1]):
             nodes = np.asarray([n for n in level if tree.children[n, 0] >= 0])
             if depth:  # node n's row: its parent's predicted hidden state and its token, at its parent's position

@@ -36,7 +36,7 @@ from vegas_jax.decode import sampling
 from vegas_jax.decode.logprobs import Logprobs
 from vegas_jax.attention.family import family_of
 from vegas_jax.decode.draft_kernel import with_kernel
-from vegas_jax.decode.drafters import Verified, make_drafter
+from vegas_jax.decode.drafters import HeadMemory, Verified, make_drafter, prefill_rows
 from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode
 from vegas_jax.decode.selection import Policy, SelectContext, Selection
 from vegas_jax.sharding import Placement
@@ -191,7 +191,8 @@ def init_state(
         metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
         step=jnp.zeros((), jnp.int32),
         gamma_control=adaptive_gamma.GammaControl.create(config.gamma) if config.adaptive_gamma else None,
-        drafter_state=(drafter.init_state(config, prompt_lengths, prompt_tokens, _activations_dtype(cache))
+        drafter_state=(drafter.init_state(config, prompt_lengths, prompt_tokens, cache.capacity,
+                                          _activations_dtype(cache))
                        if config.tree is not None else ()),
     )
 
@@ -211,6 +212,19 @@ def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConf
     _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
                           tensor_parallel=placement.tensor_parallel, scan_layers=placement.scan_layers)
     return cache
+
+
+def prefill_chunk_with_head(params, head, cache: KVCache, memory: HeadMemory, tokens, following, positions, *,
+                            model: ModelConfig, placement: Placement,
+                            mode: ApproxMode = EXACT_MODE) -> tuple[KVCache, HeadMemory]:
+    """prefill_chunk for the head drafter: the chunk's last hidden states also feed the draft head (`head`, its
+    params), whose K/V rows for these positions go into its memory (vegas_jax.decode.drafters.prefill_rows), each
+    row reading the token after it, following [B, C]. Only the chunk's hidden states are ever live."""
+    rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
+    attention = family_of(model, mode).full_attention(model, placement)
+    _, cache, _, hidden = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
+                                  tensor_parallel=placement.tensor_parallel, with_hidden=True)
+    return cache, prefill_rows(head, params, memory, hidden, following, positions, model)
 
 
 PREFILL_TOKENS_AXES = Axes(BATCH, None)  # prefill_chunk's tokens and positions [B, C]

@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from vegas_jax.cli import outputs
+from vegas_jax import inputs
 from vegas_jax.inputs import InputError
 
 # A decode step's GEMMs are skinny (batch rows by the model width). On the H200 XLA's Triton GEMM emitter tiles
@@ -142,7 +142,7 @@ def use_persistent_cache(directory: str | os.PathLike, source: str = "{compile_c
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        outputs.probe(path / f".vegas-write-probe-{os.getpid()}")
+        inputs.probe_writable(path / f".vegas-write-probe-{os.getpid()}")
     except (OSError, ValueError) as e:
         raise InputError(source + " {}: cannot be used as a cache folder: {}", str(directory),
                          getattr(e, "strerror", None) or e) from None

@@ -58,7 +58,7 @@ class Started:
     decode: Callable
     timings: dict
     draft_params: Any = None  # what the drafts read besides the parameters (None: nothing; int8 / int4 copies)
-    options: Any = None  # the options the run decodes with (GenerationOptions, vegas_jax.ssv.choice's choice made)
+    options: Any = None  # the options the run decodes with (run_plan.RunPlan.decoding: the SSV choice applied)
     ssv_plan: dict | None = None  # the SSV planner's choice (vegas_jax.ssv.planner.Plan.report), None: the default plan
 
 
@@ -108,8 +108,7 @@ class Engine:
                     slots: int | None = None, refill: int | None = None) -> None:
         """InputError if these prompts cannot run with these options on this model and its devices: every check
         `generate` and `serve` (with `slots`, `refill`) make before they compile (or allocate) anything."""
-        self.plan(self.encode_prompts(prompts, chat_template), GenerationOptions.check(options), slots=slots,
-                  refill=refill)
+        self.plan(self.encode_prompts(prompts, chat_template), options, slots=slots, refill=refill)
 
     def plan(self, prompt_ids: list[list[int]], options: GenerationOptions, *, slots: int | None = None,
              refill: int | None = None) -> dict:
@@ -121,7 +120,7 @@ class Engine:
     def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None,
                      kept_prefill: bool = False) -> run_plan.RunPlan:
         drafters = ("self", "ngram") + (("head",) if self.draft_head is not None else ())
-        return run_plan.fit(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
+        return run_plan.resolve(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
                             stop_table_of=self._stop_table, slots=slots, refill=refill,
                             kept_prefill=kept_prefill, drafters=drafters)
 
@@ -159,9 +158,11 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------------------------------
     def _prefill(self, ids, options, config, capacity, timings, **kwargs) -> loop.DecodeState:
-        """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table."""
+        """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table (and the
+        draft head, which prefill runs over the prompts, when it drafts)."""
+        head = self._draft_params(config, 0) if config.tree is not None and config.drafter == "head" else None
         return prefill.prefill(self.model, self.programs, ids, options, config, capacity, self._stop_table(options),
-                               timings, **kwargs)
+                               timings, head=head, **kwargs)
 
     def _compile_decode(self, config, state, draft_params, timings) -> Callable:
         """The compiled decode loop: decode(params, draft_params, state, step_limit, finished_limit), the limits
@@ -199,17 +200,16 @@ class Engine:
         says whether this run did), and decode exactly as after their own prefill. Its kept cache is counted in
         the memory plan."""
         ids = self.encode_prompts(prompts, chat_template)
-        options = GenerationOptions.check(options)
         plan = self._fitted_plan(ids, options,  # refuses what cannot fit first
                                  kept_prefill=reuse_prefill is not None and fill_cache is None)
-        options, config, capacity = plan.options, plan.config, plan.capacity
+        options, config, capacity = plan.decoding, plan.config, plan.capacity
         timings = {}
         rows = self._batch_rows(len(ids))
         draft_params = self._draft_params(config, rows)
         state = self._prefill(ids, options, config, capacity, timings, rows=rows,
                               progress=progress, fill_cache=fill_cache, reuse_prefill=reuse_prefill)
-        if options.gamma_costs is not None:  # a caller of `decode` then runs adaptive γ on them from the start
-            state = with_control(state, config.placement, -1, options.gamma_costs)
+        if options.adaptive_gamma.costs is not None:  # a caller of `decode` runs adaptive γ on them from the start
+            state = with_control(state, config.placement, -1, options.adaptive_gamma.costs)
         decode = self._compile_decode(config, state, draft_params, timings)
         return Started(ids, config, state, decode, timings, draft_params, options, plan.summary["ssv_plan"])
 
@@ -232,13 +232,12 @@ class Engine:
         True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
         A request whose logits become non-finite stops alone ("failed"); the others go on."""
         pacer = Pacer(steps_per_call, seconds_per_call)
-        options = GenerationOptions.check(options)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
         options = started.options
         draft_params = started.draft_params
         batch, rows, k = len(started.prompt_ids), state.committed.shape[0], options.logprobs
-        adaptive = self._gamma_book.for_run(config, options.gamma_costs, rows, state.cache.capacity)
+        adaptive = self._gamma_book.for_run(config, options.adaptive_gamma.costs, rows, state.cache.capacity)
         placement = config.placement
         host = placement.fetch(token_rows(state, config))
         seen = host["num_generated"]
@@ -310,9 +309,8 @@ class Engine:
         if slots % data:
             raise InputError("{slots} {}: must be a multiple of the mesh's data axis ({mesh} data={})", slots, data)
         ids = self.encode_prompts(prompts, chat_template)
-        options = GenerationOptions.check(options)
         plan = self._fitted_plan(ids, options, slots=slots, refill=refill)
-        options, config, capacity = plan.options, plan.config, plan.capacity
+        options, config, capacity = plan.decoding, plan.config, plan.capacity
         placement = config.placement
         slots = min(slots, self._batch_rows(len(ids)))
         table = SlotTable(slots, len(ids), min(refill, slots))
@@ -324,7 +322,7 @@ class Engine:
                                       self._stop_table(options), 0, rows=slots, finished=True)
         draft_params = self._draft_params(config, slots)
         decode = self._compile_decode(config, state, draft_params, timings)
-        adaptive = self._gamma_book.for_run(config, options.gamma_costs, slots, capacity)
+        adaptive = self._gamma_book.for_run(config, options.adaptive_gamma.costs, slots, capacity)
         calls = DecodeCalls(decode, params, draft_params, placement, pacer, adaptive)
 
         while not placement.agreed(stop is not None and bool(stop())):

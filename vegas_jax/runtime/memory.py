@@ -7,7 +7,9 @@ penalties the token counts, with logprobs their buffers, the stop table) for the
 largest of the transient arrays of one step (verification logits, their penalised copy and log-softmax when asked
 for, and, when sampling, the draft and target distributions; the layers' selection scores;
 prefill's MLP activations and, without kernels, its score arrays; under continuous batching a joining group's
-state, which admission gathers onto every data shard). XLA's own temporaries are not counted, so the bound is what
+state, which admission gathers onto every data shard). With the draft head as drafter, its K/V over the whole
+context (one layer's, whole on every device: the head is not split over the model axis) is part of each
+request's cache, and its score arrays are part of prefill's and of each step's buffers. XLA's own temporaries are not counted, so the bound is what
 must fit, not everything that will be used; MARGIN leaves room for them.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from models import draft_weights
 from models.config import ModelConfig
+from vegas_jax.decode.drafters import head_prefill_piece
 from models.decoder import param_axes
 from models.logical_axes import HEADS, MLP
 from models.nsa_cache import compressed_rows
@@ -56,9 +59,10 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
              refill: int | None, penalties: bool = False, logprobs: int | None = None,
              stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16,
-             approx_mode: ApproxMode = EXACT_MODE, kept_prefill: bool = False) -> dict:
+             approx_mode: ApproxMode = EXACT_MODE, kept_prefill: bool = False, head_slots: int = 0) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
-    bf16 drafts. kept_prefill: a copy of the cache is held besides (vegas_jax.runtime.prefill_reuse)."""
+    bf16 drafts. kept_prefill: a copy of the cache is held besides (vegas_jax.runtime.prefill_reuse).
+    head_slots: the draft head's K/V rows per request (vegas_jax.decode.drafters.HeadMemory; 0: no head)."""
     dtype = np.dtype(params["embed"].dtype).itemsize
     rows = batch // placement.data_shards
     kv_heads = config.num_kv_heads // placement.model_shards
@@ -67,6 +71,7 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     # One sequence's K and V rows, and an NSA layer's compressed rows besides (models.nsa_cache).
     rows_kept = capacity + (compressed_rows(config.nsa, capacity) if config.nsa is not None else 0)
     cache_row = 2 * layers * rows_kept * kv_heads * config.head_dim * dtype
+    cache_row += 2 * head_slots * config.num_kv_heads * config.head_dim * dtype
     if not approx_mode.is_exact:  # its stored span selections (vegas_jax.attention.nsa_approx.ApproxNSACache)
         spans = -(-capacity // approx_mode.share_span) if approx_mode.share_span > 1 else 1
         cache_row += layers * spans * kv_heads * approx_mode.selection_layout(config.nsa).top_n * 4
@@ -91,6 +96,11 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     prefill = 2 * 4 * rows * prefill_chunk * config.intermediate_size // placement.model_shards
     if not placement.uses_kernels:
         prefill += 3 * 4 * rows * heads * prefill_chunk * capacity
+    if head_slots:  # the head's float32 scores over its cache: a level of drafts, a piece of a prefill chunk
+        head_scores = 3 * 4 * rows * config.num_heads * head_slots
+        scores += head_scores * verify_rows
+        prefill += (head_scores * head_prefill_piece(rows, prefill_chunk, config.num_heads, head_slots)
+                    + rows * prefill_chunk * config.hidden_size * dtype)  # and the chunk's hidden states
     joining = refill * (cache_row + request_row) if refill else 0
     parts = {
         "params": _params_per_device(params, placement),

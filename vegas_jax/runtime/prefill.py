@@ -1,6 +1,8 @@
 """A batch's start (`Engine.start`, and each admission group of `Engine.serve`): its decode state created straight
 into its shards, prefill of all but each prompt's last token in chunks (vegas_jax.runtime.prefill_chunks), then the
-bootstrap step. The state returned is the one a decode loop starts from."""
+bootstrap step. The state returned is the one a decode loop starts from. With the draft head as drafter, each chunk
+also writes the head's K/V rows of its positions (loop.prefill_chunk_with_head), so the head drafts over the whole
+prompt."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import draft_head
 from models.decoder import param_axes
 from models.logical_axes import axes_of
 from vegas_jax.decode import iteration as loop
@@ -53,55 +56,78 @@ def initial_state(model: LoadedModel, programs: Programs, ids, options: Generati
 
 def prefill(model: LoadedModel, programs: Programs, ids, options: GenerationOptions, config: loop.DecodeConfig,
             capacity: int, stop_table: np.ndarray, timings: dict, *, first_request: int = 0, rows: int | None = None,
-            progress=None, fill_cache=None, reuse_prefill: PrefillReuse | None = None) -> loop.DecodeState:
+            progress=None, fill_cache=None, reuse_prefill: PrefillReuse | None = None,
+            head=None) -> loop.DecodeState:
     """Prefill in chunks (prefill_spans: two compilations at most for any length), then the bootstrap step. Adds
     to timings' compile_s and prefill_s. With `fill_cache` (`Engine.start`'s), that function makes the cache
-    instead of prefill; with `reuse_prefill`, the cache it keeps for these prompts and this layout, if any
-    (timings' prefill_reused), and otherwise it keeps this prefill's."""
+    instead of prefill (the head's rows, with `head`, stay empty: only the cost of decoding counts there); with
+    `reuse_prefill`, the cache it keeps for these prompts and this layout, if any (timings' prefill_reused), and
+    otherwise it keeps this prefill's. `head`: the draft head's params when the config's drafter is the head,
+    whose memory prefill fills beside the cache (and `reuse_prefill` keeps with it)."""
     placement, params = config.placement, model.params
     batch = len(ids) if rows is None else rows
     lens = [len(p) for p in ids]
     chunk = prefill_chunk(model.config, batch, max(lens), capacity, options.prefill_chunk, placement)
     timings["prefill_chunk"] = chunk
     state = initial_state(model, programs, ids, options, config, capacity, stop_table, first_request, rows=batch)
+    # What prefill fills: the cache, and with the head its memory (kept and reused together).
+    filled = (state.cache, state.drafter_state) if head is not None else state.cache
     reuse_key = kept = None
     if reuse_prefill is not None and fill_cache is None:
-        reuse_key = PrefillReuse.key(ids, state.cache, model=id(model), placement=placement, mode=config.mode,
-                                     chunk=chunk, first_request=first_request)
-        kept = reuse_prefill.fill(reuse_key, state.cache)
+        reuse_key = PrefillReuse.key(ids, filled, model=id(model), placement=placement, mode=config.mode,
+                                     chunk=chunk, first_request=first_request, head=id(head))
+        kept = reuse_prefill.fill(reuse_key, filled)
         if kept is not None:
-            state = dataclasses.replace(state, cache=kept)
+            filled = kept
     timings["prefill_reused"] = kept is not None
     spans = [] if fill_cache or kept is not None else prefill_spans(max(lens) - 1, chunk)
     width = spans[-1][0] + spans[-1][1] if spans else 0
-    tokens = np.zeros((batch, width), np.int32)
+    tokens, following = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
     for i, p in enumerate(ids if spans else ()):  # no spans: nothing to prefill (fill_cache, a kept prefill)
-        tokens[i, : len(p) - 1] = p[:-1]
+        # following: the token after each prefilled row, which the head's row reads
+        tokens[i, : len(p) - 1], following[i, : len(p) - 1] = p[:-1], p[1:]
     t0 = time.perf_counter()
     p_axes, cache_axes, state_axes = param_axes(params), axes_of(state.cache), axes_of(state)
     compiled = {}
     for size in sorted({size for _, size in spans}):
         steps = (placement.put(np.zeros((batch, size), np.int32), loop.PREFILL_TOKENS_AXES),) * 2
-        compiled[size] = programs.compile(
-            "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
-            in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
-            out_axes=cache_axes, model=model.config, placement=placement, mode=config.mode,
-        )
+        if head is None:
+            compiled[size] = programs.compile(
+                "prefill", loop.prefill_chunk, params, state.cache, *steps, donate=(1,), layout=placement,
+                in_axes=(p_axes, cache_axes, loop.PREFILL_TOKENS_AXES, loop.PREFILL_TOKENS_AXES),
+                out_axes=cache_axes, model=model.config, placement=placement, mode=config.mode,
+            )
+        else:
+            memory_axes = axes_of(state.drafter_state)
+            compiled[size] = programs.compile(
+                "prefill-head", loop.prefill_chunk_with_head, params, head, state.cache, state.drafter_state, *steps,
+                steps[0], donate=(2, 3), layout=placement,
+                in_axes=(p_axes, draft_head.param_axes(head), cache_axes, memory_axes,
+                         *(loop.PREFILL_TOKENS_AXES,) * 3),
+                out_axes=(cache_axes, memory_axes), model=model.config, placement=placement, mode=config.mode,
+            )
     bootstrap = programs.compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
                                  in_axes=(p_axes, state_axes), out_axes=state_axes, config=config)
     timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    cache = fill_cache(state.cache) if fill_cache else state.cache
+    if fill_cache:
+        filled = (fill_cache(state.cache), state.drafter_state) if head is not None else fill_cache(state.cache)
     for step, (start, size) in enumerate(spans):
-        positions = np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size))
+        positions = placement.put(np.broadcast_to(np.arange(start, start + size, dtype=np.int32), (batch, size)),
+                                  loop.PREFILL_TOKENS_AXES)
         chunk_tokens = placement.put(tokens[:, start : start + size], loop.PREFILL_TOKENS_AXES)
-        cache = compiled[size](params, cache, chunk_tokens, placement.put(positions, loop.PREFILL_TOKENS_AXES))
+        if head is None:
+            filled = compiled[size](params, filled, chunk_tokens, positions)
+        else:
+            next_tokens = placement.put(following[:, start : start + size], loop.PREFILL_TOKENS_AXES)
+            filled = compiled[size](params, head, *filled, chunk_tokens, next_tokens, positions)
         if progress:
             progress("prefill", step + 1, len(spans))
     if reuse_key is not None and kept is None:
-        reuse_prefill.keep(reuse_key, cache)
-    state = bootstrap(params, dataclasses.replace(state, cache=cache))
+        reuse_prefill.keep(reuse_key, filled)
+    cache, memory = filled if head is not None else (filled, state.drafter_state)
+    state = bootstrap(params, dataclasses.replace(state, cache=cache, drafter_state=memory))
     jax.block_until_ready(state.output)
     timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
     return state

@@ -116,8 +116,8 @@ def generation_result(tokenizer, options: GenerationOptions, ids: list[list[int]
     metrics.update(pooled_metrics(iterations, drafted, accepted, gamma))
     metrics["draft_weights"] = options.draft_weights if gamma else None
     metrics["draft_activations"] = options.draft_activations if gamma else None
-    metrics["draft_tree"] = options.draft_tree
-    metrics["drafter"] = options.drafter if options.draft_tree else None
+    metrics["draft_tree"] = options.drafting.draft_tree
+    metrics["drafter"] = options.drafting.drafter if options.drafting.draft_tree else None
     metrics.update(extra_metrics or {})
     for status in ("failed", "interrupted"):
         metrics[f"{status}_requests"] = [i for i, r in enumerate(requests) if r.status == status]

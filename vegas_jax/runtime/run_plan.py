@@ -27,7 +27,8 @@ from vegas_jax.decode import sampling
 from vegas_jax.ssv import choice as ssv
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.runtime.options import CAPACITY_ALIGN, INT32_MAX, GenerationOptions, round_up
+from vegas_jax.runtime.options import INT32_MAX, GenerationOptions, round_up
+from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.ssv.planner import DrafterAcceptance
 from vegas_jax.runtime.prefill_chunks import prefill_chunk
 from vegas_jax.decode.selection import Budget, make_policy
@@ -40,22 +41,33 @@ OUTPUT_BUCKET = 256  # output buffers are this many tokens wide or a multiple: m
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    options: GenerationOptions  # what the run decodes with (vegas_jax.ssv.choice's choice made)
+    options: GenerationOptions  # the caller's, checked (GenerationOptions.check)
+    choice: ssv.Choice  # the run's draft tree and target: the caller's, or the SSV planner's (vegas_jax.ssv.choice)
     config: loop.DecodeConfig
     capacity: int  # cache rows per sequence
     summary: dict  # Engine.plan's report
 
+    @property
+    def decoding(self) -> GenerationOptions:
+        """What the run decodes with: the caller's options with SSV's choice applied."""
+        return self.choice.applied_to(self.options)
 
-def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
-        acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
-        slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
-        drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
-    """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once it is
-    known to fit its devices; InputError otherwise. `stop_table_of`: the options' vegas_jax.decode.stops table,
-    asked for once the options are checked (its stop ids within the vocabulary). `drafters`: those the engine can
-    run (the SSV planner's choices with drafter auto)."""
+
+def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
+            acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
+            slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
+            drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
+    """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once its
+    options are checked, SSV's choice made and the run known to fit its devices; InputError otherwise. Each run
+    resolves its plan once, and nothing downstream checks or changes its options again. `stop_table_of`: the
+    options' vegas_jax.decode.stops table, asked for once the options are checked (its stop ids within the
+    vocabulary). `drafters`: those the engine can run (the SSV planner's choices with drafter auto)."""
     model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
-    options, ssv_plan = ssv.resolve(options, model_config, prompt_lens, acceptance, drafters)
+    asked = GenerationOptions.check(options)
+    choice = ssv.choose(asked, model_config, prompt_lens, acceptance, drafters)
+    options = choice.applied_to(asked)
+    if choice.plan is not None:
+        options.validate()  # the planner's tree against the other options (penalties take no tree)
     config, capacity = loop_config(model_config, placement, prompt_lens, options)
     stop_table = stop_table_of(options)
     batch = round_up_to_shards(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)), placement)
@@ -71,14 +83,16 @@ def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], o
     estimate = memory.estimate(model_config, model.params, placement, batch=batch, capacity=capacity, draft=draft,
                                gamma=config.verify_rows - 1,
                                k_max=config.policy.budget.k_max if config.policy else 0,
-                               policy=options.method, quest_page=options.quest_page,
+                               policy=options.method, quest_page=options.quest.page,
                                output_width=config.max_new_tokens,
                                sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
                                logprobs=config.logprobs, stop_table=stop_table.shape, prefill_chunk=chunk,
-                               refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill)
+                               refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill,
+                               head_slots=capacity + config.tree.rows
+                               if config.tree is not None and config.drafter == "head" else 0)
     memory.check_fits(estimate, placement)
-    return RunPlan(options, config, capacity, {
-        "ssv_plan": None if ssv_plan is None else ssv_plan.report(),
+    return RunPlan(asked, choice, config, capacity, {
+        "ssv_plan": None if choice.plan is None else choice.plan.report(),
         "placement": placement.describe(),
         "mesh": {"data": placement.data_shards, "model": placement.model_shards},
         "backend": placement.backend,
@@ -87,8 +101,8 @@ def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], o
         "output_width": config.max_new_tokens,
         "gamma": options.gamma if options.auto_gamma else config.gamma,
         "gamma_max": config.gamma if options.auto_gamma else None,
-        "draft_tree": options.draft_tree,
-        "drafter": options.drafter if options.draft_tree else None,
+        "draft_tree": options.drafting.draft_tree,
+        "drafter": options.drafting.drafter if options.drafting.draft_tree else None,
         "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
         "stop_table_states": stop_table.shape[0],
         "draft_weights": precision,
@@ -99,15 +113,15 @@ def fit(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], o
 
 def loop_config(model: ModelConfig, placement: Placement, prompt_lens: list[int],
                 options: GenerationOptions) -> tuple[loop.DecodeConfig, int]:
-    """The loop configuration and cache capacity for prompts of these lengths; InputError if they do not fit."""
-    options.validate()
+    """The loop configuration and cache capacity for prompts of these lengths (of options checked and resolved:
+    `resolve`); InputError if they do not fit."""
     if model.attention != "dense" and options.method != "ar":
         raise InputError("{method} {}: an {} model decodes with {method} ar only (sparse drafts and their "
                          "selection policies attend densely)", options.method, model.attention)
-    if model.attention == "dense" and options.draft_tree is not None and options.drafter == "self" \
+    if model.attention == "dense" and options.drafting.draft_tree is not None and options.drafting.drafter == "self" \
             and options.method == "ar":
         raise InputError("{draft_tree} {}: a dense model's self drafter drafts with a KV selection: give {method} "
-                         "(e.g. vegas), or {drafter} ngram", options.draft_tree)
+                         "(e.g. vegas), or {drafter} ngram", options.drafting.draft_tree)
     if options.seed + len(prompt_lens) - 1 > INT32_MAX:
         raise InputError("{seed} {}: request i uses seed + i, which passes 2**31 - 1 for {} requests",
                          options.seed, len(prompt_lens))
@@ -158,17 +172,17 @@ def max_model_len(model: ModelConfig, prompt_lens: list[int], options: Generatio
 
 def decode_config(model: ModelConfig, placement: Placement, options: GenerationOptions,
                   max_model_len: int) -> loop.DecodeConfig:
-    gamma = options.effective_gamma
+    gamma, selection = options.effective_gamma, options.selection
     policy = None
     if gamma and options.method != "ar":  # a sparse draft's selection (a dense model's chain or self drafter)
-        budget = Budget.for_length(options.sparse_ratio, options.min_sparse_tokens, max_model_len)
+        budget = Budget.for_length(selection.sparse_ratio, selection.min_sparse_tokens, max_model_len)
         policy = make_policy(options.method, budget, gamma, placement, **options.policy_knobs)
     mode = sampling.SamplingParams.create(1, *options.sampling_values).mode()
     width = round_up(options.max_new_tokens, OUTPUT_BUCKET)
-    return loop.DecodeConfig(model, gamma, policy, options.score_mode, mode, width, placement, options.logprobs,
+    return loop.DecodeConfig(model, gamma, policy, selection.score_mode, mode, width, placement, options.logprobs,
                              draft_weights=options.draft_weights if gamma else "bf16",
                              draft_activations=options.draft_activations if gamma else "bf16",
-                             adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafter,
+                             adaptive_gamma=options.auto_gamma, tree=options.tree, drafter=options.drafting.drafter,
                              mode=ssv.approx_mode_of(options))
 
 

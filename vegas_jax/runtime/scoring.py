@@ -31,7 +31,8 @@ from vegas_jax.attention.family import family_of
 from vegas_jax.runtime.compilation import Programs
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
-from vegas_jax.runtime.options import CAPACITY_ALIGN, round_up
+from vegas_jax.runtime.options import round_up
+from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement, round_up_to_shards
 
 # Each chunk's logits, their log-softmax and a temporary of XLA's: the chunk shrinks so that these stay under this

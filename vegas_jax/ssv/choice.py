@@ -27,68 +27,77 @@ from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode, parse_precision
 AUTO_DRAFTER = "auto"  # drafter: the planner's choice (with ssv_profile)
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What one run decodes with: its draft tree (None: plain decoding) and drafter (the user's, or the
+    planner's), its target's mode (None: the exact target), and the planner's Plan (None: the default plan, the
+    user's own)."""
+
+    draft_tree: str | None
+    drafter: str
+    approx_mode: str | None
+    plan: Plan | None
+
+    @classmethod
+    def of_plan(cls, plan: Plan, default_drafter: str) -> "Choice":
+        """The planner's choice (plain decoding: no tree, `default_drafter`)."""
+        tree = plan.tree_spec
+        return cls(tree, plan.drafter if tree else default_drafter, None if plan.mode == "exact" else plan.mode, plan)
+
+    def applied_to(self, options):
+        """The options the run decodes with: the caller's, with this choice's tree and mode (the same options
+        under the default plan)."""
+        if self.plan is None:
+            return options
+        return dataclasses.replace(
+            options, drafting=dataclasses.replace(options.drafting, draft_tree=self.draft_tree, drafter=self.drafter),
+            ssv=dataclasses.replace(options.ssv, approx_mode=self.approx_mode))
+
+
 def approx_mode_of(options) -> ApproxMode:
     """The mode the options run (the exact target unless approx_mode names another)."""
-    return EXACT_MODE if options.approx_mode is None else ApproxMode.from_name(options.approx_mode)
+    return EXACT_MODE if options.ssv.approx_mode is None else ApproxMode.from_name(options.ssv.approx_mode)
 
 
-def check(options) -> None:
-    """GenerationOptions.validate's checks of precision, precision_tolerance and approx_mode."""
-    precision = parse_precision(options.precision, options.precision_tolerance)
-    if options.approx_mode is None:
-        return
-    try:
-        mode = ApproxMode.from_name(options.approx_mode)
-    except InputError:
-        raise InputError("{approx_mode} must be 'exact' or s<span>w<widen>r<refresh> (e.g. s8w2r2), got {!r}",
-                         options.approx_mode) from None
-    if not mode.is_exact and precision.name != "approximate":
-        raise InputError("{approx_mode} {}: an approximate mode changes the output; only with {precision} "
-                         "approximate", options.approx_mode)
-
-
-def resolve(options, config: ModelConfig, prompt_lengths: list[int], acceptance: DrafterAcceptance,
-            drafters: tuple[str, ...]):
-    """(the options the run decodes with, the planner's Plan or None for the default plan); InputError naming
-    the option at fault. drafters: those the engine can run."""
-    precision = parse_precision(options.precision, options.precision_tolerance)
+def choose(options, config: ModelConfig, prompt_lengths: list[int], acceptance: DrafterAcceptance,
+           drafters: tuple[str, ...]) -> Choice:
+    """The run's Choice, for options that GenerationOptions.check has checked; InputError naming the option at
+    fault. drafters: those the engine can run."""
+    ssv = options.ssv
+    precision = parse_precision(ssv.precision, ssv.precision_tolerance)
     mode = approx_mode_of(options)
+    default = Choice(options.drafting.draft_tree, options.drafting.drafter, ssv.approx_mode, None)
     if config.attention == "dense":
-        if precision.name != "exact" or not mode.is_exact or options.ssv_profile is not None:
-            flag = "{ssv_profile}" if options.ssv_profile is not None else "{precision} approximate"
+        if precision.name != "exact" or not mode.is_exact or ssv.profile is not None:
+            flag = "{ssv_profile}" if ssv.profile is not None else "{precision} approximate"
             raise InputError(flag + ": precision classes and the SSV planner are for NSA models (an NSA checkpoint, "
                              "or {attention} nsa-view); this model is dense")
-        return options, None
+        return default
     if not mode.is_exact:
         mode.selection_layout(config.nsa)  # the span must divide the selection block
-    if options.ssv_profile is None:
-        return options, None
-    for given in ("draft_tree", "approx_mode"):
-        if getattr(options, given) is not None:
+    if ssv.profile is None:
+        return default
+    for given, value in (("draft_tree", options.drafting.draft_tree), ("approx_mode", ssv.approx_mode)):
+        if value is not None:
             raise InputError("{" + given + "} {}: with {ssv_profile} the planner chooses the tree and the mode; "
-                             "give one or the other", getattr(options, given))
-    profile = load_profile(options.ssv_profile)
+                             "give one or the other", value)
+    profile = load_profile(ssv.profile)
     profiled = sorted({drafter for drafter, _ in profile.drafts})
-    if options.drafter == AUTO_DRAFTER:
+    drafter = options.drafting.drafter
+    if drafter == AUTO_DRAFTER:
         choices = tuple(d for d in profiled if d in drafters)
         if not choices:
             raise InputError("{drafter} auto: the profile {} times none of the drafters this engine can run ({})",
-                             options.ssv_profile, ", ".join(drafters))
-    elif options.drafter not in profiled:
+                             ssv.profile, ", ".join(drafters))
+    elif drafter not in profiled:
         raise InputError("{drafter} {}: the profile {} has no draft times for it (it has: {}); give {drafter} one of "
-                         "them", options.drafter, options.ssv_profile, ", ".join(profiled) or "none")
+                         "them", drafter, ssv.profile, ", ".join(profiled) or "none")
     else:
-        choices = (options.drafter,)
+        choices = (drafter,)
     plan = Planner(profile, precision, choices).plan(max(prompt_lengths), len(prompt_lengths),
-                                                      acceptance.alphas(choices))
-    return with_plan(options, plan), plan
-
-
-def with_plan(options, plan: Plan):
-    """options with the plan's tree and mode (plain decoding: no tree, the default drafter)."""
-    tree = plan.tree_spec
-    return dataclasses.replace(options, draft_tree=tree, drafter=plan.drafter if tree else "self",
-                               approx_mode=None if plan.mode == "exact" else plan.mode)
+                                                     acceptance.alphas(choices))
+    # Plain decoding takes the drafter a run without a tree has (auto would ask for a tree).
+    return Choice.of_plan(plan, default_drafter=type(options.drafting)().drafter)
 
 
 def observe(acceptance: DrafterAcceptance, options, depth_histogram: list[int]) -> None:
@@ -97,7 +106,7 @@ def observe(acceptance: DrafterAcceptance, options, depth_histogram: list[int]) 
     tree = options.tree
     if tree is None:
         return
-    branching, tracker = tree.children.shape[1], acceptance.of(options.drafter)
+    branching, tracker = tree.children.shape[1], acceptance.of(options.drafting.drafter)
     for accepted, passes in enumerate(depth_histogram):
         for _ in range(passes):
             tracker.observe(accepted, tree.depth, branching)
@@ -107,13 +116,13 @@ def report(options, plan: dict | None, decode_s: float, decode_tokens: int, requ
     """The metrics of the run's SSV choice: class, mode, and the plan (Plan.report, None: the default plan) with
     its predicted time per token against the measured one (ms per step over tokens per sequence and step, as the
     planner predicts it)."""
-    precision = parse_precision(options.precision, options.precision_tolerance)
+    precision = parse_precision(options.ssv.precision, options.ssv.precision_tolerance)
     doc = {"precision": precision.name, "precision_tolerance": precision.tolerance,
            "approx_mode": approx_mode_of(options).name()}
     if plan is None:
-        doc["ssv_plan"] = {"source": "default", "tree": options.draft_tree, "mode": doc["approx_mode"]}
+        doc["ssv_plan"] = {"source": "default", "tree": options.drafting.draft_tree, "mode": doc["approx_mode"]}
         return doc
-    doc["ssv_plan"] = {"source": options.ssv_profile, **plan}
+    doc["ssv_plan"] = {"source": options.ssv.profile, **plan}
     if decode_tokens and decode_s > 0:
         measured = 1000.0 * decode_s / (decode_tokens / requests)
         doc["ssv_plan"] |= {"measured_ms_per_token": measured,
