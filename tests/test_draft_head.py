@@ -257,6 +257,7 @@ def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
     for argv, needle in [(["--steps", "0"], "error: --steps must be >= 1, got 0"),
                          (["--prompts", "4", "--batch", "5"], "error: --batch must be in [1, --prompts], got 5"),
                          (["--time-limit", "-1"], "error: --time-limit must be >= 0"),
+                         (["--context-tokens", "-1"], "error: --context-tokens must be >= 0, got -1"),
                          (["--steps", "x"], "error: argument --steps: invalid int value: 'x'")]:
         assert train_draft_head.main(["--out", str(tmp_path / "x"), *argv]) == 2
         lines = capsys.readouterr().err.strip().splitlines()

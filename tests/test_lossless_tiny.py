@@ -164,8 +164,8 @@ def test_int8_activations_take_the_integer_kernels_and_equal_plain(draft_weights
     """Each draft product is `rows` rows (the batch), and the kernel path is the faster one measured on the H200
     (spied on at trace time): one row, every product in integers on codes held in words; three rows, int4 codes in
     groups of 64 in integers (the int8 tensor-core dot), int4 groups of 32 and int8 codes (the LM head's in both
-    trees) in floats on the rounded rows, codes in bytes. Greedy output equals plain decoding's, token for token, and drafts are as good as with the
-    activations unrounded (a product of the wrong rows would draft worse)."""
+    trees) in floats on the rounded rows, codes in bytes. Greedy output equals plain decoding's, token for token,
+    and drafts are as good as with the activations unrounded (a product of the wrong rows would draft worse)."""
     engine = tiny_engine()
     batch = prompts([45, 30, 52][:rows], engine.config.vocab_size)
     plain = engine.generate(batch, GREEDY)

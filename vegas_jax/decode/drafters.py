@@ -271,6 +271,12 @@ def prefill_rows(head, params, memory: HeadMemory, hidden: jax.Array, following:
     return dataclasses.replace(memory, k=k, v=v)
 
 
+def head_slots(capacity: int, tree) -> int:
+    """The head's K/V slots per sequence: one for every position of a cache of `capacity` rows (prompt and
+    generation), then the scratch slots of a proposal's tree nodes (what the memory plan counts, too)."""
+    return capacity + tree.rows
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadDrafter:
     name: str = "head"
@@ -278,8 +284,7 @@ class HeadDrafter:
 
     def init_state(self, config, prompt_lengths, prompt_tokens, capacity, dtype) -> HeadMemory:
         batch, tree, model = prompt_lengths.shape[0], config.tree, config.model
-        # A slot for every position of the cache (prompt and generation), then the scratch slots.
-        k, v = draft_head.empty_cache(model, batch, capacity + tree.rows, dtype)
+        k, v = draft_head.empty_cache(model, batch, head_slots(capacity, tree), dtype)
         zeros = jnp.zeros((batch,), jnp.int32)
         return HeadMemory(k, v, zeros, zeros,
                           jnp.zeros((batch, tree.depth + 1, model.hidden_size), dtype),

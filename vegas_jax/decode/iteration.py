@@ -86,6 +86,12 @@ class DecodeConfig:
         """Tokens per sequence of a verification pass (the cache's spare rows past the longest sequence)."""
         return self.tree.rows if self.tree is not None else self.gamma + 1
 
+    @property
+    def drafts_with_head(self) -> bool:
+        """A tree drafted by the trained draft head (its params are the loop's draft params, and prefill fills its
+        memory)."""
+        return self.tree is not None and self.drafter == "head"
+
     def plain(self) -> "DecodeConfig":
         """This loop's plain decoding step (adaptive γ's g = 0)."""
         return dataclasses.replace(self, gamma=0, policy=None, draft_weights="bf16", adaptive_gamma=False)

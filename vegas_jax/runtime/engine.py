@@ -129,7 +129,7 @@ class Engine:
         """What the config's drafts read over `rows` batch rows: the draft head's params (drafter head), or the
         quantized weights' codes in the layout of the kernel that multiplies them
         (vegas_jax.decode.draft_kernel.code_layout)."""
-        if config.tree is not None and config.drafter == "head":
+        if config.drafts_with_head:
             if self.draft_head is None:
                 raise InputError("{drafter} head: this engine has no draft head; load one with "
                                  "Engine.use_draft_head(FOLDER) (--draft-head FOLDER)")
@@ -160,7 +160,7 @@ class Engine:
     def _prefill(self, ids, options, config, capacity, timings, **kwargs) -> loop.DecodeState:
         """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table (and the
         draft head, which prefill runs over the prompts, when it drafts)."""
-        head = self._draft_params(config, 0) if config.tree is not None and config.drafter == "head" else None
+        head = self._draft_params(config, 0) if config.drafts_with_head else None
         return prefill.prefill(self.model, self.programs, ids, options, config, capacity, self._stop_table(options),
                                timings, head=head, **kwargs)
 
@@ -171,7 +171,7 @@ class Engine:
         state_axes = axes_of(state)
         if draft_params is None:
             draft_axes = None
-        elif config.tree is not None and config.drafter == "head":
+        elif config.drafts_with_head:
             draft_axes = draft_head.param_axes(draft_params)
         else:
             draft_axes = draft_weights.draft_axes(draft_params)

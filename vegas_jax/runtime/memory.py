@@ -9,8 +9,8 @@ for, and, when sampling, the draft and target distributions; the layers' selecti
 prefill's MLP activations and, without kernels, its score arrays; under continuous batching a joining group's
 state, which admission gathers onto every data shard). With the draft head as drafter, its K/V over the whole
 context (one layer's, whole on every device: the head is not split over the model axis) is part of each
-request's cache, and its score arrays are part of prefill's and of each step's buffers. XLA's own temporaries are not counted, so the bound is what
-must fit, not everything that will be used; MARGIN leaves room for them.
+request's cache, and its score arrays are part of prefill's and of each step's buffers. XLA's own temporaries are
+not counted, so the bound is what must fit, not everything that will be used; MARGIN leaves room for them.
 """
 
 from __future__ import annotations

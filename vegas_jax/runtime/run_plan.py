@@ -32,6 +32,7 @@ from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.ssv.planner import DrafterAcceptance
 from vegas_jax.runtime.prefill_chunks import prefill_chunk
 from vegas_jax.decode.selection import Budget, make_policy
+from vegas_jax.decode.drafters import head_slots
 from vegas_jax.runtime.serving import check_serving
 from vegas_jax.sharding import Placement, check_model_fits, round_up_to_shards
 
@@ -88,8 +89,7 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
                                sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
                                logprobs=config.logprobs, stop_table=stop_table.shape, prefill_chunk=chunk,
                                refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill,
-                               head_slots=capacity + config.tree.rows
-                               if config.tree is not None and config.drafter == "head" else 0)
+                               head_slots=head_slots(capacity, config.tree) if config.drafts_with_head else 0)
     memory.check_fits(estimate, placement)
     return RunPlan(asked, choice, config, capacity, {
         "ssv_plan": None if choice.plan is None else choice.plan.report(),

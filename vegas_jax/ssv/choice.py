@@ -39,19 +39,20 @@ class Choice:
     plan: Plan | None
 
     @classmethod
-    def of_plan(cls, plan: Plan, default_drafter: str) -> "Choice":
-        """The planner's choice (plain decoding: no tree, `default_drafter`)."""
-        tree = plan.tree_spec
-        return cls(tree, plan.drafter if tree else default_drafter, None if plan.mode == "exact" else plan.mode, plan)
+    def of_plan(cls, plan: Plan) -> "Choice":
+        """The planner's choice (plain decoding: no tree)."""
+        return cls(plan.tree_spec, plan.drafter, None if plan.mode == "exact" else plan.mode, plan)
 
     def applied_to(self, options):
         """The options the run decodes with: the caller's, with this choice's tree and mode (the same options
         under the default plan)."""
         if self.plan is None:
             return options
-        return dataclasses.replace(
-            options, drafting=dataclasses.replace(options.drafting, draft_tree=self.draft_tree, drafter=self.drafter),
-            ssv=dataclasses.replace(options.ssv, approx_mode=self.approx_mode))
+        # Plain decoding: the drafting options of a run without a tree (a drafter auto would ask for one).
+        drafting = (dataclasses.replace(options.drafting, draft_tree=self.draft_tree, drafter=self.drafter)
+                    if self.draft_tree is not None else type(options.drafting)())
+        return dataclasses.replace(options, drafting=drafting,
+                                   ssv=dataclasses.replace(options.ssv, approx_mode=self.approx_mode))
 
 
 def approx_mode_of(options) -> ApproxMode:
@@ -96,8 +97,7 @@ def choose(options, config: ModelConfig, prompt_lengths: list[int], acceptance: 
         choices = (drafter,)
     plan = Planner(profile, precision, choices).plan(max(prompt_lengths), len(prompt_lengths),
                                                      acceptance.alphas(choices))
-    # Plain decoding takes the drafter a run without a tree has (auto would ask for a tree).
-    return Choice.of_plan(plan, default_drafter=type(options.drafting)().drafter)
+    return Choice.of_plan(plan)
 
 
 def observe(acceptance: DrafterAcceptance, options, depth_histogram: list[int]) -> None:
