@@ -199,6 +199,24 @@ def test_bench_lm_head(tmp_path, monkeypatch):
         assert r["max_abs_error"] < 0.05, r  # bf16 inputs, float32 accumulation, against float64
 
 
+def test_bench_head_context(tmp_path, monkeypatch, capsys):
+    """Both heads (without and with the prompt's rows) trained, measured and decoded with; decoding with either is
+    the target's greedy decoding; a bad flag is one error line."""
+    (doc,) = run_smoke("bench_head_context", tmp_path, monkeypatch)
+    assert doc["settings"]["smoke"] and 0 <= doc["target_copies"] <= 1
+    assert [h["context_tokens"] for h in doc["heads"]] == [0, doc["settings"]["prompt_tokens"]]
+    for h in doc["heads"]:
+        assert len(h["agreement_by_depth"]) == doc["settings"]["head"]["unroll"] + 1, h
+        assert all(0 <= a <= 1 for a in h["agreement_by_depth"]) and math.isfinite(h["held_out_loss"]), h
+        (decoding,) = h["decoding"].values()
+        assert decoding["tau"] >= 1 and decoding["identical_to_plain"] == decoding["sequences"], h
+    module = importlib.import_module("benchmarks.bench_head_context")
+    for flag, value in (("--head-steps", "0"), ("--prompts", "7"), ("--prompt-tokens", "20")):
+        assert module.main([flag, value, "--out", str(tmp_path / "none")]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: {flag} {value}: must be >= "), line
+
+
 def test_bench_draft_precision(tmp_path, monkeypatch):
     assert len(run_smoke("bench_draft_precision", tmp_path, monkeypatch, "--precisions", "bf16,int8,int4-a8")) == 2
     # The names carry the time each part began (the real part first), then the part.
@@ -285,8 +303,9 @@ def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
 
 
 OUT_FLAGS = {"bench_call_overhead": "--out", "bench_compile": "--out", "bench_decode": "--out",
-             "bench_draft_precision": "--out", "bench_draft_products": "--out", "bench_hf_generate": "--out",
-             "bench_lm_head": "--out", "bench_loading": "--out", "bench_mesh": "--out", "bench_prefill": "--out",
+             "bench_draft_precision": "--out", "bench_draft_products": "--out", "bench_head_context": "--out",
+             "bench_hf_generate": "--out", "bench_lm_head": "--out", "bench_loading": "--out", "bench_mesh": "--out",
+             "bench_prefill": "--out",
              "bench_quantized_gemm": "--out", "bench_ssv": "--out", "bench_step_overhead": "--out",
              "bench_weight_only": "--out", "check_planner": "--out", "measure_approx_modes": "--out",
              "profile_decode": "--out", "simulate_adaptive_gamma": "--results", "check_lossless_gpu": "--results"}

@@ -224,7 +224,9 @@ def test_pallas_needs_a_gpu_of_compute_capability_8(monkeypatch):
 @pytest.fixture(scope="module")
 def corrupt_orbax(tmp_path_factory, engine) -> Path:
     """An Orbax checkpoint of a model with one large array (a 65,536 x 64 embedding, tied) whose small arrays' data
-    file is overwritten: their reads fail at once, while the embedding's is still under way."""
+    files are overwritten: their reads fail at once, while the embedding's is still under way. Orbax splits the
+    small arrays over one or more data files from one save to the next, so every data file but the embedding's
+    (the largest) is overwritten; the few-hundred-byte files are the index's nodes, left intact."""
     small = tiny_engine(layers=1).model
     config = dataclasses.replace(small.config, vocab_size=65536)
     embed = jnp.asarray(np.random.default_rng(0).standard_normal((65536, config.hidden_size), np.float32))
@@ -232,7 +234,8 @@ def corrupt_orbax(tmp_path_factory, engine) -> Path:
     folder = tmp_path_factory.mktemp("orbax") / "corrupt"
     save_orbax(big, folder)
     data = sorted((folder / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
-    data[-2].write_bytes(b"garbage\n")
+    for small_arrays in (f for f in data[:-1] if f.stat().st_size > 4096):
+        small_arrays.write_bytes(b"garbage\n")
     return folder
 
 
