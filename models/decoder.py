@@ -211,10 +211,10 @@ class Decoder(nnx.Module):
                 # place (models.kv_cache.KVCache).
                 x, (k, v), aux = layer(i, x, positions, rope, (cache.k, cache.v), attention, tp)
                 return x, KVCache(k, v), aux
-            # The NSA caches' attentions still take one layer's arrays: its slice is taken out and written back,
-            # a copy of the layer's cache per pass (a dense cache's attentions were changed not to: issue 52).
-            x, layer_cache, aux = layer(i, x, positions, rope, cache.layer(i), attention, tp)
-            return x, cache.with_layer(i, layer_cache), aux
+            # An NSA layer's attention likewise takes the stacks and the layer (NSACache.at_layer, an
+            # models.nsa_cache.NSALayerCache view): it reads the layer in place and scatters only the rows it writes.
+            x, layer_cache, aux = layer(i, x, positions, rope, cache.at_layer(i), attention, tp)
+            return x, type(cache).of(layer_cache), aux
 
         num_layers = self.config.num_layers
         sliced, layer_params = split_quantized(stacked)

@@ -42,12 +42,6 @@ class KVCache:
         return self.k.shape[1]
 
 
-def set_layer(stacked: jax.Array, i, layer: jax.Array) -> jax.Array:
-    """stacked[i] = layer, as a dynamic_update_slice (in place on a carried or donated buffer) for a static or a
-    traced layer index alike: how the NSA caches' layers write back the slice their attentions took."""
-    return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, axis=0)
-
-
 def write_layer_rows(stacked: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
     """stacked[layer, b, positions[b, s]] = rows[b, s] for a stacked cache [L, B, T, ...] (layer: a Python int or
     a traced int32): one scatter of the new rows alone, in place on a carried or donated buffer; positions past

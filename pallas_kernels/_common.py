@@ -161,3 +161,13 @@ def split_partial_outputs(num_splits: int, num_kv_heads: int, rows: int, head_di
         jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * rows), jnp.float32),
     ]
     return specs, shapes
+
+
+def stacked_layer(layer, *arrays):
+    """(arrays, layer) for a kernel that reads one layer of stacked arrays [L, ...] in place (the NSA caches): the
+    stacks and the layer (an int or traced int32) as given, or one layer's arrays (layer None) as stacks of one (a
+    reshape, no copy) and layer 0. The kernel takes the whole stacks and the layer as operands and indexes with
+    it, as stacked_caches' kernels do (issue 52); callers vmap the stacks over their batch axis 1."""
+    if layer is None:
+        return tuple(a[None] for a in arrays), jnp.int32(0)
+    return arrays, jnp.asarray(layer, jnp.int32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
@@ -56,11 +57,15 @@ def transposing_fusions(hlo: str) -> set[str]:
             if called in transposing}
 
 
-def cache_copies(hlo: str) -> list[str]:
+def cache_copies(hlo: str, dims: tuple[int, int, int] = (LAYERS, KV_HEADS, HEAD_DIM),
+                 skip_dots: bool = False) -> list[str]:
     """The instructions of a compiled program that write a buffer of one layer's K or V cache ([B, T, H_kv, D]
-    elements with a T axis, whatever its layout), or copy a whole stacked cache [L, B, T, H_kv, D]."""
-    stacks = {tuple(map(int, dims.split(","))) for dtype, dims in _ARRAY.findall(hlo)
-              if dtype == CACHE_DTYPE and dims.count(",") == 4 and _is_stack(tuple(map(int, dims.split(","))))}
+    elements with a T axis, whatever its layout), or copy a whole stacked cache [L, B, T, H_kv, D] (dims: the
+    stacks' (L, H_kv, D); an NSA cache's compressed stacks [L, B, C, H_kv, D] count as well). skip_dots: leave out
+    XLA CPU's XNNPACK dot fusions (kind=kCustom), whose results are products, never a copy of the cache (the NSA
+    model's attention logits [B, H_kv, S, T] have a layer's element count when S = D)."""
+    stacks = {tuple(map(int, d.split(","))) for dtype, d in _ARRAY.findall(hlo)
+              if dtype == CACHE_DTYPE and d.count(",") == 4 and _is_stack(tuple(map(int, d.split(","))), dims)}
     assert stacks, "no stacked cache [L, B, T, H_kv, D] in the program"
     layer_sizes = {(s[1] * s[2] * s[3] * s[4], s[2]) for s in stacks}
     fused, transposes = fused_computations(hlo), transposing_fusions(hlo)
@@ -73,10 +78,12 @@ def cache_copies(hlo: str) -> list[str]:
         match = _INSTRUCTION.match(line)
         if match is None or computation in fused or match.group(3) in _ALIASING or match.group(1) in transposes:
             continue
-        for dtype, dims in _ARRAY.findall(match.group(2)):
+        if skip_dots and "kind=kCustom" in line:
+            continue
+        for dtype, shape_dims in _ARRAY.findall(match.group(2)):
             if dtype != CACHE_DTYPE:  # a mask or index array that happens to have a layer's element count
                 continue
-            shape = tuple(int(d) for d in dims.split(",") if d)
+            shape = tuple(int(d) for d in shape_dims.split(",") if d)
             size = 1
             for d in shape:
                 size *= d
@@ -86,8 +93,8 @@ def cache_copies(hlo: str) -> list[str]:
     return found
 
 
-def _is_stack(shape: tuple[int, ...]) -> bool:
-    return shape[0] == LAYERS and shape[3:] == (KV_HEADS, HEAD_DIM)
+def _is_stack(shape: tuple[int, ...], dims: tuple[int, int, int]) -> bool:
+    return shape[0] == dims[0] and shape[3:] == dims[1:]
 
 
 # The programs that run the layers over the cache: prefill chunks, the first decode step, the decode loop.
@@ -117,6 +124,46 @@ def test_programs_never_copy_a_layers_cache(engine, method):
     for name, hlo in programs.items():
         assert "while" in hlo  # the scanned layers are a while loop
         assert cache_copies(hlo) == [], name
+
+
+# The NSA caches (models.nsa_cache.NSACache: raw k, v and compressed k_cmp, v_cmp, all [L, B, rows, H_kv, D]) on a
+# tiny random 3-layer NSA checkpoint. Its widths (48) keep every weight's element count off a layer cache's.
+def nsa_engine():
+    import pathlib
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from tests.test_nsa import TINY_NSA, write_tiny_nsa
+    from vegas_jax.loading import load_model
+    from vegas_jax.runtime.engine import Engine
+
+    config = {**TINY_NSA, "num_hidden_layers": LAYERS, "hidden_size": 48, "intermediate_size": 48}
+    return Engine(load_model(write_tiny_nsa(pathlib.Path(tempfile.mkdtemp()), config), jnp.float32))
+
+
+@pytest.mark.parametrize("fields", [
+    {},  # plain NSA decoding
+    dict(draft_tree="3x2", drafter="self"),  # the SSV tree loop: NSATreeVerify, SinkWindowDraft, commit_path
+    dict(draft_tree="3x2", drafter="self", precision="approximate", approx_mode="s2w1r2"),  # a modified target
+], ids=["decode", "ssv-tree", "ssv-approximate"])
+def test_nsa_programs_never_copy_a_layers_cache(fields):
+    """The NSA attentions read and write the stacked NSA cache in place (NSACache.at_layer): no compiled
+    instruction writes a buffer of one layer's k, v, k_cmp or v_cmp. The approximate mode's full passes run the
+    layers unrolled (refresh and reuse layers differ: decoder.layer_specific), with a static layer index, and are
+    checked the same."""
+    from tests.test_nsa import DIM, KV_HEADS as NSA_KV_HEADS
+    from vegas_jax.runtime.engine import GenerationOptions
+
+    engine = nsa_engine()
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, 288, 52).tolist(), rng.integers(3, 288, 37).tolist()]
+    engine.generate(ids, GenerationOptions(max_new_tokens=8, **fields))
+    programs = {f"{key[0]}#{i}": engine.programs._programs[key].as_text() for i, key in enumerate(engine.programs)
+                if key[0] in CACHE_PROGRAMS}
+    assert {name.split("#")[0] for name in programs} == set(CACHE_PROGRAMS)
+    for name, hlo in programs.items():
+        assert cache_copies(hlo, (LAYERS, NSA_KV_HEADS, DIM), skip_dots=True) == [], name
 
 
 # A StableHLO tensor type: `tensor<3x2x384x2x16xf32>`.

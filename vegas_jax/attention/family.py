@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import NSA_VIEW_LAYOUT, ModelConfig, NSALayout
-from models.kv_cache import KVCache, set_layer
+from models.kv_cache import KVCache
 from models.nsa_cache import NSACache, NSALayerCache, pool_blocks
 from vegas_jax.attention.nsa import NSAAttention
 from vegas_jax.attention.nsa_approx import ApproxNSACache, modified_target, record_spans
@@ -113,8 +113,7 @@ class NSAFamily:
         spans = cache.spans
         for layer, blocks in enumerate(aux):  # only refresh layers select, so only theirs are recorded
             if self.mode.refreshes(layer):
-                spans = set_layer(spans, layer, record_spans(spans[layer], blocks[rows, path], positions,
-                                                             self.mode.share_span))
+                spans = record_spans(spans, blocks[rows, path], positions, self.mode.share_span, layer)
         return ApproxNSACache(pooled, spans)
 
 
