@@ -264,3 +264,35 @@ def test_weight_kernels_take_the_whole_stacked_draft_weights(draft_weights, acti
         assert weights, kernel
         for shape, dtype in weights:
             assert shape[0] == LAYERS or (shape[0] == 1 and vocab in shape), (kernel, weights)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("fields", [{}, dict(gamma=2, draft_tree="2x2")], ids=["decode", "ssv-tree"])
+def test_nsa_kernels_take_the_whole_stacked_cache(fields, monkeypatch):
+    """The NSA programs lowered for an H200 with the Pallas kernels: every NSA kernel that reads the cache (plain
+    decoding's compressed and sparse-window kernels, tree verification's compressed and selected-branch kernels)
+    takes whole stacks [L, B, rows, H_kv, D] (raw or compressed), never a layer's slice, and none is transposed."""
+    from tests.test_matmul_precision import gpu_programs
+    from tests.test_nsa_trees import tiny_model
+
+    engine = tiny_model("nsa-1b")
+    c = engine.config
+    options = dataclasses.replace(GREEDY, max_new_tokens=16, **fields)
+    for name, (text, _) in gpu_programs(engine, options, monkeypatch).items():
+        if name == "prefill_chunk":  # many tokens a pass: the jnp attention, no kernel
+            continue
+        shapes = set()
+        for line in text.splitlines():
+            if "__gpu$xla.gpu.triton" in line and " : (" in line:
+                operands = line.rsplit(" : (", 1)[1].split(") -> ", 1)[0]
+                cache_like = lambda s: len(s) >= 4 and s[-2:] == (c.num_kv_heads, c.head_dim)  # noqa: E731
+                shapes |= {s for s in _tensor_shapes(operands) if cache_like(s)}
+        assert shapes, name
+        assert all(len(s) == 5 and s[0] == c.num_layers for s in shapes), (name, shapes)
+        # Not yet for the tree pass: nsa_tree_verify's jnp gathers of prefix rows (the compressed blocks a path
+        # completes, the window), vmapped over the stacks' batch axis 1, batch as gathers whose operand JAX moves
+        # to axis 0 (a stablehlo.transpose of the raw stacks; XLA CPU fuses it into the gather, see
+        # test_nsa_programs_never_copy_a_layers_cache; on the GPU unmeasured).
+        if not fields:
+            for stack in shapes:
+                assert stack_transposes(text, stack) == [], name

@@ -108,7 +108,11 @@ class NSATreeVerify:
         rows = self.base[:, None] + jnp.arange(len(self.parents))[None, :]
         cache = write_tree_rows(cache, k, v, rows)
         raw = raw_rows(cache)
-        # The sequences are mapped over the stacks' batch axis 1 where they lie; the layer is shared.
+        # The sequences are mapped over the stacks' batch axis 1 where they lie; the layer is shared. The kernels
+        # take the stacks as they lie, but nsa_tree_verify's jnp row gathers (the prefix rows of the compressed
+        # blocks a path completes, the window) batch as gathers whose operand JAX moves to axis 0: a transpose of
+        # the raw stacks in the lowered program, which XLA CPU fuses into the gather (no buffer); unmeasured on
+        # the GPU. Gathering those rows for the whole batch outside the vmap would avoid it (issue 52, left open).
         in_cache = 0 if raw.layer is None else NSALayerCache(1, 1, 1, 1, None)
         out, blocks = jax.vmap(one, in_axes=(0, in_cache, 0, 0, 0, 0, 0, 0))(q, raw, k, v, new.gates, self.base,
                                                                              stored, injected)
