@@ -289,10 +289,7 @@ def test_nsa_kernels_take_the_whole_stacked_cache(fields, monkeypatch):
                 shapes |= {s for s in _tensor_shapes(operands) if cache_like(s)}
         assert shapes, name
         assert all(len(s) == 5 and s[0] == c.num_layers for s in shapes), (name, shapes)
-        # Not yet for the tree pass: nsa_tree_verify's jnp gathers of prefix rows (the compressed blocks a path
-        # completes, the window), vmapped over the stacks' batch axis 1, batch as gathers whose operand JAX moves
-        # to axis 0 (a stablehlo.transpose of the raw stacks; XLA CPU fuses it into the gather, see
-        # test_nsa_programs_never_copy_a_layers_cache; on the GPU unmeasured).
-        if not fields:
-            for stack in shapes:
-                assert stack_transposes(text, stack) == [], name
+        # The tree pass's jnp row gathers (the prefix rows of the compressed blocks a path completes, the window)
+        # read the whole stacks at the sequence's index, not the vmapped view (a transpose of the stacks).
+        for stack in shapes:
+            assert stack_transposes(text, stack) == [], name

@@ -96,11 +96,11 @@ class NSATreeVerify:
         num_kv_heads = k.shape[2]
         launch = V1Launch.for_batch(batch, num_kv_heads, num_nodes * (num_q_heads // num_kv_heads))
 
-        def one(q, layer_cache, k, v, gates, length, stored, injected):
+        def one(q, layer_cache, k, v, gates, length, stored, injected, stacks, seq):
             reselect = None if mode is None else tree_reselect(mode, stored, injected)
             return nsa_tree_verify(q, layer_cache, k, v, gates, length, parents, layout=layout, kind=self.kind,
                                    schedule=self.schedule, kernels=kernels_of(self.placement), v1_launch=launch,
-                                   batch=batch, return_blocks=True, reselect=reselect)
+                                   batch=batch, return_blocks=True, reselect=reselect, stacks=stacks, seq=seq)
 
         # The nodes' rows are written first and the pass reads the written cache (it reads only rows before the
         # root, and masks the rest by position, so the result is the same): had it read the cache as it came, XLA
@@ -109,13 +109,18 @@ class NSATreeVerify:
         cache = write_tree_rows(cache, k, v, rows)
         raw = raw_rows(cache)
         # The sequences are mapped over the stacks' batch axis 1 where they lie; the layer is shared. The kernels
-        # take the stacks as they lie, but nsa_tree_verify's jnp row gathers (the prefix rows of the compressed
-        # blocks a path completes, the window) batch as gathers whose operand JAX moves to axis 0: a transpose of
-        # the raw stacks in the lowered program, which XLA CPU fuses into the gather (no buffer); unmeasured on
-        # the GPU. Gathering those rows for the whole batch outside the vmap would avoid it (issue 52, left open).
-        in_cache = 0 if raw.layer is None else NSALayerCache(1, 1, 1, 1, None)
-        out, blocks = jax.vmap(one, in_axes=(0, in_cache, 0, 0, 0, 0, 0, 0))(q, raw, k, v, new.gates, self.base,
-                                                                             stored, injected)
+        # take that mapped view (Pallas's batching indexes the block, the stacks stay as they lie). The jnp row
+        # gathers (the prefix rows of the compressed blocks a path completes, the window, the selected rows without
+        # kernels) would batch from the mapped view as gathers whose operand JAX moves to axis 0, a transpose of
+        # the whole raw stacks in the lowered program (on the GPU possibly a copy of the cache per layer and pass);
+        # so they read the whole stacks passed unmapped, at the sequence's index (mapped): stacks[layer, b, rows],
+        # batched through the gather's indices alone (issue 52; tests/test_scan_layers_in_place.py).
+        if raw.layer is None:
+            in_cache, stacks, seqs = 0, None, None
+        else:
+            in_cache, stacks, seqs = NSALayerCache(1, 1, 1, 1, None), raw, jnp.arange(batch)
+        out, blocks = jax.vmap(one, in_axes=(0, in_cache, 0, 0, 0, 0, 0, 0, None, 0))(
+            q, raw, k, v, new.gates, self.base, stored, injected, stacks, seqs)
         keep = self.return_blocks or mode is not None
         return out, cache, blocks if keep else None
 
