@@ -1,6 +1,9 @@
+import collections
+import json
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -38,3 +41,51 @@ def pytest_collection_modifyitems(items):
     starts at once on one worker while the other works through the rest, instead of starting halfway and running
     on alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With TESTS_COMPILE_LOG=<file>: one JSON line per test (setup, call and teardown together) with its wall
+    seconds, the seconds XLA spent compiling in this process, how many programs it compiled, and how many the
+    persistent cache gave instead; what tells a compile-bound test from a compute-bound one across the suite (the
+    subprocesses some tests start are not counted). Off by default. (Not a VEGAS_ name: the CLI refuses any
+    VEGAS_ variable that is no flag's, and the CLI subprocesses of some tests inherit the environment.)"""
+    path = os.environ.get("TESTS_COMPILE_LOG")
+    if not path:
+        yield
+        return
+    counts = _compile_counts()
+    counts.clear()
+    start = time.perf_counter()
+    yield
+    record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 2),
+              "compile_s": round(counts["compile_s"], 2), "compiled": counts["compiled"],
+              "cache_hits": counts["cache_hits"], "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+    with open(path, "a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+_COUNTS = None
+
+
+def _compile_counts() -> collections.Counter:
+    """This process's compile counters, fed by JAX's monitoring events (registered on first use, after
+    pytest_configure set the cache variables, so importing JAX here changes nothing)."""
+    global _COUNTS
+    if _COUNTS is None:
+        import jax
+
+        _COUNTS = collections.Counter()
+
+        def duration(event, seconds, **_):
+            if event == "/jax/core/compile/backend_compile_duration":
+                _COUNTS["compile_s"] += seconds
+                _COUNTS["compiled"] += 1
+
+        def event(name, **_):
+            if name == "/jax/compilation_cache/cache_hits":
+                _COUNTS["cache_hits"] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(duration)
+        jax.monitoring.register_event_listener(event)
+    return _COUNTS

@@ -19,6 +19,7 @@ from models.decoder import per_layer
 from models.quantized import dequantize
 from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading import load_model
+from vegas_jax.runtime.prefill_reuse import PrefillReuse
 
 pytestmark = pytest.mark.slow
 GREEDY_CASES = {c["kind"]: c for c in json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "greedy.json").read_text())}
@@ -37,11 +38,12 @@ def setup():
     other = tok.encode(open(bisect.__file__, encoding="utf-8").read())
     question = tok.encode_chat([{"role": "user", "content": "In one short sentence: what does bisect.insort do?"}])
     batch = [code[:610], question, other[:230]]
-    plain = engine.generate(batch, OPTIONS, steps_per_call=None)
+    reuse = PrefillReuse()  # the speculative runs start from plain decoding's prefill (tests/test_prefill_reuse.py)
+    plain = engine.generate(batch, OPTIONS, steps_per_call=None, reuse_prefill=reuse)
     lengths = [len(r.tokens) for r in plain.requests]
     assert lengths[1] < 64 and plain.requests[1].tokens[-1] in tok.eos_ids, "the chat request should stop on EOS"
     assert lengths[0] == lengths[2] == 64
-    return engine, batch, plain
+    return engine, batch, plain, reuse
 
 
 # One policy of each kind of selection on the real model (scored top-k, scored pages, retrieved chunks); the tiny
@@ -51,8 +53,12 @@ REAL_MODEL_POLICIES = ("vegas", "quest", "retrieval")
 
 @pytest.mark.parametrize("method", REAL_MODEL_POLICIES)
 def test_greedy_speculative_equals_plain_smollm2(setup, method):
-    engine, batch, plain = setup
-    result = engine.generate(batch, dataclasses.replace(OPTIONS, method=method), steps_per_call=None)
+    engine, batch, plain, reuse = setup
+    # Prefill writes the same cache whatever the method (tested buffer for buffer in tests/test_prefill_reuse.py):
+    # the run starts from plain decoding's, a prefill of the CPU's ten seconds saved, and decodes on its own.
+    result = engine.generate(batch, dataclasses.replace(OPTIONS, method=method), steps_per_call=None,
+                             reuse_prefill=reuse)
+    assert result.metrics["prefill_reused"]
     for i, (spec, ref) in enumerate(zip(result.requests, plain.requests)):
         assert spec.tokens == ref.tokens, f"request {i} differs from plain decoding"
     # Real weights and real text: drafts are mostly right, so τ is well above 1 (1.9-2.7 across the policies).
@@ -64,7 +70,7 @@ def test_generate_equals_transformers_greedy(setup, method):
     """The fixtures' prompts, encoded by the engine (plain text; the chat template), and 32 greedy tokens from
     `generate`, against transformers' (its smallest top-1/top-2 logit margin on these paths: 0.0135). The third
     request, the module's first prompt, keeps the compiled shapes of the tests above (batch 3, 128-token chunks)."""
-    engine, batch, plain = setup
+    engine, batch, plain, _ = setup
     text, chat = GREEDY_CASES["plain"], GREEDY_CASES["chat"]
     (message,) = chat["prompt"]
     assert message["role"] == "user"
@@ -84,7 +90,7 @@ def test_int4_drafts_from_the_files_blocks_equal_plain_smollm2(setup):
     request's first 24 tokens (alone: the CPU reads quantized weights several times slower than float32 ones, so
     this run is kept short) are plain decoding's. The blocks are exactly the weights the model dequantized, so the
     drafts differ from full-precision ones only in rounding: τ stays high."""
-    engine, batch, plain = setup
+    engine, batch, plain, _ = setup
     options = dataclasses.replace(OPTIONS, method="vegas", draft_weights="int4", gamma=4, max_new_tokens=24)
     result = engine.generate(batch[:1], options, steps_per_call=None)
     assert result.requests[0].tokens == plain.requests[0].tokens[:24]

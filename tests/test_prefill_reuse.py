@@ -83,3 +83,17 @@ def test_the_memory_plan_counts_the_kept_cache(engine):
     assert captured[False]["kept_prefill"] == 0
     assert captured[True]["kept_prefill"] == captured[True]["kv_cache"] > 0
     assert captured[True]["total"] == captured[False]["total"] + captured[True]["kv_cache"]
+
+
+def test_generate_takes_a_kept_prefill(engine):
+    """`generate(reuse_prefill=...)` (through `stream`) starts from the kept prefill, says so in its metrics, and
+    gives the tokens of a run with its own prefill."""
+    batch = prompts([45, 70, 33], engine.config.vocab_size)
+    reuse = PrefillReuse()
+    plain = engine.generate(batch, OPTIONS, reuse_prefill=reuse)
+    assert not plain.metrics["prefill_reused"]
+    options = dataclasses.replace(OPTIONS, method="vegas")
+    reused, fresh = engine.generate(batch, options, reuse_prefill=reuse), engine.generate(batch, options)
+    assert reused.metrics["prefill_reused"] and not fresh.metrics["prefill_reused"]
+    assert [r.tokens for r in reused.requests] == [r.tokens for r in fresh.requests] == [
+        r.tokens for r in plain.requests]

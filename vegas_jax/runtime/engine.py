@@ -223,6 +223,7 @@ class Engine:
         progress: Callable[[str, int, int], None] | None = None,
         seconds_per_call: float | None = None,
         stop: Callable[[], bool] | None = None,
+        reuse_prefill: PrefillReuse | None = None,
     ) -> Iterator[list[StreamedTokens] | GenerationResult]:
         """Yields the bootstrap step's token of each request, then, after every `steps_per_call` loop iterations,
         the new tokens of each request (a StreamedTokens each: a list of ids, with their logprobs when the options
@@ -230,9 +231,11 @@ class Engine:
         one device call. With `seconds_per_call`, the iterations per call adapt so that each call lasts about that
         long (`pacing.Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
         True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
-        A request whose logits become non-finite stops alone ("failed"); the others go on."""
+        A request whose logits become non-finite stops alone ("failed"); the others go on. `reuse_prefill`: as
+        `start`'s (runs comparing methods or settings over the same prompts prefill once; metrics' prefill_reused)."""
         pacer = Pacer(steps_per_call, seconds_per_call)
-        started = self.start(prompts, options, chat_template=chat_template, progress=progress)
+        started = self.start(prompts, options, chat_template=chat_template, progress=progress,
+                             reuse_prefill=reuse_prefill)
         state, timings, params, config = started.state, started.timings, self.model.params, started.config
         options = started.options
         draft_params = started.draft_params
