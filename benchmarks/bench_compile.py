@@ -6,6 +6,14 @@ not depend on the weights' values.
 
     python benchmarks/bench_compile.py --batch 64 --prompt-tokens 7936 --workers 4,8 --tag s25
 
+With --layer-loops (scanned,unrolled), each layer loop (models.decoder's scanned body or unrolled layers,
+VEGAS_SCAN_LAYERS) compiles a Vegas loop of fixed γ 6 and one of adaptive γ (γ_max 8: a lax.switch over its
+passes) one at a time, each program's lowering and compile seconds recorded; small batches and prompts keep
+the programs that start runs cheap to run on a CPU, and compile time hardly depends on them:
+
+    python benchmarks/bench_compile.py --model smollm2-135m --batch 2 --prompt-tokens 64 \
+        --layer-loops scanned,unrolled --tag layer-loops
+
 Writes compile-DATE-TAG.json to benchmarks/results/ (or --out) and $OUT.
 """
 
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import threading
 import time
@@ -35,6 +44,9 @@ FIRST = ("vegas", 6)
 SERIAL = [("vegas", 4), ("streaming", 6)]
 SIDE_BY_SIDE = [("vegas", 2), ("vegas", 3), ("vegas", 8), ("streaming", 2), ("streaming", 3), ("quest", 4),
                 ("quest", 6), ("retrieval", 6)]
+# --layer-loops: the configurations each layer loop compiles, one at a time ("auto": adaptive γ, γ_max 8).
+LAYER_LOOP_CONFIGURATIONS = [("vegas", 6), ("vegas", "auto")]
+SCAN_LAYERS = {"scanned": "1", "unrolled": "0"}  # --layer-loops names -> VEGAS_SCAN_LAYERS
 
 
 class ProgramTimes:
@@ -69,6 +81,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=7936)
     p.add_argument("--workers", default="4,8", help="threads side by side (comma-separated)")
+    p.add_argument("--layer-loops", default=None,
+                   help="compare layer loops (comma-separated: scanned, unrolled) on a fixed and an adaptive-γ Vegas "
+                        "loop, in place of the tuning grid's rounds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU: checks the script")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
@@ -85,7 +100,8 @@ def main(argv=None) -> int:
 
     def start(configuration) -> float:
         method, gamma = configuration
-        options = GenerationOptions(method=method, gamma=gamma, max_new_tokens=16,
+        options = GenerationOptions(method=method, gamma=gamma, gamma_max=8 if gamma == "auto" else None,
+                                    max_new_tokens=16,
                                     max_model_len=args.prompt_tokens + 256)
         t0 = time.perf_counter()
         engine.start(prompts, options, chat_template=False)
@@ -97,15 +113,24 @@ def main(argv=None) -> int:
                                  prompt_tokens=args.prompt_tokens), name,
                     None if args.smoke else (args.out or RESULTS), args.out if args.smoke else None)
     print(f"{'how':>12} {'configs':>7} {'wall s':>7} {'s each':>7} {'lower s':>8} {'compile s':>9}")
-    rounds = [("first", 1, [FIRST]), ("serial", 1, SERIAL)]
-    rounds += [(f"{w} threads", w, SIDE_BY_SIDE[:w]) for w in map(int, args.workers.split(","))]
-    for how, workers, configurations in rounds:
+    if args.layer_loops:
+        loops = args.layer_loops.split(",")
+        if not set(loops) <= set(SCAN_LAYERS):
+            p.error(f"--layer-loops: comma-separated {', '.join(SCAN_LAYERS)}, got {args.layer_loops!r}")
+        rounds = [(f"{loop} {c[0]} {c[1]}", 1, [c], loop) for loop in loops for c in LAYER_LOOP_CONFIGURATIONS]
+    else:
+        rounds = [("first", 1, [FIRST], None), ("serial", 1, SERIAL, None)]
+        rounds += [(f"{w} threads", w, SIDE_BY_SIDE[:w], None) for w in map(int, args.workers.split(","))]
+    for how, workers, configurations, layer_loop in rounds:
+        if layer_loop is not None:  # read by the engine's placement at each start
+            os.environ["VEGAS_SCAN_LAYERS"] = SCAN_LAYERS[layer_loop]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
             starts = list(pool.map(start, configurations))
         wall = time.perf_counter() - t0
         programs = times.take()
         record = {"how": how, "workers": workers, "configurations": [list(c) for c in configurations],
+                  "layer_loop": layer_loop or ("unrolled" if os.environ.get("VEGAS_SCAN_LAYERS") == "0" else "scanned"),
                   "wall_s": wall, "seconds_per_configuration": wall / len(configurations), "start_s": starts,
                   "lower_s": sum(p["lower_s"] for p in programs), "compile_s": sum(p["compile_s"] for p in programs),
                   "programs": programs}

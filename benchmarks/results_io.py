@@ -62,11 +62,13 @@ class RecordLog:
 
 
 def run_metadata(**extra) -> dict:
-    """What every results document starts with: device, jax version, UTC date and the command, then `extra`."""
+    """What every results document starts with: device, jax version, UTC date, the command and the decoder's layer
+    loop (VEGAS_SCAN_LAYERS: scanned or unrolled, so that the two are told apart in a comparison), then `extra`."""
     return {
         "device": str(jax.devices()[0].device_kind),
         "jax_version": jax.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
+        "layer_loop": "unrolled" if os.environ.get("VEGAS_SCAN_LAYERS") == "0" else "scanned",
         **extra,
     }

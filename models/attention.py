@@ -9,6 +9,11 @@ example the scores that guide KV selection). A dense layer's cache is the pair (
 inside a layer cache. Dense, sparse-draft and verification attention are implementations
 of this protocol living outside the model code, passed to `forward` as a pytree, so their dynamic inputs
 (indices, lengths) are traced arrays and their configuration static.
+
+The layer index an attention receives is a traced int32 scalar when the decoder scans its layers (one body for
+all of them: models.decoder) and a Python int when it runs them unrolled. An attention whose behaviour or aux
+depends on which layer it serves (a static decision: only the last layer collects scores, refresh and reuse
+layers of an NSA approximate mode) sets `layer_specific` true; the decoder then runs its layers unrolled.
 """
 
 from __future__ import annotations
@@ -63,10 +68,11 @@ class Attention(Protocol):
         layer: int,
         new: NewTokens,
         positions: jax.Array,  # [B, S] int32, absolute positions of the S new tokens
-        k_cache: jax.Array,  # [B, T, H_kv, D]
+        k_cache: jax.Array,  # [L, B, T, H_kv, D] every layer's keys (models.kv_cache.KVCache)
         v_cache: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-        """Returns (output [B, S, H_q, D], k_cache, v_cache, aux)."""
+        """Returns (output [B, S, H_q, D], k_cache, v_cache, aux): the stacks with the new tokens' rows written at
+        `layer`, which is read in place (never sliced out and written back: models.kv_cache.KVCache)."""
         ...
 
 
@@ -79,7 +85,8 @@ class FamilyAttention(Protocol):
 
 
 def attend(attention, layer: int, new: NewTokens, positions: jax.Array, cache) -> tuple[jax.Array, Any, Any]:
-    """(output, layer cache, aux) of `attention` over one layer's cache: a dense cache (k, v) goes to an
+    """(output, layer cache, aux) of `attention` over one layer's cache: a dense cache (k, v) (every layer's
+    stacks, of which the attention reads and writes `layer`) goes to an
     `Attention`, any other to a `FamilyAttention`."""
     if isinstance(cache, tuple):
         out, k_cache, v_cache, aux = attention(layer, new, positions, *cache)

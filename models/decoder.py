@@ -142,28 +142,101 @@ class DecoderLayer(nnx.Module):
         return x, cache, aux
 
 
+def stacked_layers(config: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose parameters hold every layer's, stacked along a leading layer axis [L, ...]: the
+    layout the scanned layer body slices (Decoder.__call__). Each layer is initialised as a model of separate
+    layers would be, so a seed gives the same weights in either layout."""
+    layers = [DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)]
+    graphdef, state = nnx.split(layers[0])
+    stacked = stack_layers([nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
+    nnx.replace_by_pure_dict(state, stacked)
+    return nnx.merge(graphdef, state)
+
+
+def stack_layers(layers: list) -> Any:
+    """Per-layer trees (parameters or draft weights, all in one layout) as one tree of stacked arrays [L, ...]."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def layer_of(layers: Any, i: int) -> Any:
+    """Layer i's slice of a tree of stacked arrays (params["layers"], a draft tree's "layers")."""
+    return jax.tree.map(lambda x: x[i], layers)
+
+
+def split_quantized(stacked: Any) -> tuple[list, Any]:
+    """(the leaves of stacked layer parameters [L, ...] that a layer body takes sliced, QuantizedWeights (a draft
+    pass's) left out as None; layer_params(i, those leaves sliced to layer i) -> layer i's parameters). A quantized
+    weight stays whole and names its layer (QuantizedWeight.layer), so that its kernel reads the layer in place:
+    the scan's per-layer slice of a kernel's operand would be a copy of every draft weight per layer and pass."""
+    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(stacked, is_leaf=is_weight)
+
+    def layer_params(i, sliced_leaves):
+        layer = jnp.asarray(i, jnp.int32)
+        return treedef.unflatten([dataclasses.replace(leaf, layer=layer) if is_weight(leaf) else sliced_leaf
+                                  for leaf, sliced_leaf in zip(leaves, sliced_leaves)])
+
+    return [None if is_weight(leaf) else leaf for leaf in leaves], layer_params
+
+
+def per_layer(tree: dict) -> dict:
+    """A tree whose "layers" are stacked (parameters, a draft tree) with them as {i: layer i's tree} instead, the
+    layout checkpoints store: for inspecting a layer (its slices are copies)."""
+    num_layers = jax.tree.leaves(tree["layers"])[0].shape[0]
+    return tree | {"layers": {i: layer_of(tree["layers"], i) for i in range(num_layers)}}
+
+
 class Decoder(nnx.Module):
     def __init__(self, config: ModelConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.layers = stacked_layers(config, dtype, rngs)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(
                 nnx.initializers.normal(0.02)(rngs.params(), (config.hidden_size, config.vocab_size), dtype)
             )
 
-    def __call__(self, tokens, positions, kv_cache: KVCache, attention: Attention, logit_rows, tp: TensorParallel,
-                 lm_head=None, with_hidden=False):
+    def __call__(self, tokens, positions, kv_cache, attention: Attention, logit_rows, tp: TensorParallel,
+                 lm_head=None, with_hidden=False, scan_layers: bool = True):
         rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32))
         x = jnp.take(self.embed[...], tokens, axis=0)
-        caches, aux_out = [], []
-        for i, layer in enumerate(self.layers):
-            x, cache, aux = layer(i, x, positions, rope, kv_cache.layer(i), attention, tp)
-            caches.append(cache)
-            aux_out.append(aux)
-            if hasattr(attention, "after_layer"):  # an attention that hands a layer's result on (nsa_approx)
-                attention = attention.after_layer(i, aux)
+        layer_graph, stacked = nnx.split(self.layers)
+
+        def run_layer(i, layer_params, x, cache, attention):
+            layer = nnx.merge(layer_graph, layer_params)
+            if isinstance(cache, KVCache):
+                # A dense layer's attention takes both stacks [L, B, T, H, D] and the layer index: it reads the
+                # layer's rows where they lie and scatters only the new tokens' rows into the carried stacks, in
+                # place (models.kv_cache.KVCache).
+                x, (k, v), aux = layer(i, x, positions, rope, (cache.k, cache.v), attention, tp)
+                return x, KVCache(k, v), aux
+            # An NSA layer's attention likewise takes the stacks and the layer (NSACache.at_layer, an
+            # models.nsa_cache.NSALayerCache view): it reads the layer in place and scatters only the rows it writes.
+            x, layer_cache, aux = layer(i, x, positions, rope, cache.at_layer(i), attention, tp)
+            return x, type(cache).of(layer_cache), aux
+
+        num_layers = self.config.num_layers
+        sliced, layer_params = split_quantized(stacked)
+        if scan_layers and not layer_specific(attention):
+            def step(carry, layer_input):
+                x, cache = carry
+                i, layer_leaves = layer_input
+                x, cache, aux = run_layer(i, layer_params(i, layer_leaves), x, cache, attention)
+                return (x, cache), aux
+
+            (x, kv_cache), stacked_aux = jax.lax.scan(step, (x, kv_cache), (jnp.arange(num_layers), sliced))
+            # Per-layer aux as the unrolled layers return it (the selection policies stack the score rows again:
+            # [L, B, T] floats, small beside the cache).
+            aux_out = tuple(layer_of(stacked_aux, i) for i in range(num_layers))
+        else:  # unrolled: the GPU speed comparison's baseline, and attentions that differ by layer
+            aux_out = []
+            for i in range(num_layers):
+                x, kv_cache, aux = run_layer(i, layer_params(i, layer_of(sliced, i)), x, kv_cache, attention)
+                aux_out.append(aux)
+                if layer_specific(attention) and hasattr(attention, "after_layer"):  # hands a result on (nsa_approx)
+                    attention = attention.after_layer(i, aux)
+            aux_out = tuple(aux_out)
         hidden = x  # the last layer's output before the final norm: what a draft head reads (models.draft_head)
         if logit_rows is not None:  # only these rows need the (vocabulary-sized) LM head
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
@@ -175,8 +248,15 @@ class Decoder(nnx.Module):
         else:
             logits = vocabulary_logits("BSD,DV->BSV", x, self.lm_head.get_value())
         if with_hidden:
-            return logits, type(kv_cache).from_layers(caches), tuple(aux_out), hidden
-        return logits, type(kv_cache).from_layers(caches), tuple(aux_out)
+            return logits, kv_cache, aux_out, hidden
+        return logits, kv_cache, aux_out
+
+
+def layer_specific(attention) -> bool:
+    """Whether `attention` behaves differently by layer (a static layer index decides what it does or returns, or
+    it hands a layer's result to the next through `after_layer`): such an attention runs the layers unrolled,
+    every other one the scanned body."""
+    return bool(getattr(attention, "layer_specific", False))
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,17 +291,22 @@ def axes_of_param(name: str, ndim: int) -> Axes:
 
 
 def param_axes(params: Params) -> Params:
-    """The logical axes of every parameter (any tree in the layout of param_shapes, arrays or shapes as leaves)."""
+    """The logical axes of every parameter (any tree in the layout of param_shapes, arrays or shapes as leaves):
+    a layer parameter's leading layer axis is never split over a mesh."""
 
     def axes(path, x):
-        return axes_of_param(path[-1].key, len(x) if isinstance(x, tuple) else x.ndim)
+        ndim = len(x) if isinstance(x, tuple) else x.ndim
+        if path[0].key == "layers":
+            return Axes(None, *axes_of_param(path[-1].key, ndim - 1))
+        return axes_of_param(path[-1].key, ndim)
 
     return jax.tree_util.tree_map_with_path(axes, params, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def checkpoint_param_shapes(config: ModelConfig) -> Params:
-    """The layout checkpoints store (and loaders fill): q/k/v and gate/up projections apart, as in HF and GGUF
-    files. `fuse_layer` turns a layer of it into the model's layout."""
+    """The layout checkpoints store (and loaders fill): layer by layer ({i: layer}), q/k/v and gate/up projections
+    apart, as in HF and GGUF files. `fuse_layer` turns a layer of it into the model's layout, `stack_layers` the
+    fused layers into the model's stacked "layers"."""
     c = config
     layer = {
         "q_proj": (c.hidden_size, c.num_heads, c.head_dim),
@@ -235,8 +320,9 @@ def checkpoint_param_shapes(config: ModelConfig) -> Params:
                   "v_bias": (c.num_kv_heads, c.head_dim)}
     shapes = param_shapes(config)
     fused = ("qkv_proj", "qkv_bias", "gate_up_proj")
-    for i, fused_layer in shapes["layers"].items():
-        shapes["layers"][i] = {k: v for k, v in fused_layer.items() if k not in fused} | layer
+    one_layer = jax.tree.map(lambda shape: shape[1:], shapes["layers"], is_leaf=lambda x: isinstance(x, tuple))
+    one_layer = {k: v for k, v in one_layer.items() if k not in fused} | layer
+    shapes["layers"] = {i: one_layer for i in range(config.num_layers)}
     return shapes
 
 
@@ -282,13 +368,17 @@ def forward(
     logit_rows: jax.Array | None = None,  # [B, R] row indices into S; logits only for these rows
     tensor_parallel: TensorParallel = TensorParallel(),
     with_hidden: bool = False,
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, KVCache, tuple]:
     """Returns (logits [B, S or R, V] float32, updated kv_cache, per-layer attention aux), and with `with_hidden`
     the last layer's output before the final norm [B, S, D] (every row) after them. With tensor parallelism,
     params, cache and attention are this program's shard of them (`TensorParallel`); the logits are whole.
 
     A draft pass's params may hold QuantizedWeights in place of the linear weights (`draft_params`), and a tied
-    model's an `lm_head` of its own (the quantized transpose of the embedding, which the lookup keeps reading)."""
+    model's an `lm_head` of its own (the quantized transpose of the embedding, which the lookup keeps reading).
+
+    scan_layers: run the layers as one `lax.scan` body (one layer compiled, whatever the depth) rather than
+    unrolled (one copy per layer); the results are the same. Unrolled is kept to compare decode speed."""
     lm_head = None
     if config.tie_word_embeddings and "lm_head" in params:
         params = dict(params)
@@ -297,4 +387,5 @@ def forward(
     state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel, lm_head, with_hidden)
+    return model(tokens, positions, kv_cache, attention, logit_rows, tensor_parallel, lm_head, with_hidden,
+                 scan_layers)

@@ -112,31 +112,35 @@ def lm_head_source(params: dict, config: ModelConfig) -> jax.Array:
 
 
 def quantize_params(params: dict, config: ModelConfig, precision: str) -> dict:
-    """The draft tree of `params` (jnp; works under jax.eval_shape for shapes alone)."""
+    """The draft tree of `params` (jnp; works under jax.eval_shape for shapes alone): its "layers" stacked as the
+    parameters' are, each layer's weight quantized on its own."""
     layers = {
-        i: {name: quantize_weight(config, name, layer[name], precision) for name in LAYER_WEIGHTS}
-        for i, layer in params["layers"].items()
+        name: jax.vmap(lambda w, name=name: quantize_weight(config, name, w, precision))(params["layers"][name])
+        for name in LAYER_WEIGHTS
     }
     head = quantize_weight(config, LM_HEAD, lm_head_source(params, config), precision)
     return {"layers": layers, LM_HEAD: head}
 
 
-def weight_axes(name: str, weight: QuantizedWeight) -> QuantizedWeight:
-    """The logical axes of one quantized weight's arrays (a QuantizedWeight of Axes)."""
+def weight_axes(name: str, weight: QuantizedWeight, stacked: bool = False) -> QuantizedWeight:
+    """The logical axes of one quantized weight's arrays (a QuantizedWeight of Axes); `stacked`: every layer's,
+    behind a leading layer axis that no mesh splits."""
     full = _full_axes(name)
     k_axis, out_axes = full[0], tuple(full[_in_ndim(name):])
     if any(a is not None for a in full[1 : _in_ndim(name)]):
         raise ValueError(f"{name}: only the outermost contracted axis may be split")
-    group_axis = k_axis if weight.scale.shape[0] > 1 else None  # one group (per channel): whole on every device
-    offset = None if weight.offset is None else Axes(group_axis, *out_axes)
-    return dataclasses.replace(weight, values=Axes(k_axis, *out_axes), scale=Axes(group_axis, *out_axes),
-                               offset=offset, kernel=None)
+    groups = weight.scale.shape[1 if stacked else 0]
+    group_axis = k_axis if groups > 1 else None  # one group (per channel): whole on every device
+    layer = (None,) if stacked else ()
+    offset = None if weight.offset is None else Axes(*layer, group_axis, *out_axes)
+    return dataclasses.replace(weight, values=Axes(*layer, k_axis, *out_axes),
+                               scale=Axes(*layer, group_axis, *out_axes), offset=offset, kernel=None)
 
 
 def draft_axes(tree: dict) -> dict:
     """The logical axes of a draft tree (arrays or ShapeDtypeStructs as leaves), in its structure."""
     return {
-        "layers": {i: {name: weight_axes(name, w) for name, w in layer.items()} for i, layer in tree["layers"].items()},
+        "layers": {name: weight_axes(name, w, stacked=True) for name, w in tree["layers"].items()},
         LM_HEAD: weight_axes(LM_HEAD, tree[LM_HEAD]),
     }
 

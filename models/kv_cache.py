@@ -1,4 +1,5 @@
-"""The KV cache: explicit per-layer arrays, token rows contiguous so kernels can gather rows by position."""
+"""The KV cache: every layer's keys and values in one stacked array, token rows contiguous so kernels can gather
+rows by position."""
 
 from __future__ import annotations
 
@@ -14,36 +15,39 @@ from models.logical_axes import BATCH, KV_HEADS, axes_field
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per layer, keys and values `[B, T, H_kv, D]` (row t holds position t, already RoPE-rotated).
+    """Keys and values `[L, B, T, H_kv, D]` (layer l's row t holds position t, already RoPE-rotated).
 
-    One array per layer rather than one stacked array: each layer's update is an in-place scatter into its own
-    donated buffer, and no loop over layers ever slices (and copies) a stacked cache.
+    One stacked array rather than one per layer, so the decoder's scanned layer body (models.decoder) carries the
+    whole cache through `lax.scan` and every layer runs the same compiled program; the layer axis is never split
+    over a mesh. A layer's attention takes both stacks and the layer index: it reads its layer's rows in place
+    (kernels index the stack, jnp reads index it inside the consuming dot) and writes only the new tokens' rows
+    (`write_layer_rows`), which XLA scatters into the carried (donated) buffer in place. A layer's [B, T, H, D]
+    slice is never taken out and written back: that copied each layer's cache on every pass (issue 52).
     """
 
-    k: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    v: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
+    k: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    v: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "KVCache":
-        shape = (batch, capacity, config.num_kv_heads, config.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        return cls(k=zeros(), v=zeros())
+        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1]
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Layer i's cache as dense attentions take it: (k, v)."""
-        return self.k[i], self.v[i]
 
-    @classmethod
-    def from_layers(cls, layers: list[tuple[jax.Array, jax.Array]]) -> "KVCache":
-        return cls(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
+def write_layer_rows(stacked: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
+    """stacked[layer, b, positions[b, s]] = rows[b, s] for a stacked cache [L, B, T, ...] (layer: a Python int or
+    a traced int32): one scatter of the new rows alone, in place on a carried or donated buffer; positions past
+    the end are dropped, never clamped onto valid rows."""
+    batch_index = jnp.arange(stacked.shape[1])[:, None]
+    return stacked.at[layer, batch_index, positions].set(rows.astype(stacked.dtype), mode="drop")
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, NSALayout
-from models.kv_cache import write_rows
+from models.kv_cache import write_layer_rows, write_rows
 from models.logical_axes import BATCH, KV_HEADS, axes_field
 
 
@@ -36,73 +36,121 @@ def compressed_rows(layout: NSALayout, capacity: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NSALayerCache:
-    """One layer's cache as its attention sees it: k, v [B, T, H_kv, D]; k_cmp, v_cmp [B, C, H_kv, D]."""
+    """One layer's cache as its attention sees it. layer None: that layer's own arrays, k, v [B, T, H_kv, D] and
+    k_cmp, v_cmp [B, C, H_kv, D]. layer an int or a traced int32: every layer's arrays stacked [L, ...] (NSACache's,
+    as the decoder carries them) and the layer to read and write in place: the attentions and kernels take the
+    stacks and index the layer, and writes scatter only the rows written into the stacks, so a scanned layer body
+    never takes a layer's slice out and writes it back (a copy of the layer's cache per pass, issue 52)."""
 
     k: jax.Array
     v: jax.Array
     k_cmp: jax.Array
     v_cmp: jax.Array
+    layer: jax.Array | int | None = None
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[-3]
+
+    @property
+    def compressed_rows(self) -> int:
+        return self.k_cmp.shape[-3]
+
+    @property
+    def stacked(self) -> bool:
+        return self.layer is not None
+
+    def as_stacked(self) -> "NSALayerCache":
+        """This cache with stacked arrays: as it is, or one layer's arrays as a stack of one (a reshape)."""
+        if self.stacked:
+            return self
+        return NSALayerCache(self.k[None], self.v[None], self.k_cmp[None], self.v_cmp[None], jnp.int32(0))
+
+    def like(self, stacked: "NSALayerCache") -> "NSALayerCache":
+        """`stacked` (as_stacked's result, updated) in this cache's form: one layer's arrays for layer None."""
+        if self.stacked:
+            return stacked
+        return NSALayerCache(stacked.k[0], stacked.v[0], stacked.k_cmp[0], stacked.v_cmp[0])
+
+    def reads(self) -> "NSALayerCache":
+        """The layer's arrays [B, ...] for jnp code that reads them whole (masks over every row): with stacks,
+        indexed by the layer where they are consumed, which XLA fuses into the consuming dot or gather (no
+        buffer); a kernel operand must take the stacks instead (a kernel's operand is a buffer)."""
+        if not self.stacked:
+            return self
+        return NSALayerCache(self.k[self.layer], self.v[self.layer], self.k_cmp[self.layer], self.v_cmp[self.layer])
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NSACache:
-    """Per layer, the arrays of an NSALayerCache; one array per layer, as KVCache and for its reasons."""
+    """Every layer's NSALayerCache arrays stacked along a leading layer axis [L, ...], as KVCache and for its
+    reasons (one scanned layer body carries the whole cache). Layer i's attention takes `at_layer(i)`: the stacks
+    and the layer, read and written in place (NSALayerCache)."""
 
-    k: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    v: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    k_cmp: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
-    v_cmp: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
+    k: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    v: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    k_cmp: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
+    v_cmp: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "NSACache":
         rows = compressed_rows(config.nsa, capacity)
-        zeros = lambda n: tuple(jnp.zeros((batch, n, config.num_kv_heads, config.head_dim), dtype)
-                                for _ in range(config.num_layers))
+        zeros = lambda n: jnp.zeros((config.num_layers, batch, n, config.num_kv_heads, config.head_dim), dtype)
         return cls(k=zeros(capacity), v=zeros(capacity), k_cmp=zeros(rows), v_cmp=zeros(rows))
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1]
 
-    def layer(self, i: int) -> NSALayerCache:
-        return NSALayerCache(self.k[i], self.v[i], self.k_cmp[i], self.v_cmp[i])
+    def at_layer(self, i) -> NSALayerCache:
+        """Layer i's cache as its attention takes it (i: a Python int or a traced int32): the stacks themselves."""
+        return NSALayerCache(self.k, self.v, self.k_cmp, self.v_cmp, i)
 
     @classmethod
-    def from_layers(cls, layers: list[NSALayerCache]) -> "NSACache":
-        return cls(*(tuple(getattr(c, f) for c in layers) for f in ("k", "v", "k_cmp", "v_cmp")))
+    def of(cls, layer: NSALayerCache) -> "NSACache":
+        """The stacks of an attention's returned NSALayerCache (at_layer's, written in place)."""
+        if not layer.stacked:
+            raise ValueError("an NSACache is made of stacked arrays, not of one layer's")
+        return cls(layer.k, layer.v, layer.k_cmp, layer.v_cmp)
+
+
+def write_layer_tokens(arrays: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
+    """write_rows into one layer's array (layer None) or write_layer_rows into layer `layer` of a stack."""
+    if layer is None:
+        return write_rows(arrays, rows, positions)
+    return write_layer_rows(arrays, layer, rows, positions)
 
 
 def write_tokens(cache: NSALayerCache, k: jax.Array, v: jax.Array, positions: jax.Array,
                  layout: NSALayout) -> NSALayerCache:
     """Writes rotated k, v [B, S, H_kv, D] at positions [B, S], then the compressed row of every block whose last
-    row is among them, pooled from the raw rows just written (positions past the end are dropped)."""
-    written = NSALayerCache(write_rows(cache.k, k, positions), write_rows(cache.v, v, positions), cache.k_cmp,
-                            cache.v_cmp)
+    row is among them, pooled from the raw rows just written (positions past the end are dropped). With stacks,
+    only those rows are scattered into the layer's (in place)."""
+    written = dataclasses.replace(cache, k=write_layer_tokens(cache.k, cache.layer, k, positions),
+                                  v=write_layer_tokens(cache.v, cache.layer, v, positions))
     return pool_blocks(written, positions, layout)
 
 
 def pool_blocks(cache: NSALayerCache, positions: jax.Array, layout: NSALayout) -> NSALayerCache:
     """The cache with the compressed row of every block whose last row is at one of positions [B, S] pooled from
     its raw rows as they are (positions past the end change nothing): what writing those rows does after the raw
-    write, and what a committed draft path needs once its rows are copied into place."""
+    write, and what a committed draft path needs once its rows are copied into place. With stacks, the block's
+    raw rows are gathered from the layer's and only the pooled rows scattered into its compressed stacks."""
     l, d = layout.compress_block, layout.compress_stride
     start = positions + 1 - l  # [B, S] the first row of the block that ends here
     completes = (start >= 0) & (start % d == 0) & (positions < cache.capacity)
-    block = jnp.where(completes, start // d, cache.k_cmp.shape[1])  # out of range: dropped
+    block = jnp.where(completes, start // d, cache.compressed_rows)  # out of range: dropped
     rows = jnp.clip(start[..., None] + jnp.arange(l), 0, cache.capacity - 1)  # [B, S, l]
     batch_index = jnp.arange(positions.shape[0])[:, None, None]
 
     def pooled(raw):
-        return jnp.mean(raw[batch_index, rows].astype(jnp.float32), axis=2)  # [B, S, H_kv, D]
+        taken = raw[batch_index, rows] if cache.layer is None else raw[cache.layer, batch_index, rows]
+        return jnp.mean(taken.astype(jnp.float32), axis=2)  # [B, S, H_kv, D]
 
-    return NSALayerCache(cache.k, cache.v, write_rows(cache.k_cmp, pooled(cache.k), block),
-                         write_rows(cache.v_cmp, pooled(cache.v), block))
+    return dataclasses.replace(cache, k_cmp=write_layer_tokens(cache.k_cmp, cache.layer, pooled(cache.k), block),
+                               v_cmp=write_layer_tokens(cache.v_cmp, cache.layer, pooled(cache.v), block))

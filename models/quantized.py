@@ -54,6 +54,10 @@ class QuantizedWeight:
     # (pallas_kernels/weight_only_mgpu.py), whose tensor-core operand is a block of a weight's output features
     # along K; in_transposed.
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # int32 [], or None: the arrays hold every layer's weight stacked [L, ...] and this is layer `layer`'s (how a
+    # scanned layer body sees the draft tree's layers). A kernel takes the whole stack and the layer and reads the
+    # layer in place: a slice handed to a kernel would be a copy of the weight per layer and draft pass.
+    layer: jax.Array | None = None
 
     @property
     def bits(self) -> int:
@@ -62,18 +66,32 @@ class QuantizedWeight:
         return self.word_bits or (4 if self.values.dtype == jnp.uint8 else 8)
 
     @property
+    def _layer_axes(self) -> int:
+        return 0 if self.layer is None else 1
+
+    @property
     def input_size(self) -> int:
+        shape = self.values.shape[self._layer_axes:]
         if self.transposed:
-            return self.values.shape[1]
-        return self.values.shape[0] * (4 if self.word_bits else 1) * (2 if self.bits == 4 else 1)
+            return shape[1]
+        return shape[0] * (4 if self.word_bits else 1) * (2 if self.bits == 4 else 1)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return self.scale.shape[1:]
+        return self.scale.shape[self._layer_axes + 1:]
 
     @property
     def groups(self) -> int:
-        return self.scale.shape[0]
+        return self.scale.shape[self._layer_axes]
+
+    def one_layer(self) -> QuantizedWeight:
+        """The weight with arrays of its layer alone (sliced out of the stack, for XLA's products); itself when it
+        holds one layer."""
+        if self.layer is None:
+            return self
+        take = lambda a: None if a is None else lax.dynamic_index_in_dim(a, self.layer, keepdims=False)  # noqa: E731
+        return dataclasses.replace(self, values=take(self.values), scale=take(self.scale), offset=take(self.offset),
+                                   layer=None)
 
     @property
     def group_size(self) -> int:
@@ -216,6 +234,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, preferred_element_type=No
     out_dtype = preferred_element_type or x.dtype
     if w.kernel is not None:
         return w.kernel(rows, w, out_dtype).reshape(lead + out_shape)
+    w = w.one_layer()
     groups = w.groups
     formulation = formulation or default_formulation()
     if groups > 1 and formulation == "dequantized":

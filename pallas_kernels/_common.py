@@ -39,6 +39,33 @@ def check_power_of_2(name: str, value: int, minimum: int = 1):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
+def stacked_caches(q, k_cache, v_cache, layer, num_query_dims: int = 4):
+    """(k, v, layer) for a kernel that reads one layer of stacked caches [L, B, T, H_kv, D] in place: the stacks
+    and layer as given (`layer` an int or traced int32), or per-layer caches [B, T, H_kv, D] (layer None) as a
+    stack of one. The kernel takes the whole stack and the layer as operands and indexes with it, so a scanned
+    layer body never slices a layer out (a copy of its cache per pass, issue 52). Callers vmap the stacks over
+    their batch axis 1, where Pallas's batching indexes the block without moving the axis (a transpose)."""
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    elif k_cache.ndim != 5:
+        raise ValueError(f"with a layer the caches must be stacked [L, B, T, H_kv, D], got {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches must both be [L, B, T, H_kv, D]; got {k_cache.shape}, {v_cache.shape}")
+    one_layer = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    check_cache_shapes(q, one_layer, one_layer, num_query_dims)
+    return k_cache, v_cache, jnp.asarray(layer, jnp.int32)
+
+
+def stacked_weight(q, scale, offset, layer):
+    """(q, scale, offset, layer) as the kernels take them: every layer's arrays stacked [L, ...] and the layer read
+    (int32 []), as given, or one layer's arrays (layer None) as a stack of one (a reshape, no copy). The whole stack
+    is the kernel's operand: a layer's slice there would be a buffer of its own, a copy of the weight per layer and
+    pass of a scanned layer body."""
+    if layer is None:
+        return q[None], scale[None], None if offset is None else offset[None], jnp.int32(0)
+    return q, scale, offset, jnp.asarray(layer, jnp.int32)
+
+
 def check_cache_shapes(q, k_cache, v_cache, num_query_dims: int):
     """q [B, (S,) H_q, D] against caches [B, T, H_kv, D]."""
     if q.ndim != num_query_dims:
@@ -134,3 +161,13 @@ def split_partial_outputs(num_splits: int, num_kv_heads: int, rows: int, head_di
         jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * rows), jnp.float32),
     ]
     return specs, shapes
+
+
+def stacked_layer(layer, *arrays):
+    """(arrays, layer) for a kernel that reads one layer of stacked arrays [L, ...] in place (the NSA caches): the
+    stacks and the layer (an int or traced int32) as given, or one layer's arrays (layer None) as stacks of one (a
+    reshape, no copy) and layer 0. The kernel takes the whole stacks and the layer as operands and indexes with
+    it, as stacked_caches' kernels do (issue 52); callers vmap the stacks over their batch axis 1."""
+    if layer is None:
+        return tuple(a[None] for a in arrays), jnp.int32(0)
+    return arrays, jnp.asarray(layer, jnp.int32)

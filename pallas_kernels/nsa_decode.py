@@ -35,6 +35,7 @@ from pallas_kernels._common import (
     next_power_of_2,
     normalised_with_lse,
     online_softmax_start,
+    stacked_layer,
     online_softmax_step,
     split_partial_outputs,
     store_split_partials,
@@ -52,10 +53,10 @@ def _group_rows(q_ref, kv_head, group: int, block_h: int):
     return q_ref[kv_head * group + jnp.minimum(lane, group - 1), :], lane < group
 
 
-def compressed_kernel(q_ref, k_ref, v_ref, position_ref, o_ref, l_ref, m_ref, logits_ref, *, sm_scale, block_c,
+def compressed_kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, o_ref, l_ref, m_ref, logits_ref, *, sm_scale, block_c,
                       chunk, group, block_h, stride, compress_block):
     kv_head, split = pl.program_id(0), pl.program_id(1)
-    position = position_ref[()]
+    position, layer = position_ref[()], layer_ref[()]  # k_ref, v_ref [L, C, D]: every layer's rows of one head
     q, real = _group_rows(q_ref, kv_head, group, block_h)
     complete = jnp.where(position >= compress_block - 1, (position - compress_block + 1) // stride + 1, 0)
     first = split * chunk
@@ -63,8 +64,8 @@ def compressed_kernel(q_ref, k_ref, v_ref, position_ref, o_ref, l_ref, m_ref, lo
 
     def body(step, carry):
         start = first + step * block_c
-        k = k_ref[pl.ds(start, block_c), :]
-        v = v_ref[pl.ds(start, block_c), :]
+        k = k_ref[layer, pl.ds(start, block_c), :]
+        v = v_ref[layer, pl.ds(start, block_c), :]
         valid = start + jnp.arange(block_c) < complete
         carry, logits = online_softmax_step(carry, q, k, v, valid, sm_scale)
         logits_ref[:, pl.ds(step * block_c, block_c)] = logits
@@ -74,11 +75,11 @@ def compressed_kernel(q_ref, k_ref, v_ref, position_ref, o_ref, l_ref, m_ref, lo
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, real)
 
 
-def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l_ref, m_ref, *, sm_scale, group,
+def sparse_window_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, position_ref, o_ref, l_ref, m_ref, *, sm_scale, group,
                          block_h, select_block, top_n, blocks_per_split, select_splits, window, window_per_split,
                          joint):
     kv_head, split = pl.program_id(0), pl.program_id(1)
-    position = position_ref[()]
+    position, layer = position_ref[()], layer_ref[()]  # k_ref, v_ref [L, T, D]: every layer's rows of one head
     q, real = _group_rows(q_ref, kv_head, group, block_h)
     start = online_softmax_start(block_h, q.shape[1])
 
@@ -90,8 +91,8 @@ def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l
             base = jnp.maximum(block, 0) * select_block
             rows = base + jnp.arange(select_block)
             valid = (block >= 0) & (rows <= position)
-            k = k_ref[pl.ds(base, select_block), :]
-            v = v_ref[pl.ds(base, select_block), :]
+            k = k_ref[layer, pl.ds(base, select_block), :]
+            v = v_ref[layer, pl.ds(base, select_block), :]
             return online_softmax_step(carry, q, k, v, valid, sm_scale)[0]
 
         steps = jnp.clip(top_n - first, 0, blocks_per_split)
@@ -107,8 +108,8 @@ def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l
             if joint:  # rows of a selected block are attended by the selected splits already
                 hit = jnp.where((rows // select_block)[:, None] == listed[None, :], 1, 0)
                 valid = valid & (jnp.max(hit, axis=1) == 0)
-            safe = jnp.clip(rows, 0, k_ref.shape[0] - 1)
-            return online_softmax_step(carry, q, k_ref[safe, :], v_ref[safe, :], valid, sm_scale)[0]
+            safe = jnp.clip(rows, 0, k_ref.shape[1] - 1)
+            return online_softmax_step(carry, q, k_ref[layer, safe, :], v_ref[layer, safe, :], valid, sm_scale)[0]
 
         return lax.fori_loop(0, window_per_split // WINDOW_STEP, body, start)
 
@@ -116,36 +117,36 @@ def sparse_window_kernel(q_ref, k_ref, v_ref, blocks_ref, position_ref, o_ref, l
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, real)
 
 
-def _compressed_unbatched(q, k_cmp, v_cmp, position, *, layout, sm_scale, block_c, num_splits, interpret):
+def _compressed_unbatched(q, k_cmp, v_cmp, layer, position, *, layout, sm_scale, block_c, num_splits, interpret):
     num_q_heads, head_dim = q.shape
-    rows, num_kv_heads, _ = k_cmp.shape
+    num_layers, rows, num_kv_heads, _ = k_cmp.shape
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
     chunk = rows // num_splits
     kernel = functools.partial(
         compressed_kernel, sm_scale=sm_scale, block_c=block_c, chunk=chunk, group=group, block_h=block_h,
         stride=layout.compress_stride, compress_block=layout.compress_block)
-    head_rows = pl.BlockSpec((rows, None, head_dim), lambda h, s: (0, h, 0))
+    head_rows = pl.BlockSpec((num_layers, rows, None, head_dim), lambda h, s: (0, 0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
     out_specs.append(pl.BlockSpec((None, None, block_h, chunk), lambda h, s: (s, h, 0, 0)))
     out_shape.append(jax.ShapeDtypeStruct((num_splits, num_kv_heads, block_h, chunk), jnp.float32))
     o, l, m, logits = pl.pallas_call(
         kernel, grid=(num_kv_heads, num_splits),
         in_specs=[pl.BlockSpec((num_q_heads, head_dim), lambda h, s: (0, 0)), head_rows, head_rows,
-                  pl.BlockSpec((), lambda h, s: ())],
+                  pl.BlockSpec((), lambda h, s: ()), pl.BlockSpec((), lambda h, s: ())],
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_compressed_decode",
-    )(q, k_cmp, v_cmp, position)
+    )(q, k_cmp, v_cmp, layer, position)
     out, lse = normalised_with_lse(o[:, :, :group], l[:, :, :group], m[:, :, :group])
     logits = jnp.moveaxis(logits[:, :, :group], 0, 2).reshape(num_kv_heads, group, rows)
     return out, logits, lse  # [H_kv, G, D], [H_kv, G, C], [H_kv, G]
 
 
-def _sparse_window_unbatched(q, k_cache, v_cache, blocks, position, *, layout, joint, sm_scale, select_splits,
+def _sparse_window_unbatched(q, k_cache, v_cache, layer, blocks, position, *, layout, joint, sm_scale, select_splits,
                              window_splits, interpret):
     num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    num_layers, capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
     top_n = blocks.shape[1]
@@ -156,16 +157,17 @@ def _sparse_window_unbatched(q, k_cache, v_cache, blocks, position, *, layout, j
         sparse_window_kernel, sm_scale=sm_scale, group=group, block_h=block_h, select_block=layout.select_block,
         top_n=top_n, blocks_per_split=pl.cdiv(top_n, select_splits), select_splits=select_splits,
         window=layout.window, window_per_split=layout.window // max(window_splits, 1), joint=joint)
-    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
+    head_rows = pl.BlockSpec((num_layers, capacity, None, head_dim), lambda h, s: (0, 0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
     o, l, m = pl.pallas_call(
         kernel, grid=(num_kv_heads, num_splits),
         in_specs=[pl.BlockSpec((num_q_heads, head_dim), lambda h, s: (0, 0)), head_rows, head_rows,
-                  pl.BlockSpec((None, listed), lambda h, s: (h, 0)), pl.BlockSpec((), lambda h, s: ())],
+                  pl.BlockSpec((), lambda h, s: ()), pl.BlockSpec((None, listed), lambda h, s: (h, 0)),
+                  pl.BlockSpec((), lambda h, s: ())],
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_sparse_window_decode",
-    )(q, k_cache, v_cache, blocks, position)
+    )(q, k_cache, v_cache, layer, blocks, position)
     o, l, m = o[:, :, :group], l[:, :, :group], m[:, :, :group]
     if joint:
         return combine_splits(o, l, m), None
@@ -196,31 +198,36 @@ def check_layout(layout: NSALayout, capacity: int, compressed_rows: int, block_c
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "kind", "block_c", "interpret"))
-def nsa_decode(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None, *, layout: NSALayout, kind: str = "nsa",
-               block_c: int = 64, interpret: bool = False):
+def nsa_decode(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None, *, layer=None, layout: NSALayout,
+               kind: str = "nsa", block_c: int = 64, interpret: bool = False):
     """NSA attention of one rotated query per sequence q [B, H_q, D] at position [B] over its layer cache (raw
     k, v [B, T, H_kv, D] holding the query's own row; compressed k_cmp, v_cmp [B, C, H_kv, D]), with gates
-    [B, H_q, 3] for kind "nsa" (vegas_jax.attention.nsa for the rules). Returns out [B, H_q, D] in q's dtype."""
+    [B, H_q, 3] for kind "nsa" (vegas_jax.attention.nsa for the rules). With `layer` (an int or traced int32) the
+    four caches are every layer's, stacked [L, ...] (models.nsa_cache.NSACache), and the kernels read that layer
+    in place: the stacks and the layer are their operands, never a layer's slice (a copy, issue 52). Returns
+    out [B, H_q, D] in q's dtype."""
+    (k_cache, v_cache, k_cmp, v_cmp), layer = stacked_layer(layer, k_cache, v_cache, k_cmp, v_cmp)
     batch, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads = k_cache.shape[1:3]
-    if k_cache.shape != v_cache.shape or k_cmp.shape != v_cmp.shape or k_cache.shape[0] != batch:
+    capacity, num_kv_heads = k_cache.shape[2:4]
+    if k_cache.shape != v_cache.shape or k_cmp.shape != v_cmp.shape or k_cache.shape[1] != batch:
         raise ValueError(f"caches must be [B, T, H_kv, D] and [B, C, H_kv, D]; got {k_cache.shape}, {v_cache.shape}, "
                          f"{k_cmp.shape}, {v_cmp.shape} for q {q.shape}")
     if (kind == "nsa") != (gates is not None):
         raise ValueError(f"gates are needed exactly for kind 'nsa', got kind {kind!r} with gates {gates is not None}")
     check_power_of_2("head_dim", head_dim, 16)
-    check_layout(layout, capacity, k_cmp.shape[1], block_c)
+    check_layout(layout, capacity, k_cmp.shape[2], block_c)
     sm_scale = 1.0 / math.sqrt(head_dim)
-    cmp_splits, select_splits, window_splits = default_splits(batch, num_kv_heads, layout, k_cmp.shape[1], block_c)
+    cmp_splits, select_splits, window_splits = default_splits(batch, num_kv_heads, layout, k_cmp.shape[2], block_c)
     position = position.astype(jnp.int32)
     compressed = functools.partial(_compressed_unbatched, layout=layout, sm_scale=sm_scale, block_c=block_c,
                                    num_splits=cmp_splits, interpret=interpret)
-    o_cmp, logits, lse = jax.vmap(compressed)(q, k_cmp, v_cmp, position)
+    # The stacks are mapped over their batch axis where they lie (stacked_layer).
+    o_cmp, logits, lse = jax.vmap(compressed, in_axes=(0, 1, 1, None, 0))(q, k_cmp, v_cmp, layer, position)
     blocks = blocks_from_logits(logits, lse, position, layout, capacity,
                                 top_k=functools.partial(top_n, interpret=interpret))
     sparse = functools.partial(_sparse_window_unbatched, layout=layout, joint=kind == "nsa-view", sm_scale=sm_scale,
                                select_splits=select_splits, window_splits=window_splits, interpret=interpret)
-    o_slc, o_win = jax.vmap(sparse)(q, k_cache, v_cache, blocks, position)
+    o_slc, o_win = jax.vmap(sparse, in_axes=(0, 1, 1, None, 0, 0))(q, k_cache, v_cache, layer, blocks, position)
     if kind == "nsa-view":
         out = o_slc
     else:
@@ -239,13 +246,15 @@ def blocks_from_logits(logits, lse, position, layout: NSALayout, capacity: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "kind"))
-def nsa_decode_reference(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None, *, layout: NSALayout,
-                         kind: str = "nsa"):
-    """XLA twin of nsa_decode: compressed attention over the visible compressed rows, then the selected blocks'
-    rows and the window's rows gathered (window rows inside a selected block dropped for the view's joint
-    softmax), each branch a masked softmax."""
+def nsa_decode_reference(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None, *, layer=None,
+                         layout: NSALayout, kind: str = "nsa"):
+    """XLA twin of nsa_decode (`layer` as there): compressed attention over the visible compressed rows, then
+    the selected blocks' rows and the window's rows gathered (window rows inside a selected block dropped for the
+    view's joint softmax), each branch a masked softmax."""
+    (k_cache, v_cache, k_cmp, v_cmp), layer = stacked_layer(layer, k_cache, v_cache, k_cmp, v_cmp)
+    k_cmp, v_cmp = k_cmp[layer], v_cmp[layer]  # read where the dots consume them
     batch, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads = k_cache.shape[1:3]
+    capacity, num_kv_heads = k_cache.shape[2:4]
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim)
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
@@ -264,7 +273,9 @@ def nsa_decode_reference(q, k_cache, v_cache, k_cmp, v_cmp, position, gates=None
 
     def gathered(rows, valid):  # rows [B, H_kv, N] -> k, v [B, N, H_kv, D] per head, masked
         safe = jnp.clip(rows, 0, capacity - 1)
-        take = lambda cache: jnp.take_along_axis(cache, jnp.moveaxis(safe, 1, 2)[..., None], axis=1)
+        # [B, N, H_kv] rows of the layer, gathered straight from the stacks
+        index = (layer, jnp.arange(batch)[:, None, None], jnp.moveaxis(safe, 1, 2), jnp.arange(num_kv_heads))
+        take = lambda cache: cache[index]
         return take(k_cache), take(v_cache), valid
 
     select_rows = (jnp.maximum(blocks, 0)[..., None] * layout.select_block

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from models.config import NSALayout
-from pallas_kernels._common import MASK_VALUE, check_power_of_2, next_power_of_2, online_softmax_start
+from pallas_kernels._common import MASK_VALUE, check_power_of_2, next_power_of_2, online_softmax_start, stacked_layer
 
 WINDOW_STEP = 16  # window rows per inner step
 GATE_COLUMNS = 4  # gates [H_q, 3] padded to a power of two for the Triton load
@@ -42,16 +42,17 @@ def _step(carry, q, k, v, valid, sm_scale):
             l_prev * correction + p.sum(axis=1))
 
 
-def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, blocks_ref, gates_ref, position_ref, *out_refs, sm_scale,
+def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, layer_ref, blocks_ref, gates_ref, position_ref, *out_refs, sm_scale,
                  group, block_h, layout: NSALayout, top_n, block_c, cmp_chunk, blocks_per_split,
                  window_steps_per_split, joint):
     kv_head, split = pl.program_id(0), pl.program_id(1)
     position = position_ref[()]
+    layer = layer_ref[()]  # the caches' refs hold every layer's rows of one KV head [L, rows, D]
     lane = jnp.arange(block_h)
     heads = kv_head * group + jnp.minimum(lane, group - 1)
     q = q_ref[heads, :]
     start = online_softmax_start(block_h, q.shape[1])
-    sel, capacity = layout.select_block, k_ref.shape[0]
+    sel, capacity = layout.select_block, k_ref.shape[1]
 
     def selected(carry):
         first = split * blocks_per_split
@@ -60,7 +61,8 @@ def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, blocks_ref, gates_ref, pos
             block = blocks_ref[first + step]
             base = jnp.maximum(block, 0) * sel
             valid = (block >= 0) & (base + jnp.arange(sel) <= position)
-            return _step(carry, q, k_ref[pl.ds(base, sel), :], v_ref[pl.ds(base, sel), :], valid, sm_scale)
+            return _step(carry, q, k_ref[layer, pl.ds(base, sel), :], v_ref[layer, pl.ds(base, sel), :], valid,
+                         sm_scale)
 
         return lax.fori_loop(0, jnp.clip(top_n - first, 0, blocks_per_split), body, carry)
 
@@ -75,7 +77,7 @@ def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, blocks_ref, gates_ref, pos
                 hit = jnp.where((rows // sel)[:, None] == listed_blocks[None, :], 1, 0)
                 valid = valid & (jnp.max(hit, axis=1) == 0)
             safe = jnp.clip(rows, 0, capacity - 1)
-            return _step(carry, q, k_ref[safe, :], v_ref[safe, :], valid, sm_scale)
+            return _step(carry, q, k_ref[layer, safe, :], v_ref[layer, safe, :], valid, sm_scale)
 
         total = layout.window // WINDOW_STEP
         steps = jnp.clip(total - split * window_steps_per_split, 0, window_steps_per_split)
@@ -89,7 +91,8 @@ def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, blocks_ref, gates_ref, pos
         def body(step, carry):
             row = first + step * block_c
             valid = row + jnp.arange(block_c) < complete
-            return _step(carry, q, kc_ref[pl.ds(row, block_c), :], vc_ref[pl.ds(row, block_c), :], valid, sm_scale)
+            return _step(carry, q, kc_ref[layer, pl.ds(row, block_c), :], vc_ref[layer, pl.ds(row, block_c), :],
+                         valid, sm_scale)
 
         return lax.fori_loop(0, jnp.clip(pl.cdiv(complete - first, block_c), 0, cmp_chunk // block_c), body, carry)
 
@@ -124,10 +127,10 @@ def default_splits(top_n: int) -> int:
     return next_power_of_2(top_n)
 
 
-def _unbatched(q, k, v, k_cmp, v_cmp, blocks, gates, position, *, layout, kind, block_c, num_splits, interpret):
+def _unbatched(q, k, v, k_cmp, v_cmp, layer, blocks, gates, position, *, layout, kind, block_c, num_splits, interpret):
     num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k.shape
-    rows = k_cmp.shape[0]
+    num_layers, capacity, num_kv_heads, _ = k.shape
+    rows = k_cmp.shape[1]
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
     top_n = blocks.shape[1]
@@ -140,7 +143,7 @@ def _unbatched(q, k, v, k_cmp, v_cmp, blocks, gates, position, *, layout, kind, 
         block_c=block_c, cmp_chunk=pl.cdiv(rows // block_c, num_splits) * block_c,
         blocks_per_split=pl.cdiv(top_n, num_splits),
         window_steps_per_split=pl.cdiv(window_steps, num_splits), joint=joint)
-    head_rows = lambda n: pl.BlockSpec((n, None, head_dim), lambda h, s: (0, h, 0))
+    head_rows = lambda n: pl.BlockSpec((num_layers, n, None, head_dim), lambda h, s: (0, 0, h, 0))
     branches = 1 if joint else 3
     out_specs = [pl.BlockSpec((None, None, block_h, head_dim), lambda h, s: (s, h, 0, 0)),
                  pl.BlockSpec((None, None, block_h), lambda h, s: (s, h, 0)),
@@ -151,35 +154,39 @@ def _unbatched(q, k, v, k_cmp, v_cmp, blocks, gates, position, *, layout, kind, 
     outs = pl.pallas_call(
         kernel, grid=(num_kv_heads, num_splits),
         in_specs=[pl.BlockSpec((num_q_heads, head_dim), lambda h, s: (0, 0)), head_rows(capacity),
-                  head_rows(capacity), head_rows(rows), head_rows(rows),
+                  head_rows(capacity), head_rows(rows), head_rows(rows), pl.BlockSpec((), lambda h, s: ()),
                   pl.BlockSpec((None, listed), lambda h, s: (h, 0)),
                   pl.BlockSpec((num_q_heads, GATE_COLUMNS), lambda h, s: (0, 0)), pl.BlockSpec((), lambda h, s: ())],
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_reuse_fused_decode",
-    )(q, k, v, k_cmp, v_cmp, blocks, gates, position)
+    )(q, k, v, k_cmp, v_cmp, layer, blocks, gates, position)
     out = sum(_merge(*(x[:, :, :group] for x in outs[3 * b:3 * b + 3])) for b in range(branches))
     return out.reshape(num_q_heads, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "kind", "block_c", "num_splits", "interpret"))
-def nsa_reuse_decode(q, k_cache, v_cache, k_cmp, v_cmp, blocks, position, gates=None, *, layout: NSALayout,
-                     kind: str = "nsa", block_c: int = 64, num_splits: int | None = None, interpret: bool = False):
+def nsa_reuse_decode(q, k_cache, v_cache, k_cmp, v_cmp, blocks, position, gates=None, *, layer=None,
+                     layout: NSALayout, kind: str = "nsa", block_c: int = 64, num_splits: int | None = None,
+                     interpret: bool = False):
     """NSA attention of one rotated query per sequence q [B, H_q, D] at position [B] with its selection injected:
     blocks [B, H_kv, n] (any n; -1 pads). Caches as pallas_kernels.nsa_decode (raw [B, T, H_kv, D] holding the
     query's row; compressed [B, C, H_kv, D]); gates [B, H_q, 3] exactly for kind "nsa". Returns [B, H_q, D] in
-    q's dtype."""
+    q's dtype. With `layer`, the caches are every layer's stacked [L, ...], read in place as pallas_kernels.nsa_decode
+    reads them."""
+    (k_cache, v_cache, k_cmp, v_cmp), layer = stacked_layer(layer, k_cache, v_cache, k_cmp, v_cmp)
     batch, num_q_heads, head_dim = q.shape
-    if k_cache.shape != v_cache.shape or k_cmp.shape != v_cmp.shape or blocks.shape[:2] != (batch, k_cache.shape[2]):
+    if (k_cache.shape != v_cache.shape or k_cmp.shape != v_cmp.shape or k_cache.shape[1] != batch
+            or blocks.shape[:2] != (batch, k_cache.shape[3])):
         raise ValueError(f"caches [B, T, H_kv, D], [B, C, H_kv, D] and blocks [B, H_kv, n]; got {k_cache.shape}, "
                          f"{k_cmp.shape}, {blocks.shape} for q {q.shape}")
     if (kind == "nsa") != (gates is not None):
         raise ValueError(f"gates are needed exactly for kind 'nsa', got kind {kind!r} with gates {gates is not None}")
     check_power_of_2("head_dim", head_dim, 16)
     check_power_of_2("select_block", layout.select_block, 16)
-    if layout.window % WINDOW_STEP or k_cmp.shape[1] % block_c:
+    if layout.window % WINDOW_STEP or k_cmp.shape[2] % block_c:
         raise ValueError(f"window {layout.window} must be a multiple of {WINDOW_STEP} and compressed rows "
-                         f"{k_cmp.shape[1]} of block_c {block_c}")
+                         f"{k_cmp.shape[2]} of block_c {block_c}")
     splits = num_splits or default_splits(blocks.shape[2])
     if gates is None:
         gates = jnp.zeros((batch, num_q_heads, GATE_COLUMNS), jnp.float32)
@@ -187,5 +194,6 @@ def nsa_reuse_decode(q, k_cache, v_cache, k_cmp, v_cmp, blocks, position, gates=
         gates = jnp.pad(gates.astype(jnp.float32), ((0, 0), (0, 0), (0, GATE_COLUMNS - 3)))
     fused = functools.partial(_unbatched, layout=layout, kind=kind, block_c=block_c, num_splits=splits,
                               interpret=interpret)
-    out = jax.vmap(fused)(q, k_cache, v_cache, k_cmp, v_cmp, blocks, gates, position.astype(jnp.int32))
+    out = jax.vmap(fused, in_axes=(0, 1, 1, 1, 1, None, 0, 0, 0))(q, k_cache, v_cache, k_cmp, v_cmp, layer, blocks,
+                                                                gates, position.astype(jnp.int32))
     return out.astype(q.dtype)

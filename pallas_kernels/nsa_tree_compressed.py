@@ -33,6 +33,7 @@ from pallas_kernels._common import (
     online_softmax_start,
     online_softmax_step,
     split_partial_outputs,
+    stacked_layer,
     store_split_partials,
     whole_block_splits,
 )
@@ -62,35 +63,35 @@ def _program_rows(q_ref, kv_head, node_block, *, group, num_q_heads, num_nodes, 
     return q, real, local
 
 
-def softmax_kernel(q_ref, k_ref, v_ref, visible_ref, o_ref, l_ref, m_ref, *, sm_scale, block_c, chunk, rows):
+def softmax_kernel(q_ref, k_ref, v_ref, layer_ref, visible_ref, o_ref, l_ref, m_ref, *, sm_scale, block_c, chunk, rows):
     kv_head, split, node_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, real, _ = _program_rows(q_ref, kv_head, node_block, **rows)
-    visible, first = visible_ref[()], split * chunk
+    visible, first, layer = visible_ref[()], split * chunk, layer_ref[()]  # k_ref, v_ref [L, C, D]
     # Only blocks holding a visible row: a block with none would count its masked entries in l.
     steps = jnp.clip(pl.cdiv(visible - first, block_c), 0, chunk // block_c)
 
     def body(step, carry):
         start = first + step * block_c
         valid = start + jnp.arange(block_c) < visible
-        return online_softmax_step(carry, q, k_ref[pl.ds(start, block_c), :], v_ref[pl.ds(start, block_c), :],
-                                   valid, sm_scale)[0]
+        return online_softmax_step(carry, q, k_ref[layer, pl.ds(start, block_c), :],
+                                   v_ref[layer, pl.ds(start, block_c), :], valid, sm_scale)[0]
 
     o, m, l = lax.fori_loop(0, steps, body, online_softmax_start(rows["block_r"], q.shape[1]))
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, real)
 
 
-def probs_kernel(q_ref, k_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, block_c, chunk, rows, nodes_padded):
+def probs_kernel(q_ref, k_ref, layer_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, block_c, chunk, rows, nodes_padded):
     kv_head, split, node_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, real, local = _program_rows(q_ref, kv_head, node_block, **rows)
     lse = lse_ref[...]
-    visible, first = visible_ref[()], split * chunk
+    visible, first, layer = visible_ref[()], split * chunk, layer_ref[()]  # k_ref [L, C, D]
     # selector[n, r]: row r is one of node n's heads; selector @ p sums each node's heads.
     selector = ((jnp.arange(nodes_padded)[:, None] == local[None, :]) & real[None, :]).astype(jnp.bfloat16)
 
     def body(step, carry):
         start = first + step * block_c
         valid = start + jnp.arange(block_c) < visible
-        logits = plt.dot(q, k_ref[pl.ds(start, block_c), :], trans_b=True) * sm_scale
+        logits = plt.dot(q, k_ref[layer, pl.ds(start, block_c), :], trans_b=True) * sm_scale
         p = jnp.where(real[:, None] & valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
         # Only the program's nodes: the selector's padding rows (half of them at G 16) are never written.
         plt.store(probs_ref.at[:, pl.ds(step * block_c, block_c)], _float32_sums(selector, p),
@@ -114,9 +115,9 @@ def _float32_sums(selector, p):
     return sum(plt.dot(selector, term) for term in (high, middle, low))  # float32 results
 
 
-def _unbatched(q, k_cmp, v_cmp, visible, extra_lse, *, block_c, num_splits, interpret):
+def _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, *, block_c, num_splits, interpret):
     num_nodes, num_q_heads, head_dim = q.shape
-    compressed_rows, num_kv_heads, _ = k_cmp.shape
+    num_layers, compressed_rows, num_kv_heads, _ = k_cmp.shape
     group = num_q_heads // num_kv_heads
     nodes, block_r = node_rows(num_nodes, group)
     node_blocks, chunk = pl.cdiv(num_nodes, nodes), compressed_rows // num_splits
@@ -124,7 +125,7 @@ def _unbatched(q, k_cmp, v_cmp, visible, extra_lse, *, block_c, num_splits, inte
     sm_scale = 1.0 / math.sqrt(head_dim)
     grid = (num_kv_heads, num_splits, node_blocks)
     q_rows = pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, b: (0, 0))
-    head_rows = pl.BlockSpec((compressed_rows, None, head_dim), lambda h, s, b: (0, h, 0))
+    head_rows = pl.BlockSpec((num_layers, compressed_rows, None, head_dim), lambda h, s, b: (0, 0, h, 0))
     scalar = pl.BlockSpec((), lambda h, s, b: ())
     params = plt.CompilerParams(num_warps=4, num_stages=2)
     q2 = q.reshape(num_nodes * num_q_heads, head_dim)
@@ -133,9 +134,9 @@ def _unbatched(q, k_cmp, v_cmp, visible, extra_lse, *, block_c, num_splits, inte
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_r, head_dim, row_blocks=node_blocks)
     o, l, m = pl.pallas_call(
         functools.partial(softmax_kernel, sm_scale=sm_scale, block_c=block_c, chunk=chunk, rows=rows),
-        grid=grid, in_specs=[q_rows, head_rows, head_rows, scalar], out_specs=out_specs, out_shape=out_shape,
+        grid=grid, in_specs=[q_rows, head_rows, head_rows, scalar, scalar], out_specs=out_specs, out_shape=out_shape,
         compiler_params=params, interpret=interpret, name="nsa_tree_compressed_softmax",
-    )(q2, k_cmp, v_cmp, visible)
+    )(q2, k_cmp, v_cmp, layer, visible)
 
     o, lse_prefix = normalised_with_lse(o, l, m)  # [H_kv, node_blocks * block_r, (D)]
 
@@ -156,18 +157,18 @@ def _unbatched(q, k_cmp, v_cmp, visible, extra_lse, *, block_c, num_splits, inte
     probs = pl.pallas_call(
         functools.partial(probs_kernel, sm_scale=sm_scale, block_c=block_c, chunk=chunk, rows=rows,
                           nodes_padded=nodes_padded),
-        grid=grid, in_specs=[q_rows, head_rows, pl.BlockSpec((None, block_r), lambda h, s, b: (h, b)), scalar],
+        grid=grid, in_specs=[q_rows, head_rows, scalar, pl.BlockSpec((None, block_r), lambda h, s, b: (h, b)), scalar],
         out_specs=pl.BlockSpec((None, None, nodes_padded, chunk), lambda h, s, b: (h, b, 0, s)),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, node_blocks, nodes_padded, compressed_rows), jnp.float32),
         compiler_params=params, interpret=interpret, name="nsa_tree_compressed_probs",
-    )(q2, k_cmp, to_rows(safe), visible)
+    )(q2, k_cmp, layer, to_rows(safe), visible)
     probs = probs[:, :, :nodes].reshape(num_kv_heads, node_blocks * nodes, compressed_rows)[:, :num_nodes]
     weight = jnp.where(jnp.isfinite(lse_prefix), jnp.exp(lse_prefix - safe), 0.0)  # the prefix's share of the mass
     return jnp.moveaxis(o * weight[..., None], 1, 0), probs, jnp.moveaxis(lse, 1, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("block_c", "batch", "num_splits", "interpret"))
-def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, block_c: int = 64, batch: int = 1,
+def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, layer=None, block_c: int = 64, batch: int = 1,
                            num_splits: int | None = None, interpret: bool = False):
     """The compressed branch of T tree nodes over the prefix's first `visible` compressed rows, one sequence.
     q [T, H_q, D] rotated; k_cmp, v_cmp [C, H_kv, D] (C a multiple of block_c); visible [] int32; extra_lse
@@ -175,9 +176,12 @@ def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, block_c: int 
     batch: how many sequences the caller vmaps this over (it sizes the grid: default_splits, unless num_splits,
     dividing C / block_c, is given). Returns (o [T, H_kv, G, D] float32:
     sum over the visible rows of p v, probs [H_kv, T, C]: sum over the group's heads of p, zero past `visible`,
-    lse [H_kv, G, T]: the total), p = exp(logit - lse)."""
+    lse [H_kv, G, T]: the total), p = exp(logit - lse). With `layer` (an int or traced int32), k_cmp and v_cmp
+    are every layer's stacked [L, C, H_kv, D], of which the kernels read that layer in place (the stacks and the
+    layer are their operands: no layer's slice, issue 52)."""
+    (k_cmp, v_cmp), layer = stacked_layer(layer, k_cmp, v_cmp)
     num_nodes, num_q_heads, _ = q.shape
-    compressed_rows, num_kv_heads, _ = k_cmp.shape
+    _, compressed_rows, num_kv_heads, _ = k_cmp.shape
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     if compressed_rows % block_c:
@@ -188,12 +192,14 @@ def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, block_c: int 
     elif (compressed_rows // block_c) % num_splits:
         raise ValueError(f"num_splits {num_splits} must divide the {compressed_rows // block_c} blocks of "
                          "compressed rows")
-    return _unbatched(q, k_cmp, v_cmp, visible, extra_lse, block_c=block_c, num_splits=num_splits,
+    return _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, block_c=block_c, num_splits=num_splits,
                       interpret=interpret)
 
 
-def compressed_tree_branch_reference(q, k_cmp, v_cmp, visible, extra_lse):
+def compressed_tree_branch_reference(q, k_cmp, v_cmp, visible, extra_lse, *, layer=None):
     """XLA twin of compressed_tree_branch: the [H_kv, G, T, C] logits materialised."""
+    if layer is not None:  # the layer of stacks [L, C, H_kv, D], read where the dots consume it
+        k_cmp, v_cmp = k_cmp[layer], v_cmp[layer]
     num_nodes, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cmp.shape[1]
     qg = q.reshape(num_nodes, num_kv_heads, num_q_heads // num_kv_heads, head_dim)

@@ -37,6 +37,7 @@ from pallas_kernels._common import (
     next_power_of_2,
     normalised_with_lse,
     online_softmax_start,
+    stacked_layer,
 )
 
 MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
@@ -85,10 +86,10 @@ def _store(o_ref, l_ref, m_ref, carry):
     m_ref[...] = m
 
 
-def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads,
+def v0_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads,
               block_h, select_block, top_n, per_split):
     kv_head, node, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length = length_ref[()]
+    length, layer = length_ref[()], layer_ref[()]  # k_ref, v_ref [L, T_cap, D]
     lane = jnp.arange(block_h)
     q = q_ref[node * num_q_heads + kv_head * group + jnp.minimum(lane, group - 1), :]
     first = split * per_split
@@ -97,18 +98,18 @@ def v0_kernel(q_ref, k_ref, v_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, 
         block = blocks_ref[first + step]
         base = jnp.maximum(block, 0) * select_block
         valid = (block >= 0) & (base + jnp.arange(select_block) < length)
-        k = k_ref[pl.ds(base, select_block), :]
-        v = v_ref[pl.ds(base, select_block), :]
+        k = k_ref[layer, pl.ds(base, select_block), :]
+        v = v_ref[layer, pl.ds(base, select_block), :]
         return _step(carry, q, k, v, valid[None, :], sm_scale)
 
     steps = jnp.clip(top_n - first, 0, per_split)
     _store(o_ref, l_ref, m_ref, lax.fori_loop(0, steps, body, online_softmax_start(block_h, q.shape[1])))
 
 
-def v1_kernel(q_ref, k_cache_ref, v_cache_ref, union_ref, slots_ref, counts_ref, member_ref, length_ref, o_ref, l_ref,
-              m_ref, *, sm_scale, group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block, num_splits):
+def v1_kernel(q_ref, k_cache_ref, v_cache_ref, layer_ref, union_ref, slots_ref, counts_ref, member_ref, length_ref,
+              o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block, num_splits):
     kv_head, split, program_rows = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length = length_ref[()]
+    length, layer = length_ref[()], layer_ref[()]  # k_cache_ref, v_cache_ref [L, T_cap, D]
     # Row blocks one after another in this program (row_loop): the union blocks just read for one row block may
     # be read again from this SM's cache by the next.
     for here in range(row_blocks_here):
@@ -133,8 +134,8 @@ def v1_kernel(q_ref, k_cache_ref, v_cache_ref, union_ref, slots_ref, counts_ref,
             word = jnp.sum(jnp.where(word_of_row, member_ref[u, :][None, :], 0), axis=1)
             takes = lax.shift_right_logical(word, bit_of_row) & 1 != 0  # [block_r]
             valid = takes[:, None] & (base + jnp.arange(select_block) < length)[None, :]
-            k = k_cache_ref[pl.ds(base, select_block), :]
-            v = v_cache_ref[pl.ds(base, select_block), :]
+            k = k_cache_ref[layer, pl.ds(base, select_block), :]
+            v = v_cache_ref[layer, pl.ds(base, select_block), :]
             return _step(carry, q, k, v, valid, sm_scale)
 
         o, m, l = lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1]))
@@ -176,18 +177,21 @@ def pack_members(member: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(words, jnp.int32)
 
 
-def _head_rows(capacity, head_dim):
-    """One KV head's rows of a cache [T_cap, H_kv, D] on a grid whose first axis is the KV head."""
-    return pl.BlockSpec((capacity, None, head_dim), lambda h, a, b: (0, h, 0))
+def _head_rows(num_layers, capacity, head_dim):
+    """One KV head's rows of every layer of stacked caches [L, T_cap, H_kv, D] on a grid whose first axis is the
+    KV head (the kernel indexes the layer)."""
+    return pl.BlockSpec((num_layers, capacity, None, head_dim), lambda h, a, b: (0, 0, h, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("select_block", "num_splits", "interpret"))
-def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_splits: int = 4,
+def v0_selected(q, k_cache, v_cache, blocks, length, *, layer=None, select_block: int, num_splits: int = 4,
                 interpret: bool = False):
-    """q [T, H_q, D] (rotated); caches [T_cap, H_kv, D]; blocks [T, H_kv, n] (-1 pads); length []. Returns
-    (o [H_kv, T, G, D] float32, lse [H_kv, T, G])."""
+    """q [T, H_q, D] (rotated); caches [T_cap, H_kv, D], or with `layer` (an int or traced int32) every layer's
+    stacked [L, T_cap, H_kv, D], read in place (the stacks and the layer are the kernel's operands); blocks
+    [T, H_kv, n] (-1 pads); length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G])."""
+    (k_cache, v_cache), layer = stacked_layer(layer, k_cache, v_cache)
     num_nodes, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    num_layers, capacity, num_kv_heads, _ = k_cache.shape
     group, top_n = num_q_heads // num_kv_heads, blocks.shape[2]
     block_h = max(16, next_power_of_2(group))
     listed = next_power_of_2(top_n)
@@ -201,26 +205,28 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, select_block: int, num_s
     o, l, m = pl.pallas_call(
         kernel, grid=(num_kv_heads, num_nodes, num_splits),
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, t, s: (0, 0)),
-                  _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
-                  pl.BlockSpec((None, None, listed), lambda h, t, s: (t, h, 0)), pl.BlockSpec((), lambda h, t, s: ())],
+                  _head_rows(num_layers, capacity, head_dim), _head_rows(num_layers, capacity, head_dim),
+                  pl.BlockSpec((), lambda h, t, s: ()), pl.BlockSpec((None, None, listed), lambda h, t, s: (t, h, 0)),
+                  pl.BlockSpec((), lambda h, t, s: ())],
         out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v0_selected",
-    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, blocks, length.astype(jnp.int32))
+    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, blocks, length.astype(jnp.int32))
     return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
 
 
 @functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))
-def v1_selected(q, k_cache, v_cache, union, member, length, *, select_block: int,
+def v1_selected(q, k_cache, v_cache, union, member, length, *, layer=None, select_block: int,
                 launch: V1Launch = V1Launch(), interpret: bool = False):
-    """q [T, H_q, D]; caches [T_cap, H_kv, D]; union [H_kv, U] (ascending, -1 past its count); member
+    """q [T, H_q, D]; caches [T_cap, H_kv, D] (or stacked with `layer`, as v0_selected's); union [H_kv, U] (ascending, -1 past its count); member
     [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]).
 
     launch.row_loop: each program runs all row blocks of its union split one after another (the split's blocks
     come from its SM's cache after the first), instead of one program per row block (more programs, the
     re-reads left to L2)."""
+    (k_cache, v_cache), layer = stacked_layer(layer, k_cache, v_cache)
     num_nodes, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    num_layers, capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     rows = num_nodes * group
     block_r = row_block_size(rows, launch.block_rows)
@@ -242,8 +248,8 @@ def v1_selected(q, k_cache, v_cache, union, member, length, *, select_block: int
     o, l, m = pl.pallas_call(
         kernel, grid=(num_kv_heads, num_splits, row_blocks // here),
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, s, r: (0, 0)),
-                  _head_rows(capacity, head_dim), _head_rows(capacity, head_dim),
-                  pl.BlockSpec((None, width), lambda h, s, r: (h, 0)),
+                  _head_rows(num_layers, capacity, head_dim), _head_rows(num_layers, capacity, head_dim),
+                  pl.BlockSpec((), lambda h, s, r: ()), pl.BlockSpec((None, width), lambda h, s, r: (h, 0)),
                   pl.BlockSpec((None, row_blocks, width), lambda h, s, r: (h, 0, 0)),
                   pl.BlockSpec((None, row_blocks), lambda h, s, r: (h, 0)),
                   pl.BlockSpec((None, width, MEMBER_WORDS), lambda h, s, r: (h, 0, 0)),
@@ -251,7 +257,7 @@ def v1_selected(q, k_cache, v_cache, union, member, length, *, select_block: int
         out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v1_selected",
-    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, union, slots, counts.astype(jnp.int32),
+    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, union, slots, counts.astype(jnp.int32),
       member, length.astype(jnp.int32))
     unpack = lambda x: x[:, :, :rows].reshape(num_splits, num_kv_heads, num_nodes, group, *x.shape[3:])
     return normalised_with_lse(unpack(o), unpack(l), unpack(m))

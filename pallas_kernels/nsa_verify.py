@@ -130,18 +130,34 @@ def _merge(*segments):
     return sum(weight(s_lse) * o for o, s_lse in segments)
 
 
-def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSALayout, num_nodes: int):
+def _row_source(cache: NSALayerCache, stacks: NSALayerCache | None, seq):
+    """(k, v, lead) the XLA row gathers read from: x[(*lead, *index)] is one sequence's rows `index` of its layer.
+    The sequence's own arrays [T_cap, ...] (lead ()), its stacks [L, T_cap, ...] ((layer,)), or the caller's whole
+    stacks [L, B, T_cap, ...] with the sequence's index ((layer, seq)): under the caller's vmap the whole stacks
+    are unmapped and seq mapped, a gather JAX batches through its indices, never moving the stacks' axes (a gather
+    from the mapped view [L, T_cap, ...] of stacks batched at axis 1 is lowered with a transpose of the stacks)."""
+    if stacks is not None:
+        return stacks.k, stacks.v, (stacks.layer, seq)
+    return cache.k, cache.v, (() if cache.layer is None else (cache.layer,))
+
+
+def _layer_rows(cache: jax.Array, lead: tuple, *index) -> jax.Array:
+    """cache[(*lead, *index)]: the rows `index` of a sequence's layer (_row_source), gathered in place."""
+    return cache[(*lead, *index)]
+
+
+def _path_compressed(cache_rows, lead, tree_rows, anc, positions, length, layout: NSALayout, num_nodes: int):
     """The compressed rows that node paths complete: blocks c0 + e whose last row is at or past `length`, e <
     E = (T + l) // d + 1. Returns (their rows c [E], valid [T, E]: complete at the node, pooled [T, E, H_kv, D]
-    float32: the mean of the block's prefix rows (cache_rows [T_cap, H_kv, D]) and of the node's path rows
-    (tree_rows [T, H_kv, D], at positions [T]) inside it)."""
+    float32: the mean of the block's prefix rows (cache_rows[(*lead, rows)], _row_source) and of the node's path
+    rows (tree_rows [T, H_kv, D], at positions [T]) inside it)."""
     l, d = layout.compress_block, layout.compress_stride
     extra = (num_nodes + l) // d + 1
     c = jnp.maximum(-(-(length - l + 1) // d), 0) + jnp.arange(extra)
     start = c * d
     rows = start[:, None] + jnp.arange(l)  # [E, l]
-    prefix = jnp.where((rows < length)[..., None, None],
-                       cache_rows[jnp.clip(rows, 0, cache_rows.shape[0] - 1)].astype(jnp.float32), 0.0).sum(axis=1)
+    taken = _layer_rows(cache_rows, lead, jnp.clip(rows, 0, cache_rows.shape[-3] - 1)).astype(jnp.float32)
+    prefix = jnp.where((rows < length)[..., None, None], taken, 0.0).sum(axis=1)
     inside = (positions[None, :] >= start[:, None]) & (positions[None, :] < start[:, None] + l)  # [E, T_j]
     path = jnp.einsum("ij,ej,jhd->iehd", anc.astype(jnp.float32), inside.astype(jnp.float32),
                       tree_rows.astype(jnp.float32))
@@ -152,34 +168,38 @@ def _path_compressed(cache_rows, tree_rows, anc, positions, length, layout: NSAL
 def selected_branch(q, cache: NSALayerCache, blocks, length, *, layout: NSALayout, schedule: str,
                     v1_launch: V1Launch = V1Launch(), interpret: bool = False):
     """The Pallas part of the selected branch alone, given each node's blocks [T, H_kv, n]: V0's kernel, or V1's
-    union schedule and kernel (pallas_kernels.nsa_tree_select; q [T, H_q, D], cache arrays [T_cap, H_kv, D]).
+    union schedule and kernel (pallas_kernels.nsa_tree_select; q [T, H_q, D], cache arrays [T_cap, H_kv, D] or
+    stacked with the cache's layer, read in place).
     Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]). The SSV paper's kernel speedup compares these; the
     rest of a verification pass (compressed scores, top-n, window) is the same work for both schedules."""
     if schedule == "v0":
-        return v0_selected(q, cache.k, cache.v, blocks, length, select_block=layout.select_block,
+        return v0_selected(q, cache.k, cache.v, blocks, length, layer=cache.layer, select_block=layout.select_block,
                            interpret=interpret)
-    union, _, member = union_schedule(blocks, num_select_blocks(layout, cache.k.shape[0]))
-    return v1_selected(q, cache.k, cache.v, union, member, length, select_block=layout.select_block,
-                       launch=v1_launch, interpret=interpret)
+    union, _, member = union_schedule(blocks, num_select_blocks(layout, cache.capacity))
+    return v1_selected(q, cache.k, cache.v, union, member, length, layer=cache.layer,
+                       select_block=layout.select_block, launch=v1_launch, interpret=interpret)
 
 
 def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALayout, schedule: str, kernels,
-                     v1_launch: V1Launch):
-    """(o, lse) of each node's selected blocks' prefix rows (< length): V0 or V1, in XLA (kernels None) or
-    through pallas_kernels.nsa_tree_select (kernels "pallas" or "interpret")."""
+                     v1_launch: V1Launch, source):
+    """(o, lse) of each node's selected blocks' prefix rows (< length): V0 or V1, in XLA (kernels None, gathering
+    from `source`, _row_source) or through pallas_kernels.nsa_tree_select (kernels "pallas" or "interpret",
+    reading `cache`)."""
     num_nodes, num_kv_heads = blocks.shape[:2]
-    sel, capacity = layout.select_block, cache.k.shape[0]  # unbatched: [T_cap, H_kv, D]
+    sel, capacity = layout.select_block, cache.capacity  # unbatched: [(L,) T_cap, H_kv, D]
     if kernels is not None:
         o, lse = selected_branch(q, cache, blocks, length, layout=layout, schedule=schedule, v1_launch=v1_launch,
                                  interpret=kernels == "interpret")
         return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    k_rows, v_rows, lead = source
     span = jnp.arange(sel)
     if schedule == "v0":
         rows = (jnp.maximum(blocks, 0)[..., None] * sel + span).reshape(num_nodes, num_kv_heads, -1)
         valid = jnp.repeat(blocks >= 0, sel, axis=-1) & (rows < length)  # [T, H_kv, N]
-        gather = lambda x: x[rows, jnp.arange(num_kv_heads)[None, :, None]]  # [T, H_kv, N, D]
-        k_sel, v_sel = gather(cache.k), gather(cache.v)
+        heads = jnp.arange(num_kv_heads)[None, :, None]
+        gather = lambda x: _layer_rows(x, lead, rows, heads)  # [T, H_kv, N, D]
+        k_sel, v_sel = gather(k_rows), gather(v_rows)
         logits = jnp.einsum("thgd,thnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale
         return _segment(_masked(logits, jnp.moveaxis(valid, 1, 0)[:, None]),
                         lambda p: jnp.einsum("hgtn,thnd->thgd", p.astype(v_sel.dtype), v_sel,
@@ -187,8 +207,9 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
     union, _, member = union_schedule(blocks, num_select_blocks(layout, capacity))
     rows = (jnp.maximum(union, 0)[..., None] * sel + span).reshape(num_kv_heads, -1)  # [H_kv, U l']
     valid = jnp.repeat(member, sel, axis=-1) & (rows < length)[:, None, :]  # [H_kv, T, U l']
-    gather = lambda x: x[rows, jnp.arange(num_kv_heads)[:, None]]  # [H_kv, U l', D]
-    k_sel, v_sel = gather(cache.k), gather(cache.v)
+    heads = jnp.arange(num_kv_heads)[:, None]
+    gather = lambda x: _layer_rows(x, lead, rows, heads)  # [H_kv, U l', D]
+    k_sel, v_sel = gather(k_rows), gather(v_rows)
     logits = jnp.einsum("thgd,hnd->hgtn", qg, k_sel, preferred_element_type=jnp.float32) * scale
     return _segment(_masked(logits, valid[:, None]),
                     lambda p: jnp.einsum("hgtn,hnd->thgd", p.astype(v_sel.dtype), v_sel,
@@ -197,19 +218,26 @@ def _selected_prefix(q, qg, cache: NSALayerCache, blocks, length, layout: NSALay
 
 def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, parents, *, layout: NSALayout,
                     kind: str = "nsa", schedule: str = "v1", kernels: str | None = None,
-                    v1_launch: V1Launch = V1Launch(), batch: int = 1, return_blocks: bool = False, reselect=None):
+                    v1_launch: V1Launch = V1Launch(), batch: int = 1, return_blocks: bool = False, reselect=None,
+                    stacks: NSALayerCache | None = None, seq=None):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
-    [T_cap, H_kv, D] without the batch axis; length and parents traced). schedule: "v0" | "v1" (module
+    [T_cap, H_kv, D] without the batch axis, or every layer's [L, T_cap, H_kv, D] with the cache's layer, which
+    every read, kernel or XLA, takes from the stacks in place; length and parents traced). schedule: "v0" | "v1" (module
     docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
     v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch); batch: how many
     sequences the caller vmaps this over (it sizes the compressed branch's grid).
     reselect: None, or (blocks [T, H_kv, n], ancestor mask [T, T], positions [T]) -> the blocks each node attends
     instead of its own (an approximate mode's, vegas_jax.attention.nsa_approx.tree_reselect).
+    stacks, seq: for a caller that vmaps this over the batch axis 1 of stacked caches [L, B, T_cap, H_kv, D] (cache:
+    the mapped view), those whole stacks with their layer, passed unmapped, and this sequence's index in them
+    (mapped): the XLA row gathers (the prefix rows of the blocks a path completes, the window, and without kernels
+    the selected rows and the compressed branch's) read stacks[layer, seq, rows], which vmap batches without a
+    transpose of the stacks; the kernels read `cache` as before (_row_source).
     Returns out [T, H_q, D] in q's dtype (and the selected blocks [T, H_kv, n] with return_blocks)."""
     if schedule not in ("v0", "v1"):
         raise ValueError(f"schedule must be v0 or v1, got {schedule!r}")
     num_nodes, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads = cache.k.shape[:2]
+    capacity, num_kv_heads = cache.k.shape[-3:-1]
     if num_nodes > MAX_TREE_NODES:
         raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes, got {num_nodes}")
     group, sel, w = num_q_heads // num_kv_heads, layout.select_block, layout.window
@@ -221,14 +249,18 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
 
     # Compressed branch and scores: the prefix's complete rows (read once) and the rows each path completes.
     l, d = layout.compress_block, layout.compress_stride
-    visible = jnp.sum(jnp.arange(cache.k_cmp.shape[0]) * d + l - 1 < length)  # the prefix's complete rows
-    c_extra, extra_valid, k_extra = _path_compressed(cache.k, tree_k, anc, positions, length, layout, num_nodes)
-    _, _, v_extra = _path_compressed(cache.v, tree_v, anc, positions, length, layout, num_nodes)
+    visible = jnp.sum(jnp.arange(cache.compressed_rows) * d + l - 1 < length)  # the prefix's complete rows
+    source = k_rows, v_rows, lead = _row_source(cache, stacks, seq)
+    c_extra, extra_valid, k_extra = _path_compressed(k_rows, lead, tree_k, anc, positions, length, layout, num_nodes)
+    _, _, v_extra = _path_compressed(v_rows, lead, tree_v, anc, positions, length, layout, num_nodes)
     extra_logits = _masked(jnp.einsum("thgd,tehd->hgte", qg, k_extra.astype(q.dtype),
                                       preferred_element_type=jnp.float32) * scale, extra_valid[None, None])
     branch = compressed_tree_branch_reference if kernels is None else functools.partial(
         compressed_tree_branch, batch=batch, interpret=kernels == "interpret")
-    o_prefix, probs, lse = branch(q, cache.k_cmp, cache.v_cmp, visible, jax.nn.logsumexp(extra_logits, axis=-1))
+    k_cmp, v_cmp, cmp_layer = cache.k_cmp, cache.v_cmp, cache.layer
+    if kernels is None and stacks is not None:  # the XLA twin's layer rows from the whole stacks, as _row_source
+        k_cmp, v_cmp, cmp_layer = stacks.k_cmp[stacks.layer, seq], stacks.v_cmp[stacks.layer, seq], None
+    o_prefix, probs, lse = branch(q, k_cmp, v_cmp, visible, jax.nn.logsumexp(extra_logits, axis=-1), layer=cmp_layer)
     p_extra = jnp.exp(extra_logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
     compressed = probs.at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
     scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)
@@ -238,7 +270,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
         blocks = reselect(blocks, anc, positions)
 
     # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
-    selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch)
+    selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch, source)
     by_head = blocks.transpose(1, 0, 2)  # [H_kv, T, n]
     tree_logits = dot(tree_k, "thgd,jhd->hgtj")  # [H_kv, G, T, T_j]
     tree_values = lambda p: jnp.einsum("hgtj,jhd->thgd", p.astype(tree_v.dtype), tree_v,
@@ -250,7 +282,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     win_rows = length - w + jnp.arange(w)
     win_valid = (win_rows >= 0)[None, :] & (win_rows[None, :] > positions[:, None] - w)  # [T, w]
     safe = jnp.clip(win_rows, 0, capacity - 1)
-    k_win, v_win = cache.k[safe], cache.v[safe]  # [w, H_kv, D]
+    k_win, v_win = (_layer_rows(x, lead, safe) for x in (k_rows, v_rows))  # [w, H_kv, D]
     win_logits = dot(k_win, "thgd,nhd->hgtn")
     win_values = lambda p: jnp.einsum("hgtn,nhd->thgd", p.astype(v_win.dtype), v_win,
                                       preferred_element_type=jnp.float32)

@@ -2,7 +2,8 @@
 
 For sequence b the key set is the union of the cache rows `indices[b, :counts[b]]` (all below recent_start[b],
 distinct), the contiguous rows `[recent_start[b], position[b])` and the new token at position[b]. The kernel
-reads the cached K/V rows straight from the cache `[B, T, H_kv, D]` (no gathered copy in HBM) and runs split-K
+reads the cached K/V rows straight from the cache `[B, T, H_kv, D]`, or from one layer of stacked caches
+`[L, B, T, H_kv, D]` (the stacks and the layer are operands: no gathered or sliced copy in HBM) and runs split-K
 flash decoding: the listed and recent rows are laid end to end as one list of "virtual keys", each split takes an
 equal share of that list, and the per-split partial softmax results are combined in plain JAX afterwards. One
 program handles all query heads of a KV head, padded to 16 rows because Triton dots need every dimension >= 16.
@@ -61,18 +62,19 @@ def sparse_decode_kernel(
     qkv_ref,  # [H_q + 2 H_kv, D] the new token's query, key and value heads, before RoPE
     cos_ref,  # [D] float32 RoPE tables at the new token's position
     sin_ref,  # [D]
-    k_ref,  # [T, D] one KV head's keys
-    v_ref,  # [T, D]
-    indices_ref,  # [L, K_max] every layer's selected rows
-    count_ref,  # [L] valid entries of each layer's indices
+    k_ref,  # [L, T, D] one KV head's keys, every layer's
+    v_ref,  # [L, T, D]
+    cache_layer_ref,  # [] the layer whose cache this launch reads and writes
+    indices_ref,  # [L_s, K_max] every layer's selected rows (or one layer's)
+    count_ref,  # [L_s] valid entries of each layer's indices
     layer_ref,  # [] the layer whose selection this launch reads
     recent_start_ref,  # []
     position_ref,  # [] the new token's row: the recent range is [recent_start, position]
     o_ref,  # [block_h, D] this split's unnormalised output
     l_ref,  # [block_h] this split's softmax denominator
     m_ref,  # [block_h] this split's logit maximum
-    k_out_ref,  # [T, D] aliases k_ref
-    v_out_ref,  # [T, D] aliases v_ref
+    k_out_ref,  # [L, T, D] aliases k_ref
+    v_out_ref,  # [L, T, D] aliases v_ref
     *,
     sm_scale: float,
     block_k: int,
@@ -82,8 +84,9 @@ def sparse_decode_kernel(
     num_kv_heads: int,
 ):
     head_dim = qkv_ref.shape[1]
-    kv_head = pl.program_id(0)
-    split = pl.program_id(1)
+    kv_head = pl.program_id(1)  # program_id(0) is the sequence, which the block specs select
+    split = pl.program_id(2)
+    cache_layer = cache_layer_ref[()]
     layer = layer_ref[()]
     count = count_ref[layer]
     recent_start = recent_start_ref[()]
@@ -123,8 +126,8 @@ def sparse_decode_kernel(
         o_prev, m_prev, l_prev, rows = carry
         # Both gathers go out before any math that waits on them, and the next block's index load right after:
         # a program runs only a few blocks, so each serialised memory latency shows in the kernel's time.
-        k = k_ref[rows, :]
-        v = v_ref[rows, :]
+        k = k_ref[cache_layer, rows, :]
+        v = v_ref[cache_layer, rows, :]
         next_rows = block_rows(block + 1)
         in_split = block_start(block) + jnp.arange(block_k) < split_end
         (o_next, m_next, l_next), _ = online_softmax_step((o_prev, m_prev, l_prev), q, k, v, in_split, sm_scale)
@@ -145,23 +148,24 @@ def sparse_decode_kernel(
     m = jnp.where(first, m_with_new, m)
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, lane < group)
 
-    @pl.when(first & (position < k_out_ref.shape[0]))
+    @pl.when(first & (position < k_out_ref.shape[1]))
     def _():
-        k_out_ref[pl.ds(position, 1), :] = k_new[None, :].astype(k_out_ref.dtype)
-        v_out_ref[pl.ds(position, 1), :] = v_new[None, :].astype(v_out_ref.dtype)
+        k_out_ref[cache_layer, pl.ds(position, 1), :] = k_new[None, :].astype(k_out_ref.dtype)
+        v_out_ref[cache_layer, pl.ds(position, 1), :] = v_new[None, :].astype(v_out_ref.dtype)
 
 
-def sparse_decode_unbatched(
-    qkv,  # [H_q + 2 H_kv, D]
-    rope_cos,  # [D]
-    rope_sin,  # [D]
-    k_cache,  # [T, H_kv, D]
-    v_cache,  # [T, H_kv, D]
-    indices,  # [L, K_max] the selections of every layer
-    count,  # [L]
-    layer,  # [] int32
-    recent_start,  # []
-    position,  # []
+def sparse_decode_batched(
+    qkv,  # [B, H_q + 2 H_kv, D]
+    rope_cos,  # [B, D]
+    rope_sin,  # [B, D]
+    k_cache,  # [L, B, T, H_kv, D] every layer's
+    v_cache,  # [L, B, T, H_kv, D]
+    cache_layer,  # [] int32
+    indices,  # [L_s, B, K_max] the selections of every layer (L_s = 1: one layer's)
+    counts,  # [L_s, B]
+    selection_layer,  # [] int32
+    recent_start,  # [B]
+    position,  # [B]
     *,
     sm_scale: float,
     block_k: int,
@@ -170,8 +174,11 @@ def sparse_decode_unbatched(
     num_stages: int,
     interpret: bool,
 ):
-    num_heads, head_dim = qkv.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    """The launch on a (sequence, KV head, split) grid. The sequences are a grid axis of the call rather than a
+    vmap: the caches are aliased outputs, and Pallas's batching moves an aliased operand's batch axis to the front
+    (a transpose, a copy of every layer's cache) where these stacks hold it at axis 1."""
+    batch, num_heads, head_dim = qkv.shape
+    num_layers, _, capacity, num_kv_heads, _ = k_cache.shape
     num_q_heads = num_heads - 2 * num_kv_heads
     group = num_q_heads // num_kv_heads
     block_h = max(16, next_power_of_2(group))
@@ -179,29 +186,36 @@ def sparse_decode_unbatched(
         sparse_decode_kernel, sm_scale=sm_scale, block_k=block_k, block_h=block_h, num_splits=num_splits,
         group=group, num_kv_heads=num_kv_heads,
     )
-    whole = lambda *shape: pl.BlockSpec(shape, lambda h, s: (0,) * len(shape))
-    scalar = whole()
-    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s: (0, h, 0))
-    out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
-    out_specs += [head_rows, head_rows]
+    scalar = pl.BlockSpec((), lambda b, h, s: ())
+    per_sequence = lambda *shape: pl.BlockSpec((None, *shape), lambda b, h, s: (b,) + (0,) * len(shape))
+    sequence_scalar = pl.BlockSpec((None,), lambda b, h, s: (b,))
+    # One KV head of one sequence, every layer's rows: the kernel indexes the layer.
+    head_rows = pl.BlockSpec((num_layers, None, capacity, None, head_dim), lambda b, h, s: (0, b, 0, h, 0))
+    # Every layer's selections of one sequence, of which the kernel reads the layer's row.
+    selections = pl.BlockSpec((indices.shape[0], None, indices.shape[2]), lambda b, h, s: (0, b, 0))
+    layer_counts = pl.BlockSpec((counts.shape[0], None), lambda b, h, s: (0, b))
+    split_specs, split_shapes = split_partial_outputs(num_splits, num_kv_heads, block_h, head_dim)
+    out_specs = [pl.BlockSpec((None, *spec.block_shape), lambda b, h, s, index=spec.index_map: (b, *index(h, s)))
+                 for spec in split_specs] + [head_rows, head_rows]
+    out_shape = [jax.ShapeDtypeStruct((batch, *shape.shape), shape.dtype) for shape in split_shapes]
     out_shape += [jax.ShapeDtypeStruct(cache.shape, cache.dtype) for cache in (k_cache, v_cache)]
     o, l, m, k_cache, v_cache = pl.pallas_call(
         kernel,
-        grid=(num_kv_heads, num_splits),
+        grid=(batch, num_kv_heads, num_splits),
         in_specs=[
-            whole(num_heads, head_dim),
-            whole(head_dim),
-            whole(head_dim),
+            per_sequence(num_heads, head_dim),
+            per_sequence(head_dim),
+            per_sequence(head_dim),
             head_rows,
             head_rows,
-            # Every layer's selections, of which the kernel reads the layer's row: no sliced copy, and the layer
-            # an operand, so that one program serves every layer (a static layer made as many Triton kernels to
-            # lower and compile as the model has layers).
-            whole(*indices.shape),
-            whole(*count.shape),
+            # The layers as operands, so that one program serves every layer (a static layer made as many
+            # Triton kernels to lower and compile as the model has layers).
             scalar,
+            selections,
+            layer_counts,
             scalar,
-            scalar,
+            sequence_scalar,
+            sequence_scalar,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -209,10 +223,12 @@ def sparse_decode_unbatched(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_decode_attention",
-    )(qkv, rope_cos.astype(jnp.float32), rope_sin.astype(jnp.float32), k_cache, v_cache, indices, count, layer,
-      recent_start, position)
-    out = combine_splits(o[:, :, :group], l[:, :, :group], m[:, :, :group])
-    return out.reshape(num_q_heads, head_dim).astype(qkv.dtype), k_cache, v_cache
+    )(qkv, rope_cos.astype(jnp.float32), rope_sin.astype(jnp.float32), k_cache, v_cache, cache_layer, indices,
+      counts, selection_layer, recent_start, position)
+    # Partials [B, splits, H_kv, block_h(, D)]: the splits first for combine_splits.
+    o, l, m = (jnp.moveaxis(x[:, :, :, :group], 1, 0) for x in (o, l, m))
+    out = combine_splits(o, l, m)  # [B, H_kv, G, D]
+    return out.reshape(batch, num_q_heads, head_dim).astype(qkv.dtype), k_cache, v_cache
 
 
 def default_launch(batch: int, num_kv_heads: int, k_max: int, head_dim: int, block_k: int | None = None):
@@ -249,14 +265,14 @@ def sparse_decode_attention(
     qkv: jax.Array,  # [B, H_q + 2 H_kv, D] the new token's query, key and value heads, before RoPE
     rope_cos: jax.Array,  # [B, D] float32 RoPE tables at the new token's position (models.attention.rope_tables)
     rope_sin: jax.Array,  # [B, D]
-    k_cache: jax.Array,  # [B, T, H_kv, D]
-    v_cache: jax.Array,  # [B, T, H_kv, D]
+    k_cache: jax.Array,  # [B, T, H_kv, D], or [L, B, T, H_kv, D] with `layer`
+    v_cache: jax.Array,  # like k_cache
     indices: jax.Array,  # [B, K_max] int32, or [L, B, K_max] with `layer`
     counts: jax.Array,  # [B] int32, or [L, B] with `layer`
     recent_start: jax.Array,  # [B] int32
     position: jax.Array,  # [B] int32 the new token's position
     *,
-    layer: int | None = None,
+    layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
     block_k: int | None = None,
     num_splits: int | None = None,
@@ -270,36 +286,47 @@ def sparse_decode_attention(
 
     Sequence b attends to rows `indices[b, :counts[b]]` (distinct, all < recent_start[b]; entries past counts[b]
     are never read), rows `[recent_start[b], position[b])`, and the new token, whose rotated key and value are
-    stored at row position[b] (dropped if position[b] >= T). With `layer`, indices and counts are every layer's
-    (stacked, as the decode loop keeps them) and the kernel reads layer `layer`'s directly; every layer's call is
-    one traced, lowered and compiled program.
+    stored at row position[b] (dropped if position[b] >= T). With `layer`, the caches may be every layer's
+    (stacked [L, B, T, H_kv, D], as models.kv_cache.KVCache keeps them), of which the kernel reads and writes layer
+    `layer` in place (the stacks are operands and aliased outputs, never sliced), and indices and counts may be
+    every layer's (stacked, as the decode loop keeps them), of which it reads layer `layer`'s; the layer is an
+    operand, so every layer's call is one traced, lowered and compiled program.
     Returns (out [B, H_q, D] in qkv's dtype, k_cache, v_cache); accumulation is float32.
 
     block_k: keys per inner step (power of two >= 16). num_splits: split-K parallelism per (sequence, KV head).
     None for either: see default_launch. num_warps, num_stages: Triton launch parameters.
     """
-    if layer is None:
-        indices, counts, layer = indices[None], counts[None], 0
-    if not 0 <= layer < indices.shape[0]:
-        raise ValueError(f"layer {layer} out of range for {indices.shape[0]} stacked selections")
-    return _sparse_decode_attention(
-        qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, jnp.int32(layer), recent_start, position,
+    stacked_caches, stacked_selections = k_cache.ndim == 5, indices.ndim == 3
+    if layer is None and (stacked_caches or stacked_selections):
+        raise ValueError("stacked caches or selections need the layer to read")
+    if stacked_selections and isinstance(layer, int) and not 0 <= layer < indices.shape[0]:
+        raise ValueError(f"layer {layer} out of range for {indices.shape[0]} stacked selections")  # traced: unchecked
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    out, k_out, v_out = _sparse_decode_attention(
+        qkv, rope_cos, rope_sin, k_cache if stacked_caches else k_cache[None],
+        v_cache if stacked_caches else v_cache[None], layer if stacked_caches else zero,
+        indices if stacked_selections else indices[None], counts if stacked_selections else counts[None],
+        layer if stacked_selections else zero, recent_start, position,
         sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
+    return (out, k_out, v_out) if stacked_caches else (out, k_out[0], v_out[0])
 
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"))
-def _sparse_decode_attention(qkv, rope_cos, rope_sin, k_cache, v_cache, indices, counts, layer, recent_start,
-                             position, *, sm_scale, block_k, num_splits, num_warps, num_stages, interpret):
-    """sparse_decode_attention on stacked selections [L, B, K_max], the layer an int32 operand."""
-    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or qkv.ndim != 3 or k_cache.shape[0] != qkv.shape[0]:
-        raise ValueError(f"caches must both be [B, T, H_kv, D] and qkv [B, H_q + 2 H_kv, D]; got {k_cache.shape}, "
-                         f"{v_cache.shape}, qkv {qkv.shape}")
+def _sparse_decode_attention(qkv, rope_cos, rope_sin, k_cache, v_cache, cache_layer, indices, counts,
+                             selection_layer, recent_start, position, *, sm_scale, block_k, num_splits, num_warps,
+                             num_stages, interpret):
+    """sparse_decode_attention on stacked caches [L, B, T, H_kv, D] and selections [L_s, B, K_max], the layers
+    int32 operands."""
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 5 or qkv.ndim != 3 or k_cache.shape[1] != qkv.shape[0]:
+        raise ValueError(f"caches must both be [(L,) B, T, H_kv, D] and qkv [B, H_q + 2 H_kv, D]; got "
+                         f"{k_cache.shape}, {v_cache.shape}, qkv {qkv.shape}")
     batch, num_heads, head_dim = qkv.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[3]
     num_q_heads = num_heads - 2 * num_kv_heads
-    if k_cache.shape[3] != head_dim or num_q_heads <= 0 or num_q_heads % num_kv_heads:
+    if k_cache.shape[4] != head_dim or num_q_heads <= 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"qkv {qkv.shape} does not hold query heads and one key and value head per KV head of "
                          f"caches {k_cache.shape}")
     # Every Triton load must have a power-of-two number of elements, and dots need dims >= 16.
@@ -314,23 +341,15 @@ def _sparse_decode_attention(qkv, rope_cos, rope_sin, k_cache, v_cache, indices,
         raise ValueError(f"indices must be [B, K_max] (or [L, B, K_max] with layer), counts [B] ([L, B]); got "
                          f"{indices.shape[1:]} and {counts.shape[1:]} (stacked: {indices.shape}, {counts.shape})")
     if block_k is None or num_splits is None:
-        block_k, auto_splits = default_launch(batch, k_cache.shape[2], indices.shape[2], head_dim, block_k)
+        block_k, auto_splits = default_launch(batch, num_kv_heads, indices.shape[2], head_dim, block_k)
         num_splits = num_splits or auto_splits
     check_power_of_2("block_k", block_k, 16)
-    inner = functools.partial(
-        sparse_decode_unbatched,
-        sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-        block_k=block_k,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
-    )
-    as_int32 = lambda x: x.astype(jnp.int32)
-    return jax.vmap(inner, in_axes=(0, 0, 0, 0, 0, 1, 1, None, 0, 0))(
-        qkv, rope_cos, rope_sin, k_cache, v_cache, as_int32(indices), as_int32(counts), layer,
-        as_int32(recent_start), as_int32(position),
-    )
+    as_int32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    return sparse_decode_batched(
+        qkv, rope_cos, rope_sin, k_cache, v_cache, cache_layer, as_int32(indices), as_int32(counts),
+        selection_layer, as_int32(recent_start), as_int32(position),
+        sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim), block_k=block_k,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "max_recent"))

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (
     MASK_VALUE,
-    check_cache_shapes,
+    stacked_caches,
     combine_splits,
     heads_of_query_rows,
     next_power_of_2,
@@ -54,8 +54,9 @@ MAX_TREE_ROWS = 128  # the tree's rows are one key block of the tree split
 
 def tree_attention_kernel(
     q_ref,  # [block_q, D] row r = query r // G, head r % G of this KV head; zero rows past S * G
-    k_ref,  # [T, D] one KV head's keys
-    v_ref,  # [T, D]
+    k_ref,  # [L, T, D] one KV head's keys, every layer's
+    v_ref,  # [L, T, D]
+    layer_ref,  # [] the layer read
     base_ref,  # [] the root's row: the prefix is [0, base)
     tree_mask_ref,  # [block_q, tree_width] int32: row r sees tree row j (0 for padded rows and columns)
     *refs,  # (row weights [block_q],) o [block_q, D], l, m [block_q], (scores [T],)
@@ -72,7 +73,8 @@ def tree_attention_kernel(
         o_ref, l_ref, m_ref = refs
     block_q, head_dim = q_ref.shape
     tree_width = tree_mask_ref.shape[1]
-    capacity = k_ref.shape[0]
+    capacity = k_ref.shape[1]
+    layer = layer_ref[()]
     split = pl.program_id(1)
     row = pl.program_id(0) * block_q + jnp.arange(block_q)
     base = base_ref[()]
@@ -100,9 +102,9 @@ def tree_attention_kernel(
         block_start = split_start + block * block_k
         key = block_start + jnp.arange(block_k)
         in_split = key < split_end
-        k = plt.load(k_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
+        k = plt.load(k_ref.at[layer, pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         raw = plt.dot(q, k, trans_b=True)  # [block_q, block_k] float32
-        v = plt.load(v_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
+        v = plt.load(v_ref.at[layer, pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         score(raw, block_start, block_k, in_split)
         # Every row sees every prefix key: a split with keys gives every row a real maximum, and an empty one is
         # weighted exp(finfo.min - max) = 0 in the combine.
@@ -111,9 +113,9 @@ def tree_attention_kernel(
     def tree_block(_, carry):
         offset = jnp.arange(tree_width)
         filled = (offset < tree_rows) & (base + offset < capacity)
-        k = plt.load(k_ref.at[pl.ds(base, tree_width), :], mask=filled[:, None], other=0)
+        k = plt.load(k_ref.at[layer, pl.ds(base, tree_width), :], mask=filled[:, None], other=0)
         raw = plt.dot(q, k, trans_b=True)  # [block_q, tree_width]
-        v = plt.load(v_ref.at[pl.ds(base, tree_width), :], mask=filled[:, None], other=0)
+        v = plt.load(v_ref.at[layer, pl.ds(base, tree_width), :], mask=filled[:, None], other=0)
         score(raw, base, tree_width, offset == 0)  # the root's row, the last candidate
         # Every real row sees itself, so its maximum is real and its non-ancestors weigh exp(MASK_VALUE - max) = 0.
         return attend(carry, raw, (tree_mask_ref[...] != 0) & filled[None, :], v)
@@ -126,8 +128,9 @@ def tree_attention_kernel(
 
 def tree_attention_unbatched(
     q,  # [S, H_q, D]
-    k_cache,  # [T, H_kv, D]
-    v_cache,  # [T, H_kv, D]
+    k_cache,  # [L, T, H_kv, D] every layer's
+    v_cache,  # [L, T, H_kv, D]
+    layer,  # [] int32
     base,  # []
     tree_mask,  # [row_blocks * block_q, tree_width] int32
     row_weights,  # [row_blocks * block_q] float32, or None
@@ -144,7 +147,7 @@ def tree_attention_unbatched(
     """Returns out [S, H_q, D] and the score partials [row_blocks, H_kv, T] (None without row_weights); entries past
     base are unwritten."""
     num_queries, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    num_layers, capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     num_rows = num_queries * group
     padded_rows, tree_width = tree_mask.shape
@@ -154,15 +157,16 @@ def tree_attention_unbatched(
 
     kernel = functools.partial(tree_attention_kernel, sm_scale=sm_scale, block_k=block_k, num_splits=num_splits,
                                tree_rows=tree_rows, num_rows=num_rows, scoring=scoring)
-    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda r, s, h: (0, h, 0))
+    head_rows = pl.BlockSpec((num_layers, capacity, None, head_dim), lambda r, s, h: (0, 0, h, 0))
     in_specs = [
         pl.BlockSpec((None, block_q, head_dim), lambda r, s, h: (h, r, 0)),
         head_rows,
         head_rows,
         pl.BlockSpec((), lambda r, s, h: ()),
+        pl.BlockSpec((), lambda r, s, h: ()),
         pl.BlockSpec((block_q, tree_width), lambda r, s, h: (r, 0)),
     ]
-    inputs = [q_rows, k_cache, v_cache, base, tree_mask]
+    inputs = [q_rows, k_cache, v_cache, layer, base, tree_mask]
     # The (kv head, split, row block) layout of split_partial_outputs, on this kernel's (row block, split, kv head)
     # grid: row blocks first, so that the programs sharing a split's K/V run together.
     specs, out_shape = split_partial_outputs(num_splits + 1, num_kv_heads, block_q, head_dim, row_blocks)
@@ -210,11 +214,12 @@ def _row_layout(ancestors, score_weights, group: int, block_q: int, tree_width: 
 )
 def tree_attention(
     q: jax.Array,  # [B, S, H_q, D]
-    k_cache: jax.Array,  # [B, T, H_kv, D]
-    v_cache: jax.Array,  # [B, T, H_kv, D]
+    k_cache: jax.Array,  # [B, T, H_kv, D], or [L, B, T, H_kv, D] with `layer`
+    v_cache: jax.Array,  # like k_cache
     base: jax.Array,  # [B] int32
     ancestors: jax.Array,  # [S, R] bool
     *,
+    layer: jax.Array | int | None = None,  # int32 []: the layer of stacked caches read (in place)
     score_weights: jax.Array | None = None,  # [S] float32
     sm_scale: float | None = None,
     block_k: int | None = None,
@@ -237,9 +242,9 @@ def tree_attention(
     None: all S * G rows up to 128). num_warps (None: 4 up to 32 query rows per program, else 8), num_stages:
     Triton launch parameters.
     """
-    check_cache_shapes(q, k_cache, v_cache, num_query_dims=4)
+    k_cache, v_cache, layer = stacked_caches(q, k_cache, v_cache, layer)
     batch, num_queries, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads = k_cache.shape[1:3]
+    capacity, num_kv_heads = k_cache.shape[2:4]
     group = num_q_heads // num_kv_heads
     if ancestors.ndim != 2 or ancestors.shape[0] != num_queries or not 1 <= ancestors.shape[1] <= MAX_TREE_ROWS:
         raise ValueError(f"ancestors must be [S, R] with S = {num_queries} and 1 <= R <= {MAX_TREE_ROWS}, "
@@ -268,8 +273,9 @@ def tree_attention(
         interpret=interpret,
     )
     base = base.astype(jnp.int32)
-    out, partials = jax.vmap(inner, in_axes=(0, 0, 0, 0, None, None))(q, k_cache, v_cache, base, tree_mask,
-                                                                      row_weights)
+    # The stacks are mapped over their batch axis where they lie (stacked_caches).
+    out, partials = jax.vmap(inner, in_axes=(0, 1, 1, None, 0, None, None))(q, k_cache, v_cache, layer, base,
+                                                                            tree_mask, row_weights)
     if score_weights is None:
         return out, None
     # Partials past base[b] were never written; the select keeps whatever is there out of the result.

@@ -1,7 +1,10 @@
 """Verification attention: S new tokens per sequence attend causally to the cache, optionally scoring each key.
 
 Query i of sequence b sits at position start[b] + i and sees keys t <= start[b] + i; the K/V of the S new tokens
-are already in the cache `[B, T, H_kv, D]` (those of queries past T are not: they see keys up to T - 1). Only keys
+are already in the cache `[B, T, H_kv, D]` (those of queries past T are not: they see keys up to T - 1), or in
+layer `layer` of a stacked cache `[L, B, T, H_kv, D]`, which the kernel reads in place: the whole stack is its
+operand and the layer an int32 scalar it indexes with, so a scanned layer body never slices a layer out (a copy of
+the layer's cache per pass, issue 52) and one compiled kernel serves every layer. Only keys
 below min(start[b] + S, T) are read (ragged lengths: no streaming of the whole capacity T). Split-K flash decoding:
 one program per (sequence, KV head, key split, row block) holds up to 128 of the S * G query rows of that KV head
 (G = H_q / H_kv; row r is query r // G, head r % G; padded to a power of two >= 16 for the Triton dots), and
@@ -44,7 +47,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import (
     MASK_VALUE,
     TARGET_PROGRAMS,
-    check_cache_shapes,
+    stacked_caches,
     check_power_of_2,
     combine_splits,
     heads_of_query_rows,
@@ -63,8 +66,9 @@ MAX_QUERY_ROWS = 128
 
 def verify_attention_kernel(
     q_ref,  # [block_q, D] row r = query r // G, head r % G of this KV head; zero rows past S * G
-    k_ref,  # [T, D] one KV head's keys
-    v_ref,  # [T, D]
+    k_ref,  # [L, T, D] one KV head's keys, every layer's
+    v_ref,  # [L, T, D]
+    layer_ref,  # [] the layer read
     start_ref,  # [] position of query 0
     scored_row_ref,  # [] the query scored besides query 0
     o_ref,  # [block_q, D] this split's unnormalised output
@@ -82,12 +86,13 @@ def verify_attention_kernel(
     block_q, head_dim = q_ref.shape
     split = pl.program_id(1)
     row_block = pl.program_id(2)
+    layer = layer_ref[()]
     start = start_ref[()]
     scored_row = scored_row_ref[()]
     row = row_block * block_q + jnp.arange(block_q)
     last_query = jnp.minimum(((row_block + 1) * block_q - 1) // group, num_queries - 1)
     # Never past the cache: a prefill chunk's padding may run beyond it.
-    num_keys = jnp.minimum(start + last_query + 1, k_ref.shape[0])
+    num_keys = jnp.minimum(start + last_query + 1, k_ref.shape[1])
     keys_per_split = pl.cdiv(pl.cdiv(num_keys, num_splits), block_k) * block_k
     split_start = split * keys_per_split
     split_end = jnp.minimum(split_start + keys_per_split, num_keys)
@@ -109,7 +114,7 @@ def verify_attention_kernel(
         block_start = split_start + block * block_k
         key = block_start + jnp.arange(block_k)
         in_split = key < split_end
-        k = plt.load(k_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
+        k = plt.load(k_ref.at[layer, pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         raw = plt.dot(q, k, trans_b=True)  # [block_q, block_k] float32
         visible = in_split[None, :] & (key[None, :] <= last_visible_key[:, None])
         logits = jnp.where(visible, raw * sm_scale, MASK_VALUE)
@@ -117,7 +122,7 @@ def verify_attention_kernel(
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
-        v = plt.load(v_ref.at[pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
+        v = plt.load(v_ref.at[layer, pl.ds(block_start, block_k), :], mask=in_split[:, None], other=0)
         o_next = o_prev * correction[:, None] + plt.dot(p.astype(v.dtype), v)
 
         candidate = in_split & (key <= start)  # visible to both scored queries (query 0 sees the fewest)
@@ -150,8 +155,9 @@ def verify_attention_kernel(
 
 def verify_attention_unbatched(
     q,  # [S, H_q, D]
-    k_cache,  # [T, H_kv, D]
-    v_cache,  # [T, H_kv, D]
+    k_cache,  # [L, T, H_kv, D] every layer's
+    v_cache,  # [L, T, H_kv, D]
+    layer,  # [] int32
     start,  # []
     scored_row,  # []
     *,
@@ -168,7 +174,7 @@ def verify_attention_unbatched(
     ([H_kv, T, 2G] d, [H_kv, cdiv(T, block_k), 2G] m, [H_kv, 2G] lse of the scored rows; see the module doc),
     None otherwise; entries past start are unwritten."""
     num_queries, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    num_layers, capacity, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     query_rows = num_queries * group
     row_blocks = pl.cdiv(query_rows, block_q)
@@ -184,7 +190,7 @@ def verify_attention_unbatched(
         score_mode=score_mode,
         block_s=max(16, next_power_of_2(2 * group)),
     )
-    head_rows = pl.BlockSpec((capacity, None, head_dim), lambda h, s, r: (0, h, 0))
+    head_rows = pl.BlockSpec((num_layers, capacity, None, head_dim), lambda h, s, r: (0, 0, h, 0))
     out_specs, out_shape = split_partial_outputs(num_splits, num_kv_heads, block_q, head_dim, row_blocks)
     # Every split of a KV head writes its own key range of the same score block (one row block when scoring).
     if score_mode == "logit":
@@ -203,13 +209,14 @@ def verify_attention_unbatched(
             head_rows,
             pl.BlockSpec((), lambda h, s, r: ()),
             pl.BlockSpec((), lambda h, s, r: ()),
+            pl.BlockSpec((), lambda h, s, r: ()),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"verify_attention_{score_mode or 'plain'}",
-    )(q_rows, k_cache, v_cache, start, scored_row)
+    )(q_rows, k_cache, v_cache, layer, start, scored_row)
     o, l, m = o[:, :, :query_rows], l[:, :, :query_rows], m[:, :, :query_rows]
     out = heads_of_query_rows(combine_splits(o, l, m), num_queries).astype(q.dtype)
     if score_mode != "weight":
@@ -256,11 +263,12 @@ def default_num_splits(batch: int, num_kv_heads: int, capacity: int, block_k: in
 )
 def verify_attention(
     q: jax.Array,  # [B, S, H_q, D]
-    k_cache: jax.Array,  # [B, T, H_kv, D]
-    v_cache: jax.Array,  # [B, T, H_kv, D]
+    k_cache: jax.Array,  # [B, T, H_kv, D], or [L, B, T, H_kv, D] with `layer`
+    v_cache: jax.Array,  # like k_cache
     start: jax.Array,  # [B] int32
     scored_row: jax.Array | None = None,  # [B] int32 in [0, S); None: S - 1
     *,
+    layer: jax.Array | int | None = None,  # int32 []: the layer of stacked caches read (in place)
     score_mode: str | None = None,
     sm_scale: float | None = None,
     block_k: int | None = None,
@@ -286,9 +294,9 @@ def verify_attention(
     """
     if score_mode not in SCORE_MODES:
         raise ValueError(f"score_mode must be one of {SCORE_MODES}, got {score_mode!r}")
-    check_cache_shapes(q, k_cache, v_cache, num_query_dims=4)
+    k_cache, v_cache, layer = stacked_caches(q, k_cache, v_cache, layer)
     batch, num_queries, num_q_heads, head_dim = q.shape
-    capacity, num_kv_heads = k_cache.shape[1:3]
+    capacity, num_kv_heads = k_cache.shape[2:4]
     query_rows = num_queries * (num_q_heads // num_kv_heads)
     if score_mode is not None and query_rows > MAX_QUERY_ROWS:
         raise ValueError(f"scoring needs S * G <= {MAX_QUERY_ROWS} query rows per KV head, got {query_rows}")
@@ -314,7 +322,8 @@ def verify_attention(
         interpret=interpret,
     )
     start = start.astype(jnp.int32)
-    out, partials = jax.vmap(inner)(q, k_cache, v_cache, start, scored_row)
+    # The stacks are mapped over their batch axis where they lie (stacked_caches).
+    out, partials = jax.vmap(inner, in_axes=(0, 1, 1, None, 0, 0))(q, k_cache, v_cache, layer, start, scored_row)
     if score_mode is None:
         return out, None
     if score_mode == "logit":

@@ -25,7 +25,9 @@ tile shuffles that keep these kernels issue-bound.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import ptx
-from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2
+from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2, stacked_weight
 
 _MIN_ROWS = 16  # Triton dots need every dimension >= 16
 # An int8 dot's K on NVIDIA tensor cores (mma k32): Triton's front end refuses less, Pallas's lowering does not, and
@@ -338,23 +340,27 @@ def default_splits(column_blocks: int, k_blocks: int) -> int:
 @functools.partial(jax.jit, static_argnames=("bits", "group", "block_k", "block_n", "num_splits", "num_warps",
                                              "num_stages", "interpret", "out_dtype", "integer_dot", "x_group",
                                              "nibble_unpack", "prefetch"))
-def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block_k: int = 64, block_n: int = 128,
-                       num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+def weight_only_matmul(x, q, scale, offset=None, layer=None, *, bits: int, group: int, block_k: int = 64,
+                       block_n: int = 128, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
                        interpret: bool = False, out_dtype=None, integer_dot: bool = False, x_group: int = 128,
                        nibble_unpack: str = "ops", prefetch: bool | None = None):
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
-    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). integer_dot (1-16
-    rows): x quantized to int8 per x_group positions and multiplied in integers (one row: weight_only_integer_kernel;
-    more: weight_only_integer_rows_kernel), the exact product of those quantized rows, an approximation of x @ w
-    within x's quantization error. nibble_unpack (int4 at 2 rows or more, the dot kernels): how code bytes become
-    bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte permutes, four bytes an instruction;
-    _nibble_tiles), the same values either way. prefetch (one row): each program loads its next K block's codes
-    before it multiplies the current one (_walk_blocks); by default with codes stored as words, the drafts' int8
-    activations at one row, where it took three of a layer's int4 products at Llama-3.1-8B's shapes from 55.1 to 50.5 us
-    (q/k/v, gate/up and down in the drafts' 32 x 256 blocks; the float vector kernel lost 5-30 % with it: H200,
+    docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). layer (int32 []): q, scale
+    and offset hold every layer's weight stacked [L, ...] and the product is layer `layer`'s, which the kernel reads
+    in place (stacked_weight). integer_dot (1-16 rows): x quantized to int8 per x_group positions and multiplied in
+    integers (one row: weight_only_integer_kernel; more: weight_only_integer_rows_kernel), the exact product of those
+    quantized rows, an approximation of x @ w within x's quantization error. nibble_unpack (int4 at 2 rows or more,
+    the dot kernels): how code bytes become bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte
+    permutes, four bytes an instruction; _nibble_tiles), the same values either way. prefetch (one row): each program
+    loads its next K block's codes before it multiplies the current one (_walk_blocks); by default with codes stored
+    as words, the drafts' int8 activations at one row, where it took three of a layer's int4 products at
+    Llama-3.1-8B's shapes from 55.1 to 50.5 us (q/k/v, gate/up and down in the drafts' 32 x 256 blocks; the float
+    vector kernel lost 5-30 % with it: H200,
     `benchmarks/bench_weight_only.py --rows 1 --bits 4 --integer-dot --prefetch 0,1`,
     weight-only-2026-12-04-s35-prefetch.json)."""
     m, k = x.shape
+    q, scale, offset, layer = stacked_weight(q, scale, offset, layer)
+    num_layers = q.shape[0]
     if nibble_unpack not in UNPACKS:
         raise ValueError(f"nibble_unpack must be one of {', '.join(UNPACKS)}, got {nibble_unpack!r}")
     if integer_dot and (m > _MIN_ROWS or k % x_group or (bits == 4 and x_group % group)):
@@ -368,12 +374,13 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
     prefetch = stored_words if prefetch is None else prefetch
     block_rows = k if bits == 8 else k // 2  # rows of the codes, what block_k counts: positions (int8), bytes (int4)
     rows_of_q = block_rows // 4 if stored_words else block_rows
-    if bits not in (4, 8) or q.shape[0] != rows_of_q or (bits == 4 and k % 2):
-        raise ValueError(f"q {q.shape} ({q.dtype}) is not a {bits}-bit weight for K = {k}")
-    n = q.shape[1]
-    if scale.shape != (k // group, n) or k % group or (offset is not None and offset.shape != scale.shape):
-        raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
-                         f"[K / group, N] = [{k // group}, {n}]")
+    if bits not in (4, 8) or q.ndim != 3 or q.shape[1] != rows_of_q or (bits == 4 and k % 2):
+        raise ValueError(f"q {q.shape[1:]} ({q.dtype}) is not a {bits}-bit weight for K = {k}")
+    n = q.shape[2]
+    if (scale.shape != (num_layers, k // group, n) or k % group
+            or (offset is not None and offset.shape != scale.shape)):
+        raise ValueError(f"scale {scale.shape[1:]} (offset {None if offset is None else offset.shape[1:]}) must be "
+                         f"[K / group, N] = [{k // group}, {n}] (layers alike)")
     rows_per_group = group if bits == 8 else group // 2  # rows of q under one scale
     block_k, k_blocks = code_blocks(bits, k, group, block_k, x_group if integer_dot else None)
     check_power_of_2("block_k", block_k, 16)
@@ -393,11 +400,12 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
     layout = ("integer" if m == 1 else "integer_rows") if integer_dot else _layout(bits, x.dtype, m)
     blocks_per_split = k_blocks // splits
-    column = lambda j, s: (0, j)
-    in_specs = [pl.BlockSpec((rows_of_q, block_n), column), pl.BlockSpec((k // group, block_n), column)]
-    args = [q, scale]
+    column = lambda j, s: (0, 0, j)  # every layer's: the kernel indexes its layer (_LayerView)
+    in_specs = [pl.BlockSpec((), lambda j, s: ()), pl.BlockSpec((num_layers, rows_of_q, block_n), column),
+                pl.BlockSpec((num_layers, k // group, block_n), column)]
+    args = [layer, q, scale]
     if offset is not None:
-        in_specs.append(pl.BlockSpec((k // group, block_n), column))
+        in_specs.append(pl.BlockSpec((num_layers, k // group, block_n), column))
         args.append(offset)
     if layout == "integer":
         xs = quantize_rows_int8(x, x_group)
@@ -427,7 +435,7 @@ def weight_only_matmul(x, q, scale, offset=None, *, bits: int, group: int, block
                                               else {"unpack": nibble_unpack, "interpret": interpret}))
         out_block, out_index, out_shape = (None, rows, block_n), lambda j, s: (s, 0, j), (splits, rows, n)
     partial = pl.pallas_call(
-        kernel if offset is not None else _without_offset(kernel),
+        _reading_layer(kernel, len(xs), offset is not None),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec(a.shape, lambda j, s: (0, 0)) for a in xs] + in_specs,
         out_specs=pl.BlockSpec(out_block, out_index),
@@ -453,10 +461,30 @@ def _layout(bits: int, dtype, rows: int) -> str:
     return "rows"
 
 
-def _without_offset(kernel):
-    def call(*refs):  # the x refs (one, or the integer kernel's codes and scales), q, scale, out
-        *inputs, scale_ref, o_ref = refs
-        return kernel(*inputs, scale_ref, None, o_ref)
+@dataclasses.dataclass(frozen=True)
+class _LayerView:
+    """One layer of a stacked ref [L, ...], read as that layer's own ref would be. Each read is one indexer with
+    the layer first: Triton's lowering takes one indexer a load, so `ref.at[layer]` and then a slice would not
+    lower."""
+    ref: Any
+    layer: Any
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    def __getitem__(self, index):
+        return self.ref[(self.layer,) + (index if isinstance(index, tuple) else (index,))]
+
+
+def _reading_layer(kernel, num_x: int, with_offset: bool):
+    """The kernel on the pallas_call's refs (x refs, layer, q, scale[, offset], out), q, scale and offset every
+    layer's, handed to it as views of the layer read (offset None where the weight has none)."""
+    def call(*refs):
+        x_refs, (layer_ref, *weight_refs, o_ref) = refs[:num_x], refs[num_x:]
+        layer = layer_ref[()]
+        views = [_LayerView(ref, layer) for ref in weight_refs]
+        return kernel(*x_refs, *views, *([] if with_offset else [None]), o_ref)
     return call
 
 
@@ -471,7 +499,10 @@ def dequantize(q, scale, offset=None, *, bits: int, group: int):
     return w
 
 
-def weight_only_matmul_reference(x, q, scale, offset=None, *, bits: int, group: int):
-    """x @ dequantize(...) in plain jnp, float32 accumulation, in x's dtype."""
+def weight_only_matmul_reference(x, q, scale, offset=None, layer=None, *, bits: int, group: int):
+    """x @ dequantize(...) in plain jnp, float32 accumulation, in x's dtype; with a layer, that layer's of stacked
+    q, scale and offset."""
+    if layer is not None:
+        q, scale, offset = (None if a is None else a[layer] for a in (q, scale, offset))
     w = dequantize(q, scale, offset, bits=bits, group=group)
     return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)

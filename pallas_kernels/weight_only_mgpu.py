@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import stacked_weight
+
 MAX_ROWS = 16  # wgmma's N: x^T is padded to 8 or 16 columns
 WGMMA_M = 64  # rows of the weight one wgmma instruction multiplies
 
@@ -44,15 +46,18 @@ def _swizzled(block_cols: int, bits: int):
 
 @functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
                                              "out_dtype", "interpret"))
-def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point: int = 0, block_n: int = 128,
-                            block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
+def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0,
+                            block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
                             interpret: bool = False):
     """x [M, K] @ w -> [M, N] in out_dtype (default x's), x rounded to bf16. wt [N, K] int4 or int8 codes
     (signed), w[k, n] = (wt[n, k] + zero_point) * scale[k // group, n] + offset[k // group, n]; scale and offset
-    [K / group, N] (offset may be None). block_k: K positions a pipeline step loads, whole groups or a part of
-    one; splits: how many programs share each block of features along K; stages: blocks in flight."""
+    [K / group, N] (offset may be None). layer (int32 []): wt, scale and offset hold every layer's weight stacked
+    [L, ...] and the product is layer `layer`'s, which the kernel reads in place (its TMA copies start at the
+    layer). block_k: K positions a pipeline step loads, whole groups or a part of one; splits: how many programs
+    share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
-    n, k2 = wt.shape
+    wt, scale, offset, layer = stacked_weight(wt, scale, offset, layer)
+    num_layers, n, k2 = wt.shape
     bits = jax.dtypes.itemsize_bits(wt.dtype)
     if k2 != k or bits not in (4, 8) or m > MAX_ROWS:
         raise ValueError(f"x {x.shape} and codes {wt.shape} ({wt.dtype}): K must match, 4- or 8-bit codes, "
@@ -62,9 +67,9 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
             or block_n % WGMMA_M):
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into {splits} splits of "
                          f"{block_k} x {block_n} blocks")
-    if scale.shape != (k // group, n) or (offset is not None and offset.shape != scale.shape):
-        raise ValueError(f"scale {scale.shape} (offset {None if offset is None else offset.shape}) must be "
-                         f"[K / group, N] = [{k // group}, {n}]")
+    if scale.shape != (num_layers, k // group, n) or (offset is not None and offset.shape != scale.shape):
+        raise ValueError(f"scale {scale.shape[1:]} (offset {None if offset is None else offset.shape[1:]}) must be "
+                         f"[K / group, N] = [{k // group}, {n}] (layers alike)")
     rows = padded_rows(m)
     xp = jnp.zeros((rows, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
     shifted = offset is not None or zero_point != 0  # the dequantized weight has an additive term
@@ -72,8 +77,17 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
     w_transforms, x_transforms = _swizzled(step_group, bits), _swizzled(step_group, 16)
     scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
+    # The kernel reads scales and offsets in bf16. Others (float32 models') are converted here, a buffer made per
+    # call either way: of the layer's alone, a stack of one (whose layer 0 the kernel reads; the codes' is `layer`).
+    groups, group_layer = (scale,) if offset is None else (scale, offset), layer
+    if scale.dtype != jnp.bfloat16:
+        groups = tuple(lax.dynamic_index_in_dim(g, layer).astype(jnp.bfloat16) for g in groups)
+        group_layer = jnp.int32(0)
+    layers = jnp.stack([layer, group_layer])  # the layer the kernel reads of the codes, and of the groups
+
+    def kernel(x_gmem, layers_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
+        code_layer, group_layer = layers_gmem[0], layers_gmem[1]
         features = pl.ds(feature_block * block_n, block_n)
         positions = pl.ds(split * steps * block_k, steps * block_k)
         groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
@@ -102,8 +116,8 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
             groups = [s_gmem] + ([] if o_gmem is None else [o_gmem])
             plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, x_spec] + [g_spec] * len(groups),
                                 max_concurrent_steps=min(stages, steps))(
-                w_gmem.at[features, positions], x_gmem.at[:, positions],
-                *(g.at[groups_of_split, features] for g in groups))
+                w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
+                *(g.at[group_layer, groups_of_split, features] for g in groups))
             out_smem[...] = acc_ref[...]
 
         pl.run_scoped(compute, plgpu.ACC((block_n, rows), jnp.float32))
@@ -111,10 +125,9 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, features])
         plgpu.wait_smem_to_gmem(0)
 
-    def without_offset(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
-        kernel(x_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
+    def without_offset(x_gmem, layers_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
+        kernel(x_gmem, layers_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
 
-    groups = (scale,) if offset is None else (scale, offset)
     partial = plgpu.kernel(
         kernel if offset is not None else without_offset,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
@@ -126,12 +139,15 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, *, group: int, zero_point
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="weight_only_matmul_mgpu",
-    )(xp, wt, *(g.astype(jnp.bfloat16) for g in groups))
+    )(xp, layers, wt, *groups)
     return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
 
 
-def weight_only_matmul_mgpu_reference(x, wt, scale, offset=None, *, group: int, zero_point: int = 0):
-    """The same product in float32 jnp, the weight dequantized exactly (no bf16 rounding)."""
+def weight_only_matmul_mgpu_reference(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0):
+    """The same product in float32 jnp, the weight dequantized exactly (no bf16 rounding); with a layer, that
+    layer's of stacked wt, scale and offset."""
+    if layer is not None:
+        wt, scale, offset = (None if a is None else a[layer] for a in (wt, scale, offset))
     codes = wt.astype(jnp.float32).T + zero_point
     w = codes.reshape(-1, group, wt.shape[0]) * scale.astype(jnp.float32)[:, None]
     if offset is not None:

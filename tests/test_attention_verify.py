@@ -27,7 +27,7 @@ def test_inactive_sequences_read_only_their_new_rows(rng):
     k_cache[1, queries:], v_cache[1, queries:] = np.nan, np.nan
     cos, sin = rope_tables(positions, 10000.0 ** -(jnp.arange(0, head_dim, 2) / head_dim))
     new = NewTokens(jnp.asarray(heads, jnp.float32), cos, sin, num_kv_heads=kv_heads)
-    caches = (jnp.asarray(k_cache, jnp.float32), jnp.asarray(v_cache, jnp.float32))
+    caches = (jnp.asarray(k_cache[None], jnp.float32), jnp.asarray(v_cache[None], jnp.float32))  # [L=1, B, T, ...]
     every = VerifyAttention(ScoreRequest("logit"), num_layers=1, placement=INTERPRET)
     some = dataclasses.replace(every, active=jnp.asarray([True, False, True]))
 

@@ -18,7 +18,7 @@ from tokenizers import pre_tokenizers
 
 from models import draft_weights, quantized
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inverse_frequencies
-from models.decoder import forward
+from models.decoder import forward, per_layer
 from models.kv_cache import KVCache
 from vegas_jax.attention.dense import DenseAttention
 from vegas_jax.loading import gguf_blocks
@@ -274,8 +274,9 @@ def test_draft_weights_from_the_files_blocks(tmp_path, qtype, precision):
     head_native = gguf_blocks.precision_of(qtype) == "int8"
     count = 8 * layers_native + head_native
     assert m.draft_sources[precision].startswith(f"{count} of 9 weights" if count else "quantized from")
+    layers, full_layers = per_layer(tree)["layers"], per_layer(m.params)["layers"]
     pairs = [(tree["lm_head"], m.params["lm_head"], head_native)] + [
-        (tree["layers"][i][name], m.params["layers"][i][name], layers_native)
+        (layers[i][name], full_layers[i][name], layers_native)
         for i in range(TINY["layers"]) for name in draft_weights.LAYER_WEIGHTS
     ]
     assert tree["lm_head"].bits == 8
@@ -395,7 +396,7 @@ def test_synthetic_llama_layout(tmp_path):
     np.testing.assert_array_equal(p["lm_head"], hf["lm_head"].T)
     np.testing.assert_array_equal(p["final_norm"]["scale"], hf["norm"])
     for i, layer in enumerate(hf["layers"]):
-        got = p["layers"][i]
+        got = per_layer(p)["layers"][i]
         # Our projections are HF's nn.Linear weights [out, in] transposed, with the heads split out; q, k and v
         # heads sit side by side in qkv_proj, gate and up in gate_up_proj.
         q, k, v = np.split(np.asarray(got["qkv_proj"]), [t["heads"], t["heads"] + t["kv_heads"]], axis=1)

@@ -184,6 +184,26 @@ def test_stacked_selections_read_only_the_given_layer(rng):
         call(3)
 
 
+def test_stacked_cache_reads_and_writes_only_the_given_layer(rng):
+    """Caches stacked [L, B, T, H_kv, D] with a traced layer, as the scanned decoder hands them: the kernel reads
+    that layer's rows and writes the new row into that layer alone, in the stacks it aliases. The other layers are
+    NaN: reading any of their rows would poison the output."""
+    shape = dict(CASES["gqa3_d64"])
+    del shape["block_k"], shape["num_splits"]
+    args, key_sets = make_case(rng, dtype=jnp.float32, **shape)
+    qkv, cos, sin, k, v, indices, counts, starts, positions = args
+    stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+    run = jax.jit(lambda layer, k_stack, v_stack: sparse_decode_attention(
+        qkv, cos, sin, k_stack, v_stack, indices, counts, starts, positions, layer=layer, interpret=True))
+    out, k_out, v_out = run(jnp.int32(1), stack(k), stack(v))
+    assert_close(out, expected_output(qkv, cos, sin, k, v, key_sets), jnp.float32, "layer 1 of 3")
+    _, k_new, v_new = new_token(qkv, cos, sin, shape["kv_heads"])
+    assert_written(k_out[1], k, k_new, positions, jnp.float32)
+    assert_written(v_out[1], v, v_new, positions, jnp.float32)
+    for other in (0, 2):
+        assert np.isnan(np.asarray(k_out[other])).all() and np.isnan(np.asarray(v_out[other])).all()
+
+
 @pytest.mark.parametrize("max_recent", [None, 16])
 def test_reference_matches_float64(rng, max_recent):
     shape = dict(CASES["gqa4_d128"])

@@ -176,7 +176,9 @@ def _tree_layer_inputs(rng, tree, bases, capacity, kv_heads, group, head_dim):
     heads = rng.standard_normal((batch, tree.rows, kv_heads * (group + 2), head_dim)) * 2
     cos, sin = rope_tables(positions, 10000.0 ** -(jnp.arange(0, head_dim, 2) / head_dim))
     new = NewTokens(jnp.asarray(heads, jnp.float32), cos, sin, num_kv_heads=kv_heads)
-    caches = [jnp.asarray(rng.standard_normal((batch, capacity, kv_heads, head_dim)), jnp.float32) for _ in range(2)]
+    # Three layers' stacks, as the decoder hands every layer's attention (models.kv_cache.KVCache).
+    caches = [jnp.asarray(rng.standard_normal((3, batch, capacity, kv_heads, head_dim)), jnp.float32)
+              for _ in range(2)]
     return rows, positions, new, caches
 
 
@@ -193,8 +195,10 @@ def test_tree_verification_runs_the_kernel_where_it_serves(rng, rows):
     assert kernel._kernel_serves(0) and not reference._kernel_serves(0)
     assert not TreeAttention(**{**kernel.__dict__, "request": ScoreRequest("weight")})._kernel_serves(0)
     assert not TreeAttention(**{**kernel.__dict__, "request": ScoreRequest("logit", "each")})._kernel_serves(0)
-    want = reference(0, new, positions, *caches)
-    got = kernel(0, new, positions, *caches)
+    # A middle layer of the stacks: the kernel reads and the jnp path writes that layer alone.
+    want = reference(1, new, positions, *caches)
+    got = kernel(1, new, positions, *caches)
+    np.testing.assert_array_equal(np.asarray(got[1][0]), np.asarray(caches[0][0]))  # other layers untouched
     for name, a, b in zip(("out", "k", "v", "scores"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=name)
 

@@ -111,6 +111,20 @@ def test_verify_matches_float64(rng, case_name, dtype, score_mode):
     assert_matches(out, scores, case, score_mode, dtype)
 
 
+@pytest.mark.parametrize("score_mode", [None, "logit", "weight"])
+def test_stacked_cache_reads_only_the_given_layer(rng, score_mode):
+    """Caches stacked [L, B, T, H_kv, D] with a (traced) layer, as the scanned decoder hands them: the kernel reads
+    that layer in place. The other layers are NaN: reading any of their rows would poison the output."""
+    shape = dict(CASES["gqa3_d64"])
+    launch = {name: value for name in ("block_k", "num_splits") if (value := shape.pop(name)) is not None}
+    q, k, v, starts = make_case(rng, dtype=jnp.float32, **shape)
+    stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+    run = jax.jit(lambda layer: verify_attention(q, stack(k), stack(v), starts, layer=layer, score_mode=score_mode,
+                                                 interpret=True, **launch))
+    out, scores = run(jnp.int32(1))
+    assert_matches(out, scores, (q, k, v, starts), score_mode, jnp.float32)
+
+
 # Prefill chunks: more query rows than one program holds, tiled in row blocks (a partial last block), each block
 # reading keys up to its own last query; one sequence's chunk runs past the cache (its last queries see every key).
 PREFILL_CASES = {

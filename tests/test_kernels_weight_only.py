@@ -116,21 +116,24 @@ def test_bad_layouts_are_refused():
                            nibble_unpack="lut")
 
 
+LLAMA_LAYERS = 32
+
+
 @pytest.mark.parametrize("rows,layout", [(1, "vector"), (8, "swapped"), (32, "rows")])
 def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
     """The kernels pass the Pallas Triton lowering's checks at a real draft shape (Llama-3.1-8B's fused gate/up,
-    int4 in groups of 128), one per layout the entry picks."""
+    int4 in groups of 128, its 32 layers stacked as the scanned layers hand them, and a traced layer), one per
+    layout the entry picks."""
     k, n, group = 4096, 28672, 128
     assert _layout(4, jnp.bfloat16, rows) == layout
     spec = jax.ShapeDtypeStruct
-    text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
-                          spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
-                          group=group)
+    weight = (spec((LLAMA_LAYERS, k // 2, n), jnp.uint8), spec((LLAMA_LAYERS, k // group, n), jnp.bfloat16),
+              spec((LLAMA_LAYERS, k // group, n), jnp.bfloat16), spec((), jnp.int32))
+    text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), *weight, bits=4, group=group)
     assert f"weight_only_matmul_{layout}" in text
     if layout != "vector":  # the dot kernels' byte-permute unpacking: four code bytes an instance of the asm
-        text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
-                              spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16), bits=4,
-                              group=group, nibble_unpack="prmt")
+        text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), *weight, bits=4, group=group,
+                              nibble_unpack="prmt")
         assert "prmt.b32" in text
 
 
@@ -240,22 +243,25 @@ def test_integer_dot_refuses_what_it_does_not_multiply():
 
 
 def test_integer_dot_lowers_for_the_h200_at_llama_shapes():
-    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up, one row: int8 per output channel, and
-    int4 in GGUF's Q4_1 groups of 32 with offsets; eight rows, int4 in groups of 128."""
-    k, n = 4096, 28672
+    """With the PTX dp4a and strided loads, at Llama-3.1-8B's fused gate/up (its 32 layers stacked, a traced layer),
+    one row: int8 per output channel, and int4 in GGUF's Q4_1 groups of 32 with offsets; eight rows, int4 in groups
+    of 128."""
+    k, n, layers = 4096, 28672, LLAMA_LAYERS
     spec = jax.ShapeDtypeStruct
+    layer = spec((), jnp.int32)
     for bits, rows, dtype, group in ((8, k, jnp.int8, k), (4, k // 2, jnp.uint8, 32)):
-        scales = spec((k // group, n), jnp.bfloat16)
+        scales = spec((layers, k // group, n), jnp.bfloat16)
         offset = scales if bits == 4 else None
-        for codes in (spec((rows, n), dtype), spec((rows // 4, n), jnp.int32)):  # as stored, and in words
-            text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, scales, offset, bits=bits,
-                                  group=group, block_k=16 if bits == 4 else 32, block_n=256, integer_dot=True)
+        for codes in (spec((layers, rows, n), dtype), spec((layers, rows // 4, n), jnp.int32)):  # as stored, words
+            text = lower_for_h200(weight_only_matmul, spec((1, k), jnp.bfloat16), codes, scales, offset, layer,
+                                  bits=bits, group=group, block_k=16 if bits == 4 else 32, block_n=256,
+                                  integer_dot=True)
             assert "weight_only_matmul_integer" in text and "dp4a.s32.s32" in text
         # Eight rows: the int8 dot (codes as stored), on blocks of at least its K (int4: groups of 128).
         group = max(group, 128)
-        scales = spec((k // group, n), jnp.bfloat16)
-        text = lower_for_h200(weight_only_matmul, spec((8, k), jnp.bfloat16), spec((rows, n), dtype), scales,
-                              scales if bits == 4 else None, bits=bits, group=group, block_k=64, block_n=128,
+        scales = spec((layers, k // group, n), jnp.bfloat16)
+        text = lower_for_h200(weight_only_matmul, spec((8, k), jnp.bfloat16), spec((layers, rows, n), dtype), scales,
+                              scales if bits == 4 else None, layer, bits=bits, group=group, block_k=64, block_n=128,
                               integer_dot=True)
         assert "weight_only_matmul_integer_rows" in text
 
@@ -266,3 +272,53 @@ def test_default_splits_are_the_measured_best_at_8b_gate_up(block_k, block_n, me
     two-per-SM rule's and its double and quadruple (weight-only-2026-12-04-prmt-splits.json)."""
     _, k_blocks = code_blocks(4, 4096, 64, block_k)
     assert default_splits(28672 // block_n, k_blocks) == measured_best
+
+
+def stacked_with_nan_neighbours(rng, weight, layers=3, layer=1):
+    """(q, scale, offset) of `layers` layers stacked [L, ...], `weight` at `layer` and fresh codes with NaN scales
+    and offsets at every other layer: a read of any other layer's weight shows in the product."""
+    q, scale, offset = weight
+    stack = lambda a, other: np.stack([a if i == layer else other for i in range(layers)])  # noqa: E731
+    codes = rng.integers(0, 127, q.shape).astype(q.dtype)
+    nan = np.full_like(scale, np.nan)
+    return stack(q, codes), stack(scale, nan), None if offset is None else stack(offset, nan)
+
+
+@pytest.mark.parametrize("bits,group,with_offset,m,integer_dot,stored_words", [
+    (8, 32, True, 1, False, False),  # the vector kernel
+    (4, 64, True, 5, False, False),  # swapped (bf16 rows)
+    (8, 64, False, 3, False, False),  # the row-major dot
+    (4, 64, True, 1, True, False),  # integer, one row, codes as stored (strided loads)
+    (8, 64, True, 1, True, True),  # integer, one row, codes in words
+    (4, 64, True, 5, True, False),  # integer rows (the int8 dot)
+])
+def test_stacked_weights_read_only_the_given_layer(rng, bits, group, with_offset, m, integer_dot, stored_words):
+    """Every kernel given every layer's weight stacked [L, ...] and a traced layer multiplies that layer's weight
+    alone, read in place (the other layers' scales are NaN): the same products as the layer's own arrays give, and
+    float64 numpy's within float32's rounding; the jnp twin reads the same layer."""
+    k, n, layer = 256, 64, 1
+    weight = random_weight(rng, bits, group, with_offset, k, n, lowest_int8=-127)
+    q, scale, offset = stacked_with_nan_neighbours(rng, weight, layer=layer)
+    dtype = jnp.bfloat16 if bits == 4 and m > 1 and not integer_dot else jnp.float32
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    codes = lambda c: pack_code_words(jnp.asarray(c)) if stored_words else jnp.asarray(c)  # noqa: E731
+    stacked_codes = jnp.stack([codes(c) for c in q])
+    options = dict(bits=bits, group=group, block_k=32 if m > 1 and integer_dot else 16, block_n=32, num_splits=2,
+                   interpret=True, integer_dot=integer_dot, x_group=group)
+    q_scale, q_offset = jnp.asarray(scale), None if offset is None else jnp.asarray(offset)
+    run = jax.jit(lambda layer: weight_only_matmul(x, stacked_codes, q_scale, q_offset, layer, **options))
+    got = np.asarray(run(jnp.int32(layer)), np.float64)  # the layer traced, as in the scanned layer body
+    assert np.all(np.isfinite(got))
+    alone = weight_only_matmul(x, codes(weight[0]), *weight[1:], **options)
+    np.testing.assert_array_equal(got, np.asarray(alone, np.float64))
+    w = numpy_weight(*weight, bits, group)
+    x_rows = np.asarray(x, np.float64)
+    if integer_dot:
+        row_codes, scales = numpy_int8_rows(np.asarray(x, np.float32), group)
+        x_rows = row_codes * np.repeat(scales, group, axis=1)
+    assert np.all(np.abs(got - x_rows @ w) <= 1e-5 * (np.abs(x_rows) @ np.abs(w)) + (
+        1e-2 * np.abs(x_rows @ w).max() if dtype == jnp.bfloat16 else 0))
+    reference = weight_only_matmul_reference(x.astype(jnp.float32), jnp.asarray(q), q_scale, q_offset, layer,
+                                             bits=bits, group=group)
+    x64 = np.asarray(x, np.float64)
+    assert np.all(np.abs(np.asarray(reference, np.float64) - x64 @ w) <= 1e-5 * (np.abs(x64) @ np.abs(w)))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.decoder import per_layer
 from models.quantized import dequantize
 from vegas_jax.runtime.engine import Engine, GenerationOptions
 from vegas_jax.loading import load_model
@@ -94,7 +95,7 @@ def test_int4_drafts_from_the_files_blocks_equal_plain_smollm2(setup):
     result = engine.generate(batch[:1], options, steps_per_call=None)
     assert result.requests[0].tokens == plain.requests[0].tokens[:24]
     assert engine.model.draft_sources["int4"] == "121 of 121 weights from the file's Q4_1/Q8_0 blocks"
-    layer = engine.model.drafts["int4"]["layers"][7]
-    full = np.asarray(engine.model.params["layers"][7]["down_proj"])
+    layer = per_layer(engine.model.drafts["int4"])["layers"][7]
+    full = np.asarray(per_layer(engine.model.params)["layers"][7]["down_proj"])
     assert np.array_equal(np.asarray(dequantize(layer["down_proj"])), full)
     assert result.metrics["tau"] > 2.0

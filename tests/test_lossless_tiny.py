@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig
-from models.decoder import forward, init_params
+from models.decoder import forward, init_params, per_layer
 from models.kv_cache import KVCache
 from models.quantized import QuantizedWeight
 from vegas_jax.decode import adaptive_gamma
@@ -46,8 +46,18 @@ def tiny_engine(vocab=96, layers=2, seed=0, weight_scale=6.0, eos_ids=(), contex
         max_position_embeddings=context, tie_word_embeddings=tied, qk_norm=True,
     )
     # Larger weights than an initialiser's make attention peaky, so a sparse draft really differs from the target.
-    params = jax.tree.map(lambda x: x * weight_scale if x.ndim > 1 else x, init_params(config, jnp.float32, seed))
+    params = scale_weight_matrices(init_params(config, jnp.float32, seed), weight_scale)
     return Engine(LoadedModel(config, params, IdsTokenizer(eos_ids), "random", "random"))
+
+
+def scale_weight_matrices(params, scale: float):
+    """params with every weight matrix (not the norm scales) times `scale`; a layer parameter's leading axis is
+    the stacked layers'."""
+    def scaled(path, x):
+        matrix_ndim = x.ndim - (path[0].key == "layers")
+        return x * scale if matrix_ndim > 1 else x
+
+    return jax.tree_util.tree_map_with_path(scaled, params)
 
 
 def prompts(lengths, vocab, seed=0):
@@ -141,7 +151,7 @@ def test_kernel_path_equals_plain(greedy_setup, method, draft_weights, draft_act
     if draft_weights != "bf16":  # every quantized weight of this model went through the kernel
         attached = with_kernel(engine.model.drafts[draft_weights], Placement(backend="interpret"),
                                draft_activations)
-        weights = jax.tree.leaves(attached, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        weights = jax.tree.leaves(per_layer(attached), is_leaf=lambda x: isinstance(x, QuantizedWeight))
         assert len(weights) == 9 and all(w.kernel is not None for w in weights)  # 2 layers x 4, and the LM head
     # Same selections and drafts up to float rounding: a kernel attending the wrong keys (say, missing the new
     # token) would still be lossless, but would draft worse than the jnp path.
@@ -311,7 +321,7 @@ def test_two_chunk_sizes_prefill_as_one(monkeypatch):
     started = engine.start(batch, large)
     assert started.timings["prefill_chunk"] == 1024
     for got, want in zip(jax.tree.leaves(started.state.cache), jax.tree.leaves(by_small.cache)):
-        np.testing.assert_allclose(np.asarray(got)[:, :1099], np.asarray(want)[:, :1099], rtol=1e-4,
+        np.testing.assert_allclose(np.asarray(got)[:, :, :1099], np.asarray(want)[:, :, :1099], rtol=1e-4,
                                    atol=1e-4 * np.abs(np.asarray(want)).max())
     assert [r.tokens for r in engine.generate(batch, large).requests] == [
         r.tokens for r in engine.generate(batch, small).requests
@@ -344,7 +354,7 @@ def test_quantized_drafts_equal_plain(greedy_setup, draft_weights, gamma):
     result = engine.generate(batch, options)
     assert [r.tokens for r in result.requests] == [r.tokens for r in plain.requests]
     assert 0 < result.metrics["acceptance_rate"] < 1 and result.metrics["draft_weights"] == draft_weights
-    assert engine.model.drafts[draft_weights]["layers"][0]["qkv_proj"].bits == int(draft_weights[3:])
+    assert per_layer(engine.model.drafts[draft_weights])["layers"][0]["qkv_proj"].bits == int(draft_weights[3:])
     if gamma == "auto":
         chosen = result.metrics["gamma_chosen_histogram"]
         warm = 1 + adaptive_gamma.Warmup.SHORT + adaptive_gamma.Warmup.LONG  # iterations forced per timed g

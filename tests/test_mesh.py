@@ -45,7 +45,7 @@ def _tiny_qwen3():
 
     from models.config import ModelConfig
     from models.decoder import init_params
-    from tests.test_lossless_tiny import IdsTokenizer
+    from tests.test_lossless_tiny import IdsTokenizer, scale_weight_matrices
     from vegas_jax.loading.bundle import LoadedModel
 
     config = ModelConfig(
@@ -53,7 +53,7 @@ def _tiny_qwen3():
         num_kv_heads=4, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
         tie_word_embeddings=True, qk_norm=True,
     )
-    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, init_params(config, jnp.float32, 0))
+    params = scale_weight_matrices(init_params(config, jnp.float32, 0), 6.0)
     return LoadedModel(config, params, IdsTokenizer(), "random", "random")
 
 
@@ -131,8 +131,10 @@ def scenario_tiny() -> dict:
             })
             if method == "vegas" and temperature == 0 and name == "data=2,model=4":
                 mesh = engine.model.mesh
-                want = NamedSharding(mesh, PartitionSpec("data", None, "model", None))
-                out["cache_sharded"] = all(x.sharding.is_equivalent_to(want, 4) for x in got["state"].cache.k)
+                # [L, B, T, H_kv, D]: the stacked layers whole, batch over data, KV heads over model
+                want = NamedSharding(mesh, PartitionSpec(None, "data", None, "model", None))
+                out["cache_sharded"] = all(x.sharding.is_equivalent_to(want, 5)
+                                           for x in (got["state"].cache.k, got["state"].cache.v))
                 hlo = got["decode"].as_text()
                 out["collectives"] = sorted(set(re.findall(
                     r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(", hlo)))
@@ -199,14 +201,14 @@ def scenario_nsa() -> dict:
 
     from models.config import NSALayout
     from models.decoder import init_params
-    from tests.test_lossless_tiny import GREEDY, prompts
+    from tests.test_lossless_tiny import GREEDY, prompts, scale_weight_matrices
     from vegas_jax.runtime.engine import Engine
     from vegas_jax.loading.bundle import LoadedModel
     from vegas_jax.sharding import make_mesh
 
     dense = _tiny_qwen3()
     config = dataclasses.replace(dense.config, attention="nsa", nsa=NSALayout(16, 16, 16, 2, 16, 0, 1))
-    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, init_params(config, jnp.float32, 0))
+    params = scale_weight_matrices(init_params(config, jnp.float32, 0), 6.0)
     nsa = LoadedModel(config, params, dense.tokenizer, "random", "random")
     batch = prompts([45, 12, 80, 30, 64], config.vocab_size, seed=5)
     options = dataclasses.replace(GREEDY, max_new_tokens=24)

@@ -22,7 +22,7 @@ from models.config import ModelConfig, NSALayout
 from models.decoder import forward, init_params
 from models.nsa_cache import NSACache
 from tests.test_draft_trees import run_to_end
-from tests.test_lossless_tiny import IdsTokenizer, prompts
+from tests.test_lossless_tiny import IdsTokenizer, prompts, scale_weight_matrices
 from tests.test_sampling_distribution import VOCAB, chi_square_p_value, processed_probs, tiny_sampler
 from vegas_jax.attention.family import with_attention
 from vegas_jax.attention.nsa import NSAAttention
@@ -49,7 +49,7 @@ def tiny_model(name: str) -> Engine:
         tie_word_embeddings=True, qk_norm=True)
     # NSA models have gate weights; the view is the dense model's own weights, attending as NSA.
     config = dataclasses.replace(dense, attention="nsa", nsa=layout) if kind == "nsa" else dense
-    params = jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, init_params(config, jnp.float32, 3))
+    params = scale_weight_matrices(init_params(config, jnp.float32, 3), 6.0)
     if kind == "nsa-view":
         config = with_attention(config, "nsa-view", layout)
     return Engine(LoadedModel(config, params, IdsTokenizer(), "random", "random"))

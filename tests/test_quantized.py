@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from models import draft_weights
-from models.decoder import forward, init_params
+from models.decoder import forward, init_params, per_layer
 from models.kv_cache import KVCache
 from models.quantized import (
     FORMULATIONS,
@@ -297,7 +297,8 @@ def test_draft_pass_reads_the_quantized_weights(tiny):
     positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
     quantize = jax.jit(draft_weights.quantize_params, static_argnums=(1, 2))
     trees = {p: quantize(params, config, p) for p in ("int8", "int4")}
-    assert all(set(t["layers"][0]) == set(draft_weights.LAYER_WEIGHTS) and "lm_head" in t for t in trees.values())
+    assert all(set(per_layer(t)["layers"][0]) == set(draft_weights.LAYER_WEIGHTS) and "lm_head" in t
+               for t in trees.values())
 
     @jax.jit
     def logits(params, trees):  # one compilation for the three passes
@@ -321,7 +322,7 @@ def test_memory_plan_counts_the_draft_weights(tiny):
         planned = tiny.plan(batch, options)["bytes_per_device"]
         tree = tiny.model.draft_params(precision)
         counted = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-        assert tree["layers"][0]["down_proj"].bits == int(precision[3:])
+        assert per_layer(tree)["layers"][0]["down_proj"].bits == int(precision[3:])
         assert planned["draft_weights"] == counted == draft_per_device(tree, Placement())
         bf16 = tiny.plan(batch, dataclasses.replace(options, draft_weights="bf16"))["bytes_per_device"]
         assert planned["total"] == bf16["total"] + counted and bf16["draft_weights"] == 0

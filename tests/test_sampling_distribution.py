@@ -28,7 +28,7 @@ from scipy import stats
 from models.config import ModelConfig
 from models.decoder import forward, init_params
 from models.kv_cache import KVCache
-from tests.test_lossless_tiny import IdsTokenizer, prompts
+from tests.test_lossless_tiny import IdsTokenizer, prompts, scale_weight_matrices
 from vegas_jax.decode import iteration as loop
 from vegas_jax.decode import penalties
 from vegas_jax.decode import sampling
@@ -114,7 +114,7 @@ def tiny_sampler() -> Engine:
         tie_word_embeddings=True, qk_norm=True,
     )
     # Large weights make attention peaky, so that a sparse draft often misses what the target attends to.
-    params = jax.tree.map(lambda x: x * WEIGHT_SCALE if x.ndim > 1 else x, init_params(config, jnp.float32, SEED))
+    params = scale_weight_matrices(init_params(config, jnp.float32, SEED), WEIGHT_SCALE)
     return Engine(LoadedModel(config, params, IdsTokenizer(), "random", "random"))
 
 

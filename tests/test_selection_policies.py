@@ -71,7 +71,7 @@ def random_cache(rng, batch: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def as_cache(k: list[np.ndarray], v: list[np.ndarray]) -> KVCache:
-    return KVCache(tuple(jnp.asarray(x, jnp.float32) for x in k), tuple(jnp.asarray(x, jnp.float32) for x in v))
+    return KVCache(jnp.asarray(np.stack(k), jnp.float32), jnp.asarray(np.stack(v), jnp.float32))  # layers stacked
 
 
 def context(scores, committed, candidates_end, accepted, cache, first=False) -> SelectContext:
@@ -153,10 +153,11 @@ def test_verification_scores_match_numpy(mode, rows):
     rng = np.random.default_rng(SCORE_MODES.index(mode) * 3 + SCORE_ROWS.index(rows))
     positions, heads, k_cache, v_cache = verification_case(rng, starts=[0, 37, 200])
     attention = VerifyAttention(ScoreRequest(mode, rows), num_layers=1)
-    out, k_out, v_out, scores = attention(
+    out, k_out, v_out, scores = attention(  # a one-layer stack (models.kv_cache.KVCache)
         0, new_tokens(heads, positions), jnp.asarray(positions, jnp.int32),
-        jnp.asarray(k_cache, jnp.float32), jnp.asarray(v_cache, jnp.float32),
+        jnp.asarray(k_cache[None], jnp.float32), jnp.asarray(v_cache[None], jnp.float32),
     )
+    k_out, v_out = k_out[0], v_out[0]
     want_out, want_k, want_v, want_scores = verification_numpy(positions, heads, k_cache, v_cache, mode, rows)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(k_out), want_k, rtol=1e-5, atol=1e-5)
@@ -172,8 +173,8 @@ def test_last_layer_only_scores_the_last_layer():
     rng = np.random.default_rng(7)
     positions, heads, k_cache, v_cache = verification_case(rng, starts=[5, 60])
     attention = VerifyAttention(ScoreRequest("weight", "each", last_layer_only=True), num_layers=LAYERS)
-    args = (new_tokens(heads, positions), jnp.asarray(positions, jnp.int32), jnp.asarray(k_cache, jnp.float32),
-            jnp.asarray(v_cache, jnp.float32))
+    stack = lambda cache: jnp.asarray(np.stack([cache] * LAYERS), jnp.float32)  # every layer's, alike
+    args = (new_tokens(heads, positions), jnp.asarray(positions, jnp.int32), stack(k_cache), stack(v_cache))
     assert attention(0, *args)[3] is None
     *_, want = verification_numpy(positions, heads, k_cache, v_cache, "weight", "each")
     np.testing.assert_allclose(np.asarray(attention(LAYERS - 1, *args)[3]), want, rtol=1e-4, atol=1e-7)
@@ -297,8 +298,13 @@ def test_quest_draft_attends_the_top_pages_by_their_bound():
     k_new = numpy_rope(heads[:, :, HEADS : HEADS + KV_HEADS], positions)[:, 0]
     pages_chosen = []
     for layer in range(LAYERS):
+        # Every layer's stacks, of which the attention reads and writes `layer` alone.
+        k_stack, v_stack = (np.stack(x).astype(np.float32) for x in (keys, values))
         out, k_out, _, _ = attention(layer, new_tokens(heads, positions), jnp.asarray(positions, jnp.int32),
-                                     jnp.asarray(keys[layer], jnp.float32), jnp.asarray(values[layer], jnp.float32))
+                                     jnp.asarray(k_stack), jnp.asarray(v_stack))
+        others = [other for other in range(LAYERS) if other != layer]
+        np.testing.assert_array_equal(np.asarray(k_out)[others], k_stack[others])
+        k_out = k_out[layer]
         for b in range(len(committed)):
             pages, position = committed[b] // PAGE, positions[b, 0]
             rows = keys[layer][b, : pages * PAGE].reshape(pages, PAGE, KV_HEADS, HEAD_DIM)

@@ -551,9 +551,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         if args.output_json:
             outputs.check_json_path(args.output_json)
         dtype_name, dtype = resolve_dtype(args.dtype)
-        from vegas_jax.attention.backend import default_backend
+        from vegas_jax.attention.backend import default_backend, default_scan_layers
 
-        default_backend()  # VEGAS_KERNELS is checked before the model loads
+        default_backend()  # VEGAS_KERNELS and VEGAS_SCAN_LAYERS are checked before the model loads
+        default_scan_layers()
         if args.attention not in (None, *ATTENTION_CHOICES):
             raise InputError("{attention} must be one of {}, got {!r}", ", ".join(ATTENTION_CHOICES), args.attention)
 

@@ -41,6 +41,7 @@ MESH_AXES = {BATCH: DATA, HEADS: MODEL, KV_HEADS: MODEL, MLP: MODEL}
 class Placement:
     backend: str = "reference"  # pallas | interpret | reference (vegas_jax.attention.backend)
     mesh: Mesh | None = None  # axes `data` and `model`; None: one device, no shard_map
+    scan_layers: bool = True  # the decoder's layers as one scanned body, or unrolled (models.decoder.forward)
 
     @property
     def uses_kernels(self) -> bool:

@@ -3,6 +3,7 @@ mode (CPU tests of the kernel path), or plain jnp (the reference, and the CPU de
 
 The choice is a static string carried, with the mesh, by `vegas_jax.sharding.Placement`, so it is part of what a
 loop compiles for; `VEGAS_KERNELS` (auto | pallas | interpret | reference) overrides the default.
+`VEGAS_SCAN_LAYERS` (1 | 0) likewise chooses the decoder's scanned or unrolled layers.
 """
 
 from __future__ import annotations
@@ -41,4 +42,13 @@ def _pallas_problem() -> str | None:
     if capability.replace(".", "").isdigit() and tuple(map(int, capability.split("."))) < MIN_COMPUTE_CAPABILITY:
         return f"the Pallas kernels need compute capability 8.0 or newer, GPU 0 has {capability}"
     return None  # a newer NVIDIA GPU, or one that names no such number (ROCm's gfx names): left to the kernels
+
+
+def default_scan_layers() -> bool:
+    """Whether the decoder's layers run as one scanned body (models.decoder.forward): `VEGAS_SCAN_LAYERS` 1 (the
+    default) or 0 (unrolled, kept to compare decode speed against the scanned body on a GPU)."""
+    choice = os.environ.get("VEGAS_SCAN_LAYERS", "1")
+    if choice not in ("0", "1"):
+        raise InputError("VEGAS_SCAN_LAYERS must be 0 (unrolled layers) or 1 (scanned), got {!r}", choice)
+    return choice == "1"
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 
-from models.kv_cache import write_rows
+from models.kv_cache import write_layer_rows
 from vegas_jax.attention.core import causal_mask, masked_attention
 
 
@@ -16,7 +16,7 @@ from vegas_jax.attention.core import causal_mask, masked_attention
 class DenseAttention:
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, k, v = new.rotated()
-        k_cache = write_rows(k_cache, k, positions)
-        v_cache = write_rows(v_cache, v, positions)
-        out = masked_attention(q, k_cache, v_cache, causal_mask(positions, k_cache.shape[1]))
+        k_cache = write_layer_rows(k_cache, layer, k, positions)
+        v_cache = write_layer_rows(v_cache, layer, v, positions)
+        out = masked_attention(q, k_cache[layer], v_cache[layer], causal_mask(positions, k_cache.shape[2]))
         return out, k_cache, v_cache, None

@@ -15,12 +15,14 @@ the selections of the anchors on it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from models.config import NSA_VIEW_LAYOUT, ModelConfig, NSALayout
+import jax
 import jax.numpy as jnp
 
+from models.config import NSA_VIEW_LAYOUT, ModelConfig, NSALayout
 from models.kv_cache import KVCache
-from models.nsa_cache import NSACache, pool_blocks
+from models.nsa_cache import NSACache, NSALayerCache, pool_blocks
 from vegas_jax.attention.nsa import NSAAttention
 from vegas_jax.attention.nsa_approx import ApproxNSACache, modified_target, record_spans
 from vegas_jax.attention.nsa_tree import NSATreeVerify, SinkWindowDraft
@@ -58,8 +60,8 @@ class DenseFamily:
     def commit_path(self, config: ModelConfig, cache: KVCache, base, path, accepted, ok, aux=None) -> KVCache:
         """The cache with path [B, D+1] (node indices, root first) committed up to depth accepted [B] where ok [B]
         (the module docstring); aux: the verification pass's per-layer aux (unused here)."""
-        move = lambda layer: copy_path_rows(layer, base, path, accepted, ok)
-        return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+        move = functools.partial(copy_every_layer, base=base, path=path, accepted=accepted, ok=ok)
+        return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,18 +102,24 @@ class NSAFamily:
         approximate mode also the selections of the path's anchor nodes (aux: each layer's node selections
         [B, R, H_kv, n'], NSATreeVerify's) stored at their spans."""
         nsa = cache if self.mode.is_exact else cache.nsa
-        move = lambda layer: copy_path_rows(layer, base, path, accepted, ok)
-        moved = dataclasses.replace(nsa, k=tuple(map(move, nsa.k)), v=tuple(map(move, nsa.v)))
-        positions = path_positions(base, path.shape[1], accepted, ok, moved.capacity)
-        pooled = NSACache.from_layers([pool_blocks(moved.layer(i), positions, config.nsa)
-                                       for i in range(config.num_layers)])
+        move = functools.partial(copy_every_layer, base=base, path=path, accepted=accepted, ok=ok)
+        moved = NSALayerCache(move(nsa.k), move(nsa.v), nsa.k_cmp, nsa.v_cmp)  # every layer's arrays, stacked
+        positions = path_positions(base, path.shape[1], accepted, ok, nsa.capacity)
+        pooled = jax.vmap(lambda layer: pool_blocks(layer, positions, config.nsa))(moved)
+        pooled = NSACache(pooled.k, pooled.v, pooled.k_cmp, pooled.v_cmp)
         if self.mode.is_exact:
             return pooled
         rows = jnp.arange(path.shape[0])[:, None]
-        spans = tuple(record_spans(spans, blocks[rows, path], positions, self.mode.share_span)
-                      if self.mode.refreshes(layer) else spans
-                      for layer, (spans, blocks) in enumerate(zip(cache.spans, aux)))
+        spans = cache.spans
+        for layer, blocks in enumerate(aux):  # only refresh layers select, so only theirs are recorded
+            if self.mode.refreshes(layer):
+                spans = record_spans(spans, blocks[rows, path], positions, self.mode.share_span, layer)
         return ApproxNSACache(pooled, spans)
+
+
+def copy_every_layer(stacked: jax.Array, *, base, path, accepted, ok) -> jax.Array:
+    """copy_path_rows on every layer of a stacked cache array [L, B, T, ...], as one scatter."""
+    return jax.vmap(copy_path_rows, in_axes=(0, None, None, None, None))(stacked, base, path, accepted, ok)
 
 
 def family_of(config: ModelConfig, mode: ApproxMode = EXACT_MODE) -> DenseFamily | NSAFamily:

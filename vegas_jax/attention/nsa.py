@@ -110,12 +110,14 @@ class NSAAttention:
         return None
 
     def __call__(self, layer, new, positions, cache: NSALayerCache):
+        """cache: the layer's (NSACache.at_layer: the stacks and the layer, written and read in place)."""
         q, k, v = new.rotated()
         cache = write_tokens(cache, k, v, positions, self.layout)
         if self.placement.uses_kernels and q.shape[1] == 1 and not self.return_blocks:
             gates = None if new.gates is None else new.gates[:, 0]
             out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp, positions[:, 0], gates,
-                             layout=self.layout, kind=self.kind, interpret=self.placement.interpret)
+                             layer=cache.layer, layout=self.layout, kind=self.kind,
+                             interpret=self.placement.interpret)
             return out[:, None], cache, None
-        out, blocks = nsa_attention_jnp(q, cache, positions, new.gates, self.layout, self.kind)
+        out, blocks = nsa_attention_jnp(q, cache.reads(), positions, new.gates, self.layout, self.kind)
         return out, cache, blocks if self.return_blocks else None

@@ -35,8 +35,16 @@ from vegas_jax.sharding import Placement
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ApproxLayerCache:
+    """One layer's: its NSALayerCache and its stored span selections, [B, num_spans, H_kv, n'] when nsa holds one
+    layer's arrays, every layer's [L, B, num_spans, H_kv, n'] when it holds the stacks (read and written at its
+    layer in place)."""
+
     nsa: NSALayerCache
-    spans: jax.Array  # [B, num_spans, H_kv, n'] the shared selection of each span whose anchor was written
+    spans: jax.Array  # the shared selection of each span whose anchor was written
+
+    def layer_spans(self) -> jax.Array:
+        """[B, num_spans, H_kv, n'] the layer's span selections (small int32 tables, read where consumed)."""
+        return self.spans if self.nsa.layer is None else self.spans[self.nsa.layer]
 
 
 @jax.tree_util.register_dataclass
@@ -46,14 +54,13 @@ class ApproxNSACache:
     num_spans = capacity / share_span, and 1 unread column when share_span is 1: every row is its own anchor)."""
 
     nsa: NSACache
-    spans: tuple[jax.Array, ...] = axes_field(BATCH, None, KV_HEADS, None)
+    spans: jax.Array = axes_field(None, BATCH, None, KV_HEADS, None)  # [L, B, num_spans, H_kv, n'] stacked
 
     @classmethod
     def create(cls, config: ModelConfig, mode: ApproxMode, batch: int, capacity: int, dtype=jnp.bfloat16):
         width = mode.selection_layout(config.nsa).top_n
         num_spans = -(-capacity // mode.share_span) if mode.share_span > 1 else 1
-        spans = tuple(jnp.full((batch, num_spans, config.num_kv_heads, width), NO_BLOCK, jnp.int32)
-                      for _ in range(config.num_layers))
+        spans = jnp.full((config.num_layers, batch, num_spans, config.num_kv_heads, width), NO_BLOCK, jnp.int32)
         return cls(NSACache.create(config, batch, capacity, dtype), spans)
 
     @property
@@ -64,12 +71,13 @@ class ApproxNSACache:
     def batch(self) -> int:
         return self.nsa.batch
 
-    def layer(self, i: int) -> ApproxLayerCache:
-        return ApproxLayerCache(self.nsa.layer(i), self.spans[i])
+    def at_layer(self, i) -> ApproxLayerCache:
+        """Layer i's cache as its attention takes it: the stacks and the layer (NSACache.at_layer)."""
+        return ApproxLayerCache(self.nsa.at_layer(i), self.spans)
 
     @classmethod
-    def from_layers(cls, layers: list[ApproxLayerCache]) -> "ApproxNSACache":
-        return cls(NSACache.from_layers([c.nsa for c in layers]), tuple(c.spans for c in layers))
+    def of(cls, layer: ApproxLayerCache) -> "ApproxNSACache":
+        return cls(NSACache.of(layer.nsa), layer.spans)
 
 
 def stored_blocks(spans: jax.Array, positions: jax.Array, span: int) -> jax.Array:
@@ -78,22 +86,24 @@ def stored_blocks(spans: jax.Array, positions: jax.Array, span: int) -> jax.Arra
     return jnp.take_along_axis(spans, slot[:, :, None, None], axis=1)
 
 
-def record_spans(spans: jax.Array, blocks: jax.Array, positions: jax.Array, span: int) -> jax.Array:
+def record_spans(spans: jax.Array, blocks: jax.Array, positions: jax.Array, span: int, layer=None) -> jax.Array:
     """spans with the selections blocks [B, S, H_kv, n'] of the rows at anchor positions (positions [B, S] that
-    span divides; positions past the spans dropped) stored at their span."""
+    span divides; positions past the spans dropped) stored at their span; with `layer`, into that layer of
+    stacked spans [L, B, num_spans, H_kv, n']."""
     if span == 1:
         return spans
-    num_spans = spans.shape[1]
+    num_spans, batch = spans.shape[-3], spans.shape[-4]
     slot = jnp.where((positions % span == 0) & (positions // span < num_spans), positions // span, num_spans)
-    return spans.at[jnp.arange(spans.shape[0])[:, None], slot].set(blocks, mode="drop")
+    index = (jnp.arange(batch)[:, None], slot)
+    return spans.at[index if layer is None else (layer, *index)].set(blocks, mode="drop")
 
 
 def refreshed_blocks(qg, cache: NSALayerCache, positions, spans, layout: NSALayout, mode: ApproxMode):
     """A refresh layer's selections [B, K, S, n'] of a chain pass: each row's top-n' (NSA's rule, top_n
     widened), then each row takes its span anchor's (from this pass, or its span's stored in `spans`). A pass
     without an anchor row (plain decoding between anchors) derives nothing: the stored selection serves it."""
-    def own():
-        probs, _ = compressed_probabilities(qg, cache.k_cmp, positions, layout)
+    def own():  # the layer's compressed keys read inside the branch: a cond's operand would be a buffer (a copy)
+        probs, _ = compressed_probabilities(qg, cache.reads().k_cmp, positions, layout)
         scores = selection_scores(jnp.sum(probs, axis=2), num_select_blocks(layout, cache.capacity), layout)
         return select_blocks(scores, positions[:, None, :], mode.selection_layout(layout))
 
@@ -141,26 +151,30 @@ class ApproxNSAAttention:
     placement: Placement = dataclasses.field(default=Placement(), metadata=dict(static=True))
     carried: jax.Array | None = None
 
+    # Refresh and reuse layers differ and hand selections on (after_layer): the decoder runs them unrolled.
+    layer_specific = True
+
     def scored_tokens_limit(self, group: int) -> None:
         """No limit: the modified target's passes collect no selection scores (VerifyAttention's limit)."""
         return None
 
     def __call__(self, layer, new, positions, cache: ApproxLayerCache):
         q, k, v = new.rotated()
-        nsa = write_tokens(cache.nsa, k, v, positions, self.layout)
+        nsa = write_tokens(cache.nsa, k, v, positions, self.layout)  # in place at the stacks' layer
         if self.mode.refreshes(layer):
-            qg = _grouped(q, nsa.k.shape[2])
-            indices = refreshed_blocks(qg, nsa, positions, cache.spans, self.layout, self.mode)
-            spans = record_spans(cache.spans, jnp.moveaxis(indices, 2, 1), positions, self.mode.share_span)
+            qg = _grouped(q, nsa.k.shape[-2])
+            indices = refreshed_blocks(qg, nsa, positions, cache.layer_spans(), self.layout, self.mode)
+            spans = record_spans(cache.spans, jnp.moveaxis(indices, 2, 1), positions, self.mode.share_span,
+                                 nsa.layer)
         else:
             indices, spans = self.carried, cache.spans  # a reuse layer's spans are never read
         if self.placement.uses_kernels and q.shape[1] == 1:
             gates = None if new.gates is None else new.gates[:, 0]
             out = nsa_reuse_decode(q[:, 0], nsa.k, nsa.v, nsa.k_cmp, nsa.v_cmp, indices[:, :, 0], positions[:, 0],
-                                   gates, layout=self.layout, kind=self.kind,
+                                   gates, layer=nsa.layer, layout=self.layout, kind=self.kind,
                                    interpret=self.placement.interpret)[:, None]
         else:
-            out = branches_with_blocks(q, nsa, positions, new.gates, indices, self.layout, self.kind)
+            out = branches_with_blocks(q, nsa.reads(), positions, new.gates, indices, self.layout, self.kind)
         return out, ApproxLayerCache(nsa, spans), indices
 
     def after_layer(self, layer: int, aux) -> "ApproxNSAAttention":

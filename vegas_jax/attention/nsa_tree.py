@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import NSALayout
-from models.kv_cache import write_rows
-from models.nsa_cache import NSALayerCache
+from models.nsa_cache import NSALayerCache, write_layer_tokens
 from pallas_kernels.nsa_tree_select import V1Launch
 from pallas_kernels.nsa_verify import nsa_tree_verify
 from vegas_jax.attention.core import masked_attention
@@ -43,10 +42,12 @@ def kernels_of(placement: Placement) -> str | None:
 
 def write_tree_rows(cache, k: jax.Array, v: jax.Array, rows: jax.Array):
     """The nodes' rotated k, v [B, S, H_kv, D] in their scratch rows [B, S] of an NSA layer cache (or an
-    approximate mode's); the compressed rows and stored selections untouched."""
+    approximate mode's; with stacks, scattered into the layer's in place); the compressed rows and stored
+    selections untouched."""
     if isinstance(cache, ApproxLayerCache):
         return dataclasses.replace(cache, nsa=write_tree_rows(cache.nsa, k, v, rows))
-    return dataclasses.replace(cache, k=write_rows(cache.k, k, rows), v=write_rows(cache.v, v, rows))
+    return dataclasses.replace(cache, k=write_layer_tokens(cache.k, cache.layer, k, rows),
+                               v=write_layer_tokens(cache.v, cache.layer, v, rows))
 
 
 def raw_rows(cache) -> NSALayerCache:
@@ -87,27 +88,46 @@ class NSATreeVerify:
         if mode is not None and not mode.refreshes(layer):
             injected = self.carried
         elif mode is not None and mode.share_span > 1:  # the root's span, read by nodes whose anchor precedes it
-            slot = jnp.clip(self.base // mode.share_span, 0, cache.spans.shape[1] - 1)
-            stored = cache.spans[jnp.arange(self.base.shape[0]), slot]  # [B, H_kv, n]
+            slot = jnp.clip(self.base // mode.share_span, 0, cache.spans.shape[-3] - 1)
+            index = (jnp.arange(self.base.shape[0]), slot)
+            stored = cache.spans[index if cache.nsa.layer is None else (cache.nsa.layer, *index)]  # [B, H_kv, n]
 
         batch, num_nodes, num_q_heads = q.shape[:3]
         num_kv_heads = k.shape[2]
         launch = V1Launch.for_batch(batch, num_kv_heads, num_nodes * (num_q_heads // num_kv_heads))
 
-        def one(q, layer_cache, k, v, gates, length, stored, injected):
+        def one(q, layer_cache, k, v, gates, length, stored, injected, stacks, seq):
             reselect = None if mode is None else tree_reselect(mode, stored, injected)
             return nsa_tree_verify(q, layer_cache, k, v, gates, length, parents, layout=layout, kind=self.kind,
                                    schedule=self.schedule, kernels=kernels_of(self.placement), v1_launch=launch,
-                                   batch=batch, return_blocks=True, reselect=reselect)
+                                   batch=batch, return_blocks=True, reselect=reselect, stacks=stacks, seq=seq)
 
         # The nodes' rows are written first and the pass reads the written cache (it reads only rows before the
         # root, and masks the rest by position, so the result is the same): had it read the cache as it came, XLA
         # could not order the reads before the write and would copy every layer's K and V once an iteration.
         rows = self.base[:, None] + jnp.arange(len(self.parents))[None, :]
         cache = write_tree_rows(cache, k, v, rows)
-        out, blocks = jax.vmap(one)(q, raw_rows(cache), k, v, new.gates, self.base, stored, injected)
+        raw = raw_rows(cache)
+        # The sequences are mapped over the stacks' batch axis 1 where they lie; the layer is shared. The kernels
+        # take that mapped view (Pallas's batching indexes the block, the stacks stay as they lie). The jnp row
+        # gathers (the prefix rows of the compressed blocks a path completes, the window, the selected rows without
+        # kernels) would batch from the mapped view as gathers whose operand JAX moves to axis 0, a transpose of
+        # the whole raw stacks in the lowered program (on the GPU possibly a copy of the cache per layer and pass);
+        # so they read the whole stacks passed unmapped, at the sequence's index (mapped): stacks[layer, b, rows],
+        # batched through the gather's indices alone (issue 52; tests/test_scan_layers_in_place.py).
+        if raw.layer is None:
+            in_cache, stacks, seqs = 0, None, None
+        else:
+            in_cache, stacks, seqs = NSALayerCache(1, 1, 1, 1, None), raw, jnp.arange(batch)
+        out, blocks = jax.vmap(one, in_axes=(0, in_cache, 0, 0, 0, 0, 0, 0, None, 0))(
+            q, raw, k, v, new.gates, self.base, stored, injected, stacks, seqs)
         keep = self.return_blocks or mode is not None
         return out, cache, blocks if keep else None
+
+    @property
+    def layer_specific(self) -> bool:
+        """A mode's refresh and reuse layers differ and hand selections on: the decoder runs them unrolled."""
+        return self.mode is not None
 
     def after_layer(self, layer: int, aux) -> "NSATreeVerify":
         """The next layer's attention: a refresh layer's selections carried on (models.decoder calls it)."""
@@ -143,5 +163,8 @@ class SinkWindowDraft:
         mask = jnp.concatenate([jnp.broadcast_to(prefix[:, None, :], (batch, q.shape[1], prefix.shape[1])),
                                 jnp.broadcast_to(self.ancestors[None], (batch,) + self.ancestors.shape)], axis=2)
         safe = jnp.clip(rows, 0, raw.capacity - 1)
-        gather = lambda x: jnp.take_along_axis(x, safe[:, :, None, None], axis=1)
+        if raw.layer is None:
+            gather = lambda x: jnp.take_along_axis(x, safe[:, :, None, None], axis=1)
+        else:  # the layer's rows straight from the stacks
+            gather = lambda x: x[raw.layer, jnp.arange(batch)[:, None], safe]
         return masked_attention(q, gather(raw.k), gather(raw.v), mask), cache, None

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.kv_cache import write_rows
+from models.kv_cache import write_layer_rows
 from pallas_kernels.tree_attention import tree_attention
 from vegas_jax.attention.core import masked_attention
 from vegas_jax.attention.sparse_draft import selected_mask
@@ -106,6 +106,11 @@ class TreeAttention:
         on_path = jnp.take(self.ancestors, jnp.clip(offset, 0, width - 1), axis=1)  # [S, B, T]
         return before[:, None, :] | (in_tree[:, None, :] & jnp.moveaxis(on_path, 0, 1))
 
+    @property
+    def layer_specific(self) -> bool:
+        """Only the last layer collects scores: the layers differ, so the decoder runs them unrolled."""
+        return self.request is not None and self.request.last_layer_only
+
     def collects(self, layer: int) -> bool:
         if self.request is None:
             return False
@@ -120,19 +125,20 @@ class TreeAttention:
 
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, k, v = new.rotated()
-        k_cache = write_rows(k_cache, k, self.rows)
-        v_cache = write_rows(v_cache, v, self.rows)
+        k_cache = write_layer_rows(k_cache, layer, k, self.rows)
+        v_cache = write_layer_rows(v_cache, layer, v, self.rows)
         if self._kernel_serves(layer):
             weights = None
             if self.collects(layer):
                 weights = jnp.asarray(score_weights(self.request.rows, self.ancestors.shape[0], self.deepest))
-            out, scores = tree_attention(q, k_cache, v_cache, self.base, self.ancestors, score_weights=weights,
-                                         interpret=self.placement.interpret)
+            out, scores = tree_attention(q, k_cache, v_cache, self.base, self.ancestors, layer=layer,
+                                         score_weights=weights, interpret=self.placement.interpret)
             return out, k_cache, v_cache, scores
-        mask = self.mask(layer, k_cache.shape[1])
+        capacity = k_cache.shape[2]
+        mask = self.mask(layer, capacity)
         if not self.collects(layer):
-            return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
-        out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
+            return masked_attention(q, k_cache[layer], v_cache[layer], mask), k_cache, v_cache, None
+        out, raw, lse = masked_attention(q, k_cache[layer], v_cache[layer], mask, return_logits=True)
         per_row = row_scores(self.request.mode, raw, lse, mask, q.shape[-1])  # [B, S, T]
         if self.request.rows == "boundary":
             scores = 0.5 * (per_row[:, 0] + jnp.mean(per_row[:, list(self.deepest)], axis=1))
@@ -140,7 +146,7 @@ class TreeAttention:
             scores = jnp.mean(per_row, axis=1)
         else:
             scores = per_row
-        candidate = jnp.arange(k_cache.shape[1])[None, :] <= self.base[:, None]  # [B, T]
+        candidate = jnp.arange(capacity)[None, :] <= self.base[:, None]  # [B, T]
         if scores.ndim == 3:
             candidate = candidate[:, None, :]
         return out, k_cache, v_cache, jnp.where(candidate, scores, -jnp.inf)

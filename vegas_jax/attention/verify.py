@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models.kv_cache import write_rows
+from models.kv_cache import write_layer_rows
 from pallas_kernels import MAX_QUERY_ROWS, verify_attention
 from pallas_kernels.verify_attention import default_scored_row
 from vegas_jax.attention.core import causal_mask, masked_attention
@@ -53,6 +53,11 @@ class VerifyAttention:
     # the selection.
     last_draft: jax.Array | None = None
 
+    @property
+    def layer_specific(self) -> bool:
+        """Only the last layer collects scores: the layers differ, so the decoder runs them unrolled."""
+        return self.request is not None and self.request.last_layer_only
+
     def collects(self, layer: int) -> bool:
         if self.request is None:
             return False
@@ -73,21 +78,23 @@ class VerifyAttention:
 
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, k, v = new.rotated()
-        k_cache = write_rows(k_cache, k, positions)
-        v_cache = write_rows(v_cache, v, positions)
+        k_cache = write_layer_rows(k_cache, layer, k, positions)
+        v_cache = write_layer_rows(v_cache, layer, v, positions)
         if self._kernel_serves(layer):
             mode = self.request.mode if self.collects(layer) else None
             start = positions[:, 0]
             if self.active is not None:
                 start = jnp.where(self.active, start, 0)  # reads only the first S rows
             out, scores = verify_attention(
-                q, k_cache, v_cache, start, self.last_draft, score_mode=mode, interpret=self.placement.interpret
-            )
+                q, k_cache, v_cache, start, self.last_draft, layer=layer, score_mode=mode,
+                interpret=self.placement.interpret)
             return out, k_cache, v_cache, scores
-        mask = causal_mask(positions, k_cache.shape[1])
+        capacity = k_cache.shape[2]
+        mask = causal_mask(positions, capacity)
+        # The layer's rows are read inside the attention's dots (k_cache[layer] fuses into them): no slice copy.
         if not self.collects(layer):
-            return masked_attention(q, k_cache, v_cache, mask), k_cache, v_cache, None
-        out, raw, lse = masked_attention(q, k_cache, v_cache, mask, return_logits=True)
+            return masked_attention(q, k_cache[layer], v_cache[layer], mask), k_cache, v_cache, None
+        out, raw, lse = masked_attention(q, k_cache[layer], v_cache[layer], mask, return_logits=True)
         per_row = row_scores(self.request.mode, raw, lse, mask, q.shape[-1])
         num_rows = per_row.shape[1]
         last = default_scored_row(self.last_draft, per_row.shape[0], num_rows)
@@ -98,7 +105,7 @@ class VerifyAttention:
             scores = jnp.sum(jnp.where(drafted[..., None], per_row, 0), axis=1) / (last[:, None] + 1)
         else:
             scores = per_row
-        candidate = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, :1]  # [B, T]
+        candidate = jnp.arange(capacity)[None, :] <= positions[:, :1]  # [B, T]
         if scores.ndim == 3:
             candidate = candidate[:, None, :]
         return out, k_cache, v_cache, jnp.where(candidate, scores, -jnp.inf)

@@ -10,8 +10,8 @@ import argparse
 from typing import Mapping
 
 PREFIX = "VEGAS_"
-# Read elsewhere: the attention backend (vegas_jax.attention.backend), and the code a benchmark's records name.
-OTHER_VARIABLES = frozenset({"VEGAS_KERNELS", "VEGAS_CODE"})
+# Read elsewhere: the attention backend and layer loop (vegas_jax.attention.backend), and the code a benchmark's records name.
+OTHER_VARIABLES = frozenset({"VEGAS_KERNELS", "VEGAS_SCAN_LAYERS", "VEGAS_CODE"})
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction)
 _SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)

@@ -77,7 +77,7 @@ def with_kernel(draft_params, placement: Placement, activations: str = "bf16"):
                    else functools.partial(_xla_product, x_group=x_group))
         return dataclasses.replace(w, kernel=product)
 
-    return jax.tree.map(attach, draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return _map_weights(attach, draft_params)
 
 
 def codes_in_words(draft_params):
@@ -106,7 +106,11 @@ def codes_in_bytes(draft_params):
 
 def check_int8_activations(draft_params) -> None:
     """ValueError (int8_group's) when a weight of the draft tree admits no group for int8 activations."""
-    for w in jax.tree.leaves(draft_params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+    tree = draft_params
+    if isinstance(tree, dict) and "layers" in tree:  # a stacked layer weight: checked as one layer's (all alike)
+        layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree["layers"])
+        tree = tree | {"layers": layer_shapes}
+    for w in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
         if isinstance(w, QuantizedWeight):
             int8_group(w)
 
@@ -133,8 +137,14 @@ def _hopper() -> bool:
 
 
 def _map_weights(fn, tree):
-    return jax.tree.map(lambda w: fn(w) if isinstance(w, QuantizedWeight) else w, tree,
-                        is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    """fn on every QuantizedWeight of a draft tree; on its stacked "layers" ([L, ...] arrays) on each layer's
+    weight (vmapped), so that fn's choices (blocks, groups, layouts) see one layer's shapes."""
+    one = lambda w: fn(w) if isinstance(w, QuantizedWeight) else w  # noqa: E731
+    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    if not (isinstance(tree, dict) and "layers" in tree):  # weights of one layer (or the LM head) alone
+        return jax.tree.map(one, tree, is_leaf=is_weight)
+    mapped = {k: jax.tree.map(one, v, is_leaf=is_weight) for k, v in tree.items() if k != "layers"}
+    return mapped | {"layers": jax.tree.map(jax.vmap(one), tree["layers"], is_leaf=is_weight)}
 
 
 def int8_group(w: QuantizedWeight) -> int:
@@ -158,7 +168,7 @@ def _largest_power_of_2_dividing(n: int, most: int) -> int:
 def _blocks(w: QuantizedWeight, path: str) -> tuple[int, int] | None:
     """(block_k, block_n) that tile this weight for the kernel's path (a key of MAX_BLOCKS), or None. Whether a
     weight tiles does not depend on the path (every block shrinks to MIN_BLOCK)."""
-    n = math.prod(w.values.shape[1:])
+    n = math.prod(w.out_shape)
     rows_per_group = w.group_size // (2 if w.bits == 4 else 1)  # rows of the stored codes under one scale
     most_k, most_n = MAX_BLOCKS[path]
     block_k = _largest_power_of_2_dividing(rows_per_group, most_k)
@@ -183,15 +193,20 @@ def _product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: bool, x_
     # Q4_1) give blocks of 16 bytes, whose rows are rounded and multiplied in floating point, the same products.
     integer_dot = x_group is not None and (rows == 1 or (
         w.bits == 4 and rows <= INTEGER_ROWS and w.group_size // 2 >= INT8_DOT_MIN_K))
-    if rows > 1 or not integer_dot:
-        w = in_bytes(w)  # only the one-row integer path reads words
+    if w.word_bits and (rows > 1 or not integer_dot):  # only the one-row integer path reads words
+        w = in_bytes(w.one_layer())  # a layout made per call: of this layer's codes alone
     path = "one row" if rows == 1 else "integer rows" if integer_dot else "rows"
     block_k, block_n = _blocks(w, path)  # the kernel takes block_k down to x_group for its integer path
-    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
-    return weight_only_matmul(x if integer_dot else _rounded(x, x_group), flat(w.values), flat(w.scale),
-                              flat(w.offset), bits=w.bits, group=w.group_size, block_k=block_k, block_n=block_n,
-                              interpret=interpret, out_dtype=out_dtype, integer_dot=integer_dot,
+    return weight_only_matmul(x if integer_dot else _rounded(x, x_group), _flat(w, w.values), _flat(w, w.scale),
+                              _flat(w, w.offset), w.layer, bits=w.bits, group=w.group_size, block_k=block_k,
+                              block_n=block_n, interpret=interpret, out_dtype=out_dtype, integer_dot=integer_dot,
                               x_group=x_group or 128)
+
+
+def _flat(w: QuantizedWeight, a: jax.Array | None) -> jax.Array | None:
+    """One of w's arrays with its output axes flattened, [(L,) rows, prod(out)] (stacked layers kept whole: the
+    kernels read their layer in place)."""
+    return None if a is None else a.reshape(a.shape[: (w.layer is not None) + 1] + (-1,))
 
 
 MGPU_BLOCK_N = 128  # output features a program of the Mosaic GPU kernel owns
@@ -218,10 +233,9 @@ def _mgpu_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: boo
                   x_group: int | None) -> jax.Array:
     """models.quantized's kernel signature through the Mosaic GPU kernel (codes transposed), 16 rows at a time."""
     block_n, block_k, splits = _mgpu_blocks(w)
-    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
     product = functools.partial(
-        weight_only_mgpu.weight_only_matmul_mgpu, wt=w.values, scale=flat(w.scale), offset=flat(w.offset),
-        group=w.group_size, zero_point=TRANSPOSED_INT4_ZERO if w.bits == 4 else 0, block_n=block_n,
+        weight_only_mgpu.weight_only_matmul_mgpu, wt=w.values, scale=_flat(w, w.scale), offset=_flat(w, w.offset),
+        layer=w.layer, group=w.group_size, zero_point=TRANSPOSED_INT4_ZERO if w.bits == 4 else 0, block_n=block_n,
         block_k=block_k, splits=splits, out_dtype=out_dtype, interpret=interpret)
     x = _rounded(x, x_group)
     rows = weight_only_mgpu.MAX_ROWS

@@ -108,7 +108,8 @@ class DecodeConfig:
     def forward(self, params, tokens, positions, cache, attention, logit_rows=None, with_hidden=False):
         """The model on this program's shard (models.decoder.forward with the mesh's tensor parallelism)."""
         return forward(params, tokens, positions, cache, attention, config=self.model, logit_rows=logit_rows,
-                       tensor_parallel=self.placement.tensor_parallel, with_hidden=with_hidden)
+                       tensor_parallel=self.placement.tensor_parallel, with_hidden=with_hidden,
+                       scan_layers=self.placement.scan_layers)
 
 
 @jax.tree_util.register_dataclass
@@ -215,7 +216,7 @@ def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConf
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
     attention = family_of(model, mode).full_attention(model, placement)
     _, cache, _ = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
-                          tensor_parallel=placement.tensor_parallel)
+                          tensor_parallel=placement.tensor_parallel, scan_layers=placement.scan_layers)
     return cache
 
 

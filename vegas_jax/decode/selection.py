@@ -270,17 +270,14 @@ class Quest(Policy):
             # Only pages completed since the last iteration change: at most this many.
             span = min(pages, 2 + self.gamma // self.page)
             start = jnp.minimum(state.complete_pages, pages - span)
-        lo, hi = [], []
-        for layer, keys in enumerate(ctx.cache.k):  # per layer: never stack (copy) the whole cache
-            new_lo, new_hi = self._page_bounds(keys, start, span)
-            if not ctx.first:
-                update = jax.vmap(lambda old, new, s: jax.lax.dynamic_update_slice_in_dim(old, new, s, axis=0))
-                new_lo = update(state.page_min[layer], new_lo, start)
-                new_hi = update(state.page_max[layer], new_hi, start)
-            lo.append(new_lo)
-            hi.append(new_hi)
+        # Every layer at once over the stacked cache [L, B, T, H, D]: one program whatever the depth.
+        lo, hi = jax.vmap(self._page_bounds, in_axes=(0, None, None))(ctx.cache.k, start, span)
+        if not ctx.first:
+            update = jax.vmap(jax.vmap(lambda old, new, s: jax.lax.dynamic_update_slice_in_dim(old, new, s, axis=0)),
+                              in_axes=(0, 0, None))
+            lo, hi = update(state.page_min, lo, start), update(state.page_max, hi, start)
         recent_start = (complete * self.page).astype(jnp.int32)
-        new_state = QuestState(jnp.stack(lo), jnp.stack(hi), complete.astype(jnp.int32))
+        new_state = QuestState(lo, hi, complete.astype(jnp.int32))
         return dataclasses.replace(selection, recent_start=recent_start), new_state
 
     def draft_attention(self, selection, state):
@@ -323,8 +320,8 @@ class QuestDraftAttention:
         pages, page_counts = top_k_indices(bound, k_pages, max(1, self.budget.k_max // self.page))
         indices = (pages[:, :, None] * self.page + jnp.arange(self.page)).reshape(b, -1)
         out, k_cache, v_cache = sparse_attend(
-            new, k_cache, v_cache, indices[None], (page_counts * self.page)[None], 0, self.recent_start,
-            positions, self.placement,
+            new, k_cache, v_cache, layer, indices, page_counts * self.page, self.recent_start, positions,
+            self.placement,
         )
         return out, k_cache, v_cache, None
 

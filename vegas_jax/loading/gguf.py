@@ -258,8 +258,8 @@ def _params(tensors: dict[str, gguf.ReaderTensor], config: ModelConfig, placer: 
     top_shapes = {k: v for k, v in expected.items() if k != "layers"}
     params: dict[str, Any] = placer.tree(checked(top, top_shapes, ""))
     # disable=None: a bar only on a terminal, never in logs or tests.
-    params["layers"] = {i: layer(i) for i in tqdm(range(c.num_layers), desc="loading", unit="layer", leave=False,
-                                                   disable=None)}
+    params["layers"] = placer.stack({i: layer(i) for i in tqdm(range(c.num_layers), desc="loading", unit="layer",
+                                                                leave=False, disable=None)})
     return params
 
 

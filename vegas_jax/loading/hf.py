@@ -210,7 +210,7 @@ def load_hf(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel:
                     _set(params, path, placer.tensor(path[-1], host))
                 bar.update()
     bar.close()
-    params["layers"] = dict(sorted(params["layers"].items()))
+    params["layers"] = placer.stack(params["layers"])
     return LoadedModel(
         config=config,
         params=params,

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig, UnsupportedModelError
-from models.decoder import axes_of_param, param_shapes
+from models.decoder import param_axes, param_shapes
 from models.logical_axes import HEADS
 from vegas_jax.loading.bundle import LoadedModel
 from vegas_jax.loading.checkpoint_files import CheckpointError, read_json_object
@@ -86,16 +86,17 @@ def load_orbax(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel
     shards = placement.model_shards
     default = jax.sharding.SingleDeviceSharding(jax.config.jax_default_device or jax.local_devices()[0])
 
-    def target(path, shape):
+    def target(path, shape, axes):
         name = path[-1].key
-        axes = axes_of_param(name, len(shape))
         if shards > 1 and name in ("qkv_proj", "qkv_bias"):
             axes = axes.replace(HEADS, None)  # stored in plain head order: reordered for the shards below
         sharding = default if mesh is None else placement.sharding(axes)
         # Orbax casts to the target's dtype as it restores: one checkpoint serves every dtype.
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    target = jax.tree_util.tree_map_with_path(target, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = param_shapes(config)
+    target = jax.tree_util.tree_map_with_path(target, shapes, param_axes(shapes),
+                                              is_leaf=lambda x: isinstance(x, tuple))
     try:
         with _pending_reads_drained(), ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_path, target)

@@ -29,7 +29,7 @@ from vegas_jax.runtime import scoring
 from vegas_jax.ssv import choice as ssv
 from vegas_jax.decode import stops
 from vegas_jax.decode.adaptive_gamma import CostBook, with_control
-from vegas_jax.attention.backend import default_backend
+from vegas_jax.attention.backend import default_backend, default_scan_layers
 from vegas_jax.runtime.compilation import Programs, matmul_precision
 from vegas_jax.inputs import InputError
 from vegas_jax.loading.bundle import LoadedModel
@@ -92,8 +92,9 @@ class Engine:
 
     @property
     def placement(self) -> Placement:
-        """The attention backend (VEGAS_KERNELS, read at each call) and the model's mesh."""
-        return Placement(default_backend(), self.model.mesh)
+        """The attention backend (VEGAS_KERNELS, read at each call), the model's mesh and the layer loop
+        (VEGAS_SCAN_LAYERS, likewise)."""
+        return Placement(default_backend(), self.model.mesh, default_scan_layers())
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat_template: bool | None = None) -> list[list[int]]:

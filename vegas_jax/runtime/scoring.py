@@ -64,7 +64,7 @@ def score_chunk(params, cache: KVCache, tokens, positions, targets, *, model, pl
     [B, C]); a target of -1 is not scored (its values are meaningless)."""
     attention = family_of(model).full_attention(model, placement)
     logits, cache, _ = forward(params, tokens, positions, cache, attention, config=model,
-                               tensor_parallel=placement.tensor_parallel)
+                               tensor_parallel=placement.tensor_parallel, scan_layers=placement.scan_layers)
     logp = jax.nn.log_softmax(logits, axis=-1)
     index = jnp.maximum(targets, 0)[..., None]
     chosen = jnp.take_along_axis(logp, index, axis=-1)[..., 0]
