@@ -120,7 +120,8 @@ def measure_head(engine: Engine, data: dict, held_out: dict, test_ids: list[list
     for tree in trees:
         result = engine.generate(test_ids, GenerationOptions(max_new_tokens=settings.new_tokens, draft_tree=tree,
                                                              drafter="head"))
-        plain = [row[settings.prompt_tokens: settings.prompt_tokens + n].tolist() for row, n in zip(tokens, generated)]
+        plain = [row[settings.prompt_tokens: settings.prompt_tokens + n].tolist()
+                 for row, n in zip(tokens, generated)]
         decoding[tree] = {"tau": result.metrics["tau"], "acceptance_rate": result.metrics["acceptance_rate"],
                           "identical_to_plain": sum(r.tokens == p for r, p in zip(result.requests, plain)),
                           "sequences": len(test_ids)}

@@ -44,8 +44,10 @@ class KVCache:
 
 def write_layer_rows(stacked: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
     """stacked[layer, b, positions[b, s]] = rows[b, s] for a stacked cache [L, B, T, ...] (layer: a Python int or
-    a traced int32): one scatter of the new rows alone, in place on a carried or donated buffer; positions past
-    the end are dropped, never clamped onto valid rows."""
+    a traced int32; None: `stacked` is one layer's [B, T, ...], write_rows): one scatter of the new rows alone, in
+    place on a carried or donated buffer; positions past the end are dropped, never clamped onto valid rows."""
+    if layer is None:
+        return write_rows(stacked, rows, positions)
     batch_index = jnp.arange(stacked.shape[1])[:, None]
     return stacked.at[layer, batch_index, positions].set(rows.astype(stacked.dtype), mode="drop")
 

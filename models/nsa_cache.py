@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, NSALayout
-from models.kv_cache import write_layer_rows, write_rows
+from models.kv_cache import write_layer_rows
 from models.logical_axes import BATCH, KV_HEADS, axes_field
 
 
@@ -119,20 +119,13 @@ class NSACache:
         return cls(layer.k, layer.v, layer.k_cmp, layer.v_cmp)
 
 
-def write_layer_tokens(arrays: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
-    """write_rows into one layer's array (layer None) or write_layer_rows into layer `layer` of a stack."""
-    if layer is None:
-        return write_rows(arrays, rows, positions)
-    return write_layer_rows(arrays, layer, rows, positions)
-
-
 def write_tokens(cache: NSALayerCache, k: jax.Array, v: jax.Array, positions: jax.Array,
                  layout: NSALayout) -> NSALayerCache:
     """Writes rotated k, v [B, S, H_kv, D] at positions [B, S], then the compressed row of every block whose last
     row is among them, pooled from the raw rows just written (positions past the end are dropped). With stacks,
     only those rows are scattered into the layer's (in place)."""
-    written = dataclasses.replace(cache, k=write_layer_tokens(cache.k, cache.layer, k, positions),
-                                  v=write_layer_tokens(cache.v, cache.layer, v, positions))
+    written = dataclasses.replace(cache, k=write_layer_rows(cache.k, cache.layer, k, positions),
+                                  v=write_layer_rows(cache.v, cache.layer, v, positions))
     return pool_blocks(written, positions, layout)
 
 
@@ -152,5 +145,5 @@ def pool_blocks(cache: NSALayerCache, positions: jax.Array, layout: NSALayout) -
         taken = raw[batch_index, rows] if cache.layer is None else raw[cache.layer, batch_index, rows]
         return jnp.mean(taken.astype(jnp.float32), axis=2)  # [B, S, H_kv, D]
 
-    return dataclasses.replace(cache, k_cmp=write_layer_tokens(cache.k_cmp, cache.layer, pooled(cache.k), block),
-                               v_cmp=write_layer_tokens(cache.v_cmp, cache.layer, pooled(cache.v), block))
+    return dataclasses.replace(cache, k_cmp=write_layer_rows(cache.k_cmp, cache.layer, pooled(cache.k), block),
+                               v_cmp=write_layer_rows(cache.v_cmp, cache.layer, pooled(cache.v), block))

@@ -45,25 +45,14 @@ def stacked_caches(q, k_cache, v_cache, layer, num_query_dims: int = 4):
     stack of one. The kernel takes the whole stack and the layer as operands and indexes with it, so a scanned
     layer body never slices a layer out (a copy of its cache per pass, issue 52). Callers vmap the stacks over
     their batch axis 1, where Pallas's batching indexes the block without moving the axis (a transpose)."""
-    if layer is None:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-    elif k_cache.ndim != 5:
+    if layer is not None and k_cache.ndim != 5:
         raise ValueError(f"with a layer the caches must be stacked [L, B, T, H_kv, D], got {k_cache.shape}")
+    (k_cache, v_cache), layer = stacked_layer(layer, k_cache, v_cache)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"caches must both be [L, B, T, H_kv, D]; got {k_cache.shape}, {v_cache.shape}")
     one_layer = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
     check_cache_shapes(q, one_layer, one_layer, num_query_dims)
-    return k_cache, v_cache, jnp.asarray(layer, jnp.int32)
-
-
-def stacked_weight(q, scale, offset, layer):
-    """(q, scale, offset, layer) as the kernels take them: every layer's arrays stacked [L, ...] and the layer read
-    (int32 []), as given, or one layer's arrays (layer None) as a stack of one (a reshape, no copy). The whole stack
-    is the kernel's operand: a layer's slice there would be a buffer of its own, a copy of the weight per layer and
-    pass of a scanned layer body."""
-    if layer is None:
-        return q[None], scale[None], None if offset is None else offset[None], jnp.int32(0)
-    return q, scale, offset, jnp.asarray(layer, jnp.int32)
+    return k_cache, v_cache, layer
 
 
 def check_cache_shapes(q, k_cache, v_cache, num_query_dims: int):
@@ -164,10 +153,12 @@ def split_partial_outputs(num_splits: int, num_kv_heads: int, rows: int, head_di
 
 
 def stacked_layer(layer, *arrays):
-    """(arrays, layer) for a kernel that reads one layer of stacked arrays [L, ...] in place (the NSA caches): the
-    stacks and the layer (an int or traced int32) as given, or one layer's arrays (layer None) as stacks of one (a
-    reshape, no copy) and layer 0. The kernel takes the whole stacks and the layer as operands and indexes with
-    it, as stacked_caches' kernels do (issue 52); callers vmap the stacks over their batch axis 1."""
+    """(arrays, layer int32 []) for a kernel that reads one layer of stacked arrays [L, ...] in place (caches,
+    quantized weights): the stacks and the layer (an int or traced int32) as given, or one layer's arrays (layer
+    None) as stacks of one (a reshape, no copy) and layer 0; a None array stays None. The kernel takes the whole
+    stacks and the layer as operands and indexes with it: a layer's slice as a kernel's operand would be a buffer
+    of its own, a copy per layer and pass of a scanned layer body (issue 52). Callers vmap stacked caches over
+    their batch axis 1."""
     if layer is None:
-        return tuple(a[None] for a in arrays), jnp.int32(0)
+        return tuple(None if a is None else a[None] for a in arrays), jnp.int32(0)
     return arrays, jnp.asarray(layer, jnp.int32)

@@ -35,9 +35,9 @@ from pallas_kernels._common import (
     next_power_of_2,
     normalised_with_lse,
     online_softmax_start,
-    stacked_layer,
     online_softmax_step,
     split_partial_outputs,
+    stacked_layer,
     store_split_partials,
     whole_block_splits,
 )
@@ -53,8 +53,8 @@ def _group_rows(q_ref, kv_head, group: int, block_h: int):
     return q_ref[kv_head * group + jnp.minimum(lane, group - 1), :], lane < group
 
 
-def compressed_kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, o_ref, l_ref, m_ref, logits_ref, *, sm_scale, block_c,
-                      chunk, group, block_h, stride, compress_block):
+def compressed_kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, o_ref, l_ref, m_ref, logits_ref, *, sm_scale,
+                      block_c, chunk, group, block_h, stride, compress_block):
     kv_head, split = pl.program_id(0), pl.program_id(1)
     position, layer = position_ref[()], layer_ref[()]  # k_ref, v_ref [L, C, D]: every layer's rows of one head
     q, real = _group_rows(q_ref, kv_head, group, block_h)
@@ -75,8 +75,8 @@ def compressed_kernel(q_ref, k_ref, v_ref, layer_ref, position_ref, o_ref, l_ref
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, real)
 
 
-def sparse_window_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, position_ref, o_ref, l_ref, m_ref, *, sm_scale, group,
-                         block_h, select_block, top_n, blocks_per_split, select_splits, window, window_per_split,
+def sparse_window_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, position_ref, o_ref, l_ref, m_ref, *, sm_scale,
+                         group, block_h, select_block, top_n, blocks_per_split, select_splits, window, window_per_split,
                          joint):
     kv_head, split = pl.program_id(0), pl.program_id(1)
     position, layer = position_ref[()], layer_ref[()]  # k_ref, v_ref [L, T, D]: every layer's rows of one head

@@ -42,8 +42,8 @@ def _step(carry, q, k, v, valid, sm_scale):
             l_prev * correction + p.sum(axis=1))
 
 
-def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, layer_ref, blocks_ref, gates_ref, position_ref, *out_refs, sm_scale,
-                 group, block_h, layout: NSALayout, top_n, block_c, cmp_chunk, blocks_per_split,
+def fused_kernel(q_ref, k_ref, v_ref, kc_ref, vc_ref, layer_ref, blocks_ref, gates_ref, position_ref, *out_refs,
+                 sm_scale, group, block_h, layout: NSALayout, top_n, block_c, cmp_chunk, blocks_per_split,
                  window_steps_per_split, joint):
     kv_head, split = pl.program_id(0), pl.program_id(1)
     position = position_ref[()]
@@ -127,7 +127,8 @@ def default_splits(top_n: int) -> int:
     return next_power_of_2(top_n)
 
 
-def _unbatched(q, k, v, k_cmp, v_cmp, layer, blocks, gates, position, *, layout, kind, block_c, num_splits, interpret):
+def _unbatched(q, k, v, k_cmp, v_cmp, layer, blocks, gates, position, *, layout, kind, block_c, num_splits,
+               interpret):
     num_q_heads, head_dim = q.shape
     num_layers, capacity, num_kv_heads, _ = k.shape
     rows = k_cmp.shape[1]
@@ -172,8 +173,8 @@ def nsa_reuse_decode(q, k_cache, v_cache, k_cmp, v_cmp, blocks, position, gates=
     """NSA attention of one rotated query per sequence q [B, H_q, D] at position [B] with its selection injected:
     blocks [B, H_kv, n] (any n; -1 pads). Caches as pallas_kernels.nsa_decode (raw [B, T, H_kv, D] holding the
     query's row; compressed [B, C, H_kv, D]); gates [B, H_q, 3] exactly for kind "nsa". Returns [B, H_q, D] in
-    q's dtype. With `layer`, the caches are every layer's stacked [L, ...], read in place as pallas_kernels.nsa_decode
-    reads them."""
+    q's dtype. With `layer`, the caches are every layer's stacked [L, ...], read in place as
+    pallas_kernels.nsa_decode reads them."""
     (k_cache, v_cache, k_cmp, v_cmp), layer = stacked_layer(layer, k_cache, v_cache, k_cmp, v_cmp)
     batch, num_q_heads, head_dim = q.shape
     if (k_cache.shape != v_cache.shape or k_cmp.shape != v_cmp.shape or k_cache.shape[1] != batch

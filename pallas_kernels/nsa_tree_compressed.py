@@ -63,7 +63,8 @@ def _program_rows(q_ref, kv_head, node_block, *, group, num_q_heads, num_nodes, 
     return q, real, local
 
 
-def softmax_kernel(q_ref, k_ref, v_ref, layer_ref, visible_ref, o_ref, l_ref, m_ref, *, sm_scale, block_c, chunk, rows):
+def softmax_kernel(q_ref, k_ref, v_ref, layer_ref, visible_ref, o_ref, l_ref, m_ref, *, sm_scale, block_c, chunk,
+                   rows):
     kv_head, split, node_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, real, _ = _program_rows(q_ref, kv_head, node_block, **rows)
     visible, first, layer = visible_ref[()], split * chunk, layer_ref[()]  # k_ref, v_ref [L, C, D]
@@ -80,7 +81,8 @@ def softmax_kernel(q_ref, k_ref, v_ref, layer_ref, visible_ref, o_ref, l_ref, m_
     store_split_partials(o_ref, l_ref, m_ref, o, l, m, real)
 
 
-def probs_kernel(q_ref, k_ref, layer_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, block_c, chunk, rows, nodes_padded):
+def probs_kernel(q_ref, k_ref, layer_ref, lse_ref, visible_ref, probs_ref, *, sm_scale, block_c, chunk, rows,
+                 nodes_padded):
     kv_head, split, node_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, real, local = _program_rows(q_ref, kv_head, node_block, **rows)
     lse = lse_ref[...]
@@ -157,7 +159,8 @@ def _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, *, block_c, num_split
     probs = pl.pallas_call(
         functools.partial(probs_kernel, sm_scale=sm_scale, block_c=block_c, chunk=chunk, rows=rows,
                           nodes_padded=nodes_padded),
-        grid=grid, in_specs=[q_rows, head_rows, scalar, pl.BlockSpec((None, block_r), lambda h, s, b: (h, b)), scalar],
+        grid=grid,
+        in_specs=[q_rows, head_rows, scalar, pl.BlockSpec((None, block_r), lambda h, s, b: (h, b)), scalar],
         out_specs=pl.BlockSpec((None, None, nodes_padded, chunk), lambda h, s, b: (h, b, 0, s)),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, node_blocks, nodes_padded, compressed_rows), jnp.float32),
         compiler_params=params, interpret=interpret, name="nsa_tree_compressed_probs",

@@ -86,8 +86,8 @@ def _store(o_ref, l_ref, m_ref, carry):
     m_ref[...] = m
 
 
-def v0_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads,
-              block_h, select_block, top_n, per_split):
+def v0_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, o_ref, l_ref, m_ref, *, sm_scale, group,
+              num_q_heads, block_h, select_block, top_n, per_split):
     kv_head, node, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, layer = length_ref[()], layer_ref[()]  # k_ref, v_ref [L, T_cap, D]
     lane = jnp.arange(block_h)
@@ -107,7 +107,8 @@ def v0_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, o_ref, l_r
 
 
 def v1_kernel(q_ref, k_cache_ref, v_cache_ref, layer_ref, union_ref, slots_ref, counts_ref, member_ref, length_ref,
-              o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block, num_splits):
+              o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block,
+              num_splits):
     kv_head, split, program_rows = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, layer = length_ref[()], layer_ref[()]  # k_cache_ref, v_cache_ref [L, T_cap, D]
     # Row blocks one after another in this program (row_loop): the union blocks just read for one row block may
@@ -206,7 +207,8 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, layer=None, select_block
         kernel, grid=(num_kv_heads, num_nodes, num_splits),
         in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, t, s: (0, 0)),
                   _head_rows(num_layers, capacity, head_dim), _head_rows(num_layers, capacity, head_dim),
-                  pl.BlockSpec((), lambda h, t, s: ()), pl.BlockSpec((None, None, listed), lambda h, t, s: (t, h, 0)),
+                  pl.BlockSpec((), lambda h, t, s: ()),
+                  pl.BlockSpec((None, None, listed), lambda h, t, s: (t, h, 0)),
                   pl.BlockSpec((), lambda h, t, s: ())],
         out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
@@ -218,8 +220,9 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, layer=None, select_block
 @functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))
 def v1_selected(q, k_cache, v_cache, union, member, length, *, layer=None, select_block: int,
                 launch: V1Launch = V1Launch(), interpret: bool = False):
-    """q [T, H_q, D]; caches [T_cap, H_kv, D] (or stacked with `layer`, as v0_selected's); union [H_kv, U] (ascending, -1 past its count); member
-    [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32, lse [H_kv, T, G]).
+    """q [T, H_q, D]; caches [T_cap, H_kv, D] (or stacked with `layer`, as v0_selected's); union [H_kv, U]
+    (ascending, -1 past its count); member [H_kv, T, U] bool; length []. Returns (o [H_kv, T, G, D] float32,
+    lse [H_kv, T, G]).
 
     launch.row_loop: each program runs all row blocks of its union split one after another (the split's blocks
     come from its SM's cache after the first), instead of one program per row block (more programs, the

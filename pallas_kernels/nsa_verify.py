@@ -222,8 +222,8 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
                     stacks: NSALayerCache | None = None, seq=None):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
     [T_cap, H_kv, D] without the batch axis, or every layer's [L, T_cap, H_kv, D] with the cache's layer, which
-    every read, kernel or XLA, takes from the stacks in place; length and parents traced). schedule: "v0" | "v1" (module
-    docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
+    every read, kernel or XLA, takes from the stacks in place; length and parents traced). schedule: "v0" | "v1"
+    (module docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
     v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch); batch: how many
     sequences the caller vmaps this over (it sizes the compressed branch's grid).
     reselect: None, or (blocks [T, H_kv, n], ancestor mask [T, T], positions [T]) -> the blocks each node attends

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import ptx
-from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2, stacked_weight
+from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2, stacked_layer
 
 _MIN_ROWS = 16  # Triton dots need every dimension >= 16
 # An int8 dot's K on NVIDIA tensor cores (mma k32): Triton's front end refuses less, Pallas's lowering does not, and
@@ -347,7 +347,7 @@ def weight_only_matmul(x, q, scale, offset=None, layer=None, *, bits: int, group
     """x [M, K] @ dequantised w [K, N] -> [M, N] in out_dtype (default x's; float32 accumulation). See the module
     docstring for the layouts of q, scale [K / group, N] and offset (same shape, or None). layer (int32 []): q, scale
     and offset hold every layer's weight stacked [L, ...] and the product is layer `layer`'s, which the kernel reads
-    in place (stacked_weight). integer_dot (1-16 rows): x quantized to int8 per x_group positions and multiplied in
+    in place (stacked_layer). integer_dot (1-16 rows): x quantized to int8 per x_group positions and multiplied in
     integers (one row: weight_only_integer_kernel; more: weight_only_integer_rows_kernel), the exact product of those
     quantized rows, an approximation of x @ w within x's quantization error. nibble_unpack (int4 at 2 rows or more,
     the dot kernels): how code bytes become bf16 tiles, "ops" (integer operations a weight) or "prmt" (PTX byte
@@ -359,7 +359,7 @@ def weight_only_matmul(x, q, scale, offset=None, layer=None, *, bits: int, group
     `benchmarks/bench_weight_only.py --rows 1 --bits 4 --integer-dot --prefetch 0,1`,
     weight-only-2026-12-04-s35-prefetch.json)."""
     m, k = x.shape
-    q, scale, offset, layer = stacked_weight(q, scale, offset, layer)
+    (q, scale, offset), layer = stacked_layer(layer, q, scale, offset)
     num_layers = q.shape[0]
     if nibble_unpack not in UNPACKS:
         raise ValueError(f"nibble_unpack must be one of {', '.join(UNPACKS)}, got {nibble_unpack!r}")

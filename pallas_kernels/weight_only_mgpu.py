@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import stacked_weight
+from pallas_kernels._common import stacked_layer
 
 MAX_ROWS = 16  # wgmma's N: x^T is padded to 8 or 16 columns
 WGMMA_M = 64  # rows of the weight one wgmma instruction multiplies
@@ -56,7 +56,7 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     layer). block_k: K positions a pipeline step loads, whole groups or a part of one; splits: how many programs
     share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
-    wt, scale, offset, layer = stacked_weight(wt, scale, offset, layer)
+    (wt, scale, offset), layer = stacked_layer(layer, wt, scale, offset)
     num_layers, n, k2 = wt.shape
     bits = jax.dtypes.itemsize_bits(wt.dtype)
     if k2 != k or bits not in (4, 8) or m > MAX_ROWS:

@@ -511,7 +511,8 @@ def _keep_compiled_programs(folder: str | None, render) -> None:
         return
     default = compilation.default_cache_folder()
     try:
-        compilation.use_persistent_cache(default, "the default --compile-cache-dir", compilation.DEFAULT_CACHE_BYTES)
+        compilation.use_persistent_cache(default, "the default --compile-cache-dir",
+                                         max_bytes=compilation.DEFAULT_CACHE_BYTES)
     except InputError as e:
         print(f"note: compiled programs are not kept ({render(e)}); name a folder with --compile-cache-dir, or "
               "'off'", file=sys.stderr)

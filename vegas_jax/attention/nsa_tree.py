@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import NSALayout
-from models.nsa_cache import NSALayerCache, write_layer_tokens
+from models.kv_cache import write_layer_rows
+from models.nsa_cache import NSALayerCache
 from pallas_kernels.nsa_tree_select import V1Launch
 from pallas_kernels.nsa_verify import nsa_tree_verify
 from vegas_jax.attention.core import masked_attention
@@ -46,8 +47,8 @@ def write_tree_rows(cache, k: jax.Array, v: jax.Array, rows: jax.Array):
     selections untouched."""
     if isinstance(cache, ApproxLayerCache):
         return dataclasses.replace(cache, nsa=write_tree_rows(cache.nsa, k, v, rows))
-    return dataclasses.replace(cache, k=write_layer_tokens(cache.k, cache.layer, k, rows),
-                               v=write_layer_tokens(cache.v, cache.layer, v, rows))
+    return dataclasses.replace(cache, k=write_layer_rows(cache.k, cache.layer, k, rows),
+                               v=write_layer_rows(cache.v, cache.layer, v, rows))
 
 
 def raw_rows(cache) -> NSALayerCache:

@@ -232,7 +232,8 @@ class Engine:
         long (`pacing.Pacer`; steps_per_call is the first call's). `stop` is asked before every call: once it returns
         True, decoding ends and the requests not finished are reported "interrupted" with their tokens so far.
         A request whose logits become non-finite stops alone ("failed"); the others go on. `reuse_prefill`: as
-        `start`'s (runs comparing methods or settings over the same prompts prefill once; metrics' prefill_reused)."""
+        `start`'s (runs comparing methods or settings over the same prompts prefill once; metrics'
+        prefill_reused)."""
         pacer = Pacer(steps_per_call, seconds_per_call)
         started = self.start(prompts, options, chat_template=chat_template, progress=progress,
                              reuse_prefill=reuse_prefill)
