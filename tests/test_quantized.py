@@ -219,6 +219,27 @@ def test_code_layouts_convert_from_any_layout(rng, kind):
         np.testing.assert_array_equal(np.asarray(in_bytes(t).values), np.asarray(w.values), err_msg=layout)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_stacked_layers_change_layout_a_layer_at_a_time(rng, kind):
+    """A stacked draft tree [L, ...] changes layout layer by layer: each layer as the one-layer conversion gives it,
+    a weight already in the asked layout kept (not copied), and the conversion's program holds no more than a
+    fraction of one layer's codes (vmapped over the whole stack it held every layer's unpacked int32 codes at once:
+    14 GiB for Llama-3.1-8B's gate/up projection, out of memory on an H100 beside the model)."""
+    layers = [_random_weight(rng, kind, 256, (128,), 2 if kind == "int4" else 1, 1)[0] for _ in range(4)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    for layout in ("transposed", "words"):
+        convert = CODE_LAYOUTS[layout]
+        got = convert({"layers": {"w": stacked}})["layers"]["w"]
+        for i, layer in enumerate(layers):
+            (want,) = jax.tree.leaves(convert([layer]), is_leaf=lambda a: isinstance(a, QuantizedWeight))
+            np.testing.assert_array_equal(np.asarray(got.values[i]), np.asarray(want.values), err_msg=layout)
+            assert (got.transposed, got.word_bits) == (want.transposed, want.word_bits)
+        assert convert({"layers": {"w": got}})["layers"]["w"].values is got.values, layout
+        unpacked_layer = 256 * 128 * 4  # one layer's codes as int32
+        program = jax.jit(lambda w: convert({"layers": {"w": w}})).lower(stacked).compile()
+        assert program.memory_analysis().temp_size_in_bytes < unpacked_layer / 4, layout
+
+
 def test_weights_the_transposed_kernel_does_not_tile_stay_in_bytes(rng):
     """Groups of 32 int4 codes (GGUF Q4_0 / Q4_1) fill 16 bytes a row of shared memory, and 100 features no block:
     those weights keep the Triton kernel's layout."""
