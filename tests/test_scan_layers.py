@@ -100,3 +100,25 @@ def test_decode_loop_emits_the_same_tokens_in_both_loops(engine, monkeypatch, fi
     unrolled = engine.generate(batch, options)
     assert [r.tokens for r in scanned.requests] == [r.tokens for r in unrolled.requests]
     assert scanned.metrics["tau"] == unrolled.metrics["tau"]
+
+
+def test_the_scan_slices_a_layers_vectors_as_one_array():
+    """pack_vectors: the per-layer vectors ([L, n], the norms' scales) of a dtype become one scanned array, and each
+    layer's slice of it unpacks to that layer's vectors; matrices, other dtypes, a lone vector and None pass as
+    they are."""
+    from models.decoder import pack_vectors
+
+    rng = np.random.default_rng(0)
+    norm_a, norm_b = jnp.asarray(rng.standard_normal((LAYERS, 5)), jnp.bfloat16), jnp.ones((LAYERS, 7), jnp.bfloat16)
+    weight = jnp.asarray(rng.standard_normal((LAYERS, 4, 3)), jnp.bfloat16)
+    lone = jnp.asarray(rng.standard_normal((LAYERS, 2)), jnp.float32)
+    leaves = [norm_a, weight, None, lone, norm_b]
+    scanned, unpack = pack_vectors(leaves)
+    assert len(scanned) == 6 and all(got is want for got, want in zip(scanned, [None, weight, None, lone, None]))
+    assert scanned[5].shape == (LAYERS, 12)
+    for i in range(LAYERS):
+        layer = unpack([None if x is None else x[i] for x in scanned])
+        for got, want in zip(layer, leaves):
+            assert (got is None) == (want is None)
+            if want is not None:
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want[i]))
