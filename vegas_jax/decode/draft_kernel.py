@@ -155,7 +155,8 @@ def layer_by_layer(fn, stacked):
     layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
     if _signature(jax.eval_shape(fn, layer)) == _signature(layer):
         return stacked
-    return jax.jit(lambda stacked: jax.lax.map(fn, stacked))(stacked)  # compiled once per weight and layout
+    # Compiled at each conversion: a loaded model's draft tree changes layout when a run asks for another one.
+    return jax.jit(lambda stacked: jax.lax.map(fn, stacked))(stacked)
 
 
 def _signature(tree) -> tuple:
