@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
-from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
+from benchmarks.results_io import RecordLog, check_writable, current_layer_loop, run_metadata  # noqa: E402
 from vegas_jax.runtime import compilation  # noqa: E402
 from vegas_jax.runtime.engine import GenerationOptions  # noqa: E402
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         programs = times.take()
         record = {"how": how, "workers": workers, "configurations": [list(c) for c in configurations],
-                  "layer_loop": layer_loop or ("unrolled" if os.environ.get("VEGAS_SCAN_LAYERS") == "0" else "scanned"),
+                  "layer_loop": layer_loop or current_layer_loop(),
                   "wall_s": wall, "seconds_per_configuration": wall / len(configurations), "start_s": starts,
                   "lower_s": sum(p["lower_s"] for p in programs), "compile_s": sum(p["compile_s"] for p in programs),
                   "programs": programs}

@@ -61,6 +61,13 @@ class RecordLog:
         save_results({**self.meta, self.key: self.records, "complete": complete}, self.name, *self.folders)
 
 
+def current_layer_loop() -> str:
+    """The decoder's layer loop an engine started now would run: "scanned" or "unrolled" (VEGAS_SCAN_LAYERS)."""
+    from vegas_jax.attention.backend import default_scan_layers
+
+    return "scanned" if default_scan_layers() else "unrolled"
+
+
 def run_metadata(**extra) -> dict:
     """What every results document starts with: device, jax version, UTC date, the command and the decoder's layer
     loop (VEGAS_SCAN_LAYERS: scanned or unrolled, so that the two are told apart in a comparison), then `extra`."""
@@ -69,6 +76,6 @@ def run_metadata(**extra) -> dict:
         "jax_version": jax.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
-        "layer_loop": "unrolled" if os.environ.get("VEGAS_SCAN_LAYERS") == "0" else "scanned",
+        "layer_loop": current_layer_loop(),
         **extra,
     }

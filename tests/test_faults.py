@@ -30,7 +30,7 @@ from tests.test_cli import BASE, COMMON, FIXTURE, MAX_NEW, PROMPT, REPO, run_mai
 from tests.test_lossless_tiny import GREEDY, prompts, tiny_engine
 from vegas_jax import generate
 from vegas_jax.cli import arguments, outputs
-from vegas_jax.attention.backend import default_backend
+from vegas_jax.attention.backend import default_backend, default_scan_layers
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
 from vegas_jax.runtime.pacing import Pacer
 from vegas_jax.loading import CheckpointError, load_model
@@ -216,6 +216,27 @@ def test_pallas_needs_a_gpu_of_compute_capability_8(monkeypatch):
     assert default_backend() == "pallas"
     monkeypatch.setenv("VEGAS_KERNELS", "auto")
     assert default_backend() == "pallas"
+
+
+def test_the_layer_loop_scans_on_a_cpu_and_unrolls_on_a_gpu_unless_told(monkeypatch, capsys):
+    """VEGAS_SCAN_LAYERS auto (the default) scans except on a GPU, where the unrolled layers decode faster; 1 and 0
+    choose everywhere; anything else is one error line naming the variable, before a model loads."""
+    monkeypatch.delenv("VEGAS_SCAN_LAYERS", raising=False)
+    assert default_scan_layers()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not default_scan_layers()
+    monkeypatch.setenv("VEGAS_SCAN_LAYERS", "1")
+    assert default_scan_layers()
+    monkeypatch.setenv("VEGAS_SCAN_LAYERS", "auto")
+    assert not default_scan_layers()
+    monkeypatch.undo()
+    monkeypatch.setenv("VEGAS_SCAN_LAYERS", "0")
+    assert not default_scan_layers()
+    monkeypatch.setenv("VEGAS_SCAN_LAYERS", "yes")
+    message = "VEGAS_SCAN_LAYERS must be auto, 0 (unrolled layers) or 1 (scanned), got 'yes'"
+    assert generate.main([*BASE, "--prompt", PROMPT]) == 2
+    _, err = capsys.readouterr()
+    assert err == f"error: {message}\n"
 
 
 # ---- checkpoint faults ----------------------------------------------------------------------------------------
