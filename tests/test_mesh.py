@@ -138,6 +138,22 @@ def scenario_tiny() -> dict:
                 hlo = got["decode"].as_text()
                 out["collectives"] = sorted(set(re.findall(
                     r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(", hlo)))
+    # The layer loop a GPU runs by default (unrolled: VEGAS_SCAN_LAYERS=auto) on a mesh: greedy Vegas as on one
+    # device (whose loop is the CPU's scanned one).
+    options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=40)
+    reference = _run_to_end(one, batch, options)
+    before = os.environ.get("VEGAS_SCAN_LAYERS")
+    os.environ["VEGAS_SCAN_LAYERS"] = "0"
+    try:
+        unrolled = engines["data=2,model=4"]
+        got = _run_to_end(unrolled, batch, options)
+        out["unrolled_on_mesh"] = {"scanned": unrolled.placement.scan_layers,
+                                   "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
+                                   **{k: got[k] == reference[k] for k in ("tokens", "accepted", "selected")}}
+    finally:
+        os.environ.pop("VEGAS_SCAN_LAYERS")
+        if before is not None:
+            os.environ["VEGAS_SCAN_LAYERS"] = before
     # The plan counts one shard: on data=2, model=4 the 5 requests take 3 rows of each data shard and a quarter of
     # the KV heads.
     import jax.numpy as jnp
@@ -308,7 +324,8 @@ def test_every_mesh_decodes_as_one_device(tiny):
     with adaptive γ, on (data=2, model=4); a sampled self-drafted 2x2 tree with logprobs and a stop id on (data=2,
     model=4); 5 requests (padded to the data axis): same tokens, same drafts accepted at
     every position, same final selections per layer and request, same logprobs and (adaptive γ) the same number of
-    drafts chosen at every iteration as one device."""
+    drafts chosen at every iteration as one device; greedy Vegas with the layers unrolled (a GPU's default) on
+    (data=2, model=4) as one device."""
     assert len(tiny["runs"]) == 8 and sum(run["controls"] for run in tiny["runs"]) == 1
     assert [run["tree"] for run in tiny["runs"] if run["tree"]] == ["2x2"]
     for run in tiny["runs"]:
@@ -319,6 +336,9 @@ def test_every_mesh_decodes_as_one_device(tiny):
     chosen = auto["chosen_histogram"]
     assert chosen[0] and sum(chosen[1:]), chosen  # adaptive γ ran plain steps and speculative ones
     assert tiny["draft_weights_move_to_a_mesh"]
+    unrolled = tiny["unrolled_on_mesh"]  # the GPU's default layer loop, on (data=2, model=4)
+    assert unrolled == {"scanned": False, "drafts_accepted": unrolled["drafts_accepted"], "tokens": True,
+                        "accepted": True, "selected": True} and unrolled["drafts_accepted"] > 0, unrolled
 
 
 def test_an_nsa_model_decodes_on_a_mesh_as_on_one_device():
