@@ -80,8 +80,9 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating():
     assert not engine.programs
 
 
-def test_dry_run_prints_the_plan_and_compiles_nothing(tmp_path):
-    """--output-json, if given, gets the plan printed."""
+def test_dry_run_prints_the_plan_and_compiles_nothing(tmp_path, monkeypatch):
+    """--output-json, if given, gets the plan printed; the plan names the layer loop the run compiles (scanned on
+    the CPU, VEGAS_SCAN_LAYERS=0 unrolled)."""
     fixture = Path(__file__).parent / "fixtures" / "tiny-llama"
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
@@ -93,6 +94,12 @@ def test_dry_run_prints_the_plan_and_compiles_nothing(tmp_path):
     plan = doc["plan"]
     assert plan["batch_rows"] == 2 and plan["gamma"] == 6 and plan["mesh"] == {"data": 1, "model": 1}
     assert plan["bytes_per_device"]["kv_cache"] > 0 and len(doc["prompt_tokens"]) == 2
+    assert plan["layer_loop"] == "scanned"
+    monkeypatch.setenv("VEGAS_SCAN_LAYERS", "0")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["--model", str(fixture), "--prompt", "hello world", "--dry-run", "--quiet"]) == 0
+    assert json.loads(out.getvalue())["plan"]["layer_loop"] == "unrolled"
 
 
 def test_dry_run_plan_counts_quantized_draft_weights():

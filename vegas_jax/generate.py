@@ -580,7 +580,8 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                     **options.flat(), "chat_template": args.chat_template, "prompts": len(prompts),
                     "system": args.system, "messages": [str(p) for p in args.messages],
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
-                    "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"]}
+                    "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"],
+                    "layer_loop": plan["layer_loop"]}
         out["config"] = resolved
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)

@@ -96,6 +96,7 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
         "placement": placement.describe(),
         "mesh": {"data": placement.data_shards, "model": placement.model_shards},
         "backend": placement.backend,
+        "layer_loop": "scanned" if placement.scan_layers else "unrolled",  # VEGAS_SCAN_LAYERS
         "batch_rows": batch,
         "cache_capacity": capacity,
         "output_width": config.max_new_tokens,
