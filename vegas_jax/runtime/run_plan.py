@@ -96,7 +96,9 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
         "placement": placement.describe(),
         "mesh": {"data": placement.data_shards, "model": placement.model_shards},
         "backend": placement.backend,
-        "layer_loop": "scanned" if placement.scan_layers else "unrolled",  # VEGAS_SCAN_LAYERS
+        # VEGAS_SCAN_LAYERS's loop; attentions that differ by layer (last-layer scores, NSA's approximate modes)
+        # run their layers unrolled whatever it says (models.decoder.layer_specific).
+        "layer_loop": "scanned" if placement.scan_layers else "unrolled",
         "batch_rows": batch,
         "cache_capacity": capacity,
         "output_width": config.max_new_tokens,
