@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -142,18 +143,12 @@ def scenario_tiny() -> dict:
     # device (whose loop is the CPU's scanned one).
     options = dataclasses.replace(GREEDY, method="vegas", max_new_tokens=40)
     reference = _run_to_end(one, batch, options)
-    before = os.environ.get("VEGAS_SCAN_LAYERS")
-    os.environ["VEGAS_SCAN_LAYERS"] = "0"
-    try:
+    with mock.patch.dict(os.environ, VEGAS_SCAN_LAYERS="0"):
         unrolled = engines["data=2,model=4"]
         got = _run_to_end(unrolled, batch, options)
         out["unrolled_on_mesh"] = {"scanned": unrolled.placement.scan_layers,
                                    "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
                                    **{k: got[k] == reference[k] for k in ("tokens", "accepted", "selected")}}
-    finally:
-        os.environ.pop("VEGAS_SCAN_LAYERS")
-        if before is not None:
-            os.environ["VEGAS_SCAN_LAYERS"] = before
     # The plan counts one shard: on data=2, model=4 the 5 requests take 3 rows of each data shard and a quarter of
     # the KV heads.
     import jax.numpy as jnp
