@@ -492,30 +492,37 @@ def test_check_lossless_gpu(tmp_path, monkeypatch, capsys):
 
 
 def test_check_lossless_gpu_judges_divergences(capsys):
-    """A divergence is a near-tie when the token taken was plain decoding's second choice at a margin within twice
-    the noise floor; its position and margin are plain decoding's there; the noise floor is the largest difference
-    of an agreed token's log-probability between two runs; a bad flag is one error line."""
+    """A divergence is a near-tie when the token taken is among plain decoding's candidates there with a gap to the
+    best within twice the noise floor (a third choice too); its position and margin are plain decoding's there; the
+    noise floor is the largest difference of an agreed token's log-probability between two runs; a bad flag is one
+    error line."""
     from benchmarks import check_lossless_gpu as check
     from vegas_jax.decode.logprobs import TokenLogprob
     from vegas_jax.runtime.results import RequestResult
 
-    def request(tokens, top2=None):
-        """top2: per token (second choice, -log p of the token, -log p of the second choice)."""
-        logprobs = None if top2 is None else [TokenLogprob(t, -a, [(t, -a), (u, -b)])
+    def request(tokens, top2=None, third=None):
+        """top2: per token (second choice, -log p of the token, -log p of the second choice); third: a third
+        candidate (token, -log p) at every position."""
+        logprobs = None if top2 is None else [TokenLogprob(t, -a, [(t, -a), (u, -b)] + ([] if third is None else
+                                                                                      [(third[0], -third[1])]))
                                               for t, (u, a, b) in zip(tokens, top2)]
         return RequestResult(3, tokens, "", {}, "ok", None, logprobs)
 
     tops = [[(1, 0.1, 0.12), (9, 0.2, 1.2), (8, 0.3, 0.31)], [(1, 0.1, 2.0), (9, 0.2, 1.2), (8, 0.3, 2.3)],
-            [(1, 0.1, 2.0), (9, 0.2, 1.2)]]
-    plain = [request([5, 6, 7], tops[0]), request([5, 6, 7], tops[1]), request([5, 6], tops[2])]
-    other = [request([5, 6, 8]), request([5, 4, 7]), request([5, 6])]
+            [(1, 0.1, 2.0), (9, 0.2, 1.2)], [(1, 0.1, 2.0), (9, 0.2, 0.205)], [(1, 0.1, 2.0), (9, 0.2, 0.205)]]
+    plain = [request([5, 6, 7], tops[0]), request([5, 6, 7], tops[1]), request([5, 6], tops[2]),
+             request([5, 6], tops[3], third=(3, 0.212)), request([5, 6], tops[4], third=(3, 0.5))]
+    other = [request([5, 6, 8]), request([5, 4, 7]), request([5, 6]), request([5, 3]), request([5, 3])]
     result = check.judge(check.compare(other, plain), noise=0.01)
-    assert (result["sequences"], result["identical"], result["rounding"]) == (3, 1, None)
-    tie, bug = result["divergences"]
+    assert (result["sequences"], result["identical"], result["rounding"]) == (5, 1, None)
+    tie, bug, third, far_third = result["divergences"]
     assert (tie["sequence"], tie["position"], tie["token"], tie["reference_token"]) == (0, 2, 8, 7)
-    assert tie["margin"] == pytest.approx(0.01) and tie["second_choice"] and tie["near_tie"]
+    assert tie["margin"] == pytest.approx(0.01) and tie["rank"] == 1 and tie["near_tie"]
     assert (bug["sequence"], bug["position"], bug["margin"]) == (1, 1, pytest.approx(1.0))
-    assert not bug["second_choice"] and bug["near_tie"] is False
+    assert bug["rank"] is None and bug["gap"] is None and bug["near_tie"] is False
+    # Plain decoding's third choice within rounding of its best is a near-tie; beyond it, a bug.
+    assert third["rank"] == 2 and third["gap"] == pytest.approx(0.012) and third["near_tie"]
+    assert far_third["rank"] == 2 and far_third["gap"] == pytest.approx(0.3) and far_third["near_tie"] is False
     assert check.judge(check.compare(other, plain), noise=None)["divergences"][0]["near_tie"] is None
     shifted = [request(r.tokens, [(u, a + 1e-3 * (i + 1), b) for i, (u, a, b) in enumerate(top)])
                for r, top in zip(plain, tops)]
