@@ -39,6 +39,11 @@ from pallas_kernels import ptx
 from pallas_kernels._common import NUM_SMS, check_power_of_2, next_power_of_2, stacked_layer
 
 _MIN_ROWS = 16  # Triton dots need every dimension >= 16
+# Rows of x a program of the row-major dot multiplies: more rows take more programs along a third grid axis. One
+# program once held them all, and its float32 accumulator [rows, block_n] passed Triton's limit of 2^20 elements a
+# tensor at 16,384 rows (the sampled-distribution check's batch of seeds with int4 drafts, H100 2026-12-06);
+# 64 x 128 is 64 registers a thread at 4 warps.
+ROWS_BLOCK = 64
 # An int8 dot's K on NVIDIA tensor cores (mma k32): Triton's front end refuses less, Pallas's lowering does not, and
 # on an H100 blocks of 16 (int4 groups of 32) gave products wrong by about their own size.
 INT8_DOT_MIN_K = 32
@@ -400,44 +405,49 @@ def weight_only_matmul(x, q, scale, offset=None, layer=None, *, bits: int, group
         raise ValueError(f"{k_blocks} K blocks do not split {splits} ways")
     layout = ("integer" if m == 1 else "integer_rows") if integer_dot else _layout(bits, x.dtype, m)
     blocks_per_split = k_blocks // splits
-    column = lambda j, s: (0, 0, j)  # every layer's: the kernel indexes its layer (_LayerView)
-    in_specs = [pl.BlockSpec((), lambda j, s: ()), pl.BlockSpec((num_layers, rows_of_q, block_n), column),
+    column = lambda j, s, r: (0, 0, j)  # every layer's: the kernel indexes its layer (_LayerView)
+    in_specs = [pl.BlockSpec((), lambda j, s, r: ()), pl.BlockSpec((num_layers, rows_of_q, block_n), column),
                 pl.BlockSpec((num_layers, k // group, block_n), column)]
     args = [layer, q, scale]
     if offset is not None:
         in_specs.append(pl.BlockSpec((num_layers, k // group, block_n), column))
         args.append(offset)
+    row_blocks = 1  # programs along the rows of x: the row-major dot's alone may take several
     if layout == "integer":
         xs = quantize_rows_int8(x, x_group)
         kernel = functools.partial(weight_only_integer_kernel, bits=bits, group=group, x_group=x_group,
                                    block_k=block_k, blocks_per_split=blocks_per_split, interpret=interpret,
                                    prefetch=prefetch)
-        out_block, out_index, out_shape = (None, 1, block_n), lambda j, s: (s, 0, j), (splits, 1, n)
+        out_block, out_index, out_shape = (None, 1, block_n), lambda j, s, r: (s, 0, j), (splits, 1, n)
     elif layout == "integer_rows":
         codes, scales = int8_rows(x, x_group)
         xs = (jnp.zeros((_MIN_ROWS, k), jnp.int8).at[:m].set(codes.astype(jnp.int8)),
               jnp.ones((_MIN_ROWS, k // x_group), jnp.float32).at[:m].set(scales))
         kernel = functools.partial(weight_only_integer_rows_kernel, bits=bits, group=group, x_group=x_group,
                                    block_k=block_k, blocks_per_split=blocks_per_split)
-        out_block, out_index = (None, _MIN_ROWS, block_n), lambda j, s: (s, 0, j)
+        out_block, out_index = (None, _MIN_ROWS, block_n), lambda j, s, r: (s, 0, j)
         out_shape = (splits, _MIN_ROWS, n)
     elif layout == "swapped":
         xs = (jnp.zeros((k, _MIN_ROWS), x.dtype).at[:, :m].set(x.T),)
         kernel = functools.partial(weight_only_swapped_kernel, group=group, block_k=block_k,
                                    blocks_per_split=blocks_per_split, unpack=nibble_unpack, interpret=interpret)
-        out_block, out_index, out_shape = (None, block_n, _MIN_ROWS), lambda j, s: (s, j, 0), (splits, n, _MIN_ROWS)
+        out_block, out_index = (None, block_n, _MIN_ROWS), lambda j, s, r: (s, j, 0)
+        out_shape = (splits, n, _MIN_ROWS)
     else:
         rows = 1 if layout == "vector" else max(_MIN_ROWS, next_power_of_2(m))
-        xs = (x if layout == "vector" else jnp.zeros((rows, k), x.dtype).at[:m].set(x),)
+        row_blocks, rows = (rows // ROWS_BLOCK, ROWS_BLOCK) if rows > ROWS_BLOCK else (1, rows)
+        xs = (x if layout == "vector" else jnp.zeros((row_blocks * rows, k), x.dtype).at[:m].set(x),)
         kernel = functools.partial(weight_only_vector_kernel if layout == "vector" else weight_only_matmul_kernel,
                                    bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
         kernel = functools.partial(kernel, **({"prefetch": prefetch} if layout == "vector"
                                               else {"unpack": nibble_unpack, "interpret": interpret}))
-        out_block, out_index, out_shape = (None, rows, block_n), lambda j, s: (s, 0, j), (splits, rows, n)
+        out_block, out_index = (None, rows, block_n), lambda j, s, r: (s, r, j)
+        out_shape = (splits, row_blocks * rows, n)
+    x_block = (lambda a: (rows, k)) if row_blocks > 1 else (lambda a: a.shape)
     partial = pl.pallas_call(
         _reading_layer(kernel, len(xs), offset is not None),
-        grid=(n // block_n, splits),
-        in_specs=[pl.BlockSpec(a.shape, lambda j, s: (0, 0)) for a in xs] + in_specs,
+        grid=(n // block_n, splits, row_blocks),
+        in_specs=[pl.BlockSpec(x_block(a), lambda j, s, r: (r, 0)) for a in xs] + in_specs,
         out_specs=pl.BlockSpec(out_block, out_index),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 
 from h200_lowering import lower_for_h200
 from pallas_kernels.ptx import dp4a_emulated, nibble_program
 from pallas_kernels.weight_only_matmul import (
-    INT8_DOT_MIN_K, _layout, code_blocks, default_splits, dequantize, pack_code_words, quantize_rows_int8,
+    INT8_DOT_MIN_K, ROWS_BLOCK, _layout, code_blocks, default_splits, dequantize, pack_code_words, quantize_rows_int8,
     weight_only_matmul, weight_only_matmul_reference,
 )
 
@@ -49,6 +50,8 @@ def random_weight(rng, bits, group, with_offset, k, n, lowest_int8=-128):
     (4, 64, True, 1, None),  # one row
     (4, 32, False, 8, 4),
     (4, 64, True, 5, 2),  # the swapped kernel's ragged rows (bf16 activations), with offsets
+    (8, 32, True, 150, 2),  # rows past ROWS_BLOCK: programs along the rows too, the last block ragged
+    (4, 64, False, 130, None),
 ])
 def test_weight_only_matmul_matches_float64(rng, bits, group, with_offset, m, splits):
     k, n = 256, 64
@@ -135,6 +138,35 @@ def test_each_layout_lowers_for_the_h200_at_llama_shapes(rows, layout):
         text = lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), *weight, bits=4, group=group,
                               nibble_unpack="prmt")
         assert "prmt.b32" in text
+
+
+def _pallas_call(jaxpr):
+    """The first pallas_call equation of a jaxpr, looked for in its sub-jaxprs too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            return eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if (found := _pallas_call(sub)) is not None:
+                return found
+    return None
+
+
+def test_many_rows_take_programs_along_the_rows():
+    """16,384 rows (a batch of sampled seeds) at Llama-3.1-8B's gate/up: every block the row-major dot's programs
+    hold stays under Triton's 2^20 elements a tensor (one program holding every row passed it, and Triton refused
+    the module on an H100), the rows split into ROWS_BLOCK-row programs, and it lowers for the H200."""
+    k, n, group, rows = 4096, 28672, 128, 16384
+    spec = jax.ShapeDtypeStruct
+    weight = (spec((LLAMA_LAYERS, k // 2, n), jnp.uint8), spec((LLAMA_LAYERS, k // group, n), jnp.bfloat16),
+              spec((LLAMA_LAYERS, k // group, n), jnp.bfloat16), spec((), jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda *a: weight_only_matmul(*a, bits=4, group=group))(spec((rows, k), jnp.bfloat16),
+                                                                                   *weight)
+    grid = _pallas_call(jaxpr.jaxpr).params["grid_mapping"]
+    assert grid.grid[2] == rows // ROWS_BLOCK
+    x_block, *_, out_block = [[getattr(b, "block_size", 1) for b in m.block_shape] for m in grid.block_mappings]
+    assert x_block == [ROWS_BLOCK, k] and out_block == [1, ROWS_BLOCK, 128]
+    assert "weight_only_matmul_rows" in lower_for_h200(weight_only_matmul, spec((rows, k), jnp.bfloat16), *weight,
+                                                       bits=4, group=group)
 
 
 # ---- the integer dot (int8 or int4 codes, one row of x quantized to int8)-----------------------------------------
