@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_decode import first_differences  # noqa: E402
+from benchmarks.parallel_starts import parallel_starts  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
@@ -103,9 +104,8 @@ COST_METHODS = ("ar", "vegas")
 SAMPLED_CASES = ("ar", "vegas", "streaming", "quest", "retrieval", "vegas-int4-a8-auto", "vegas-int4-a8-auto-4",
                  "tree-self", "tree-ngram", "nsa-view-tree")
 P_VALUE_OK = 1e-3  # the tests' threshold
-# Loops compiled side by side before a batch's cases run (XLA compiles without Python's lock: on the H200 a
-# configuration took 8.8 s alone and about 4 s each four to eight at a time, benchmarks/suite.py), as many as half
-# the device's memory holds the runs' plans of.
+# Loops compiled side by side before a batch's cases run, at most this many: as many as the device's free memory
+# holds (benchmarks/parallel_starts.py).
 PARALLEL_COMPILES = 6
 
 
@@ -220,12 +220,7 @@ def compile_ahead(check: Check, jobs: list[tuple[Engine, GenerationOptions]], pr
     past the budget, where the cases will not run."""
     if check.elapsed() >= check.args.budget_s:
         return
-    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    try:
-        need = max(engine.plan(prompts, opts)["bytes_per_device"]["total"] for engine, opts in jobs)
-    except Exception:  # noqa: BLE001 (a configuration that cannot run is reported when its case runs)
-        return
-    workers = min(PARALLEL_COMPILES, int(limit // (2 * need))) if limit else 1
+    workers = parallel_starts(jobs, prompts, PARALLEL_COMPILES)
     if workers < 2 or len(jobs) < 2:
         return
     t0 = time.perf_counter()

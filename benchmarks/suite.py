@@ -48,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.parallel_starts import parallel_starts  # noqa: E402
 from benchmarks.prompt_splits import PromptSet  # noqa: E402
 from benchmarks.suite_presets import (  # noqa: E402
     ABLATIONS, BASELINES, COMPILE_S, PRESETS, QUANTIZED, SAMPLED_TEMPERATURE, SPECULATIVE, STAGES, Preset,
@@ -278,12 +279,13 @@ def _static_fields(stage: str, split: str, method: str, cell: Cell, batch: int, 
             "temperature": temperature, **_cell_fields(method, cell)}
 
 
-# Loops compiled at once before a round of sweeps' (or a held-out batch's) measurements. Compiling is most of the
-# tuning stage's time (about 10 s per speculative configuration against about 2 s of runs at 64 x 7.9K), and XLA
-# compiles on the host's cores without holding Python's lock, so a round's cells compile side by side on the H200
-# machine's 16 cores; the measured runs stay one at a time. On the H200 at 64 x 7.9K (random SmolLM2 weights),
+# Loops compiled at once before a round of sweeps' (or a held-out batch's) measurements, at most. Compiling is most
+# of the tuning stage's time (about 10 s per speculative configuration against about 2 s of runs at 64 x 7.9K), and
+# XLA compiles on the host's cores without holding Python's lock, so a round's cells compile side by side on the
+# H200 machine's 16 cores; the measured runs stay one at a time. On the H200 at 64 x 7.9K (random SmolLM2 weights),
 # configurations compiled in 8.8 s one at a time, 4.1 s each four at a time and 3.5 s eight at a time (tracing and
-# lowering hold the lock); every thread's Engine.start holds a cache, 12 GB there, hence six.
+# lowering hold the lock). Every thread's Engine.start holds a cache, so fewer run where the device's free memory
+# holds fewer (benchmarks/parallel_starts.py).
 PARALLEL_COMPILES = 6
 
 
@@ -304,18 +306,18 @@ def compile_ahead(session: Session, stage: str, split: str, configurations: list
                                                 family)) is None]
     if len(todo) < 2:
         return {}
-    rounds = 1 + -(-(len(todo) - 1) // PARALLEL_COMPILES)
-    session.check_time(rounds * COMPILE_S["speculative"], f"compiling {len(todo)} configurations at {length} x {batch}")
     prompts = session.prompts(split, batch, length, family).prompts
     engine = session.engine
+    options = {c: options_for(c[0], c[1], context, new_tokens, temperature) for c in todo}
+    workers = parallel_starts([(engine, o) for o in options.values()], prompts, PARALLEL_COMPILES)
+    rounds = 1 + -(-(len(todo) - 1) // workers)
+    session.check_time(rounds * COMPILE_S["speculative"], f"compiling {len(todo)} configurations at {length} x {batch}")
 
     def start(configuration):
-        method, cell = configuration
-        options = options_for(method, cell, context, new_tokens, temperature)
-        return engine.start(prompts, options, reuse_prefill=session.reuse).timings["compile_s"]
+        return engine.start(prompts, options[configuration], reuse_prefill=session.reuse).timings["compile_s"]
 
     seconds = {todo[0]: start(todo[0])}
-    with ThreadPoolExecutor(PARALLEL_COMPILES) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         seconds |= dict(zip(todo[1:], pool.map(start, todo[1:])))
     session.compiled.update(loop_key(method, cell, batch, length, context, sampled) for method, cell in todo)
     return seconds

@@ -1029,6 +1029,29 @@ def test_estimate_prints_every_stage_and_runs_nothing(capsys, tmp_path):
     assert all(stage in out for stage in suite.STAGES) and not (tmp_path / "log.jsonl").exists()
 
 
+def test_parallel_starts_are_what_free_memory_holds(tmp_path, monkeypatch):
+    """As many loops compile side by side as the device's free memory holds twice the largest plan's bytes a start
+    allocates (its total less the shared params and draft weights) of, within the cap; one where the device gives no
+    limit or a plan fails. The plans are the tiny engine's own (Engine.plan)."""
+    from benchmarks.parallel_starts import parallel_starts
+
+    session = tiny_engine_session(tmp_path, monkeypatch, seed=0, tune_new_tokens=4, new_tokens=4)
+    engine, prompts = session.engine, session.prompts("tuning", 2, 48).prompts
+    context = session.preset.context(suite.DEFAULT_FAMILY, 48)
+    jobs = [(engine, suite.options_for(m, c, context, 4, 0.0)) for m, c in
+            [("vegas", Cell(4, 0.07)), ("streaming", Cell.default("streaming"))]]
+    plans = [engine.plan(prompts, o)["bytes_per_device"] for _, o in jobs]
+    per_start = max(p["total"] - p["params"] - p["draft_weights"] for p in plans)
+    assert 0 < per_start < min(p["total"] for p in plans)
+    held = 10_000
+    for room, want in [(2 * per_start * 3, 3), (2 * per_start * 3 - 1, 2), (per_start, 1), (2 * per_start * 50, 6)]:
+        stats = {"bytes_limit": held + room, "bytes_in_use": held}
+        assert parallel_starts(jobs, prompts, 6, stats) == want, room
+    assert parallel_starts(jobs, prompts, 6, {}) == 1
+    refused = [(engine, suite.options_for("vegas", Cell(4, 0.07), 10**9, 4, 0.0))]
+    assert parallel_starts(refused, prompts, 6, {"bytes_limit": 10**15}) == 1
+
+
 def test_compile_ahead_compiles_each_loop_once_and_the_records_keep_its_time(tmp_path, monkeypatch):
     """compile_ahead starts the configurations side by side on a real (tiny) engine; the measurements after it
     compile nothing more, and their records carry the compile time it measured."""
