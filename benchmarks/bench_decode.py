@@ -71,6 +71,12 @@ def runs(methods: str, trees: str, tree_method: str) -> list[tuple[str, str | No
     return specs
 
 
+def is_plain(method: str, tree: str | None) -> bool:
+    """Whether a run is plain decoding, the baseline of the speedups and of the identity checks: method ar without a
+    tree (the head's and n-gram drafter's trees run method ar too)."""
+    return method == "ar" and tree is None
+
+
 # GenerationOptions fields passed through from flags of the same name.
 CONTROLS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "stop")
 
@@ -223,7 +229,7 @@ def main(argv=None) -> int:
                     rec, tokens = run_served(engine, prompts, options, batch, args.refill)
                 else:
                     rec, tokens = run_one(engine, prompts, options, args.breakdown and tree is None, args.repeats)
-                if method == "ar":
+                if is_plain(method, tree):
                     ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
                     ar_steady = rec.get("steady_decode_tokens_per_s")
                 rec["speedup_vs_ar"] = rec["decode_tokens_per_s"] / ar_rate if ar_rate else None

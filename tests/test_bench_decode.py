@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.bench_decode import first_differences
+from benchmarks.bench_decode import first_differences, is_plain, runs
 
 
 def test_first_differences_per_sequence():
@@ -24,3 +24,12 @@ def test_first_difference_is_the_earliest_mismatch():
         other[changed:] = (other[changed:] + rng.integers(0, 2, size=len(plain) - changed)) % 3
         want = next((i for i in range(len(plain)) if other[i] != plain[i]), None)
         assert first_differences([other], [plain]) == [want]
+
+
+def test_plain_decoding_is_the_baseline_of_every_tree():
+    """The head's and n-gram drafter's trees run method ar: they are compared with plain decoding, not taken for it
+    (they once replaced the baseline, and a head's speedup read 1.00)."""
+    specs = runs("ar,vegas", "head:6x1,ngram:4x2,self:6x1", "vegas")
+    assert [(m, t, d) for m, t, d in specs] == [("ar", None, "self"), ("vegas", None, "self"), ("ar", "6x1", "head"),
+                                                ("ar", "4x2", "ngram"), ("vegas", "6x1", "self")]
+    assert [is_plain(m, t) for m, t, _ in specs] == [True, False, False, False, False]
