@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     print(f"target trained to copy in {time.perf_counter() - t0:.0f} s", flush=True)
 
     base = tdh.Settings(prompts=args.prompts, prompt_tokens=P, new_tokens=N, steps=args.head_steps,
-                        **head_settings)
+                        validation=0, **head_settings)  # its held-out prompts measure the heads
     train_ids, test_ids = copy_prompts(args.prompts, 1, P, SEGMENT), copy_prompts(args.held_out, 2, P, SEGMENT)
     print(f"the target's greedy continuations of {args.prompts} training and {args.held_out} held-out prompts",
           flush=True)

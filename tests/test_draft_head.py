@@ -33,7 +33,7 @@ from vegas_jax.runtime.prefill_reuse import PrefillReuse
 from vegas_jax.decode.iteration import request_step, step_keys
 
 SETTINGS = train_draft_head.Settings(prompts=16, prompt_tokens=12, new_tokens=24, steps=60, batch=4,
-                                     learning_rate=3e-3, unroll=2, generate_batch=16)
+                                     learning_rate=3e-3, unroll=2, generate_batch=16, validation=4)
 NEW = 20
 
 
@@ -75,9 +75,29 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
     assert [h["step"] for h in record["history"]] == list(range(1, SETTINGS.steps + 1))
     resumed = jax.tree.map(np.asarray, draft_head_params(tmp_path, engine))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), resumed, head)
+
+    # The data's last `validation` sequences are never in a batch, and the head's loss and agreement on them are
+    # recorded at each checkpoint (here at the end: the two cut-off runs' first steps, and every 200th).
+    trained_on = SETTINGS.prompts - SETTINGS.validation
+    assert all(train_draft_head.batch_rows(SETTINGS, step, SETTINGS.prompts).max() < trained_on
+               for step in range(SETTINGS.steps))
+    assert [h["step"] for h in record["history"] if "validation" in h] == [1, 2, SETTINGS.steps]
+    held = slice(trained_on, SETTINGS.prompts)
+    want_loss, want = loss_of(engine, resumed, data["tokens"][held], data["generated"][held])
+    got = record["history"][-1]["validation"]
+    assert got["loss"] == pytest.approx(float(want_loss), rel=1e-4)
+    np.testing.assert_allclose(got["agreement"], np.asarray(want["agreement"]), atol=1e-4)
     with pytest.raises(InputError, match="unroll 1: the checkpoint was trained with 2"):
         train_draft_head.train(engine, data, tmp_path, train_draft_head.Settings(**{**SETTINGS.__dict__,
                                                                                  "unroll": 1}), progress=False)
+
+
+def loss_of(engine, head, tokens, generated):
+    """train_draft_head.loss_and_metrics of a head over these sequences."""
+    return train_draft_head.loss_and_metrics(
+        head, engine.model.params, jnp.asarray(tokens), jnp.asarray(generated), model=engine.config,
+        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll, context_tokens=SETTINGS.context_tokens,
+        placement=engine.placement)
 
 
 def draft_head_params(folder, engine):
@@ -256,6 +276,8 @@ def test_refusals_name_the_argument(dense, tmp_path):
 def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
     for argv, needle in [(["--steps", "0"], "error: --steps must be >= 1, got 0"),
                          (["--prompts", "4", "--batch", "5"], "error: --batch must be in [1, --prompts], got 5"),
+                         (["--prompts", "70"], "error: --validation must be in [0, --prompts - --batch] "
+                                                "(sequences left to train on), got 64"),
                          (["--time-limit", "-1"], "error: --time-limit must be >= 0"),
                          (["--context-tokens", "-1"], "error: --context-tokens must be >= 0, got -1"),
                          (["--steps", "x"], "error: argument --steps: invalid int value: 'x'")]:

@@ -68,6 +68,9 @@ class Settings:
     context_tokens: int = 1024
     seed: int = 0
     generate_batch: int = 64  # prompts per engine call while making the data
+    # The data's last sequences, never trained on: the head's agreement on them at each checkpoint shows whether it
+    # learns the target or memorises its data (each sequence is seen ~30 times at the defaults).
+    validation: int = 64
 
     def check(self) -> None:
         """InputError naming the first setting out of range."""
@@ -81,6 +84,8 @@ class Settings:
             (0 <= self.unroll < self.new_tokens, "{unroll} must be in [0, {new_tokens}), got {}", self.unroll),
             (self.context_tokens >= 0, "{context_tokens} must be >= 0, got {}", self.context_tokens),
             (self.generate_batch >= 1, "{generate_batch} must be >= 1, got {}", self.generate_batch),
+            (0 <= self.validation <= self.prompts - self.batch,
+             "{validation} must be in [0, {prompts} - {batch}] (sequences left to train on), got {}", self.validation),
         ]
         for ok, template, *values in checks:
             if not ok:
@@ -251,11 +256,14 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         updates, opt_state = tx.update(grads, opt_state, head)
         return optax.apply_updates(head, updates), opt_state, loss, metrics
 
+    @jax.jit
+    def evaluate(head, target, tokens, generated):
+        return loss_fn(head, target, tokens, generated, *taught(target, tokens))
+
     tokens, generated = data["tokens"], data["generated"]
     bar = _progress_bar(step, settings.steps, progress)
     while step < settings.steps:
-        # Each step's batch is a function of the seed and the step alone: a resumed run draws what it would have.
-        pick = np.random.default_rng([settings.seed, step]).choice(len(tokens), settings.batch, replace=False)
+        pick = batch_rows(settings, step, len(tokens))
         head, opt_state, loss, metrics = update(head, opt_state, target, jnp.asarray(tokens[pick]),
                                                 jnp.asarray(generated[pick]))
         step += 1
@@ -265,6 +273,8 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         bar.set_postfix(loss=f"{float(loss):.3f}", top1=agreement[0])
         out_of_time = time_limit is not None and time.perf_counter() - t0 > time_limit
         if step % checkpoint_every == 0 or step == settings.steps or out_of_time:
+            if settings.validation:
+                record["history"][-1]["validation"] = validate(evaluate, head, target, tokens, generated, settings)
             draft_head_checkpoint.save(checkpoints, step, head, opt_state, record)
         if out_of_time:
             break
@@ -272,11 +282,31 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
     return record
 
 
+def batch_rows(settings: Settings, step: int, sequences: int) -> np.ndarray:
+    """The data rows of a step's batch: drawn from all but the last `validation` sequences, as a function of the
+    seed and the step alone (a resumed run draws what it would have)."""
+    return np.random.default_rng([settings.seed, step]).choice(sequences - settings.validation, settings.batch,
+                                                               replace=False)
+
+
+def validate(evaluate, head, target, tokens, generated, settings: Settings) -> dict:
+    """{loss, agreement by depth} on the held-back sequences (the data's last `validation`), averaged over batches
+    of the training batch's size (its compiled shape and memory); the last batch wraps around to the first
+    held-back sequences."""
+    held = np.arange(len(tokens) - settings.validation, len(tokens))
+    batches = -(-len(held) // settings.batch)
+    rows = np.resize(held, batches * settings.batch).reshape(batches, settings.batch)
+    results = [evaluate(head, target, jnp.asarray(tokens[r]), jnp.asarray(generated[r])) for r in rows]
+    return {"loss": round(float(np.mean([float(loss) for loss, _ in results])), 5),
+            "agreement": [round(float(a), 4) for a in np.mean([m["agreement"] for _, m in results], axis=0)]}
+
+
 def check_resumable(saved: dict, settings: Settings) -> None:
     for name, value in settings.data_fields().items() | {"unroll": settings.unroll, "batch": settings.batch,
                                                          "seed": settings.seed,
-                                                         "context_tokens": settings.context_tokens}.items():
-        if saved.get(name) != value:
+                                                         "context_tokens": settings.context_tokens,
+                                                         "validation": settings.validation}.items():
+        if saved.get(name, 0 if name == "validation" else None) != value:  # older checkpoints: trained on all
             raise InputError("{" + name + "} {}: the checkpoint was trained with {}; give that, or a new {out}",
                              value, saved.get(name))
 
@@ -311,8 +341,12 @@ def plot(record: dict, path: Path) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(steps, [h["loss"] for h in history])
     left.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+    checked = [h for h in history if "validation" in h]
     for j in range(len(history[0]["agreement"])):
-        right.plot(steps, [h["agreement"][j] for h in history], label=f"draft depth {j + 1}")
+        line, = right.plot(steps, [h["agreement"][j] for h in history], label=f"draft depth {j + 1}")
+        if checked:
+            right.plot([h["step"] for h in checked], [h["validation"]["agreement"][j] for h in checked], "o--",
+                       color=line.get_color(), label=f"depth {j + 1}, held-back sequences")
     right.set(xlabel="step", ylabel="top-1 agreement with the target", ylim=(0, 1), title="acceptance proxy")
     right.legend()
     fig.tight_layout()
@@ -362,6 +396,8 @@ SETTING_HELP = {
                       "rows] for rows = this + --new-tokens, so 4K prompts want a bound (see --dry-run)",
     "seed": "the head's initialisation and each step's batch",
     "generate_batch": "prompts per engine call while making the data",
+    "validation": "the data's last sequences, never trained on: the head's top-1 agreement on them is measured at "
+                  "each checkpoint (and plotted beside the training batches')",
 }
 
 def build_parser() -> argparse.ArgumentParser:
@@ -440,6 +476,10 @@ def run(args) -> int:
         print(f"step {last['step']}/{settings.steps}  loss {last['loss']:.4f}  top-1 agreement by depth "
               f"{last['agreement']}  (a chain's τ if acceptance were that: "
               f"{expected_chain_tau(last['agreement']):.2f})")
+        if "validation" in last:
+            held = last["validation"]
+            print(f"held-back sequences ({settings.validation}, never trained on): loss {held['loss']:.4f}  top-1 "
+                  f"agreement by depth {held['agreement']}  (τ proxy {expected_chain_tau(held['agreement']):.2f})")
     if last is None or last["step"] < settings.steps:
         print("time limit reached: run the same command again to resume")
     return 0
