@@ -435,7 +435,8 @@ def weight_only_matmul(x, q, scale, offset=None, layer=None, *, bits: int, group
         out_shape = (splits, n, _MIN_ROWS)
     else:
         rows = 1 if layout == "vector" else max(_MIN_ROWS, next_power_of_2(m))
-        row_blocks, rows = (rows // ROWS_BLOCK, ROWS_BLOCK) if rows > ROWS_BLOCK else (1, rows)
+        if rows > ROWS_BLOCK:  # blocks of ROWS_BLOCK rows, the last padded (not the whole to a power of 2)
+            row_blocks, rows = -(-m // ROWS_BLOCK), ROWS_BLOCK
         xs = (x if layout == "vector" else jnp.zeros((row_blocks * rows, k), x.dtype).at[:m].set(x),)
         kernel = functools.partial(weight_only_vector_kernel if layout == "vector" else weight_only_matmul_kernel,
                                    bits=bits, group=group, block_k=block_k, blocks_per_split=blocks_per_split)
