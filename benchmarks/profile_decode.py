@@ -6,6 +6,7 @@ and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas ker
 
 SSV on a dense model's NSA view: `--attention nsa-view --methods ar,ssv --draft-tree 4x2 --drafter self` (`ssv` is
 plain decoding with the draft tree; `--precision approximate --approx-mode s8w1r2` for the approximate class).
+A dense model's self-drafted tree: `--methods ar,vegas,vegas-tree --draft-tree 6x1`.
 Without --model the weights are random with SmolLM2-135M's shapes, or another model's (--shapes llama-3.1-8b;
 kernel times do not depend on the weights; how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
 iteration (the sum of kernel durations) against wall time per iteration (the gap is launch and host overhead),
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--score-mode", default="logit")
     p.add_argument("--draft-weights", default="bf16", choices=("bf16", "int8", "int4"), help="vegas's draft weights")
     p.add_argument("--attention", default="dense", choices=("dense", "nsa-view"), help="nsa-view: the NSA view")
-    p.add_argument("--draft-tree", default="4x2", help="the tree of method ssv")
+    p.add_argument("--draft-tree", default="4x2", help="the tree of methods ssv and vegas-tree")
     p.add_argument("--drafter", default="self", help="method ssv's drafter")
     p.add_argument("--precision", default="exact", help="method ssv's precision class")
     p.add_argument("--approx-mode", default=None, help="method ssv's approximate mode")
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
         if method == "ssv":
             options = GenerationOptions(method="ar", draft_tree=args.draft_tree, drafter=args.drafter,
                                         precision=args.precision, approx_mode=args.approx_mode, **common)
+        elif method == "vegas-tree":  # a dense model's self-drafted tree over Vegas's selection
+            options = GenerationOptions(method="vegas", draft_tree=args.draft_tree, drafter="self",
+                                        score_mode=args.score_mode, **common)
         else:
             options = GenerationOptions(method=method, gamma=args.gamma, score_mode=args.score_mode,
                                         draft_weights=args.draft_weights if method == "vegas" else "bf16", **common)
