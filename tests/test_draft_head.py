@@ -10,6 +10,7 @@ error."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -55,13 +56,10 @@ def dense(tmp_path_factory):
 
 def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
     engine, folder, data = dense
-    model, target = engine.config, engine.model.params
+    model = engine.config
     held_back = prompts([SETTINGS.prompt_tokens] * 4, model.vocab_size, seed=9)  # prompts it never saw
     check = train_draft_head.make_data(engine, held_back, SETTINGS)
-    loss = jax.jit(lambda head: train_draft_head.loss_and_metrics(
-        head, target, jnp.asarray(check["tokens"]), jnp.asarray(check["generated"]), model=model,
-        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll,
-        context_tokens=SETTINGS.context_tokens, placement=engine.placement))
+    loss = lambda head: loss_of(engine, head, check["tokens"], check["generated"])  # noqa: E731
     before, before_metrics = loss(draft_head.init_params(model, jnp.float32, SETTINGS.seed))
     head = jax.tree.map(np.asarray, engine.draft_head)
     after, after_metrics = loss(head)
@@ -93,11 +91,11 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(dense, tmp_path):
 
 
 def loss_of(engine, head, tokens, generated):
-    """train_draft_head.loss_and_metrics of a head over these sequences."""
-    return train_draft_head.loss_and_metrics(
-        head, engine.model.params, jnp.asarray(tokens), jnp.asarray(generated), model=engine.config,
-        prompt_tokens=SETTINGS.prompt_tokens, unroll=SETTINGS.unroll, context_tokens=SETTINGS.context_tokens,
-        placement=engine.placement)
+    """train_draft_head.loss_and_metrics of a head over these sequences (jitted)."""
+    loss = jax.jit(functools.partial(
+        train_draft_head.loss_and_metrics, model=engine.config, prompt_tokens=SETTINGS.prompt_tokens,
+        unroll=SETTINGS.unroll, context_tokens=SETTINGS.context_tokens, placement=engine.placement))
+    return loss(head, engine.model.params, jnp.asarray(tokens), jnp.asarray(generated))
 
 
 def draft_head_params(folder, engine):

@@ -256,9 +256,9 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         updates, opt_state = tx.update(grads, opt_state, head)
         return optax.apply_updates(head, updates), opt_state, loss, metrics
 
-    @jax.jit
-    def evaluate(head, target, tokens, generated):
-        return loss_fn(head, target, tokens, generated, *taught(target, tokens))
+    evaluate = jax.jit(functools.partial(loss_and_metrics, model=model, prompt_tokens=settings.prompt_tokens,
+                                         unroll=settings.unroll, context_tokens=settings.context_tokens,
+                                         placement=engine.placement))
 
     tokens, generated = data["tokens"], data["generated"]
     bar = _progress_bar(step, settings.steps, progress)
