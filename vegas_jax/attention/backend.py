@@ -49,8 +49,9 @@ def default_scan_layers() -> bool:
     (scanned), 0 (unrolled) or auto (the default: scanned except on a GPU).
 
     The scanned body compiles 3-6x faster, which is most of a CPU run's start; on a GPU the unrolled layers decode
-    faster (H100, random weights, docs/design.md: a SmolLM2 Vegas iteration at batch 32 x 7936 by 12 to 53 %, a
-    plain step by 4 to 8 %, Llama-3.1-8B shapes at batch 1 x 32K by 2 to 5 %), and decoding is what a GPU run is for."""
+    faster (H100s, random weights, docs/design.md: a SmolLM2 Vegas iteration at batch 32 x 7936 by 8 to 53 %, the
+    host setting how much, a plain step by 4 to 5 %, Llama-3.1-8B shapes at batch 1 x 32K by 1.5 to 5 %), and
+    decoding is what a GPU run is for."""
     choice = os.environ.get("VEGAS_SCAN_LAYERS", "auto")
     if choice not in ("auto", "0", "1"):
         raise InputError("VEGAS_SCAN_LAYERS must be auto, 0 (unrolled layers) or 1 (scanned), got {!r}", choice)
