@@ -63,6 +63,7 @@ from benchmarks.bench_decode import first_differences  # noqa: E402
 from benchmarks.parallel_starts import parallel_starts  # noqa: E402
 from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
+from models.config import NSALayout  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.runtime.compilation import Programs  # noqa: E402
@@ -104,6 +105,9 @@ COST_METHODS = ("ar", "vegas")
 SAMPLED_CASES = ("ar", "vegas", "streaming", "quest", "retrieval", "vegas-int4-a8-auto", "vegas-int4-a8-auto-4",
                  "tree-self", "tree-ngram", "nsa-view-tree")
 P_VALUE_OK = 1e-3  # the tests' threshold
+# The NSA tree test's layout (one free selection block) with blocks of 16, the least the GPU kernels take, over a
+# prompt twice the test's: five selection blocks to choose from.
+KERNEL_SAMPLER_LAYOUT = NSALayout(16, 16, 16, 2, 16, forced_initial=0, forced_local=1)
 # Loops compiled side by side before a batch's cases run, at most this many: as many as the device's free memory
 # holds (benchmarks/parallel_starts.py).
 PARALLEL_COMPILES = 6
@@ -432,7 +436,7 @@ def sampled_part(check: Check, args) -> None:
     float32's full precision: a reference is no place for TF32)."""
     import tests.test_sampling_distribution as chains
     from tests.test_draft_trees import sampled_counts, tree_sampler
-    from tests.test_nsa_trees import nsa_tree_sample
+    from tests.test_nsa_trees import PROMPT_LENGTH, nsa_tree_sample
 
     scale = args.sampled_seeds_scale
     with jax.default_matmul_precision("highest"):  # this script's own reference computations
@@ -451,7 +455,7 @@ def sampled_part(check: Check, args) -> None:
                     exercised = min(histogram) > 0.02 * sum(histogram)
                 elif case == "nsa-view-tree":
                     seeds = int(4_000 * scale)
-                    counts, joint, histogram = nsa_tree_sample(seeds)
+                    counts, joint, histogram = nsa_tree_sample(seeds, KERNEL_SAMPLER_LAYOUT, 2 * PROMPT_LENGTH)
                     p_value = chains.chi_square_p_value(counts, joint)
                     exercised = min(histogram) > 0.02 * sum(histogram)
                 else:

@@ -123,13 +123,13 @@ def nsa_continuation_logits(engine: Engine, prompt: list[int], new: int) -> np.n
     return np.asarray(logits)[:, len(prompt) - 1:]
 
 
-def nsa_tree_sample(seeds: int = SEEDS):
+def nsa_tree_sample(seeds: int = SEEDS, layout: NSALayout = SAMPLER_LAYOUT, prompt_length: int = PROMPT_LENGTH):
     """Sampled 2x2 trees on the NSA view of test_sampling_distribution's tiny model: counts of the first four
     tokens over `seeds` requests, their exact float64 joint, and the accepted-depth histogram (also
-    benchmarks/check_lossless_gpu.py's, on a GPU)."""
+    benchmarks/check_lossless_gpu.py's, on a GPU, with a layout the GPU kernels take: blocks of 16 or more)."""
     dense = tiny_sampler()
-    engine = Engine(dataclasses.replace(dense.model, config=with_attention(dense.config, "nsa-view", SAMPLER_LAYOUT)))
-    prompt = prompts([PROMPT_LENGTH], VOCAB, seed=5)[0]
+    engine = Engine(dataclasses.replace(dense.model, config=with_attention(dense.config, "nsa-view", layout)))
+    prompt = prompts([prompt_length], VOCAB, seed=5)[0]
     probs, margin = processed_probs(nsa_continuation_logits(engine, prompt, SAMPLED_NEW).astype(np.float64),
                                     **SAMPLED)
     assert margin > 1e-4
@@ -138,7 +138,7 @@ def nsa_tree_sample(seeds: int = SEEDS):
         p = probs[:, i].reshape((VOCAB,) * SAMPLED_NEW)[(slice(None),) * i + (0,) * (SAMPLED_NEW - 1 - i)]
         joint *= p.reshape((VOCAB,) * (i + 1) + (1,) * (SAMPLED_NEW - 1 - i))
     opts = GenerationOptions(max_new_tokens=SAMPLED_NEW, draft_tree="2x2", prefill_chunk=80,
-                             max_model_len=PROMPT_LENGTH + SAMPLED_NEW, **SAMPLED)
+                             max_model_len=prompt_length + SAMPLED_NEW, **SAMPLED)
     result = engine.generate([prompt] * seeds, opts)
     counts = np.zeros((VOCAB,) * SAMPLED_NEW)
     np.add.at(counts, tuple(np.array([r.tokens for r in result.requests]).T), 1)
