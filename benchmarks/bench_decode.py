@@ -187,6 +187,9 @@ def main(argv=None) -> int:
                                                "(drafter self, ngram or head; e.g. self:4x2,ngram:6x1,head:6x1)")
     p.add_argument("--draft-head", default=None, help="the trained draft head of drafter head "
                                                       "(vegas_jax.train_draft_head's --out)")
+    p.add_argument("--head-windows", default="trained",
+                   help="the head's attention windows to run its trees with: positions, 0 (every one) or trained "
+                        "(the span it was trained over, its default), comma-separated")
     p.add_argument("--heldout", action="store_true",
                    help="prompts from the held-out split (benchmarks/prompt_splits.py) instead of the stdlib corpus")
     p.add_argument("--tree-method", default="vegas", help="the self drafter's KV selection for --trees")
@@ -200,6 +203,10 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default=None, help="data=D,model=M: run on a mesh of all devices (default: one)")
     args = p.parse_args(argv)
     check_writable("--out", args.out)
+    try:
+        head_windows = [None if w == "trained" else int(w) for w in args.head_windows.split(",")]
+    except ValueError:
+        p.error(f"--head-windows: positions, 0 or trained, comma-separated; got {args.head_windows!r}")
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
@@ -217,7 +224,11 @@ def main(argv=None) -> int:
             else:
                 prompts = long_prompts(engine.tokenizer, args.requests or batch, prompt_tokens, corpus)
             ar_rate, ar_steady, ar_tokens = None, None, None
-            for method, tree, drafter in runs(args.methods, args.trees, args.tree_method):
+            for method, tree, drafter, window in (
+                    (*run, w) for run in runs(args.methods, args.trees, args.tree_method)
+                    for w in (head_windows if run[2] == "head" else [None])):
+                if drafter == "head":
+                    engine.use_draft_head(args.draft_head, window)
                 options = GenerationOptions.check(GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
                     gamma=args.gamma if tree is None else int(tree.split("x")[0]), sparse_ratio=args.sparse_ratio,
@@ -229,6 +240,8 @@ def main(argv=None) -> int:
                     rec, tokens = run_served(engine, prompts, options, batch, args.refill)
                 else:
                     rec, tokens = run_one(engine, prompts, options, args.breakdown and tree is None, args.repeats)
+                if drafter == "head":
+                    rec["head_window"] = engine.draft_head_window
                 if is_plain(method, tree):
                     ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
                     ar_steady = rec.get("steady_decode_tokens_per_s")
@@ -256,6 +269,7 @@ def main(argv=None) -> int:
             extra = " ".join(f"{k[:-3]}={v:.2f}" for k, v in r.get("breakdown", {}).items())
         same = r.get("sequences_identical_to_ar", "-")
         label = f"{r['drafter']}:{r['draft_tree']}" if r.get("draft_tree") else r["method"]
+        label += f"@{r['head_window']}" if r.get("head_window") else ""
         print(f"{label:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
               f"{r['tau']:5.2f} {fmt(r['ms_per_iteration'], '7.2f'):>7} {fmt(r['speedup_vs_ar'], '.2f'):>7} "
               f"{same:>5}  {extra}")

@@ -51,7 +51,7 @@ class DraftHead(nnx.Module):
         self.split = (c.num_heads, c.num_heads + c.num_kv_heads)
         self.qk_norm = c.qk_norm
 
-    def __call__(self, features, embeddings, rope, past_k, past_v, write, visible):
+    def __call__(self, features, embeddings, rope, past_k, past_v, write, visible, read=None):
         fuse = self.fuse[...]
         x = (jnp.einsum("BSD,DE->BSE", self.feature_norm(features), fuse[0])
              + jnp.einsum("BSD,DE->BSE", embeddings.astype(fuse.dtype), fuse[1]))
@@ -63,12 +63,16 @@ class DraftHead(nnx.Module):
         rows = jnp.arange(x.shape[0])[:, None]
         past_k = past_k.at[rows, write].set(k.astype(past_k.dtype), mode="drop")
         past_v = past_v.at[rows, write].set(v.astype(past_v.dtype), mode="drop")
+        keys, values = past_k, past_v
+        if read is not None:  # a window of the slots: attention costs its width, not the whole cache's
+            keys = jnp.take_along_axis(past_k, read[:, :, None, None], axis=1, mode="clip")
+            values = jnp.take_along_axis(past_v, read[:, :, None, None], axis=1, mode="clip")
         batch, new, heads, dim = q.shape
         kv_heads = past_k.shape[2]
         grouped = q.reshape(batch, new, kv_heads, heads // kv_heads, dim)
-        scores = jnp.einsum("BSKGH,BTKH->BKGST", grouped, past_k, preferred_element_type=jnp.float32) * dim**-0.5
+        scores = jnp.einsum("BSKGH,BTKH->BKGST", grouped, keys, preferred_element_type=jnp.float32) * dim**-0.5
         weights = jax.nn.softmax(jnp.where(visible[:, None, None], scores, _HIDDEN), axis=-1)
-        out = jnp.einsum("BKGST,BTKH->BSKGH", weights, past_v.astype(jnp.float32)).reshape(batch, new, heads, dim)
+        out = jnp.einsum("BKGST,BTKH->BSKGH", weights, values.astype(jnp.float32)).reshape(batch, new, heads, dim)
         x = x + jnp.einsum("BSNH,NHD->BSD", out.astype(x.dtype), self.o_proj[...])
         gate_up = jnp.einsum("BSD,DGF->BSGF", self.mlp_norm(x), self.gate_up_proj[...])
         x = x + jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], self.down_proj[...])
@@ -101,18 +105,20 @@ def empty_cache(config: ModelConfig, batch: int, slots: int, dtype) -> tuple[jax
 
 
 def features(head: Params, target: Params, config: ModelConfig, hidden: jax.Array, tokens: jax.Array,
-             positions: jax.Array, past_k: jax.Array, past_v: jax.Array, write: jax.Array, visible: jax.Array):
+             positions: jax.Array, past_k: jax.Array, past_v: jax.Array, write: jax.Array, visible: jax.Array,
+             read: jax.Array | None = None):
     """The head over S rows: hidden [B, S, D] (target or head features at `positions` [B, S]), tokens [B, S] (the
     token after each). Each row's K/V is first written into past_k / past_v [B, T, K, H] at slot write [B, S]
-    (slots >= T: not kept); row s then attends to the slots where visible [B, S, T]. Returns (the predicted next
-    features [B, S, D], past_k, past_v)."""
+    (slots >= T: not kept); row s then attends to the slots where visible [B, S, T], or with read [B, R] (slot
+    indices, clipped to the cache) to those slots where visible [B, S, R]. Returns (the predicted next features
+    [B, S, D], past_k, past_v)."""
     graphdef, abstract = _split_abstract(config)
     state = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, head)
     model = nnx.merge(graphdef, state)
     rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(config), jnp.float32))
     embeddings = jnp.take(target["embed"], tokens, axis=0)
-    return model(hidden, embeddings, rope, past_k, past_v, write, visible)
+    return model(hidden, embeddings, rope, past_k, past_v, write, visible, read)
 
 
 def logits(target: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

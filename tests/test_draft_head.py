@@ -109,11 +109,20 @@ _features = jax.jit(draft_head.features, static_argnums=2)
 WIDTH = 64  # every reference pass's rows, padding after the real ones (causal: they change none of them)
 
 
-def reference_chain(engine, head, sequence: list[int], depth: int) -> list[int]:
+def attends(window: int) -> jax.Array:
+    """[1, WIDTH, WIDTH]: row p sees rows p - window + 1 .. p (window 0: every row up to p)."""
+    rows = np.arange(WIDTH)
+    seen = rows[None, :] <= rows[:, None]
+    if window:
+        seen &= rows[None, :] > rows[:, None] - window
+    return jnp.asarray(seen)[None]
+
+
+def reference_chain(engine, head, sequence: list[int], depth: int, window: int = 0) -> list[int]:
     """The head's greedy chain after `sequence`, recomputed from scratch: the target's hidden states by a dense
     forward of the whole sequence, the head over all its rows 0 .. len - 2, prompt and generated alike (row p:
-    hidden state p, token p + 1) with causal attention, then each draft's row appended and the whole head pass run
-    again."""
+    hidden state p, token p + 1) with causal attention (over the last `window` rows; 0: all), then each draft's
+    row appended and the whole head pass run again."""
     model, target = engine.config, engine.model.params
     tokens = jnp.asarray([sequence + [0] * (WIDTH - len(sequence))])
     positions = jnp.arange(WIDTH)[None]
@@ -123,7 +132,7 @@ def reference_chain(engine, head, sequence: list[int], depth: int) -> list[int]:
     following = np.zeros((1, WIDTH), np.int32)
     rows = len(sequence) - 1
     features[0, :rows], following[0, :rows] = hidden[0, :rows], sequence[1:]
-    causal = jnp.tril(jnp.ones((WIDTH, WIDTH), bool))[None]
+    causal = attends(window)
     drafts = []
     for _ in range(depth):
         k, v = draft_head.empty_cache(model, 1, WIDTH, jnp.float32)
@@ -136,29 +145,47 @@ def reference_chain(engine, head, sequence: list[int], depth: int) -> list[int]:
     return drafts
 
 
-def test_the_head_drafters_chain_is_the_head_over_the_whole_history(dense):
+def test_a_checkpoints_window_is_the_span_it_trained_over(dense):
+    """Rows of 11 prompt positions (prompt_tokens - 1) and 24 generated ones: a head row saw at most 35 in
+    training, the window decoding keeps unless told otherwise."""
+    engine, folder, _ = dense
+    assert engine.draft_head_window == min(SETTINGS.context_tokens, SETTINGS.prompt_tokens - 1) + SETTINGS.new_tokens
+    other = tiny_engine()
+    other.use_draft_head(folder, window=0)
+    assert other.draft_head_window == 0
+
+
+@pytest.mark.parametrize("window", [None, 0, 7])
+def test_the_head_drafters_chain_is_the_head_over_the_whole_history(dense, window):
     """After a few iterations (prompt rows written by chunked prefill, generated rows by earlier proposals, ragged
-    batch), a proposal's chain equals reference_chain, which carries no head cache between drafts."""
-    engine, _, _ = dense
+    batch), a proposal's chain equals reference_chain, which carries no head cache between drafts: with the
+    checkpoint's window (35, which the longest sequence outgrows), every position (0) and a window shorter than
+    every sequence (7, which changes the chains)."""
+    engine, folder, _ = dense
+    if window is not None:
+        engine = tiny_engine()
+        engine.use_draft_head(folder, window)
     ids = prompts([12, 37, 9], engine.config.vocab_size, seed=4)
     # Chunks of 16: the longest prompt's 36 prefilled rows take three chunks, a ragged tail.
     opts = GenerationOptions(max_new_tokens=NEW, draft_tree="4x1", drafter="head", prefill_chunk=16)
     started = engine.start(ids, opts)
     state = started.decode(engine.model.params, started.draft_params, started.state, np.int32(3), np.int32(3))
     config = started.config
+    assert config.head_window == engine.draft_head_window
     keys = step_keys(state.keys, request_step(state), config.tree.depth + 2)
     drafts = jax.jit(lambda s: HeadDrafter().propose(engine.model.params, engine.draft_head, s, keys, config,
                                                      jnp.full((3,), 4)).tokens)(state)
     output, count = np.asarray(state.output), np.asarray(state.num_generated)
     for b, prompt in enumerate(ids):
         sequence = prompt + output[b, : count[b]].tolist()
-        want = reference_chain(engine, engine.draft_head, sequence, 4)
+        want = reference_chain(engine, engine.draft_head, sequence, 4, engine.draft_head_window)
         assert np.asarray(drafts[b, 1:]).tolist() == want, b
 
 
-def reference_prompt_rows(engine, head, prompt: list[int]):
+def reference_prompt_rows(engine, head, prompt: list[int], window: int):
     """(K, V) [len - 1, K, H] each: the head's rows of the prompt's positions 0 .. len - 2 from scratch (the
-    target's hidden states by a dense forward of the prompt, the head over them with causal attention)."""
+    target's hidden states by a dense forward of the prompt, the head over them with causal attention over the
+    last `window` rows, 0: all)."""
     model, target = engine.config, engine.model.params
     rows = len(prompt) - 1
     tokens = jnp.asarray([prompt + [0] * (WIDTH - len(prompt))])
@@ -167,17 +194,17 @@ def reference_prompt_rows(engine, head, prompt: list[int]):
                                DenseAttention(), config=model, with_hidden=True)
     following = jnp.asarray([prompt[1:] + [0] * (WIDTH - rows)])
     k, v = draft_head.empty_cache(model, 1, WIDTH, jnp.float32)
-    _, k, v = _features(head, target, model, hidden, following, positions, k, v, positions,
-                        jnp.tril(jnp.ones((WIDTH, WIDTH), bool))[None])
+    _, k, v = _features(head, target, model, hidden, following, positions, k, v, positions, attends(window))
     return np.asarray(k[0, :rows]), np.asarray(v[0, :rows])
 
 
 def test_prefill_writes_the_heads_rows_of_every_prompt_position(dense):
     """In chunks of 16 (three for the longest prompt, a ragged batch) as in one chunk: the head's K/V of every
-    prefilled position equals the head run from scratch over the prompt."""
+    prefilled position equals the head run from scratch over the prompt (within the checkpoint's window of 35,
+    which the longest prompt outgrows)."""
     engine, _, _ = dense
     ids = prompts([12, 37, 9], engine.config.vocab_size, seed=5)
-    want = [reference_prompt_rows(engine, engine.draft_head, p) for p in ids]
+    want = [reference_prompt_rows(engine, engine.draft_head, p, engine.draft_head_window) for p in ids]
     for chunk in (16, 2048):
         options = GenerationOptions(max_new_tokens=NEW, draft_tree="4x1", drafter="head", prefill_chunk=chunk)
         memory = engine.start(ids, options).state.drafter_state

@@ -249,12 +249,12 @@ def head_prefill_piece(rows: int, chunk: int, num_heads: int, slots: int) -> int
 
 
 def prefill_rows(head, params, memory: HeadMemory, hidden: jax.Array, following: jax.Array, positions: jax.Array,
-                 model) -> HeadMemory:
+                 model, window: int = 0) -> HeadMemory:
     """The head's K/V of a prefill chunk's rows written into memory: hidden [B, C, D] the target's last hidden
     states at positions [B, C] (the same in every sequence), following [B, C] the token after each. Row p attends
-    causally to the slots up to p, as in decoding. The chunk runs in pieces (head_prefill_piece) so that the
-    head's score arrays stay bounded whatever the context; rows past a prompt write slots that its own rows
-    overwrite before any proposal reads them."""
+    causally to the slots up to p (the last `window` of them; 0: all), as in decoding. The chunk runs in pieces
+    (head_prefill_piece) so that the head's score arrays stay bounded whatever the context; rows past a prompt
+    write slots that its own rows overwrite before any proposal reads them."""
     batch, chunk = following.shape
     slots = memory.k.shape[1]
     piece = head_prefill_piece(batch, chunk, model.num_heads, slots)
@@ -262,13 +262,27 @@ def prefill_rows(head, params, memory: HeadMemory, hidden: jax.Array, following:
 
     def step(kv, rows):
         h, f, p = rows
-        visible = jnp.arange(slots)[None, None, :] <= p[:, :, None]
+        visible = in_window(jnp.arange(slots)[None, None, :], p[:, :, None], window)
         _, k, v = draft_head.features(head, params, model, h, f, p, *kv, p, visible)
         return (k, v), None
 
     (k, v), _ = jax.lax.scan(step, (memory.k, memory.v), (split(hidden.astype(memory.hidden.dtype)),
                                                            split(following), split(positions)))
     return dataclasses.replace(memory, k=k, v=v)
+
+
+def in_window(slot: jax.Array, position: jax.Array, window: int) -> jax.Array:
+    """Whether a head row at `position` sees the slot (of position `slot`): causally, and within the last
+    `window` positions when window > 0 (what the head saw in training: vegas_jax.train_draft_head)."""
+    seen = slot <= position
+    return seen & (slot > position - window) if window else seen
+
+
+def window_slots(last: jax.Array, width: int, slots: int) -> jax.Array:
+    """[B, width] the slot indices of a window of `width` slots ending at last [B] (inclusive), starting at 0
+    while the history is shorter, never past the cache's `slots`."""
+    start = jnp.clip(last - width + 1, 0, max(slots - width, 0))
+    return start[:, None] + jnp.arange(width)[None, :]
 
 
 def head_slots(capacity: int, tree) -> int:
@@ -303,34 +317,50 @@ class HeadDrafter:
         tree, model, memory = config.tree, config.model, state.drafter_state
         batch, slots = state.committed.shape[0], memory.k.shape[1]
         context = slots - tree.rows  # slots before the scratch
+        # With a window shorter than the context each pass reads only the window's slots (read), so a draft's
+        # attention costs the window, not the context.
+        window = config.head_window if 0 < config.head_window < context else 0
         slot = jnp.arange(slots)
         k, v = memory.k, memory.v
 
         # The verified rows: written into the context; the last one's output drafts the root's children.
-        row = jnp.arange(memory.following.shape[1])[None, :]
+        width = memory.following.shape[1]
+        row = jnp.arange(width)[None, :]
         at = memory.start[:, None] + row
         write = jnp.where((row < memory.count[:, None]) & (at < context), at, slots)
-        visible = (slot[None, None, :] <= at[:, :, None]) & (slot < context)
+        read = window_slots(memory.start + width - 1, window + width - 1, context) if window else None
+        seen = slot[None, :] if read is None else read  # [B or 1, R]: the slots each pass reads
+        visible = in_window(seen[:, None, :], at[:, :, None], window) & (seen[:, None, :] < context)
         out, k, v = draft_head.features(head, params, model, memory.hidden, memory.following,
-                                        memory.start[:, None] + row, k, v, write, visible)
+                                        memory.start[:, None] + row, k, v, write, visible, read)
         last = jnp.maximum(memory.count - 1, 0)[:, None, None]
         predicted = jnp.zeros((batch, tree.rows, model.hidden_size), out.dtype)
         predicted = predicted.at[:, 0].set(jnp.take_along_axis(out, last, axis=1)[:, 0])
 
         tokens, probs = empty_draft(state, config)
         finite = jnp.ones((batch,), bool)
-        seen = slot[None, :] < state.committed[:, None]  # [B, T]: the verified rows
+        committed = state.committed[:, None]
+        # The drafted rows read the verified history (its window) and the scratch slots after the context.
+        read = jnp.concatenate([window_slots(state.committed - 1, window, context),
+                                jnp.broadcast_to(context + jnp.arange(tree.rows), (batch, tree.rows))],
+                               axis=1) if window else None
+        seen = slot[None, :] if read is None else read  # [B or 1, R]
         for depth, level in enumerate(tree.levels[:-1]):
             nodes = np.asarray([n for n in level if tree.children[n, 0] >= 0])
             if depth:  # node n's row: its parent's predicted hidden state and its token, at its parent's position
                 parents = np.asarray(tree.parents)[nodes]
-                scratch = np.zeros((len(nodes), slots), bool)  # its drafted ancestors' (and its own) scratch rows
-                scratch[:, context + 1 : context + tree.rows] = tree.ancestors[nodes][:, 1:]
-                visible = seen[:, None, :] | jnp.asarray(scratch)[None]
+                position = committed + depth - 1
+                # its drafted ancestors' (and its own) scratch rows, and the verified rows in its window
+                scratch = np.zeros((len(nodes), tree.rows), bool)
+                scratch[:, 1:] = tree.ancestors[nodes][:, 1:]
+                on_path = jnp.take(jnp.asarray(scratch), jnp.clip(seen - context, 0, tree.rows - 1), axis=1)
+                on_path = jnp.moveaxis(on_path, 0, 1) & (seen >= context)[:, None, :]  # [B, S, R]
+                history = (seen < committed) & (seen > position - window if window else True)
+                visible = history[:, None, :] | on_path
                 write = jnp.broadcast_to(jnp.asarray(context + nodes), (batch, len(nodes)))
-                positions = jnp.broadcast_to((state.committed + depth - 1)[:, None], (batch, len(nodes)))
+                positions = jnp.broadcast_to(position, (batch, len(nodes)))
                 out, k, v = draft_head.features(head, params, model, predicted[:, parents], tokens[:, nodes],
-                                                positions, k, v, write, visible)
+                                                positions, k, v, write, visible, read)
                 predicted = predicted.at[:, nodes].set(out)
             logits = draft_head.logits(params, model, predicted[:, nodes])
             finite = finite & (jnp.all(jnp.isfinite(logits), axis=(1, 2)) | (depth >= num_drafts))

@@ -70,3 +70,18 @@ def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
                         is_leaf=lambda x: isinstance(x, tuple))
     params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def trained_span(folder: str | Path) -> int:
+    """The most positions a row of the head in `folder` attended to in training (its context rows and generated
+    rows: vegas_jax.train_draft_head.Settings), which decoding keeps as its window; 0 when the record has no
+    settings."""
+    checkpoints = manager(folder)
+    step = checkpoints.latest_step()
+    if step is None:
+        raise InputError("{draft_head} {}: holds no draft head checkpoint", str(folder))
+    record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    settings = record.get("settings") or {}
+    if "context_tokens" not in settings:
+        return 0
+    return min(settings["context_tokens"], settings["prompt_tokens"] - 1) + settings["new_tokens"]

@@ -75,18 +75,26 @@ class Engine:
         self._gamma_book = CostBook()  # adaptive γ's measured costs, kept for later runs of the same loop
         self._acceptance = DrafterAcceptance()  # the SSV planner's running acceptances, over this engine's runs
         self.draft_head = None  # the params `drafter` head drafts with (use_draft_head)
+        self.draft_head_window = 0  # the positions each of its rows sees (0: all)
         if draft_head is not None:
             self.use_draft_head(draft_head)
 
-    def use_draft_head(self, head) -> None:
+    def use_draft_head(self, head, window: int | None = None) -> None:
         """Drafts with this trained draft head where the options say `drafter` head: its params (a dict in the
         layout of models.draft_head.param_shapes) or a checkpoint folder of vegas_jax.train_draft_head. Whole on
-        every device of the mesh (it is one layer)."""
+        every device of the mesh (it is one layer). Each of its rows attends to the last `window` positions; None:
+        as many as its training showed it (a checkpoint's training span, draft_head_checkpoint.trained_span), or
+        all for params; 0: all."""
         dtype = self.model.params["embed"].dtype
+        if window is not None and window < 0:
+            raise InputError("{head_window} must be >= 0 (0: every position), got {}", window)
         if isinstance(head, dict):
             head = jax.tree.map(lambda x: np.asarray(x, dtype), head)
+            trained = 0
         else:
+            trained = draft_head_checkpoint.trained_span(head)
             head = draft_head_checkpoint.load_head(head, self.config, dtype)
+        self.draft_head_window = trained if window is None else window
         whole = lambda x: self.placement.put(np.asarray(x), Axes(*(None,) * np.ndim(x)))  # noqa: E731
         self.draft_head = jax.tree.map(whole, head)
 
@@ -122,7 +130,7 @@ class Engine:
         drafters = ("self", "ngram") + (("head",) if self.draft_head is not None else ())
         return run_plan.resolve(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
                             stop_table_of=self._stop_table, slots=slots, refill=refill,
-                            kept_prefill=kept_prefill, drafters=drafters)
+                            kept_prefill=kept_prefill, drafters=drafters, head_window=self.draft_head_window)
 
     # ---- draft weights -------------------------------------------------------------------------------------
     def _draft_params(self, config: loop.DecodeConfig, rows: int):

@@ -57,12 +57,13 @@ class RunPlan:
 def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
             acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
             slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
-            drafters: tuple[str, ...] = ("self", "ngram")) -> RunPlan:
+            drafters: tuple[str, ...] = ("self", "ngram"), head_window: int = 0) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once its
     options are checked, SSV's choice made and the run known to fit its devices; InputError otherwise. Each run
     resolves its plan once, and nothing downstream checks or changes its options again. `stop_table_of`: the
     options' vegas_jax.decode.stops table, asked for once the options are checked (its stop ids within the
-    vocabulary). `drafters`: those the engine can run (the SSV planner's choices with drafter auto)."""
+    vocabulary). `drafters`: those the engine can run (the SSV planner's choices with drafter auto); `head_window`:
+    its draft head's attention window (vegas_jax.decode.iteration.DecodeConfig.head_window)."""
     model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
     asked = GenerationOptions.check(options)
     choice = ssv.choose(asked, model_config, prompt_lens, acceptance, drafters)
@@ -70,6 +71,8 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
     if choice.plan is not None:
         options.validate()  # the planner's tree against the other options (penalties take no tree)
     config, capacity = loop_config(model_config, placement, prompt_lens, options)
+    if config.drafts_with_head:
+        config = dataclasses.replace(config, head_window=head_window)
     stop_table = stop_table_of(options)
     batch = round_up_to_shards(len(prompt_ids) if slots is None else min(slots, len(prompt_ids)), placement)
     precision = config.draft_weights
