@@ -200,8 +200,7 @@ def reference_prompt_rows(engine, head, prompt: list[int], window: int):
 
 def test_prefill_writes_the_heads_rows_of_every_prompt_position(dense):
     """In chunks of 16 (three for the longest prompt, a ragged batch) as in one chunk: the head's K/V of every
-    prefilled position equals the head run from scratch over the prompt (within the checkpoint's window of 35,
-    which the longest prompt outgrows)."""
+    prefilled position equals the head run from scratch over the prompt."""
     engine, _, _ = dense
     ids = prompts([12, 37, 9], engine.config.vocab_size, seed=5)
     want = [reference_prompt_rows(engine, engine.draft_head, p, engine.draft_head_window) for p in ids]

@@ -249,12 +249,13 @@ def head_prefill_piece(rows: int, chunk: int, num_heads: int, slots: int) -> int
 
 
 def prefill_rows(head, params, memory: HeadMemory, hidden: jax.Array, following: jax.Array, positions: jax.Array,
-                 model, window: int = 0) -> HeadMemory:
+                 model) -> HeadMemory:
     """The head's K/V of a prefill chunk's rows written into memory: hidden [B, C, D] the target's last hidden
     states at positions [B, C] (the same in every sequence), following [B, C] the token after each. Row p attends
-    causally to the slots up to p (the last `window` of them; 0: all), as in decoding. The chunk runs in pieces
-    (head_prefill_piece) so that the head's score arrays stay bounded whatever the context; rows past a prompt
-    write slots that its own rows overwrite before any proposal reads them."""
+    causally to the slots up to p, as in decoding, though a row's K/V depend on its own inputs alone (the head is
+    one layer), whatever its window. The chunk runs in pieces (head_prefill_piece) so that the head's score arrays
+    stay bounded whatever the context; rows past a prompt write slots that its own rows overwrite before any
+    proposal reads them."""
     batch, chunk = following.shape
     slots = memory.k.shape[1]
     piece = head_prefill_piece(batch, chunk, model.num_heads, slots)
@@ -262,7 +263,7 @@ def prefill_rows(head, params, memory: HeadMemory, hidden: jax.Array, following:
 
     def step(kv, rows):
         h, f, p = rows
-        visible = in_window(jnp.arange(slots)[None, None, :], p[:, :, None], window)
+        visible = jnp.arange(slots)[None, None, :] <= p[:, :, None]
         _, k, v = draft_head.features(head, params, model, h, f, p, *kv, p, visible)
         return (k, v), None
 

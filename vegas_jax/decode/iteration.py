@@ -223,17 +223,16 @@ def prefill_chunk(params, cache: KVCache, tokens, positions, *, model: ModelConf
 
 
 def prefill_chunk_with_head(params, head, cache: KVCache, memory: HeadMemory, tokens, following, positions, *,
-                            model: ModelConfig, placement: Placement, mode: ApproxMode = EXACT_MODE,
-                            head_window: int = 0) -> tuple[KVCache, HeadMemory]:
+                            model: ModelConfig, placement: Placement,
+                            mode: ApproxMode = EXACT_MODE) -> tuple[KVCache, HeadMemory]:
     """prefill_chunk for the head drafter: the chunk's last hidden states also feed the draft head (`head`, its
     params), whose K/V rows for these positions go into its memory (vegas_jax.decode.drafters.prefill_rows), each
-    row reading the token after it, following [B, C], over the last head_window positions (0: all). Only the
-    chunk's hidden states are ever live."""
+    row reading the token after it, following [B, C]. Only the chunk's hidden states are ever live."""
     rows = jnp.zeros((tokens.shape[0], 1), jnp.int32)
     attention = family_of(model, mode).full_attention(model, placement)
     _, cache, _, hidden = forward(params, tokens, positions, cache, attention, config=model, logit_rows=rows,
                                   tensor_parallel=placement.tensor_parallel, with_hidden=True)
-    return cache, prefill_rows(head, params, memory, hidden, following, positions, model, head_window)
+    return cache, prefill_rows(head, params, memory, hidden, following, positions, model)
 
 
 PREFILL_TOKENS_AXES = Axes(BATCH, None)  # prefill_chunk's tokens and positions [B, C]

@@ -75,8 +75,7 @@ def prefill(model: LoadedModel, programs: Programs, ids, options: GenerationOpti
     reuse_key = kept = None
     if reuse_prefill is not None and fill_cache is None:
         reuse_key = PrefillReuse.key(ids, filled, model=id(model), placement=placement, mode=config.mode,
-                                     chunk=chunk, first_request=first_request, head=id(head),
-                                     head_window=config.head_window)
+                                     chunk=chunk, first_request=first_request, head=id(head))
         kept = reuse_prefill.fill(reuse_key, filled)
         if kept is not None:
             filled = kept
@@ -106,7 +105,6 @@ def prefill(model: LoadedModel, programs: Programs, ids, options: GenerationOpti
                 in_axes=(p_axes, draft_head.param_axes(head), cache_axes, memory_axes,
                          *(loop.PREFILL_TOKENS_AXES,) * 3),
                 out_axes=(cache_axes, memory_axes), model=model.config, placement=placement, mode=config.mode,
-                head_window=config.head_window,
             )
     bootstrap = programs.compile("bootstrap", loop.bootstrap, params, state, donate=(1,), layout=placement,
                                  in_axes=(p_axes, state_axes), out_axes=state_axes, config=config)
