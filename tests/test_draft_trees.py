@@ -109,6 +109,51 @@ def test_every_node_attends_its_path_and_the_committed_path_is_plain_decoding(en
                                            atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("recent_span", [None, 3])
+def test_a_draft_pass_attends_its_selection_recent_rows_and_path(recent_span):
+    """A self drafter's pass over one level of IRREGULAR (its depth-2 nodes), against float64 attention over exactly
+    the rows each node may see: the layer's selected rows, the recent rows [recent_start, base) and its path's tree
+    rows. recent_span 3 gathers those rows (the policy bounds the recent range); None masks the whole cache."""
+    from models.attention import NewTokens
+    from vegas_jax.attention.tree import DraftPrefix
+
+    rng = np.random.default_rng(7)
+    layers, batch, capacity, kv_heads, group, dim, layer = 2, 2, 48, 2, 2, 16, 1
+    k_cache = rng.standard_normal((layers, batch, capacity, kv_heads, dim)).astype(np.float32)
+    v_cache = rng.standard_normal((layers, batch, capacity, kv_heads, dim)).astype(np.float32)
+    base, recent_start = np.array([20, 31], np.int32), np.array([18, 28], np.int32)
+    indices = np.zeros((layers, batch, 6), np.int32)
+    counts = np.array([[4, 6], [5, 2]], np.int32)
+    for b in range(batch):
+        for n in range(layers):
+            indices[n, b] = rng.choice(recent_start[b], 6, replace=False)
+    nodes = np.flatnonzero(IRREGULAR.depths == 2)
+    heads = rng.standard_normal((batch, len(nodes), kv_heads * (group + 2), dim)).astype(np.float32)
+    ones, zeros = np.ones((batch, len(nodes), dim), np.float32), np.zeros((batch, len(nodes), dim), np.float32)
+    new = NewTokens(jnp.asarray(heads), jnp.asarray(ones), jnp.asarray(zeros), kv_heads)  # no rotation
+    rows = base[:, None] + nodes[None, :]
+    prefix = DraftPrefix(jnp.asarray(indices), jnp.asarray(counts), jnp.asarray(recent_start), recent_span)
+    attention = TreeAttention(jnp.asarray(rows), jnp.asarray(base), jnp.asarray(IRREGULAR.ancestors[nodes]), prefix)
+    run = jax.jit(lambda attention, *args: attention(layer, *args))
+    out, k_new, _, _ = run(attention, new, jnp.asarray(rows), jnp.asarray(k_cache), jnp.asarray(v_cache))
+
+    q = heads[:, :, : kv_heads * group].astype(np.float64)
+    for b in range(batch):  # the level's K/V land in its rows first, as the pass writes them
+        k_cache[layer, b, rows[b]] = heads[b, :, kv_heads * group : kv_heads * (group + 1)]
+        v_cache[layer, b, rows[b]] = heads[b, :, kv_heads * (group + 1) :]
+    np.testing.assert_array_equal(np.asarray(k_new), k_cache)
+    for b in range(batch):
+        for s, node in enumerate(nodes):
+            path = [base[b] + r for r in np.flatnonzero(IRREGULAR.ancestors[node])]
+            seen = sorted(set(indices[layer, b, : counts[layer, b]]) | set(range(recent_start[b], base[b])) | set(path))
+            for h in range(kv_heads * group):
+                keys = k_cache[layer, b, seen, h // group].astype(np.float64)
+                logits = keys @ q[b, s, h] / np.sqrt(dim)
+                weights = np.exp(logits - logits.max())
+                want = (weights / weights.sum()) @ v_cache[layer, b, seen, h // group].astype(np.float64)
+                np.testing.assert_allclose(np.asarray(out[b, s, h]), want, atol=1e-5, rtol=1e-5)
+
+
 def run_to_end(engine, ids, opts):
     """The final decode state of a whole run (engine.start, then the compiled loop to the end)."""
     started = engine.start(ids, opts)

@@ -59,11 +59,22 @@ class DraftPrefix:
     indices: jax.Array  # [layers, B, K_max]
     counts: jax.Array  # [layers, B]
     recent_start: jax.Array  # [B]
+    # The most recent rows there can be (base - recent_start: the policy's Policy.recent_span), so that a draft
+    # pass gathers its rows instead of reading the whole cache; None: unbounded (a mask over every row).
+    recent_span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def visible(self, layer: int, base: jax.Array, capacity: int) -> jax.Array:
         t = jnp.arange(capacity)[None, :]
         recent = (t >= self.recent_start[:, None]) & (t < base[:, None])
         return selected_mask(self.indices[layer], self.counts[layer], capacity) | recent
+
+    def rows(self, layer: int, base: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(rows [B, K_max + recent_span], valid [B, same]): the selected rows, then the recent rows before base."""
+        k_max = self.indices.shape[-1]
+        selected = jnp.arange(k_max)[None, :] < self.counts[layer][:, None]
+        recent = self.recent_start[:, None] + jnp.arange(self.recent_span)[None, :]
+        return (jnp.concatenate([self.indices[layer], recent], axis=1),
+                jnp.concatenate([selected, recent < base[:, None]], axis=1))
 
 
 def score_weights(rows: str, num_queries: int, deepest: tuple[int, ...]) -> np.ndarray:
@@ -123,6 +134,18 @@ class TreeAttention:
             return False
         return not self.collects(layer) or (self.request.mode == "logit" and self.request.rows != "each")
 
+    def _gathered_draft(self, layer, q, k_cache, v_cache):
+        """A draft pass over the rows it may see, gathered: the prefix's selection and recent rows, then the tree's
+        rows under the ancestor mask; the work of the selection's size, not of the cache's (`mask`'s rows)."""
+        prefix_rows, prefix_valid = self.prefix.rows(layer, self.base)
+        width = self.ancestors.shape[1]
+        rows = jnp.concatenate([prefix_rows, self.base[:, None] + jnp.arange(width)[None, :]], axis=1)  # [B, N]
+        mask = jnp.concatenate([jnp.broadcast_to(prefix_valid[:, None, :], (*self.rows.shape, prefix_rows.shape[1])),
+                                jnp.broadcast_to(self.ancestors[None], (self.rows.shape[0], *self.ancestors.shape))],
+                               axis=2)  # [B, S, N]
+        gather = lambda cache: jnp.take_along_axis(cache[layer], rows[:, :, None, None], axis=1, mode="clip")
+        return masked_attention(q, gather(k_cache), gather(v_cache), mask)
+
     def __call__(self, layer, new, positions, k_cache, v_cache):
         q, k, v = new.rotated()
         k_cache = write_layer_rows(k_cache, layer, k, self.rows)
@@ -134,6 +157,8 @@ class TreeAttention:
             out, scores = tree_attention(q, k_cache, v_cache, self.base, self.ancestors, layer=layer,
                                          score_weights=weights, interpret=self.placement.interpret)
             return out, k_cache, v_cache, scores
+        if self.prefix is not None and self.prefix.recent_span is not None:
+            return self._gathered_draft(layer, q, k_cache, v_cache), k_cache, v_cache, None
         capacity = k_cache.shape[2]
         mask = self.mask(layer, capacity)
         if not self.collects(layer):

@@ -122,7 +122,7 @@ class SelfDrafter:
         if config.policy is not None:
             selection = state.selection  # a finished sequence reads no selected rows (as in loop.draft)
             prefix = DraftPrefix(selection.indices, jnp.where(state.done[None, :], 0, selection.counts),
-                                 selection.recent_start)
+                                 selection.recent_start, config.policy.recent_span(config.gamma))
         family = config.family
         tokens, probs = empty_draft(state, config)
         ancestors = jnp.asarray(tree.ancestors)

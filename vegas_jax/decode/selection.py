@@ -112,6 +112,12 @@ class Policy:
     def select(self, ctx: SelectContext, selection: Selection, state) -> tuple[Selection, Any]:
         raise NotImplementedError
 
+    def recent_span(self, gamma: int) -> int | None:
+        """The most rows a selection's recent range [recent_start, committed) can hold when a draft reads it after
+        a verification of `gamma` drafts; None: no bound this policy states (a tree's draft passes then mask the
+        whole cache, vegas_jax.attention.tree.DraftPrefix)."""
+        return None
+
     def draft_attention(self, selection: Selection, state):
         return SparseDraftAttention(selection.indices, selection.counts, selection.recent_start, self.placement)
 
@@ -132,6 +138,9 @@ class ScoredTokens(Policy):
 
     def score_request(self, mode):
         return ScoreRequest(mode=mode, rows={"last": "each"}.get(self.rows, self.rows))
+
+    def recent_span(self, gamma):
+        return gamma  # the candidates end at the verified root's row + 1: the recent rows are the accepted drafts
 
     def select(self, ctx, selection, state):
         k = self.budget.tokens(ctx.committed, ctx.candidates_end)
@@ -161,6 +170,9 @@ class Streaming(Policy):
 
     def score_request(self, mode):
         return None
+
+    def recent_span(self, gamma):
+        return self.budget.k_max  # the window: the budget less the sinks
 
     def select(self, ctx, selection, state):
         num_layers, batch = selection.counts.shape
