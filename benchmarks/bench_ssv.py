@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--ssv-profile", default=None, help="the planner chooses tree and mode from this profile")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nsa-1b-context", type=int, default=32768)
-    p.add_argument("--nsa-1b-batches", default="1,8")
+    p.add_argument("--nsa-1b-batches", default="1,8", help="empty: the view part only")
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.batches, args.nsa_1b_batches, args.max_new_tokens, args.repeats = "8", "1", 64, 2
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.nsa_1b_batches = [int(b) for b in args.nsa_1b_batches.split(",")]
+    args.nsa_1b_batches = [int(b) for b in args.nsa_1b_batches.split(",") if b]  # empty: no nsa-1b part
     args.drafters = args.drafters.split(",")
     if args.smoke:  # each configuration is a loop compilation of a minute on a CPU: the fewest that reach every path
         args.batches, args.nsa_1b_batches, args.repeats, args.nsa_1b_context = [2], [1], 1, 160
@@ -259,8 +259,8 @@ def main(argv=None) -> int:
     log = RecordLog(run_metadata(args={k: str(v) for k, v in vars(args).items()}), name, args.out)
     print(f"writing {args.out / name} after every record")
     taus = view_part(view, prompts_of, args, new_tokens, log)
-    nsa_1b = random_engine(nsa_config, dtype)
-    nsa_1b_part(nsa_1b, args, new_tokens, taus, log)
+    if args.nsa_1b_batches:
+        nsa_1b_part(random_engine(nsa_config, dtype), args, new_tokens, taus, log)
     log.finish()
     print(f"wrote {args.out / name}")
     return 0
