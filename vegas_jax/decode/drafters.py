@@ -356,7 +356,7 @@ class HeadDrafter:
                 scratch[:, 1:] = tree.ancestors[nodes][:, 1:]
                 on_path = jnp.take(jnp.asarray(scratch), jnp.clip(seen - context, 0, tree.rows - 1), axis=1)
                 on_path = jnp.moveaxis(on_path, 0, 1) & (seen >= context)[:, None, :]  # [B, S, R]
-                history = (seen < committed) & (seen > position - window if window else True)
+                history = (seen < committed) & in_window(seen, position, window)
                 visible = history[:, None, :] | on_path
                 write = jnp.broadcast_to(jnp.asarray(context + nodes), (batch, len(nodes)))
                 positions = jnp.broadcast_to(position, (batch, len(nodes)))

@@ -54,9 +54,9 @@ def check_target(record: dict, config: ModelConfig, where: str) -> None:
                          record.get("target"), target_record(config))
 
 
-def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
-    """The newest params of the head checkpoint in `folder` for a target of `config`, in `dtype`; InputError naming
-    draft_head when there is none or it was trained for another target."""
+def _newest(folder: str | Path) -> tuple[ocp.CheckpointManager, int, dict]:
+    """(manager, step, record) of the newest step of the head checkpoint in `folder`; InputError naming draft_head
+    when there is none."""
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError("{draft_head} {}: no such folder", str(folder))
@@ -64,7 +64,13 @@ def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
     step = checkpoints.latest_step()
     if step is None:
         raise InputError("{draft_head} {}: holds no draft head checkpoint", str(folder))
-    record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    return checkpoints, step, checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+
+
+def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
+    """The newest params of the head checkpoint in `folder` for a target of `config`, in `dtype`; InputError naming
+    draft_head when there is none or it was trained for another target."""
+    checkpoints, step, record = _newest(folder)
     check_target(record, config, str(folder))
     like = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), draft_head.param_shapes(config),
                         is_leaf=lambda x: isinstance(x, tuple))
@@ -76,12 +82,7 @@ def trained_span(folder: str | Path) -> int:
     """The most positions a row of the head in `folder` attended to in training (its context rows and generated
     rows: vegas_jax.train_draft_head.Settings), which decoding keeps as its window; 0 when the record has no
     settings."""
-    checkpoints = manager(folder)
-    step = checkpoints.latest_step()
-    if step is None:
-        raise InputError("{draft_head} {}: holds no draft head checkpoint", str(folder))
-    record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
-    settings = record.get("settings") or {}
+    settings = _newest(folder)[2].get("settings") or {}
     if "context_tokens" not in settings:
         return 0
     return min(settings["context_tokens"], settings["prompt_tokens"] - 1) + settings["new_tokens"]

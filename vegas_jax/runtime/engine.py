@@ -92,8 +92,8 @@ class Engine:
             head = jax.tree.map(lambda x: np.asarray(x, dtype), head)
             trained = 0
         else:
-            trained = draft_head_checkpoint.trained_span(head)
-            head = draft_head_checkpoint.load_head(head, self.config, dtype)
+            folder, head = head, draft_head_checkpoint.load_head(head, self.config, dtype)
+            trained = draft_head_checkpoint.trained_span(folder)
         self.draft_head_window = trained if window is None else window
         whole = lambda x: self.placement.put(np.asarray(x), Axes(*(None,) * np.ndim(x)))  # noqa: E731
         self.draft_head = jax.tree.map(whole, head)
