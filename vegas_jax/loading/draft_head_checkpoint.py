@@ -64,7 +64,8 @@ def _newest(folder: str | Path) -> tuple[ocp.CheckpointManager, int, dict]:
     step = checkpoints.latest_step()
     if step is None:
         raise InputError("{draft_head} {}: holds no draft head checkpoint", str(folder))
-    return checkpoints, step, checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    return checkpoints, step, record
 
 
 def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
