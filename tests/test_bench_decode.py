@@ -1,10 +1,12 @@
-"""benchmarks/bench_decode.py's comparison of a method's greedy output with plain decoding's."""
+"""benchmarks/bench_decode.py's comparison of a method's greedy output with plain decoding's, its runs, and its
+refusal of a bad flag."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from benchmarks.bench_decode import first_differences, is_plain, runs
+from benchmarks.bench_decode import first_differences, is_plain, main, runs
 
 
 def test_first_differences_per_sequence():
@@ -33,3 +35,11 @@ def test_plain_decoding_is_the_baseline_of_every_tree():
     assert [(m, t, d) for m, t, d in specs] == [("ar", None, "self"), ("vegas", None, "self"), ("ar", "6x1", "head"),
                                                 ("ar", "4x2", "ngram"), ("vegas", "6x1", "self")]
     assert [is_plain(m, t) for m, t, _ in specs] == [True, False, False, False, False]
+
+
+def test_a_bad_head_window_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--head-windows", "trained,wide", "--out", "/tmp"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --head-windows" in error and "'trained,wide'" in error, error
