@@ -206,11 +206,14 @@ def main(argv=None) -> int:
     try:
         head_windows = [None if w == "trained" else int(w) for w in args.head_windows.split(",")]
     except ValueError:
+        head_windows = [-1]
+    if any(w is not None and w < 0 for w in head_windows):
         p.error(f"--head-windows: positions, 0 or trained, comma-separated; got {args.head_windows!r}")
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
     engine = Engine(load_model(args.model, dtype, mesh), draft_head=args.draft_head)
+    head_window = None  # the window the engine's head has (None: its checkpoint's, as loaded)
     corpus = stdlib_corpus()
     records = []
     meta = run_metadata(model=args.model or "embedded:SmolLM2-135M-Instruct", dtype=args.dtype,
@@ -227,8 +230,9 @@ def main(argv=None) -> int:
             for method, tree, drafter, window in (
                     (*run, w) for run in runs(args.methods, args.trees, args.tree_method)
                     for w in (head_windows if run[2] == "head" else [None])):
-                if drafter == "head":
+                if drafter == "head" and window != head_window:
                     engine.use_draft_head(args.draft_head, window)
+                    head_window = window
                 options = GenerationOptions.check(GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
                     gamma=args.gamma if tree is None else int(tree.split("x")[0]), sparse_ratio=args.sparse_ratio,

@@ -37,9 +37,10 @@ def test_plain_decoding_is_the_baseline_of_every_tree():
     assert [is_plain(m, t) for m, t, _ in specs] == [True, False, False, False, False]
 
 
-def test_a_bad_head_window_is_one_error_line(capsys):
+@pytest.mark.parametrize("windows", ["trained,wide", "0,-5"])
+def test_a_bad_head_window_is_one_error_line(capsys, windows):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--head-windows", "trained,wide", "--out", "/tmp"])
+        main(["--head-windows", windows, "--out", "/tmp"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "error: --head-windows" in error and "'trained,wide'" in error, error
+    assert "error: --head-windows" in error and repr(windows) in error, error

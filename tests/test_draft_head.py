@@ -147,11 +147,14 @@ def reference_chain(engine, head, sequence: list[int], depth: int, window: int =
 
 def test_a_checkpoints_window_is_the_span_it_trained_over(dense):
     """Rows of 11 prompt positions (prompt_tokens - 1) and 24 generated ones: a head row saw at most 35 in
-    training, the window decoding keeps unless told otherwise."""
+    training, the window decoding keeps unless told otherwise (0: every position; a negative one is refused)."""
     engine, folder, _ = dense
     assert engine.draft_head_window == min(SETTINGS.context_tokens, SETTINGS.prompt_tokens - 1) + SETTINGS.new_tokens
     other = tiny_engine()
     other.use_draft_head(folder, window=0)
+    assert other.draft_head_window == 0
+    with pytest.raises(InputError, match=r"^window must be >= 0 \(0: every position\), got -1$"):
+        other.use_draft_head(folder, window=-1)
     assert other.draft_head_window == 0
 
 

@@ -87,7 +87,7 @@ class Engine:
         all for params; 0: all."""
         dtype = self.model.params["embed"].dtype
         if window is not None and window < 0:
-            raise InputError("{head_window} must be >= 0 (0: every position), got {}", window)
+            raise InputError("{window} must be >= 0 (0: every position), got {}", window)
         if isinstance(head, dict):
             head = jax.tree.map(lambda x: np.asarray(x, dtype), head)
             trained = 0
