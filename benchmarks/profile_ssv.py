@@ -58,6 +58,8 @@ from pallas_kernels.nsa_verify import ancestor_mask, nsa_tree_verify  # noqa: E4
 from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
 from vegas_jax.attention.nsa_tree import TREE_SCHEDULE, SinkWindowDraft  # noqa: E402
+from vegas_jax.decode.drafters import window_slots  # noqa: E402
+from vegas_jax.train_draft_head import Settings  # noqa: E402
 from vegas_jax.ssv.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
 from vegas_jax.ssv.precision import ApproxMode  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
@@ -207,13 +209,16 @@ def self_draft_ms(config, params, caches, linear, batch: int, context: int, pare
     return total
 
 
+# A head trained at vegas_jax.train_draft_head's defaults attends to this many positions (its trained span).
+DEFAULT_HEAD_WINDOW = min(Settings.context_tokens, Settings.prompt_tokens - 1) + Settings.new_tokens
 HEAD_SPARE_SLOTS = 64  # the head cache's rows past the context: its tree's scratch rows (and generated rows)
 
 
-def head_draft_ms(config, params, batch: int, context: int, parents: np.ndarray, reps: int) -> float:
+def head_draft_ms(config, params, batch: int, context: int, parents: np.ndarray, reps: int, window: int) -> float:
     """ms of the head drafter's proposal over a tree: one head pass over the verified rows (depth + 1), then one
     per level with children, each with the target's LM head over its nodes (as HeadDrafter.propose runs them),
-    every pass attending over the head's cache of the whole context."""
+    every pass attending over the last `window` slots of the head's cache and the tree's scratch slots, gathered
+    as HeadDrafter gathers them (window 0: the whole context)."""
     from models import draft_head
 
     ancestors = np.asarray(ancestor_mask(jnp.asarray(parents)))
@@ -225,18 +230,25 @@ def head_draft_ms(config, params, batch: int, context: int, parents: np.ndarray,
     hidden = jnp.zeros((batch, int(depths.max()) + 1, config.hidden_size), dtype)
 
     slots = context + HEAD_SPARE_SLOTS
+    scratch = slots - len(parents) + jnp.arange(len(parents))
+    if window and window < context:  # the window's slots, then the tree's scratch slots
+        read = jnp.concatenate([window_slots(jnp.full((batch,), context - 1), window, context),
+                                jnp.broadcast_to(scratch, (batch, len(parents)))], axis=1)
+    else:
+        read = None
+    width = slots if read is None else read.shape[1]
 
     @jax.jit
     def propose(head):
         k, v = draft_head.empty_cache(config, batch, slots, dtype)
-        visible = jnp.ones((batch, 1, slots), bool)
+        visible = jnp.ones((batch, 1, width), bool)
         rows = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
-        out, k, v = draft_head.features(head, params, config, hidden, rows, rows, k, v, rows, visible)
+        out, k, v = draft_head.features(head, params, config, hidden, rows, rows, k, v, rows, visible, read)
         logits = [draft_head.logits(params, config, out[:, -1:])]
         for nodes in levels[1:]:
             at = jnp.broadcast_to(jnp.asarray(nodes), (batch, len(nodes)))
             out, k, v = draft_head.features(head, params, config, out[:, :1].repeat(len(nodes), 1), at, at, k, v,
-                                            slots - len(parents) + at, visible)
+                                            slots - len(parents) + at, visible, read)
             logits.append(draft_head.logits(params, config, out))
         return [jax.lax.top_k(x, 4)[1] for x in logits]
 
@@ -296,12 +308,17 @@ def main(argv=None) -> int:
                         help="the tree shapes (among --trees) verified under each approximate mode too")
     parser.add_argument("--distances", default=None,
                         help="a benchmarks/measure_approx_modes.py JSON: each mode's distance from the exact target")
+    parser.add_argument("--head-window", type=int, default=DEFAULT_HEAD_WINDOW,
+                        help="positions a draft head's row attends to (its checkpoint's training span; the "
+                             "default is the span of vegas_jax.train_draft_head's defaults), 0: the whole context")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--merge", nargs="+", default=None, metavar="PROFILE",
                         help="write one profile of these profiles' tables together (runs split to fit a time limit)")
     parser.add_argument("--quick", action="store_true", help="contexts 4096,8192, batches 1,8, trees 2x1,4x1,3x2")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, interpret mode (CPU)")
     args = parser.parse_args(argv)
+    if args.head_window < 0:
+        parser.error(f"--head-window: positions (0: the whole context), got {args.head_window}")
     if args.merge:
         return merge(args.merge, args.distances)
     if args.quick:
@@ -309,6 +326,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.model, args.contexts, args.batches, args.trees, args.modes, args.mode_trees, args.reps = (
             "tiny", "256", "2", "2x2", "s2w1r2", "2x2", 1)  # one cell; s2w1r2 both shares spans and reuses
+        args.head_window = 64  # the head's drafts gather a window shorter than the context
     backend = "interpret" if args.smoke else "pallas"
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     config, params = load(args.model, dtype)
@@ -394,7 +412,8 @@ def main(argv=None) -> int:
                 record(drafts, drafter="ngram", nodes=rows - 1, batch=batch, context=context,
                        ms=ngram_draft_ms(batch, context, depth, branching, args.reps))
                 record(drafts, drafter="head", nodes=rows - 1, batch=batch, context=context,
-                       ms=head_draft_ms(config, params, batch, context, np.asarray(parents), args.reps))
+                       window=args.head_window, ms=head_draft_ms(config, params, batch, context,
+                                                                 np.asarray(parents), args.reps, args.head_window))
                 record(drafts, drafter="self", nodes=rows - 1, batch=batch, context=context,
                        ms=self_draft_ms(config, params, caches, linear, batch, context, np.asarray(parents), dtype,
                                         key, args.reps), source="composed")

@@ -266,6 +266,7 @@ def test_profile_ssv(tmp_path, monkeypatch):
             finite_positive(r, "ms")
     assert {r["mode"] for r in doc["passes"]} == {"exact", "s2w1r2"}
     assert {r["drafter"] for r in doc["drafts"]} == {"ngram", "self", "head"}  # the planner costs each drafter's trees
+    assert {r["window"] for r in doc["drafts"] if r["drafter"] == "head"} == {64}  # timed over its window
     assert all(c["relative_error"] <= 1e-4 for c in doc["fused_kernel_checks"])
 
 
