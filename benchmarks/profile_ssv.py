@@ -30,6 +30,11 @@ context) of the grid:
   taking their anchors' blocks, the reuse layers' injected, whose own selection XLA then drops as unused).
 A pass's time is then linear + the sum over layers of their attention (refresh or reuse), and each passes record
 says so ("source": "composed"). JSON: benchmarks/results/ssv-profile-<model>-<date>.json (and $OUT).
+
+A dense model (`--model smollm2`: the planner's profile for dense models, whose drafter auto chooses between the
+head's and n-gram lookup's trees and plain decoding): its passes are measured whole, a plain step and each tree's
+verification through the decoder as the loop runs it (cache donated, so updated in place), and the drafts are the
+n-gram drafter's and the head's as above; no approximate modes.
 """
 
 from __future__ import annotations
@@ -53,11 +58,14 @@ from benchmarks.suite_scale import gpu_seconds  # noqa: E402
 from models.attention import NewTokens  # noqa: E402
 from models.config import NSA_1B_LAYOUT, ModelConfig, NSALayout  # noqa: E402
 from models.decoder import forward, init_params  # noqa: E402
+from models.kv_cache import KVCache  # noqa: E402
 from models.nsa_cache import NSACache, NSALayerCache, compressed_rows  # noqa: E402
 from pallas_kernels.nsa_verify import ancestor_mask, nsa_tree_verify  # noqa: E402
 from vegas_jax.attention.nsa import NSAAttention  # noqa: E402
 from vegas_jax.attention.nsa_approx import ApproxLayerCache, ApproxNSAAttention, tree_reselect  # noqa: E402
 from vegas_jax.attention.nsa_tree import TREE_SCHEDULE, SinkWindowDraft  # noqa: E402
+from vegas_jax.attention.tree import TreeAttention  # noqa: E402
+from vegas_jax.attention.verify import VerifyAttention  # noqa: E402
 from vegas_jax.decode.drafters import window_slots  # noqa: E402
 from vegas_jax.train_draft_head import Settings  # noqa: E402
 from vegas_jax.ssv.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
@@ -71,6 +79,7 @@ NSA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, 
                      max_position_embeddings=131072, tie_word_embeddings=True, attention="nsa", nsa=NSA_1B_LAYOUT)
 TINY = dataclasses.replace(NSA_1B, vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
                            head_dim=16, nsa=NSALayout(16, 16, 16, 2, 16, forced_initial=0, forced_local=1))
+TINY_DENSE = dataclasses.replace(TINY, attention="dense", nsa=None)
 DEFAULT_TREES = "1x1,2x1,3x1,4x1,6x1,2x2,3x2,4x2,5x2,2x3,3x3,2x4"
 DEFAULT_MODES = "s2w1r1,s4w1r1,s4w2r1,s8w1r1,s1w1r2,s4w1r2,s1w1r3"
 
@@ -86,13 +95,13 @@ class NoAttention:
 
 
 def load(name: str, dtype):
-    if name == "smollm2-view":
+    if name in ("smollm2", "smollm2-view"):
         from vegas_jax.attention.family import with_attention
         from vegas_jax.loading import load_model
 
         loaded = load_model(None, dtype)
-        return with_attention(loaded.config, "nsa-view"), loaded.params
-    config = {"nsa-1b": NSA_1B, "tiny": TINY}[name]
+        return (loaded.config if name == "smollm2" else with_attention(loaded.config, "nsa-view")), loaded.params
+    config = {"nsa-1b": NSA_1B, "tiny": TINY, "tiny-dense": TINY_DENSE}[name]
     return config, init_params(config, dtype)
 
 
@@ -269,6 +278,50 @@ def ngram_draft_ms(batch: int, context: int, depth: int, branching: int, reps: i
     return ms(draft, tokens, reps)
 
 
+def dense_pass_ms(config, params, batch: int, context: int, parents: np.ndarray | None, placement, dtype,
+                  reps: int) -> float:
+    """ms of one whole pass of a dense model as its loop verifies: a plain step's one row (parents None) or a
+    tree's nodes (VerifyAttention, TreeAttention; kernels where the placement has them) over a cache holding
+    `context` positions, written in place (donated) as the loop's is: measured whole, not composed."""
+    cache = KVCache.create(config, batch, context + HEAD_SPARE_SLOTS, dtype)
+    base = jnp.full((batch,), context - 1, jnp.int32)
+    if parents is None:
+        rows, attention, positions = 1, VerifyAttention(placement=placement), base[:, None]
+    else:
+        ancestors = ancestor_mask(jnp.asarray(parents))
+        rows = len(parents)
+        attention = TreeAttention(rows=base[:, None] + jnp.arange(rows)[None], base=base, ancestors=ancestors,
+                                  placement=placement)
+        positions = base[:, None] + (ancestors.sum(axis=1) - 1)[None]
+    tokens = jnp.zeros((batch, rows), jnp.int32)
+    run = jax.jit(functools.partial(forward, config=config), donate_argnums=(3,))
+    carried = {"cache": cache}
+
+    def call(p):
+        logits, carried["cache"], _ = run(p, tokens, positions, carried["cache"], attention)
+        return logits
+
+    return ms(call, params, reps)
+
+
+def dense_tables(config, params, batches, contexts, trees, placement, dtype, args, record, passes, drafts) -> None:
+    """A dense model's profile: its exact passes, measured whole (plain steps and each tree's verification),
+    and the drafts of the drafters whose trees need no KV selection (n-gram lookup, the draft head)."""
+    for batch in batches:
+        for context in contexts:
+            record(passes, mode="exact", rows=1, batch=batch, context=context, source="measured",
+                   ms=dense_pass_ms(config, params, batch, context, None, placement, dtype, args.reps))
+            for depth, branching in trees:
+                parents = full_tree_parents(depth, branching)
+                record(passes, mode="exact", rows=len(parents), batch=batch, context=context, source="measured",
+                       ms=dense_pass_ms(config, params, batch, context, parents, placement, dtype, args.reps))
+                record(drafts, drafter="ngram", nodes=len(parents) - 1, batch=batch, context=context,
+                       ms=ngram_draft_ms(batch, context, depth, branching, args.reps))
+                record(drafts, drafter="head", nodes=len(parents) - 1, batch=batch, context=context,
+                       window=args.head_window, ms=head_draft_ms(config, params, batch, context, parents, args.reps,
+                                                                 args.head_window))
+
+
 def read_distances(path: str | None) -> dict:
     """Each mode's distance from the exact target, from a benchmarks/measure_approx_modes.py JSON."""
     if path is None:
@@ -299,7 +352,10 @@ def merge(paths: list[str], distances: str | None) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-view", choices=("smollm2-view", "nsa-1b", "tiny"))
+    parser.add_argument("--model", default="smollm2-view", choices=("smollm2-view", "smollm2", "nsa-1b", "tiny",
+                                                                     "tiny-dense"),
+                        help="smollm2: the dense model (its passes and the head's and n-gram drafts, for the "
+                             "planner on dense models)")
     parser.add_argument("--contexts", default="4096,8192,16384")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--trees", default=DEFAULT_TREES, help="DEPTHxBRANCHING shapes verified")
@@ -325,7 +381,8 @@ def main(argv=None) -> int:
         args.contexts, args.batches, args.trees, args.mode_trees = "4096,8192", "1,8", "2x1,4x1,3x2", "4x1,3x2"
     if args.smoke:
         args.model, args.contexts, args.batches, args.trees, args.modes, args.mode_trees, args.reps = (
-            "tiny", "256", "2", "2x2", "s2w1r2", "2x2", 1)  # one cell; s2w1r2 both shares spans and reuses
+            "tiny-dense" if args.model in ("smollm2", "tiny-dense") else "tiny",  # a dense model: the dense path
+            "256", "2", "2x2", "s2w1r2", "2x2", 1)  # one cell; s2w1r2 both shares spans and reuses
         args.head_window = 64  # the head's drafts gather a window shorter than the context
     backend = "interpret" if args.smoke else "pallas"
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
@@ -353,6 +410,10 @@ def main(argv=None) -> int:
         print(json.dumps(fields), flush=True)
         save(complete=False)
 
+    if config.attention == "dense":
+        dense_tables(config, params, batches, contexts, trees, placement, dtype, args, record, passes, drafts)
+        save(complete=True)
+        return 0
     for batch in batches:
         linear = {rows: linear_ms(config, params, batch, rows, dtype, args.reps)
                   for rows in [1] + [tree_nodes(*t) + 1 for t in trees]}

@@ -267,6 +267,15 @@ def test_profile_ssv(tmp_path, monkeypatch):
     assert {r["mode"] for r in doc["passes"]} == {"exact", "s2w1r2"}
     assert {r["drafter"] for r in doc["drafts"]} == {"ngram", "self", "head"}  # the planner costs each drafter's trees
     assert {r["window"] for r in doc["drafts"] if r["drafter"] == "head"} == {64}  # timed over its window
+    # A dense model: its passes measured whole, the drafts of the drafters that need no KV selection; the planner
+    # takes it for a dense model.
+    (dense,) = run_smoke("profile_ssv", tmp_path / "dense", monkeypatch, "--model", "tiny-dense")
+    assert dense["config"]["attention"] == "dense" and not dense["kernels"]
+    assert {(r["mode"], r["rows"], r["source"]) for r in dense["passes"]} == {("exact", 1, "measured"),
+                                                                              ("exact", 7, "measured")}
+    assert {r["drafter"] for r in dense["drafts"]} == {"ngram", "head"}
+    for r in dense["passes"] + dense["drafts"]:
+        finite_positive(r, "ms")
     assert all(c["relative_error"] <= 1e-4 for c in doc["fused_kernel_checks"])
 
 

@@ -267,6 +267,39 @@ def test_greedy_decoding_with_the_head_is_plain_nsa_decoding(tmp_path):
     assert [r.tokens for r in planned.requests] == emitted(plain)
 
 
+def test_on_a_dense_model_the_planner_chooses_between_the_head_and_plain_decoding(dense, tmp_path):
+    """drafter auto with a dense model's profile: the planner costs the trees of the drafters the profile times
+    and the engine runs, here the head's (cheaper than n-gram lookup's in this profile) and decodes as plain
+    greedy decoding; with head drafts costing 1000 plain steps it decodes plainly. An NSA model's profile, and a
+    method that reads a KV selection, are refused naming the option."""
+    engine, _, _ = dense
+    ids = prompts([12, 21, 9], engine.config.vocab_size, seed=2)
+    doc = profile_doc()
+    doc["config"] = {"attention": "dense"}
+    doc["passes"] = [p for p in doc["passes"] if p["mode"] == "exact"]
+    doc["distances"] = {}
+    doc["drafts"] += [dict(d, drafter="head", ms=d["ms"] / 2) for d in doc["drafts"]]
+    profile = tmp_path / "dense.json"
+    profile.write_text(json.dumps(doc))
+    result = engine.generate(ids, GenerationOptions(max_new_tokens=NEW, drafter="auto", ssv_profile=str(profile)))
+    plan = result.metrics["ssv_plan"]
+    assert plan["drafter"] == "head" and plan["tree"] is not None and result.metrics["drafter"] == "head"
+    assert [r.tokens for r in result.requests] == dense_greedy(engine, ids, NEW)
+    assert result.metrics["tau"] > 1.0
+
+    slow = dict(doc, drafts=[dict(d, ms=1000 * d["ms"]) for d in doc["drafts"]])
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    planned = engine.plan(ids, GenerationOptions(max_new_tokens=NEW, drafter="auto",
+                                                 ssv_profile=str(tmp_path / "slow.json")))
+    assert planned["ssv_plan"]["tree"] is None and planned["draft_tree"] is None
+
+    (tmp_path / "nsa.json").write_text(json.dumps(profile_doc()))
+    with pytest.raises(InputError, match="ssv_profile .*nsa.json: profiles an NSA model, and this one is dense"):
+        engine.plan(ids, GenerationOptions(drafter="auto", ssv_profile=str(tmp_path / "nsa.json")))
+    with pytest.raises(InputError, match="ssv_profile: on a dense model .* leave method ar, got 'vegas'"):
+        engine.plan(ids, GenerationOptions(drafter="auto", method="vegas", ssv_profile=str(profile)))
+
+
 def test_sampled_trees_with_the_head_keep_the_distribution(tmp_path):
     """The head's children are draws without replacement from its distributions, as the self drafter's are."""
     sampler = tree_sampler()

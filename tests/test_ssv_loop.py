@@ -91,6 +91,15 @@ def test_the_planner_keeps_the_class_and_decodes_plainly_when_speculation_is_use
     assert plain["ssv_plan"]["tree"] is None and plain["draft_tree"] is None and plain["gamma"] == 0
 
 
+def test_a_dense_models_profile_is_refused_for_an_nsa_model(engine, ids, tmp_path):
+    from vegas_jax.inputs import InputError
+
+    path = tmp_path / "dense.json"
+    path.write_text(json.dumps({**profile_doc(), "config": {"attention": "dense"}}))
+    with pytest.raises(InputError, match="dense.json: profiles a dense model, and this one is NSA"):
+        engine.plan(ids, GenerationOptions(max_new_tokens=NEW, drafter="ngram", ssv_profile=str(path)))
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--precision", "fast"], "error: --precision must be one of exact, approximate, got 'fast'"),
     (["--precision", "approximate", "--precision-tolerance", "0.9"], "error: --precision-tolerance 0.9: must be in"),

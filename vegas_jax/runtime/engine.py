@@ -275,10 +275,11 @@ class Engine:
             yield [streamed_tokens(host, i, 1, int(num_generated[i]), k) for i in range(batch)]
         result = generation_result(self.tokenizer, options, started.prompt_ids, host, timings, placement,
                                    adaptive.report(state))
-        if self.config.attention != "dense":
+        if self.config.attention != "dense" or started.ssv_plan is not None:
             result.metrics.update(ssv.report(options, started.ssv_plan, timings["decode_s"],
                                              result.metrics["decode_tokens"], batch))
-            ssv.observe(self._acceptance, options, result.metrics["accepted_depth_histogram"])
+        # Every tree run tells the planner how its drafter fares (a later planned run may choose it).
+        ssv.observe(self._acceptance, options, result.metrics["accepted_depth_histogram"])
         yield result
 
     def generate(self, prompts, options: GenerationOptions = GenerationOptions(), **kwargs) -> GenerationResult:

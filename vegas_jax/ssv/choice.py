@@ -1,13 +1,14 @@
-"""SSV's choice for one run of an NSA model: which draft tree (or plain decoding) and which target (the exact model,
-or an approximate mode's modified target) the run decodes with, within the user's precision class
-(vegas_jax.ssv.precision).
+"""SSV's choice for one run of an NSA model (or of a dense one, with a profile): which draft tree (or plain
+decoding) and which target (the exact model, or an approximate mode's modified target) the run decodes with, within
+the user's precision class (vegas_jax.ssv.precision).
 
 - With a device profile (`ssv_profile`, benchmarks/profile_ssv.py writes one): the planner (vegas_jax.ssv.planner)
   chooses the tree shape, the mode and with it the refresh schedule for the run's longest prompt and batch, at the
   running acceptance (`acceptance`, each drafter's, kept by the engine across its runs and fed each run's accepted
   depths). The user gives no draft_tree nor approx_mode then: the planner owns both; with `drafter` auto it also
   chooses the drafter among those the profile times and the engine can run (`drafters`: the head only where the
-  engine has one).
+  engine has one). A dense model takes a profile of a dense model (its exact passes, the head's and n-gram
+  lookup's drafts): the planner then chooses between plain decoding and those drafters' trees, as for NSA.
 - Without a profile, the default plan: the user's draft tree (or plain decoding), and the exact target unless
   the user pins an approximate mode (`approx_mode`, with precision approximate). No approximate mode is chosen on
   the user's behalf, since only a profile carries the modes' measured distances that the class's tolerance bounds.
@@ -68,21 +69,23 @@ def choose(options, config: ModelConfig, prompt_lengths: list[int], acceptance: 
     precision = parse_precision(ssv.precision, ssv.precision_tolerance)
     mode = approx_mode_of(options)
     default = Choice(options.drafting.draft_tree, options.drafting.drafter, ssv.approx_mode, None)
-    if config.attention == "dense":
-        if precision.name != "exact" or not mode.is_exact or ssv.profile is not None:
-            flag = "{ssv_profile}" if ssv.profile is not None else "{precision} approximate"
-            raise InputError(flag + ": precision classes and the SSV planner are for NSA models (an NSA checkpoint, "
-                             "or {attention} nsa-view); this model is dense")
-        return default
+    dense = config.attention == "dense"
+    if dense and (precision.name != "exact" or not mode.is_exact):
+        raise InputError("{precision} approximate: precision classes are for NSA models (an NSA checkpoint, or "
+                         "{attention} nsa-view); this model is dense")
     if not mode.is_exact:
         mode.selection_layout(config.nsa)  # the span must divide the selection block
     if ssv.profile is None:
         return default
+    if dense and options.method != "ar":
+        raise InputError("{ssv_profile}: on a dense model the planner chooses trees of the draft head or n-gram "
+                         "lookup, which read no KV selection: leave {method} ar, got {!r}", options.method)
     for given, value in (("draft_tree", options.drafting.draft_tree), ("approx_mode", ssv.approx_mode)):
         if value is not None:
             raise InputError("{" + given + "} {}: with {ssv_profile} the planner chooses the tree and the mode; "
                              "give one or the other", value)
     profile = load_profile(ssv.profile)
+    profile.check_model(config.attention)
     profiled = sorted({drafter for drafter, _ in profile.drafts})
     drafter = options.drafting.drafter
     if drafter == AUTO_DRAFTER:

@@ -12,6 +12,8 @@ K/V each sequence reads) by non-negative least squares over the measured points.
 
 Drafters: each (drafter, nodes) the profile times is a candidate, so a planner given several drafters (the head,
 n-gram and self drafts) chooses between them by predicted time per token, each at its own running acceptance.
+A dense model's profile has only the exact target's passes (measured whole) and the drafts of the head and n-gram
+lookup; it costs plans the same way.
 
 Acceptance: a per-token probability alpha that a drafted token is the target's (running, `AcceptanceTracker`, one
 per drafter: `DrafterAcceptance`),
@@ -98,6 +100,16 @@ class Profile:
     passes: dict  # (mode label, rows) -> Fit
     drafts: dict  # (drafter, nodes) -> Fit
     distances: dict  # mode label -> top-1 disagreement with the exact target
+    dense: bool = False  # profiled on a dense model (its exact passes only), else on an NSA model or view
+
+    def check_model(self, attention: str) -> None:
+        """InputError naming the file unless it profiles a model attending as `attention` does (dense or NSA):
+        the other family's passes cost other kernels."""
+        if self.dense != (attention == "dense"):
+            where = self.path.replace("{", "{{").replace("}", "}}")
+            raise InputError("{ssv_profile} " + where + ": profiles " + ("a dense" if self.dense else "an NSA") +
+                             " model, and this one is " + ("dense" if attention == "dense" else "NSA") +
+                             " (benchmarks/profile_ssv.py --model profiles it)")
 
 
 def _numbers(entry, keys, where: str, index: int, table: str):
@@ -145,8 +157,10 @@ def load_profile(path) -> Profile:
     if not isinstance(distances, dict) or not all(
             isinstance(d, dict) and isinstance(d.get("top1_disagreement"), (int, float)) for d in distances.values()):
         raise InputError("{ssv_profile} " + where + ": distances maps mode labels to {{\"top1_disagreement\": x}}")
+    config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
     return Profile(str(path), str(doc.get("device", "unknown")), tables["passes"], tables["drafts"],
-                   {m: float(d["top1_disagreement"]) for m, d in distances.items()})
+                   {m: float(d["top1_disagreement"]) for m, d in distances.items()},
+                   dense=config.get("attention") == "dense")
 
 
 class AcceptanceTracker:
