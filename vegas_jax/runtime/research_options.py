@@ -147,7 +147,8 @@ class TreeConfig(ResearchOptions):
                                           "64 nodes) instead of a chain of --gamma drafts")
     drafter: str = option("self", "with --draft-tree: self (the model's cheaper draft: a dense model's sparse draft, "
                                   "with --method; an NSA model's sink and window), ngram (prompt lookup) or head (a "
-                                  "trained draft head, --draft-head)")
+                                  "trained draft head, --draft-head); with --ssv-profile also auto (the planner's "
+                                  "choice)")
 
     def _problems(self) -> list[tuple]:
         if self.draft_tree is not None:
@@ -157,7 +158,7 @@ class TreeConfig(ResearchOptions):
 
 @dataclasses.dataclass(frozen=True)
 class SsvConfig(ResearchOptions):
-    """SSV on NSA models (vegas_jax.ssv.choice): the precision class (vegas_jax.ssv.precision: exact never changes the
+    """SSV on NSA models, and the planner on dense ones (vegas_jax.ssv.choice): the precision class (vegas_jax.ssv.precision: exact never changes the
     output; approximate allows the approximate modes whose measured top-1 disagreement with the exact target is at
     most precision_tolerance, default 0.05), an approximate mode pinned by its label (s<span>w<widen>r<refresh>;
     with precision approximate), and a device profile from which the planner chooses the tree and the mode."""
@@ -170,8 +171,9 @@ class SsvConfig(ResearchOptions):
         None, "with --precision approximate: the largest top-1 disagreement allowed, in [0, 0.5] (0.05)")
     approx_mode: str | None = option(None, "with --precision approximate and no --ssv-profile: run this approximate "
                                            "mode's modified target (s<span>w<widen>r<refresh>, e.g. s8w1r2)")
-    profile: str | None = option(None, "NSA models: a device profile (benchmarks/profile_ssv.py); the planner "
-                                       "chooses the draft tree and the mode within --precision")
+    profile: str | None = option(None, "a device profile of the model's family (benchmarks/profile_ssv.py --model): "
+                                       "the planner chooses the draft tree (and, NSA models, the mode within "
+                                       "--precision); with --drafter auto also the drafter")
 
     def _problems(self) -> list[tuple]:
         precision = parse_precision(self.precision, self.precision_tolerance)
