@@ -1,7 +1,8 @@
 """SSV end to end against plain NSA decoding (nsa-ar), for each precision class and drafter.
 
     python benchmarks/bench_ssv.py [--quick | --smoke] [--batches 1,8,32,64] [--context 8192]
-        [--max-new-tokens 128] [--tree 4x2] [--approx-mode s8w1r2 | --ssv-profile PROFILE.json] [--repeats 3]
+        [--max-new-tokens 128] [--tree 4x2] [--classes exact,approximate] [--drafters ngram,self,head]
+        [--draft-head FOLDER] [--approx-mode s8w1r2 | --ssv-profile PROFILE.json] [--repeats 3]
         [--nsa-1b-context 32768] [--nsa-1b-batches 1,8] [--tag TAG] [--out benchmarks/results]
 
 Two parts:
@@ -153,7 +154,7 @@ def view_part(engine: Engine, prompts_of, args, new_tokens: int, log: RecordLog)
         prompts = prompts_of(batch)
         base, reference = run(engine, prompts, GenerationOptions(max_new_tokens=new_tokens), args.repeats)
         add(log, {"part": "view", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0})
-        for precision in CLASSES:
+        for precision in args.classes:
             for drafter in args.drafters:
                 record, tokens = run(engine, prompts, ssv_options(precision, drafter, args, new_tokens), args.repeats)
                 record |= {"part": "view", "method": "ssv",
@@ -174,7 +175,7 @@ def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, log: RecordLo
         add(log, {"part": "nsa-1b", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0, "tau": 1.0,
                   "projection": False})
         view_batch = min(args.batches, key=lambda b: abs(b - batch))  # the view's τ at the nearest batch
-        for precision in CLASSES:
+        for precision in args.classes:
             for drafter in (d for d in args.drafters if d != "head"):  # a head is trained for the view only
                 options = ssv_options(precision, drafter, args, new_tokens, context)
                 record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_cache_rows)
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-head", default=None, help="the view's trained draft head (vegas_jax.train_draft_head)")
     p.add_argument("--heldout", action="store_true",
                    help="the view's prompts from the held-out split (benchmarks/prompt_splits.py)")
+    p.add_argument("--classes", default=",".join(CLASSES), help="the precision classes SSV runs in, comma-separated")
     p.add_argument("--approx-mode", default="s8w1r2", help="the approximate class's mode without a profile")
     p.add_argument("--ssv-profile", default=None, help="the planner chooses tree and mode from this profile")
     p.add_argument("--repeats", type=int, default=3)
@@ -232,6 +234,9 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.nsa_1b_batches = [int(b) for b in args.nsa_1b_batches.split(",") if b]  # empty: no nsa-1b part
     args.drafters = args.drafters.split(",")
+    args.classes = args.classes.split(",")
+    if not args.classes or any(c not in CLASSES for c in args.classes):
+        p.error(f"--classes: comma-separated, of {', '.join(CLASSES)}; got {','.join(args.classes)!r}")
     if args.smoke:  # each configuration is a loop compilation of a minute on a CPU: the fewest that reach every path
         args.batches, args.nsa_1b_batches, args.repeats, args.nsa_1b_context = [2], [1], 1, 160
         args.drafters, args.tree = ["ngram"], "2x2"

@@ -296,6 +296,15 @@ def test_bench_ssv(tmp_path, monkeypatch):
     assert [r["projection"] for r in records[3:]] == [False, True, True]
 
 
+def test_bench_ssv_refuses_an_unknown_class_in_one_line(tmp_path, capsys):
+    from benchmarks import bench_ssv
+
+    with pytest.raises(SystemExit) as stop:
+        bench_ssv.main(["--classes", "exact,fast", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and "--classes: comma-separated, of exact, approximate; got 'exact,fast'" in err[-1]
+
+
 def test_record_log_saves_every_record_whole(tmp_path, monkeypatch):
     """A run stopped after any record leaves a document with every record so far, marked incomplete."""
     from benchmarks.results_io import RecordLog
