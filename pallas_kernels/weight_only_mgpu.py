@@ -45,18 +45,16 @@ def _swizzled(block_cols: int, bits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
-                                             "compute_wgs", "out_dtype", "interpret"))
+                                             "out_dtype", "interpret"))
 def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0,
-                            block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4,
-                            compute_wgs: int = 1, out_dtype=None, interpret: bool = False):
+                            block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
+                            interpret: bool = False):
     """x [M, K] @ w -> [M, N] in out_dtype (default x's), x rounded to bf16. wt [N, K] int4 or int8 codes
     (signed), w[k, n] = (wt[n, k] + zero_point) * scale[k // group, n] + offset[k // group, n]; scale and offset
     [K / group, N] (offset may be None). layer (int32 []): wt, scale and offset hold every layer's weight stacked
     [L, ...] and the product is layer `layer`'s, which the kernel reads in place (its TMA copies start at the
     layer). block_k: K positions a pipeline step loads, whole groups or a part of one; splits: how many programs
-    share each block of features along K; stages: blocks in flight. compute_wgs: warpgroups of a program that
-    dequantize and multiply, each its own block_n of the program's compute_wgs * block_n features; with more than
-    one, a warpgroup of its own issues the copies (warp specialization), so that more warps per SM convert codes."""
+    share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
     (wt, scale, offset), layer = stacked_layer(layer, wt, scale, offset)
     num_layers, n, k2 = wt.shape
@@ -64,12 +62,11 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     if k2 != k or bits not in (4, 8) or m > MAX_ROWS:
         raise ValueError(f"x {x.shape} and codes {wt.shape} ({wt.dtype}): K must match, 4- or 8-bit codes, "
                          f"at most {MAX_ROWS} rows")
-    program_n = compute_wgs * block_n  # output features a program owns
     step_group = min(group, block_k)  # K positions under one scale within a step
-    if (compute_wgs < 1 or k % group or block_k % step_group or group % step_group or k % (splits * block_k)
-            or n % program_n or block_n % WGMMA_M):
+    if (k % group or block_k % step_group or group % step_group or k % (splits * block_k) or n % block_n
+            or block_n % WGMMA_M):
         raise ValueError(f"K = {k}, N = {n}, group {group} do not tile into {splits} splits of "
-                         f"{block_k} x {block_n} blocks ({compute_wgs} a program)")
+                         f"{block_k} x {block_n} blocks")
     if scale.shape != (num_layers, k // group, n) or (offset is not None and offset.shape != scale.shape):
         raise ValueError(f"scale {scale.shape[1:]} (offset {None if offset is None else offset.shape[1:]}) must be "
                          f"[K / group, N] = [{k // group}, {n}] (layers alike)")
@@ -79,7 +76,6 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     steps = k // splits // block_k
     w_transforms, x_transforms = _swizzled(step_group, bits), _swizzled(step_group, 16)
     scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
-    specialized = compute_wgs > 1
 
     # The kernel reads scales and offsets in bf16. Others (float32 models') are converted here, a buffer made per
     # call either way: of the layer's alone, a stack of one (whose layer 0 the kernel reads; the codes' is `layer`).
@@ -91,59 +87,43 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
 
     def kernel(x_gmem, layers_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
-        wg = lax.axis_index("wg") if specialized else 0
         code_layer, group_layer = layers_gmem[0], layers_gmem[1]
-        features = pl.ds(feature_block * program_n, program_n)
-        mine = pl.ds(wg * block_n, block_n)  # this warpgroup's features among the program's
+        features = pl.ds(feature_block * block_n, block_n)
         positions = pl.ds(split * steps * block_k, steps * block_k)
         groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
 
-        def step(_, w_smem, x_smem, s_smem, *rest):
-            *o_smem, acc_ref = rest
-            for j in range(block_k // step_group):
-                cols = pl.ds(j * step_group, step_group)
-                row = j * step_group // group
-                a = w_smem.at[mine, cols][...].astype(jnp.bfloat16)
-                s = s_smem.at[row, mine][...].astype(jnp.float32)
-                a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), (block_n, step_group), (0,))
-                if shifted:  # (q + zero_point) s + o = q s + (zero_point s + o), one rounding to bf16
-                    o = zero_point * s + (o_smem[0].at[row, mine][...].astype(jnp.float32) if o_smem else 0.0)
-                    a = a + lax.broadcast_in_dim(o.astype(jnp.bfloat16), (block_n, step_group), (0,))
-                if interpret:  # GPU interpret mode multiplies shared memory only
-                    a_smem[wg] = a
-                    plgpu.commit_smem()
-                    a = a_smem.at[wg]
-                plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc_ref
+        def compute(acc_ref):
+            def step(_, w_smem, x_smem, s_smem, *o_smem):
+                for j in range(block_k // step_group):
+                    cols = pl.ds(j * step_group, step_group)
+                    row = j * step_group // group
+                    a = w_smem.at[:, cols][...].astype(jnp.bfloat16)
+                    s = s_smem[row, :].astype(jnp.float32)
+                    a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), (block_n, step_group), (0,))
+                    if shifted:  # (q + zero_point) s + o = q s + (zero_point s + o), one rounding to bf16
+                        o = zero_point * s + (o_smem[0][row, :].astype(jnp.float32) if o_smem else 0.0)
+                        a = a + lax.broadcast_in_dim(o.astype(jnp.bfloat16), (block_n, step_group), (0,))
+                    if interpret:  # GPU interpret mode multiplies shared memory only
+                        a_smem[...] = a
+                        plgpu.commit_smem()
+                        a = a_smem
+                    plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
 
-        def accumulate(run_pipeline):
-            """The warpgroup's product into its accumulator, then out through shared memory."""
-            def scope(acc_ref):
-                run_pipeline(acc_ref)
-                out_smem[wg] = acc_ref[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                        out_gmem.at[split, pl.ds(feature_block * program_n + wg * block_n, block_n)])
-                plgpu.wait_smem_to_gmem(0)
-            pl.run_scoped(scope, plgpu.ACC((block_n, rows), jnp.float32))
+            w_spec = plgpu.BlockSpec((block_n, block_k), lambda i: (0, i), transforms=w_transforms)
+            x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)
+            g_spec = plgpu.BlockSpec((scale_rows, block_n), lambda i: (i * block_k // group // scale_rows, 0))
+            groups = [s_gmem] + ([] if o_gmem is None else [o_gmem])
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, x_spec] + [g_spec] * len(groups),
+                                max_concurrent_steps=min(stages, steps))(
+                w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
+                *(g.at[group_layer, groups_of_split, features] for g in groups))
+            out_smem[...] = acc_ref[...]
 
-        w_spec = plgpu.BlockSpec((program_n, block_k), lambda i: (0, i), transforms=w_transforms)
-        x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)
-        g_spec = plgpu.BlockSpec((scale_rows, program_n), lambda i: (i * block_k // group // scale_rows, 0))
-        in_gmem = [s_gmem] + ([] if o_gmem is None else [o_gmem])
-        operands = (w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
-                    *(g.at[group_layer, groups_of_split, features] for g in in_gmem))
-        in_specs = [w_spec, x_spec] + [g_spec] * len(in_gmem)
-        if specialized:
-            plgpu.emit_pipeline_warp_specialized(
-                step, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-                num_compute_wgs=compute_wgs, max_concurrent_steps=min(stages, steps),
-                compute_context=accumulate)(*operands)
-        else:
-            accumulate(lambda acc_ref: plgpu.emit_pipeline(
-                lambda i, *refs: step(i, *refs, acc_ref), grid=(steps,), in_specs=in_specs,
-                max_concurrent_steps=min(stages, steps))(*operands))
+        pl.run_scoped(compute, plgpu.ACC((block_n, rows), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, features])
+        plgpu.wait_smem_to_gmem(0)
 
     def without_offset(x_gmem, layers_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
         kernel(x_gmem, layers_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
@@ -151,12 +131,10 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     partial = plgpu.kernel(
         kernel if offset is not None else without_offset,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
-        grid=(n // program_n, splits),
+        grid=(n // block_n, splits),
         grid_names=("n", "split"),
-        num_threads=compute_wgs + 1 if specialized else None,
-        thread_name="wg" if specialized else None,
-        scratch_types=[plgpu.SMEM((compute_wgs, block_n, rows), jnp.float32),
-                       plgpu.SMEM((compute_wgs, block_n, step_group), jnp.bfloat16, transforms=x_transforms)
+        scratch_types=[plgpu.SMEM((block_n, rows), jnp.float32),
+                       plgpu.SMEM((block_n, step_group), jnp.bfloat16, transforms=x_transforms)
                        if interpret else None],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

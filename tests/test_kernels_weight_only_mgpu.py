@@ -30,10 +30,6 @@ def _bf16(a):
     (16, 512, 256, 4, 64, dict(block_n=128, block_k=64, splits=1, stages=3)),  # one group a step, 16 rows
     (5, 512, 128, 4, 256, dict(block_n=64, block_k=128, splits=2, stages=2)),  # a group over two steps
     (9, 512, 128, 8, 512, dict(block_n=64, block_k=128, splits=2, stages=2)),  # int8, one scale a column
-    # Warp-specialized: two compute warpgroups, each its 64 features of a program's 128 (or 3 of 192)
-    (1, 1024, 128, 4, 128, dict(block_n=64, block_k=256, splits=2, stages=2, compute_wgs=2)),
-    (16, 512, 384, 4, 64, dict(block_n=64, block_k=64, splits=1, stages=3, compute_wgs=3)),
-    (9, 512, 256, 8, 512, dict(block_n=64, block_k=128, splits=2, stages=2, compute_wgs=2)),
 ])
 @pytest.mark.parametrize("with_offset, zero_point", [(True, 8), (False, 0), (False, 8)])
 def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
@@ -64,7 +60,6 @@ def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
     ((1, 512, 100), dict(block_n=64, block_k=128), "do not tile"),
     ((1, 512, 128), dict(block_n=64, block_k=128, splits=8), "do not tile"),
     ((17, 512, 128), dict(block_n=64, block_k=128), "at most 16 rows"),
-    ((1, 512, 192), dict(block_n=64, block_k=128, compute_wgs=2), "do not tile"),  # 192 features, programs of 128
 ])
 def test_untileable_shapes_are_refused(shape, blocks, message):
     m, k, n = shape
@@ -105,14 +100,13 @@ def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtyp
     assert np.max(np.abs(np.asarray(got) - np.asarray(reference, np.float32))) < 1e-2 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("tiling", [{}, dict(block_n=64, compute_wgs=2)], ids=["one-warpgroup", "specialized"])
-def test_stacked_weights_lower_for_the_h200_at_llama_shapes(tiling):
+def test_stacked_weights_lower_for_the_h200_at_llama_shapes():
     """At Llama-3.1-8B's fused gate/up (int4 in groups of 128, its 32 layers stacked, a traced layer) the kernel
     lowers for an H200 with the whole stack its operand: the layer is where its TMA copies start."""
     k, n, group, layers = 4096, 28672, 128, 32
     spec = jax.ShapeDtypeStruct
     scales = spec((layers, k // group, n), jnp.bfloat16)
     text = lower_for_h200(weight_only_matmul_mgpu, spec((8, k), jnp.bfloat16), spec((layers, n, k), jnp.int4),
-                          scales, scales, spec((), jnp.int32), group=group, zero_point=8, **tiling)
+                          scales, scales, spec((), jnp.int32), group=group, zero_point=8)
     calls = [line for line in text.splitlines() if "@mosaic_gpu" in line and " : (" in line]
     assert len(calls) == 1 and f"tensor<{layers}x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]
