@@ -229,7 +229,11 @@ def _flat(w: QuantizedWeight, a: jax.Array | None) -> jax.Array | None:
 MGPU_BLOCK_N = 128  # output features a program of the Mosaic GPU kernel owns
 MGPU_BLOCK_KS = (256, 128, 64)  # K positions a pipeline step loads, the largest that tiles
 MGPU_MIN_GROUP_BYTES = 32  # a group's codes in a row of shared memory: 16 bytes leave no swizzle to read through
-MGPU_PROGRAMS_PER_SM = 2
+# Split K until this many programs per SM would run, with `MGPU_STAGES` blocks in flight: the fastest tiling of the
+# H100 sweep (benchmarks/results/weight-only-mgpu-tiling-2026-12-06-h100.json; Llama-3.1-8B gate/up at one row 31.8
+# us against 35.6 for 2 programs and 4 stages, whose 448 programs ran 1.7 waves; down 18.0 against 19.1).
+MGPU_PROGRAMS_PER_SM = 4
+MGPU_STAGES = 2
 
 
 def _mgpu_blocks(w: QuantizedWeight) -> tuple[int, int, int] | None:
@@ -253,7 +257,7 @@ def _mgpu_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: boo
     product = functools.partial(
         weight_only_mgpu.weight_only_matmul_mgpu, wt=w.values, scale=_flat(w, w.scale), offset=_flat(w, w.offset),
         layer=w.layer, group=w.group_size, zero_point=TRANSPOSED_INT4_ZERO if w.bits == 4 else 0, block_n=block_n,
-        block_k=block_k, splits=splits, out_dtype=out_dtype, interpret=interpret)
+        block_k=block_k, splits=splits, stages=MGPU_STAGES, out_dtype=out_dtype, interpret=interpret)
     x = _rounded(x, x_group)
     rows = weight_only_mgpu.MAX_ROWS
     return jax.numpy.concatenate([product(x[i: i + rows]) for i in range(0, x.shape[0], rows)])
