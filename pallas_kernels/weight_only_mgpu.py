@@ -141,17 +141,19 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
         def scaled_step(_, w_smem, x_smem, s_smem, *rest):
             *o_smem, total = rest
             sums_smem = o_smem.pop() if sums else None
-            for j in range(chunks):
-                cols, row = pl.ds(j * step_group, step_group), j * step_group // group
-                a = operand(codes(w_smem, cols))
 
-                def product(acc_ref):
-                    plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))
-                    return acc_ref[...]
+            def products(*acc_refs):
+                """Every chunk's product issued before any is read: one wait a step, as the dequantizing path."""
+                for j, acc_ref in enumerate(acc_refs):
+                    cols = pl.ds(j * step_group, step_group)
+                    plgpu.wgmma(acc_ref, operand(codes(w_smem, cols)), x_smem.at[:, cols].transpose((1, 0)))
+                return tuple(acc_ref[...] for acc_ref in acc_refs)
 
+            parts = pl.run_scoped(products, *[plgpu.ACC((block_n, rows), jnp.float32)] * chunks)
+            for j, part in enumerate(parts):
+                row = j * step_group // group
                 s = s_smem[row, :].astype(jnp.float32)
-                total = total + pl.run_scoped(product, plgpu.ACC((block_n, rows), jnp.float32)) * \
-                    lax.broadcast_in_dim(s, (block_n, rows), (0,))
+                total = total + part * lax.broadcast_in_dim(s, (block_n, rows), (0,))
                 if shifted:
                     total = total + (lax.broadcast_in_dim(additive(s, o_smem, row), (block_n, rows), (0,))
                                      * lax.broadcast_in_dim(sums_smem[j, :], (block_n, rows), (1,)))
