@@ -1,7 +1,7 @@
 """SSV end to end against plain NSA decoding (nsa-ar), for each precision class and drafter.
 
     python benchmarks/bench_ssv.py [--quick | --smoke] [--batches 1,8,32,64] [--context 8192]
-        [--max-new-tokens 128] [--tree 4x2] [--classes exact,approximate] [--drafters ngram,self,head]
+        [--max-new-tokens 128] [--tree 4x2[,2x1,...]] [--classes exact,approximate] [--drafters ngram,self,head]
         [--draft-head FOLDER] [--approx-mode s8w1r2 | --ssv-profile PROFILE.json] [--repeats 3]
         [--nsa-1b-context 32768] [--nsa-1b-batches 1,8] [--tag TAG] [--out benchmarks/results]
 
@@ -62,13 +62,19 @@ NSA_1B = ModelConfig(
 CLASSES = ("exact", "approximate")
 
 
-def ssv_options(precision: str, drafter: str, args, new_tokens: int, context: int | None = None) -> GenerationOptions:
-    """The SSV run of a class and drafter: the planner's choice with a profile, else --tree (and --approx-mode)."""
+def ssv_options(precision: str, drafter: str, args, new_tokens: int, context: int | None = None,
+                tree: str | None = None) -> GenerationOptions:
+    """The SSV run of a class and drafter: the planner's choice with a profile, else `tree` (and --approx-mode)."""
     common = dict(max_new_tokens=new_tokens, drafter=drafter, precision=precision, max_model_len=context)
     if args.ssv_profile:
         return GenerationOptions(ssv_profile=args.ssv_profile, **common)
     mode = args.approx_mode if precision == "approximate" else None
-    return GenerationOptions(draft_tree=args.tree, approx_mode=mode, **common)
+    return GenerationOptions(draft_tree=tree, approx_mode=mode, **common)
+
+
+def trees_of(args) -> list[str | None]:
+    """The trees each class and drafter runs: --tree's, or the planner's one with a profile."""
+    return [None] if args.ssv_profile else args.tree.split(",")
 
 
 def timed(fn, *args, reps: int = 5) -> float:
@@ -156,13 +162,15 @@ def view_part(engine: Engine, prompts_of, args, new_tokens: int, log: RecordLog)
         add(log, {"part": "view", "method": "nsa-ar", **base, "speedup_vs_ar": 1.0})
         for precision in args.classes:
             for drafter in args.drafters:
-                record, tokens = run(engine, prompts, ssv_options(precision, drafter, args, new_tokens), args.repeats)
-                record |= {"part": "view", "method": "ssv",
-                           "speedup_vs_ar": record["decode_tokens_per_s"] / base["decode_tokens_per_s"]}
-                if precision == "approximate":
-                    record["greedy_agreement"] = agreement(tokens, reference)
-                add(log, record)
-                taus[batch, precision, drafter] = record["tau"]
+                for tree in trees_of(args):
+                    record, tokens = run(engine, prompts, ssv_options(precision, drafter, args, new_tokens,
+                                                                      tree=tree), args.repeats)
+                    record |= {"part": "view", "method": "ssv",
+                               "speedup_vs_ar": record["decode_tokens_per_s"] / base["decode_tokens_per_s"]}
+                    if precision == "approximate":
+                        record["greedy_agreement"] = agreement(tokens, reference)
+                    add(log, record)
+                    taus[batch, precision, drafter, tree] = record["tau"]
     return taus
 
 
@@ -176,10 +184,11 @@ def nsa_1b_part(engine: Engine, args, new_tokens: int, taus: dict, log: RecordLo
                   "projection": False})
         view_batch = min(args.batches, key=lambda b: abs(b - batch))  # the view's τ at the nearest batch
         for precision in args.classes:
-            for drafter in (d for d in args.drafters if d != "head"):  # a head is trained for the view only
-                options = ssv_options(precision, drafter, args, new_tokens, context)
+            for drafter, tree in ((d, t) for d in args.drafters if d != "head"  # a head is trained for the view only
+                                  for t in trees_of(args)):
+                options = ssv_options(precision, drafter, args, new_tokens, context, tree=tree)
                 record, _ = run(engine, prompts, options, args.repeats, fill_cache=random_cache_rows)
-                tau = taus.get((view_batch, precision, drafter))
+                tau = taus.get((view_batch, precision, drafter, tree))
                 projected = batch * tau / record["ms_per_iteration"] * 1e3 if tau else float("nan")
                 base_speed = base["decode_tokens_per_s"]
                 record |= {"part": "nsa-1b", "method": "ssv", "projection": True, "tau": tau,
@@ -213,7 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=8192, help="prompt plus new tokens (SmolLM2's context: 8192)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", default="4x2")
+    p.add_argument("--tree", default="4x2", help="DEPTHxBRANCHING trees, comma-separated: each class and drafter "
+                                                 "runs each")
     p.add_argument("--drafters", default="ngram,self", help="the SSV drafters run in each class (head: the view "
                                                              "only, with --draft-head)")
     p.add_argument("--draft-head", default=None, help="the view's trained draft head (vegas_jax.train_draft_head)")
