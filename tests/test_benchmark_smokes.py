@@ -150,7 +150,8 @@ def test_bench_draft_products(tmp_path, monkeypatch, capsys):
     assert {(r["rows"], r["weights"], r["layout"], r.get("scales_on")) for r in doc["records"]} == {
         (1, "bf16", "xla", None), (5, "bf16", "xla", None)} | {
         (rows, w, "transposed", scales) for rows in (1, 5) for w in ("int4", "int8")
-        for scales in ("weights", "accumulator")} | {(rows, w, "bytes", None) for rows in (1, 5) for w in ("int4", "int8")}
+        for scales in ("weights", "accumulator")} | {
+        (rows, w, "bytes", None) for rows in (1, 5) for w in ("int4", "int8")}
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "gb_per_s", "weight_bytes", "of_read_bandwidth")

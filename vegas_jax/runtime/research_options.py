@@ -158,10 +158,11 @@ class TreeConfig(ResearchOptions):
 
 @dataclasses.dataclass(frozen=True)
 class SsvConfig(ResearchOptions):
-    """SSV on NSA models, and the planner on dense ones (vegas_jax.ssv.choice): the precision class (vegas_jax.ssv.precision: exact never changes the
-    output; approximate allows the approximate modes whose measured top-1 disagreement with the exact target is at
-    most precision_tolerance, default 0.05), an approximate mode pinned by its label (s<span>w<widen>r<refresh>;
-    with precision approximate), and a device profile from which the planner chooses the tree and the mode."""
+    """SSV on NSA models, and the planner on dense ones (vegas_jax.ssv.choice): the precision class
+    (vegas_jax.ssv.precision: exact never changes the output; approximate allows the approximate modes whose measured
+    top-1 disagreement with the exact target is at most precision_tolerance, default 0.05), an approximate mode
+    pinned by its label (s<span>w<widen>r<refresh>; with precision approximate), and a device profile from which the
+    planner chooses the tree and the mode."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"profile": "ssv_profile"}
     precision: str = option("exact", "NSA models: exact (never changes the output) | approximate (allows "
