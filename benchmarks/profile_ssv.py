@@ -67,6 +67,7 @@ from vegas_jax.attention.nsa_tree import TREE_SCHEDULE, SinkWindowDraft  # noqa:
 from vegas_jax.attention.tree import TreeAttention  # noqa: E402
 from vegas_jax.attention.verify import VerifyAttention  # noqa: E402
 from vegas_jax.decode.drafters import window_slots  # noqa: E402
+from vegas_jax.loading import draft_head_checkpoint  # noqa: E402
 from vegas_jax.train_draft_head import Settings  # noqa: E402
 from vegas_jax.ssv.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
 from vegas_jax.ssv.precision import ApproxMode  # noqa: E402
@@ -219,7 +220,7 @@ def self_draft_ms(config, params, caches, linear, batch: int, context: int, pare
 
 
 # A head trained at vegas_jax.train_draft_head's defaults attends to this many positions (its trained span).
-DEFAULT_HEAD_WINDOW = min(Settings.context_tokens, Settings.prompt_tokens - 1) + Settings.new_tokens
+DEFAULT_HEAD_WINDOW = draft_head_checkpoint.span(Settings.context_tokens, Settings.prompt_tokens, Settings.new_tokens)
 HEAD_SPARE_SLOTS = 64  # the head cache's rows past the context: its tree's scratch rows (and generated rows)
 
 

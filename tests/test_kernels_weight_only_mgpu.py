@@ -34,22 +34,28 @@ TILINGS = pytest.mark.parametrize("m, k, n, bits, group, blocks", [
 SHIFTS = pytest.mark.parametrize("with_offset, zero_point", [(True, 8), (False, 0), (False, 8)])
 
 
-@TILINGS
-@SHIFTS
-def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
+def _product(m, k, n, bits, group, blocks, with_offset, zero_point, **kernel):
+    """A random case's kernel product in interpret mode (float64), with what it is checked against: x, the codes
+    q, scale, offset, the group-expanded scale s and offset o [N, K] in float64, and the exact product."""
     rng = np.random.default_rng(m * 31 + bits)
     q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
     x = _bf16(rng.normal(size=(m, k)))
     codes = jnp.asarray(q, jnp.int4 if bits == 4 else jnp.int8)
     got = weight_only_matmul_mgpu(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale, jnp.bfloat16),
                                   None if offset is None else jnp.asarray(offset, jnp.bfloat16), group=group,
-                                  zero_point=zero_point, out_dtype=jnp.float32, interpret=True, **blocks)
+                                  zero_point=zero_point, out_dtype=jnp.float32, interpret=True, **blocks, **kernel)
     s = np.repeat(_bf16(scale), group, axis=0).T  # [N, K]
     o = 0.0 if offset is None else np.repeat(_bf16(offset), group, axis=0).T
-    shift = zero_point * s + o  # the kernel adds it rounded to bf16 once
     exact = x @ ((q + zero_point) * s + o).T
+    return np.asarray(got, np.float64), x, codes, q, scale, offset, s, o, exact
+
+
+@TILINGS
+@SHIFTS
+def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
+    got, x, codes, q, scale, offset, s, o, exact = _product(m, k, n, bits, group, blocks, with_offset, zero_point)
+    shift = zero_point * s + o  # the kernel adds it rounded to bf16 once
     rounded = x @ _bf16(_bf16(q * s) + _bf16(shift)).T  # the kernel's weight: each term and the sum in bf16
-    got = np.asarray(got, np.float64)
     assert got.shape == (m, n)
     scale_of = np.max(np.abs(exact))
     assert np.max(np.abs(got - rounded)) / scale_of < 2e-3
@@ -67,18 +73,8 @@ def test_scales_on_the_accumulator_multiply_exactly(m, k, n, bits, group, blocks
     product scaled and its additive term (zero point and offset times the part's sum of x) added in float32: the
     exact product of the dequantized weight but for float32 rounding, with none of the bf16 rounding of the
     dequantized weight."""
-    rng = np.random.default_rng(m * 31 + bits)
-    q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
-    x = _bf16(rng.normal(size=(m, k)))
-    codes = jnp.asarray(q, jnp.int4 if bits == 4 else jnp.int8)
-    got = weight_only_matmul_mgpu(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale, jnp.bfloat16),
-                                  None if offset is None else jnp.asarray(offset, jnp.bfloat16), group=group,
-                                  zero_point=zero_point, scales_on="accumulator", out_dtype=jnp.float32,
-                                  interpret=True, **blocks)
-    s = np.repeat(_bf16(scale), group, axis=0).T
-    o = 0.0 if offset is None else np.repeat(_bf16(offset), group, axis=0).T
-    exact = x @ ((q + zero_point) * s + o).T
-    assert np.max(np.abs(np.asarray(got, np.float64) - exact)) / np.max(np.abs(exact)) < 1e-5
+    got, *_, exact = _product(m, k, n, bits, group, blocks, with_offset, zero_point, scales_on="accumulator")
+    assert np.max(np.abs(got - exact)) / np.max(np.abs(exact)) < 1e-5
 
 
 @pytest.mark.parametrize("shape, blocks, message", [

@@ -362,7 +362,7 @@ def memory_plan(model: ModelConfig, settings: Settings, target_bytes: int, dtype
                                                                 is_leaf=lambda x: isinstance(x, tuple)))
     b, width, rows, passes = settings.batch, settings.prompt_tokens + settings.new_tokens, settings.new_tokens, \
         settings.unroll + 1
-    verified = min(settings.context_tokens, settings.prompt_tokens - 1) + rows  # pass 0's rows
+    verified = draft_head_checkpoint.span(settings.context_tokens, settings.prompt_tokens, rows)  # pass 0's rows
     slots = verified + (passes - 1) * rows
     capacity = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
     kv = 2 * model.num_layers * b * capacity * model.num_kv_heads * model.head_dim * dtype_bytes

@@ -79,11 +79,16 @@ def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
+def span(context_tokens: int, prompt_tokens: int, new_tokens: int) -> int:
+    """The most positions a head row attends to when trained with these vegas_jax.train_draft_head.Settings: the
+    prompt rows it runs over (at most all but the prompt's last) and the generated rows."""
+    return min(context_tokens, prompt_tokens - 1) + new_tokens
+
+
 def trained_span(folder: str | Path) -> int:
-    """The most positions a row of the head in `folder` attended to in training (its context rows and generated
-    rows: vegas_jax.train_draft_head.Settings), which decoding keeps as its window; 0 when the record has no
-    settings."""
+    """The most positions a row of the head in `folder` attended to in training (`span` of its settings), which
+    decoding keeps as its window; 0 when the record has no settings."""
     settings = _newest(folder)[2].get("settings") or {}
     if "context_tokens" not in settings:
         return 0
-    return min(settings["context_tokens"], settings["prompt_tokens"] - 1) + settings["new_tokens"]
+    return span(settings["context_tokens"], settings["prompt_tokens"], settings["new_tokens"])
