@@ -2,7 +2,6 @@
 % of the read bandwidth measured in the same process, per matrix, precision, code layout and rows.
 
     python benchmarks/bench_draft_products.py [--rows 1,2,4,8,16] [--bits 4,8] [--layouts transposed,bytes]
-        [--scales-on weights,accumulator]
     python benchmarks/bench_draft_products.py --smoke --out /tmp/dp   # tiny shapes on a CPU: checks this script
 
 Each weight is quantized from random bf16 values as the drafts quantize the model's (models.quantized: int4 in groups
@@ -33,8 +32,6 @@ from benchmarks.bench_weight_only import time_chain_ms  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
 from models.quantized import QuantizedWeight, dequantize, group_size_for, nbytes, quantize, quantized_matmul  # noqa: E402
-from pallas_kernels.weight_only_mgpu import SCALES_ON  # noqa: E402
-from vegas_jax.decode import draft_kernel  # noqa: E402
 from vegas_jax.decode.draft_kernel import CODE_LAYOUTS, with_kernel  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
 
@@ -66,9 +63,6 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="4,8")
     p.add_argument("--matrices", default=",".join(SHAPES))
     p.add_argument("--layouts", default="transposed,bytes", help=f"of {', '.join(CODE_LAYOUTS)}")
-    p.add_argument("--scales-on", default="weights",
-                   help="the Mosaic GPU kernel's scales_on values to time the transposed layout with, of "
-                        + ", ".join(SCALES_ON) + " (pallas_kernels.weight_only_mgpu)")
     p.add_argument("--layers", type=int, default=6, help="distinct weights a timed chain multiplies")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode: checks this script")
@@ -79,9 +73,8 @@ def main(argv=None) -> int:
     try:
         rows, bits_list, layouts = _list(args.rows, int), _list(args.bits, int), _list(args.layouts)
         matrices = _list(args.matrices) if not args.smoke else list(SMOKE_SHAPES)
-        scales_on = _list(args.scales_on)
         for flag, values, known in (("--bits", bits_list, (4, 8)), ("--layouts", layouts, CODE_LAYOUTS),
-                                    ("--matrices", matrices, shapes), ("--scales-on", scales_on, SCALES_ON)):
+                                    ("--matrices", matrices, shapes)):
             if not values or any(v not in known for v in values):
                 raise ValueError(f"{flag}: each of {', '.join(map(str, known))}")
         if not rows or min(rows) < 1:
@@ -106,19 +99,14 @@ def main(argv=None) -> int:
             _print(log.records[-1])
             for bits in bits_list:
                 for layout in layouts:
-                    for scales in scales_on if layout == "transposed" else [None]:
-                        log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, scales))
-                        _print(log.records[-1])
+                    log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps))
+                    _print(log.records[-1])
     log.finish()
     return 0
 
 
-def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, scales_on) -> dict:
-    record = {"matrix": name, "K": k, "N": n, "rows": m, "weights": f"int{bits}", "layout": layout,
-              "scales_on": scales_on}
-    # The drafts' products read draft_kernel.MGPU_SCALES_ON when traced: set for this measurement alone.
-    drafts_scales_on = draft_kernel.MGPU_SCALES_ON
-    draft_kernel.MGPU_SCALES_ON = scales_on or drafts_scales_on
+def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps) -> dict:
+    record = {"matrix": name, "K": k, "N": n, "rows": m, "weights": f"int{bits}", "layout": layout}
     try:
         weights = _weights(k, n, bits, args.layers, layout)
         record["weight_bytes"] = sum(nbytes(a) for a in jax.tree.leaves(weights[0]))
@@ -138,13 +126,11 @@ def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, scales_
         record["of_read_bandwidth"] = record["gb_per_s"] / read_gbps
     except Exception as e:  # noqa: BLE001 - a failing configuration is a record, the others still run
         record["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
-    finally:
-        draft_kernel.MGPU_SCALES_ON = drafts_scales_on
     return record
 
 
 def _print(r: dict) -> None:
-    head = f"{r['matrix']:8s} {r['weights']:5s} {r['layout']:10s} {r.get('scales_on') or '':11s} rows {r['rows']:2d}"
+    head = f"{r['matrix']:8s} {r['weights']:5s} {r['layout']:10s} rows {r['rows']:2d}"
     if "error" in r:
         print(f"{head}: ERROR {r['error']}", flush=True)
     else:

@@ -44,28 +44,17 @@ def _swizzled(block_cols: int, bits: int):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-SCALES_ON = ("weights", "accumulator")  # where a group's scale and offset are applied (weight_only_matmul_mgpu)
-
-
 @functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
-                                             "scales_on", "out_dtype", "interpret"))
+                                             "out_dtype", "interpret"))
 def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0,
-                            block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4,
-                            scales_on: str = "weights", out_dtype=None, interpret: bool = False):
+                            block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4, out_dtype=None,
+                            interpret: bool = False):
     """x [M, K] @ w -> [M, N] in out_dtype (default x's), x rounded to bf16. wt [N, K] int4 or int8 codes
     (signed), w[k, n] = (wt[n, k] + zero_point) * scale[k // group, n] + offset[k // group, n]; scale and offset
     [K / group, N] (offset may be None). layer (int32 []): wt, scale and offset hold every layer's weight stacked
     [L, ...] and the product is layer `layer`'s, which the kernel reads in place (its TMA copies start at the
     layer). block_k: K positions a pipeline step loads, whole groups or a part of one; splits: how many programs
-    share each block of features along K; stages: blocks in flight.
-
-    scales_on "weights": each weight is dequantized (scale and offset applied, rounded to bf16) before the
-    product. "accumulator": the codes (exact small integers in bf16) are multiplied as they are, each group's
-    product into an accumulator of its own, to which the group's scale is applied and the additive term's
-    (zero_point * scale + offset) times the group's sum of x is added: two operations per group and output
-    feature instead of two per weight (the dequantization bounds the kernel), exact but for float32 rounding."""
-    if scales_on not in SCALES_ON:
-        raise ValueError(f"scales_on {scales_on!r}: one of {', '.join(SCALES_ON)}")
+    share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
     (wt, scale, offset), layer = stacked_layer(layer, wt, scale, offset)
     num_layers, n, k2 = wt.shape
@@ -85,12 +74,8 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     xp = jnp.zeros((rows, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
     shifted = offset is not None or zero_point != 0  # the dequantized weight has an additive term
     steps = k // splits // block_k
-    chunks = block_k // step_group  # K positions of a step under one scale each
     w_transforms, x_transforms = _swizzled(step_group, bits), _swizzled(step_group, 16)
     scale_rows = max(1, block_k // group)  # rows of the scales a step reads (a step inside one group reads one)
-    on_accumulator = scales_on == "accumulator"
-    sums = on_accumulator and shifted  # the additive term's factor: x's sum over each chunk, [K / step_group, rows]
-    x_sums = (xp.astype(jnp.float32).reshape(rows, k // step_group, step_group).sum(-1).T,) if sums else ()
 
     # The kernel reads scales and offsets in bf16. Others (float32 models') are converted here, a buffer made per
     # call either way: of the layer's alone, a stack of one (whose layer 0 the kernel reads; the codes' is `layer`).
@@ -99,90 +84,52 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
         groups = tuple(lax.dynamic_index_in_dim(g, layer).astype(jnp.bfloat16) for g in groups)
         group_layer = jnp.int32(0)
     layers = jnp.stack([layer, group_layer])  # the layer the kernel reads of the codes, and of the groups
-    num_in = 3 + len(groups) + len(x_sums)
 
-    def kernel(*refs):
-        (x_gmem, layers_gmem, w_gmem, *group_gmem), (out_gmem, out_smem, a_smem) = refs[:num_in], refs[num_in:]
-        sums_gmem = [group_gmem.pop()] if sums else []
+    def kernel(x_gmem, layers_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
         code_layer, group_layer = layers_gmem[0], layers_gmem[1]
         features = pl.ds(feature_block * block_n, block_n)
         positions = pl.ds(split * steps * block_k, steps * block_k)
         groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
 
-        def codes(w_smem, cols):
-            """The chunk's codes in the tensor cores' register layout (in shared memory in interpret mode)."""
-            return w_smem.at[:, cols][...].astype(jnp.bfloat16)
-
-        def operand(a):
-            if not interpret:
-                return a
-            a_smem[...] = a  # GPU interpret mode multiplies shared memory only
-            plgpu.commit_smem()
-            return a_smem
-
-        def additive(s, o_smem, row):
-            return zero_point * s + (o_smem[0][row, :].astype(jnp.float32) if o_smem else 0.0)
-
-        def dequantized_step(acc_ref):
+        def compute(acc_ref):
             def step(_, w_smem, x_smem, s_smem, *o_smem):
-                for j in range(chunks):
-                    cols, row = pl.ds(j * step_group, step_group), j * step_group // group
-                    s = s_smem[row, :].astype(jnp.float32)
-                    a = codes(w_smem, cols) * lax.broadcast_in_dim(s.astype(jnp.bfloat16), (block_n, step_group),
-                                                                   (0,))
-                    if shifted:  # (q + zero_point) s + o = q s + (zero_point s + o), one rounding to bf16
-                        a = a + lax.broadcast_in_dim(additive(s, o_smem, row).astype(jnp.bfloat16),
-                                                     (block_n, step_group), (0,))
-                    plgpu.wgmma(acc_ref, operand(a), x_smem.at[:, cols].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-            return step
-
-        def scaled_step(_, w_smem, x_smem, s_smem, *rest):
-            *o_smem, total = rest
-            sums_smem = o_smem.pop() if sums else None
-
-            def products(*acc_refs):
-                """Every chunk's product issued before any is read: one wait a step, as the dequantizing path."""
-                for j, acc_ref in enumerate(acc_refs):
+                for j in range(block_k // step_group):
                     cols = pl.ds(j * step_group, step_group)
-                    plgpu.wgmma(acc_ref, operand(codes(w_smem, cols)), x_smem.at[:, cols].transpose((1, 0)))
-                return tuple(acc_ref[...] for acc_ref in acc_refs)
+                    row = j * step_group // group
+                    a = w_smem.at[:, cols][...].astype(jnp.bfloat16)
+                    s = s_smem[row, :].astype(jnp.float32)
+                    a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), (block_n, step_group), (0,))
+                    if shifted:  # (q + zero_point) s + o = q s + (zero_point s + o), one rounding to bf16
+                        o = zero_point * s + (o_smem[0][row, :].astype(jnp.float32) if o_smem else 0.0)
+                        a = a + lax.broadcast_in_dim(o.astype(jnp.bfloat16), (block_n, step_group), (0,))
+                    if interpret:  # GPU interpret mode multiplies shared memory only
+                        a_smem[...] = a
+                        plgpu.commit_smem()
+                        a = a_smem
+                    plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
 
-            parts = pl.run_scoped(products, *[plgpu.ACC((block_n, rows), jnp.float32)] * chunks)
-            for j, part in enumerate(parts):
-                row = j * step_group // group
-                s = s_smem[row, :].astype(jnp.float32)
-                total = total + part * lax.broadcast_in_dim(s, (block_n, rows), (0,))
-                if shifted:
-                    total = total + (lax.broadcast_in_dim(additive(s, o_smem, row), (block_n, rows), (0,))
-                                     * lax.broadcast_in_dim(sums_smem[j, :], (block_n, rows), (1,)))
-            return total
+            w_spec = plgpu.BlockSpec((block_n, block_k), lambda i: (0, i), transforms=w_transforms)
+            x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)
+            g_spec = plgpu.BlockSpec((scale_rows, block_n), lambda i: (i * block_k // group // scale_rows, 0))
+            groups = [s_gmem] + ([] if o_gmem is None else [o_gmem])
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, x_spec] + [g_spec] * len(groups),
+                                max_concurrent_steps=min(stages, steps))(
+                w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
+                *(g.at[group_layer, groups_of_split, features] for g in groups))
+            out_smem[...] = acc_ref[...]
 
-        w_spec = plgpu.BlockSpec((block_n, block_k), lambda i: (0, i), transforms=w_transforms)
-        x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)
-        g_spec = plgpu.BlockSpec((scale_rows, block_n), lambda i: (i * block_k // group // scale_rows, 0))
-        in_specs = [w_spec, x_spec] + [g_spec] * len(group_gmem) + [
-            plgpu.BlockSpec((chunks, rows), lambda i: (i, 0))] * len(sums_gmem)
-        operands = (w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
-                    *(g.at[group_layer, groups_of_split, features] for g in group_gmem),
-                    *(g.at[pl.ds(split * steps * chunks, steps * chunks), :] for g in sums_gmem))
-        if on_accumulator:
-            out_smem[...] = plgpu.emit_pipeline(
-                scaled_step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=min(stages, steps),
-                init_carry=plgpu.layout_cast(jnp.zeros((block_n, rows), jnp.float32), plgpu.Layout.WGMMA))(*operands)
-        else:
-            def compute(acc_ref):
-                plgpu.emit_pipeline(dequantized_step(acc_ref), grid=(steps,), in_specs=in_specs,
-                                    max_concurrent_steps=min(stages, steps))(*operands)
-                out_smem[...] = acc_ref[...]
-            pl.run_scoped(compute, plgpu.ACC((block_n, rows), jnp.float32))
+        pl.run_scoped(compute, plgpu.ACC((block_n, rows), jnp.float32))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, features])
         plgpu.wait_smem_to_gmem(0)
 
+    def without_offset(x_gmem, layers_gmem, w_gmem, s_gmem, out_gmem, out_smem, a_smem):
+        kernel(x_gmem, layers_gmem, w_gmem, s_gmem, None, out_gmem, out_smem, a_smem)
+
     partial = plgpu.kernel(
-        kernel,
+        kernel if offset is not None else without_offset,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
         grid=(n // block_n, splits),
         grid_names=("n", "split"),
@@ -192,7 +139,7 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="weight_only_matmul_mgpu",
-    )(xp, layers, wt, *groups, *x_sums)
+    )(xp, layers, wt, *groups)
     return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
 
 

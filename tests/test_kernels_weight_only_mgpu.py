@@ -25,37 +25,27 @@ def _bf16(a):
     return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
 
 
-TILINGS = pytest.mark.parametrize("m, k, n, bits, group, blocks", [
+@pytest.mark.parametrize("m, k, n, bits, group, blocks", [
     (1, 1024, 128, 4, 128, dict(block_n=128, block_k=256, splits=2, stages=2)),  # two groups a step
     (16, 512, 256, 4, 64, dict(block_n=128, block_k=64, splits=1, stages=3)),  # one group a step, 16 rows
     (5, 512, 128, 4, 256, dict(block_n=64, block_k=128, splits=2, stages=2)),  # a group over two steps
     (9, 512, 128, 8, 512, dict(block_n=64, block_k=128, splits=2, stages=2)),  # int8, one scale a column
 ])
-SHIFTS = pytest.mark.parametrize("with_offset, zero_point", [(True, 8), (False, 0), (False, 8)])
-
-
-def _product(m, k, n, bits, group, blocks, with_offset, zero_point, **kernel):
-    """A random case's kernel product in interpret mode (float64), with what it is checked against: x, the codes
-    q, scale, offset, the group-expanded scale s and offset o [N, K] in float64, and the exact product."""
+@pytest.mark.parametrize("with_offset, zero_point", [(True, 8), (False, 0), (False, 8)])
+def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
     rng = np.random.default_rng(m * 31 + bits)
     q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
     x = _bf16(rng.normal(size=(m, k)))
     codes = jnp.asarray(q, jnp.int4 if bits == 4 else jnp.int8)
     got = weight_only_matmul_mgpu(jnp.asarray(x, jnp.bfloat16), codes, jnp.asarray(scale, jnp.bfloat16),
                                   None if offset is None else jnp.asarray(offset, jnp.bfloat16), group=group,
-                                  zero_point=zero_point, out_dtype=jnp.float32, interpret=True, **blocks, **kernel)
+                                  zero_point=zero_point, out_dtype=jnp.float32, interpret=True, **blocks)
     s = np.repeat(_bf16(scale), group, axis=0).T  # [N, K]
     o = 0.0 if offset is None else np.repeat(_bf16(offset), group, axis=0).T
-    exact = x @ ((q + zero_point) * s + o).T
-    return np.asarray(got, np.float64), x, codes, q, scale, offset, s, o, exact
-
-
-@TILINGS
-@SHIFTS
-def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
-    got, x, codes, q, scale, offset, s, o, exact = _product(m, k, n, bits, group, blocks, with_offset, zero_point)
     shift = zero_point * s + o  # the kernel adds it rounded to bf16 once
+    exact = x @ ((q + zero_point) * s + o).T
     rounded = x @ _bf16(_bf16(q * s) + _bf16(shift)).T  # the kernel's weight: each term and the sum in bf16
+    got = np.asarray(got, np.float64)
     assert got.shape == (m, n)
     scale_of = np.max(np.abs(exact))
     assert np.max(np.abs(got - rounded)) / scale_of < 2e-3
@@ -66,22 +56,10 @@ def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
     assert np.max(np.abs(np.asarray(reference, np.float64) - exact)) / scale_of < 1e-2
 
 
-@TILINGS
-@SHIFTS
-def test_scales_on_the_accumulator_multiply_exactly(m, k, n, bits, group, blocks, with_offset, zero_point):
-    """scales_on accumulator: the codes multiplied as they are, each group's (or a step's part of a group's)
-    product scaled and its additive term (zero point and offset times the part's sum of x) added in float32: the
-    exact product of the dequantized weight but for float32 rounding, with none of the bf16 rounding of the
-    dequantized weight."""
-    got, *_, exact = _product(m, k, n, bits, group, blocks, with_offset, zero_point, scales_on="accumulator")
-    assert np.max(np.abs(got - exact)) / np.max(np.abs(exact)) < 1e-5
-
-
 @pytest.mark.parametrize("shape, blocks, message", [
     ((1, 512, 100), dict(block_n=64, block_k=128), "do not tile"),
     ((1, 512, 128), dict(block_n=64, block_k=128, splits=8), "do not tile"),
     ((17, 512, 128), dict(block_n=64, block_k=128), "at most 16 rows"),
-    ((1, 512, 128), dict(block_n=64, block_k=128, scales_on="registers"), "scales_on 'registers': one of"),
 ])
 def test_untileable_shapes_are_refused(shape, blocks, message):
     m, k, n = shape
@@ -92,8 +70,7 @@ def test_untileable_shapes_are_refused(shape, blocks, message):
 
 @pytest.mark.parametrize("bits, with_offset, scale_dtype", [(4, True, jnp.bfloat16), (8, False, jnp.bfloat16),
                                                            (4, True, jnp.float32)])
-@pytest.mark.parametrize("scales_on", ["weights", "accumulator"])
-def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtype, scales_on):
+def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtype):
     """Given every layer's weight stacked [L, ...] and a traced layer, the kernel multiplies that layer's weight
     alone, read in place (the other layers' scales and offsets NaN; float32 scales: the layer's converted to the
     kernel's bf16): the same products as the layer's own arrays give; the jnp twin reads the same layer."""
@@ -108,7 +85,7 @@ def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtyp
     scales = stack(scale, np.full_like(scale, np.nan)).astype(scale_dtype)
     offsets = None if offset is None else stack(offset, np.full_like(offset, np.nan)).astype(scale_dtype)
     blocks = dict(group=group, zero_point=8 if bits == 4 else 0, block_n=64, block_k=128, splits=2, stages=2,
-                  scales_on=scales_on, out_dtype=jnp.float32, interpret=True)
+                  out_dtype=jnp.float32, interpret=True)
     got = jax.jit(lambda i: weight_only_matmul_mgpu(x, codes, scales, offsets, i, **blocks))(jnp.int32(layer))
     assert np.all(np.isfinite(np.asarray(got)))
     alone = weight_only_matmul_mgpu(x, codes[layer], scales[layer], None if offsets is None else offsets[layer],
@@ -123,15 +100,13 @@ def test_stacked_weights_read_only_the_given_layer(bits, with_offset, scale_dtyp
     assert np.max(np.abs(np.asarray(got) - np.asarray(reference, np.float32))) < 1e-2 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("scales_on", ["weights", "accumulator"])
-def test_stacked_weights_lower_for_the_h200_at_llama_shapes(scales_on):
+def test_stacked_weights_lower_for_the_h200_at_llama_shapes():
     """At Llama-3.1-8B's fused gate/up (int4 in groups of 128, its 32 layers stacked, a traced layer) the kernel
-    lowers for an H200 with the whole stack its operand: the layer is where its TMA copies start (Mosaic GPU's
-    layout inference included: the accumulator's per-group scaling broadcasts along both of its axes)."""
+    lowers for an H200 with the whole stack its operand: the layer is where its TMA copies start."""
     k, n, group, layers = 4096, 28672, 128, 32
     spec = jax.ShapeDtypeStruct
     scales = spec((layers, k // group, n), jnp.bfloat16)
     text = lower_for_h200(weight_only_matmul_mgpu, spec((8, k), jnp.bfloat16), spec((layers, n, k), jnp.int4),
-                          scales, scales, spec((), jnp.int32), group=group, zero_point=8, scales_on=scales_on)
+                          scales, scales, spec((), jnp.int32), group=group, zero_point=8)
     calls = [line for line in text.splitlines() if "@mosaic_gpu" in line and " : (" in line]
     assert len(calls) == 1 and f"tensor<{layers}x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]

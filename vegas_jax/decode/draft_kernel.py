@@ -234,10 +234,6 @@ MGPU_MIN_GROUP_BYTES = 32  # a group's codes in a row of shared memory: 16 bytes
 # us against 35.6 for 2 programs and 4 stages, whose 448 programs ran 1.7 waves; down 18.0 against 19.1).
 MGPU_PROGRAMS_PER_SM = 4
 MGPU_STAGES = 2
-# Where the kernel applies a group's scale and offset: "weights" (each weight dequantized to bf16 first: measured)
-# or "accumulator" (per group and output feature, two operations instead of two per weight; built 2026-12-06 from
-# the kernel's ncu profile, which is issue-bound on the dequantization; not yet timed on a GPU).
-MGPU_SCALES_ON = "weights"
 
 
 def _mgpu_blocks(w: QuantizedWeight) -> tuple[int, int, int] | None:
@@ -261,8 +257,7 @@ def _mgpu_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: boo
     product = functools.partial(
         weight_only_mgpu.weight_only_matmul_mgpu, wt=w.values, scale=_flat(w, w.scale), offset=_flat(w, w.offset),
         layer=w.layer, group=w.group_size, zero_point=TRANSPOSED_INT4_ZERO if w.bits == 4 else 0, block_n=block_n,
-        block_k=block_k, splits=splits, stages=MGPU_STAGES, scales_on=MGPU_SCALES_ON, out_dtype=out_dtype,
-        interpret=interpret)
+        block_k=block_k, splits=splits, stages=MGPU_STAGES, out_dtype=out_dtype, interpret=interpret)
     x = _rounded(x, x_group)
     rows = weight_only_mgpu.MAX_ROWS
     return jax.numpy.concatenate([product(x[i: i + rows]) for i in range(0, x.shape[0], rows)])
