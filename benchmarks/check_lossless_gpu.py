@@ -228,6 +228,7 @@ def compile_ahead(check: Check, jobs: list[tuple[Engine, GenerationOptions]], pr
     if workers < 2 or len(jobs) < 2:
         return
     t0 = time.perf_counter()
+    check.say(f"compiling {len(jobs)} loops at batch {len(prompts)}, {workers} at a time")
     for engine, opts in jobs:  # the model keeps its drafts: made once here, not by several threads at once
         engine.model.draft_params(opts.draft_weights)
 
@@ -326,6 +327,7 @@ def float32_part(check: Check, args) -> None:
             if not check.has_time(f"float32 plain ({view}) at batch {batch}"):
                 continue  # (its cases are skipped with it)
             t0 = time.perf_counter()
+            check.say(f"float32 plain ({view}) at batch {batch}: {len(prompts)} prompts of {args.prompt_tokens} tokens")
             run = attempt(check, {"part": "float32", "case": f"plain ({view})", "batch": batch}, decode,
                           check.engine("float32", view), prompts, options(args, {"method": "ar"}, TOP_LOGPROBS), batch)
             if run is not None:
