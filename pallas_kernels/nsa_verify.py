@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import NSALayout
 from models.nsa_cache import NSALayerCache, write_tokens
@@ -78,12 +79,16 @@ def _path_rows(parents: jax.Array, depth: jax.Array) -> jax.Array:
     return jnp.where(jnp.arange(num_nodes)[None] <= depth[:, None], rows, -1)
 
 
-def ancestor_mask(parents: jax.Array) -> jax.Array:
-    """[T, T] bool: node j is node i or one of its ancestors (parents[i] < i, -1 for the root)."""
+def ancestor_mask(parents) -> jax.Array:
+    """[T, T] bool: node j is node i or one of its ancestors (parents[i] < i, -1 for the root). A static tree
+    (a tuple or numpy array, as decoding's) gives a numpy constant: traced, the mask costs T dependent gathers,
+    in every layer of every verification pass that traces it."""
+    xp = np if isinstance(parents, (tuple, list, np.ndarray)) else jnp
+    parents = xp.asarray(parents)
     num_nodes = parents.shape[0]
-    mask = jnp.eye(num_nodes, dtype=bool)
+    mask = xp.eye(num_nodes, dtype=bool)
     for _ in range(num_nodes):
-        mask = mask | jnp.where(parents[:, None] >= 0, mask[jnp.maximum(parents, 0)], False)
+        mask = mask | xp.where(parents[:, None] >= 0, mask[xp.maximum(parents, 0)], False)
     return mask
 
 
@@ -222,10 +227,11 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
                     stacks: NSALayerCache | None = None, seq=None):
     """Exact NSA attention of a tree's nodes, one sequence (arguments as nsa_tree_reference, cache arrays
     [T_cap, H_kv, D] without the batch axis, or every layer's [L, T_cap, H_kv, D] with the cache's layer, which
-    every read, kernel or XLA, takes from the stacks in place; length and parents traced). schedule: "v0" | "v1"
-    (module docstring); kernels: None (the selected branch in XLA), "pallas" or "interpret" (its Pallas kernels);
-    v1_launch: how V1's kernel splits its work (pallas_kernels.nsa_tree_select.V1Launch); batch: how many
-    sequences the caller vmaps this over (it sizes the compressed branch's grid).
+    every read, kernel or XLA, takes from the stacks in place; length traced, parents traced or static as
+    decoding's are: ancestor_mask). schedule: "v0" | "v1" (module docstring); kernels: None (the selected branch
+    in XLA), "pallas" or "interpret" (its Pallas kernels); v1_launch: how V1's kernel splits its work
+    (pallas_kernels.nsa_tree_select.V1Launch); batch: how many sequences the caller vmaps this over (it sizes the
+    compressed branch's grid).
     reselect: None, or (blocks [T, H_kv, n], ancestor mask [T, T], positions [T]) -> the blocks each node attends
     instead of its own (an approximate mode's, vegas_jax.attention.nsa_approx.tree_reselect).
     stacks, seq: for a caller that vmaps this over the batch axis 1 of stacked caches [L, B, T_cap, H_kv, D] (cache:

@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import NSALayout
 from models.kv_cache import write_layer_rows
@@ -82,7 +83,7 @@ class NSATreeVerify:
 
     def __call__(self, layer, new, positions, cache):
         q, k, v = new.rotated()
-        parents = jnp.asarray(self.parents, jnp.int32)
+        parents = np.asarray(self.parents, np.int32)  # static: the tree's masks are constants (ancestor_mask)
         mode = self.mode
         layout = self.layout if mode is None else mode.selection_layout(self.layout)
         stored = injected = None
