@@ -571,3 +571,29 @@ def test_check_lossless_gpu_judges_divergences(capsys):
         assert check.main(flags) == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: ") and needle in line
+
+
+def test_bench_first_token_times_the_first_byte_of_stdout(tmp_path, monkeypatch):
+    """bench_first_token times the README's generate command (found without its `make install &&`) from start to
+    the first byte of its stdout, the generated text; here a stand-in that writes its log to stderr, waits, then
+    writes text, and reports the CLI's summary line; a failing command is reported and fails the script."""
+    import shlex
+    import sys
+
+    from benchmarks import bench_first_token
+
+    command = bench_first_token.readme_command()
+    assert "-m vegas_jax.generate" in command and "make install" not in command
+    script = ("import sys, time; print('loaded', file=sys.stderr, flush=True); time.sleep(0.5); "
+              "sys.stdout.write('The'); sys.stdout.flush(); time.sleep(0.5); "
+              "print('[vegas] compile 1.50s  prefill 2.00s  decode 3.00s  4.0 tok/s', file=sys.stderr)")
+    stand_in = f"{shlex.quote(sys.executable)} -c {shlex.quote(script)}"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench_first_token.main(["--runs", "cold,warm", "--command", stand_in, "--out", str(tmp_path)]) == 0
+    (doc,) = [json.loads(p.read_text()) for p in tmp_path.glob("first-token-*.json")]
+    assert doc["complete"] and [r["run"] for r in doc["records"]] == ["cold", "warm"]
+    for record in doc["records"]:
+        assert 0.5 <= record["first_token_s"] < record["end_s"] and record["end_s"] >= 1.0
+        assert record["exit_status"] == 0 and record["first_token_within_target"]
+        assert record["methods"] == {"vegas": {"compile_s": 1.5, "prefill_s": 2.0, "decode_s": 3.0}}
+    assert bench_first_token.main(["--runs", "cold", "--command", "exit 3", "--out", str(tmp_path)]) == 1
