@@ -8,7 +8,7 @@ folder again, as the CLI's default cache leaves it for a user's second run. The 
 the model it loaded on stderr and only the generated text on stdout, so the first byte there is the first token.
 Issue 52's target: the first token within 30 s on the 2-core CPU machine.
 
-Writes first-token-DATE[-TAG].json to benchmarks/results/ (or --out).
+Writes first-token-DATE-HHMMSS[-TAG].json to benchmarks/results/ (or --out): a rerun never replaces a result.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def parse(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     command = args.command or readme_command()
-    date = datetime.date.today().isoformat()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
     log = RecordLog(run_metadata(timed_command=command, target_first_token_s=TARGET_S, cpu_count=os.cpu_count()),
-                    f"first-token-{date}{'-' + args.tag if args.tag else ''}.json", args.out)
+                    f"first-token-{stamp}{'-' + args.tag if args.tag else ''}.json", args.out)
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "compiled"
         for run in args.runs:

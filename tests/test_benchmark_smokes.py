@@ -597,3 +597,13 @@ def test_bench_first_token_times_the_first_byte_of_stdout(tmp_path, monkeypatch)
         assert record["exit_status"] == 0 and record["first_token_within_target"]
         assert record["methods"] == {"vegas": {"compile_s": 1.5, "prefill_s": 2.0, "decode_s": 3.0}}
     assert bench_first_token.main(["--runs", "cold", "--command", "exit 3", "--out", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("runs", ["hot", "cold,warm,warm", ","])
+def test_bench_first_token_refuses_bad_runs(runs, capsys):
+    from benchmarks import bench_first_token
+
+    with pytest.raises(SystemExit) as bad:  # argparse: usage, then one `error:` line naming the flag
+        bench_first_token.main(["--runs", runs, "--command", "true"])
+    assert bad.value.code == 2
+    assert "error: --runs: comma-separated, of cold, warm" in capsys.readouterr().err.splitlines()[-1]
