@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prompts import long_prompts  # noqa: E402
-from benchmarks.random_model import SHAPES, TINY, random_engine  # noqa: E402
+from benchmarks.random_model import SHAPES, TINY, cache_as_allocated, random_engine  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError  # noqa: E402
@@ -84,11 +84,6 @@ class Recorder:
     def finish(self) -> None:
         """Complete unless the budget stopped configurations from starting."""
         self.log.finish(complete=not self.over_budget())
-
-
-def _as_allocated(cache):
-    """Engine.start's fill_cache for timing: the zeroed cache as it is allocated stands for a prefilled one."""
-    return cache
 
 
 def loop_iterations(result) -> int:
@@ -179,18 +174,18 @@ def random_part(args, recorder: Recorder, taus: dict[str, float]) -> None:
                 except InputError as e:
                     recorder.add({**shape, "skipped": str(e)})
                     continue
-                plain_ms, _ = timed_iterations(engine, engine.start(prompts, base, fill_cache=_as_allocated))
+                plain_ms, _ = timed_iterations(engine, engine.start(prompts, base, fill_cache=cache_as_allocated))
                 for precision in args.precisions:
                     options = vegas(precision)
                     # One precision's copies at a time: the plan above counted one.
                     for other in set(engine.model.drafts) - {options.draft_weights}:
                         del engine.model.drafts[other]
-                    ms, _ = timed_iterations(engine, engine.start(prompts, options, fill_cache=_as_allocated))
+                    ms, _ = timed_iterations(engine, engine.start(prompts, options, fill_cache=cache_as_allocated))
                     record = {**shape, **draft_fields(precision), "precision": precision, "gamma": GAMMA,
                               "ms_per_iteration": ms,
                               "plain_ms_per_step": plain_ms, "iteration_over_plain_step": ms / plain_ms}
                     if not args.no_phases:
-                        phases = time_phases(engine, engine.start(prompts, options, fill_cache=_as_allocated))
+                        phases = time_phases(engine, engine.start(prompts, options, fill_cache=cache_as_allocated))
                         record.update(draft_ms_per_step=phases["draft_ms"] / GAMMA, verify_ms=phases["verify_ms"],
                                       select_ms=phases["select_ms"])
                     tau = taus.get(precision)
@@ -218,7 +213,7 @@ def auto_record(engine: Engine, prompts, options: GenerationOptions, fixed: dict
     fixed_part = max(1.0, (fixed["ms_per_iteration"] - GAMMA * draft) / plain)
     costs = [fixed_part + g * draft / plain for g in range(1, GAMMA + 1)]
     auto = dataclasses.replace(options, gamma="auto", gamma_max=GAMMA, gamma_costs=tuple(costs))
-    ms, state = timed_iterations(engine, engine.start(prompts, auto, fill_cache=_as_allocated))
+    ms, state = timed_iterations(engine, engine.start(prompts, auto, fill_cache=cache_as_allocated))
     chosen = np.asarray(state.gamma_control.chosen).tolist()
     return {**shape, "draft_weights": options.draft_weights, "draft_activations": options.draft_activations,
             "precision": fixed["precision"], "gamma": "auto", "ms_per_iteration": ms,

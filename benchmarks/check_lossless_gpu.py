@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_decode import first_differences  # noqa: E402
 from benchmarks.parallel_starts import parallel_starts  # noqa: E402
-from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, random_model  # noqa: E402
+from benchmarks.random_model import TINY, TINY_NSA_LAYOUT, cache_as_allocated, random_model  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from models.config import NSALayout  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
@@ -218,12 +218,6 @@ def decode(engine: Engine, prompts, opts: GenerationOptions, batch: int) -> dict
             "tau": emitted / iterations if iterations else None}
 
 
-def _as_allocated(cache):
-    """Engine.start's fill_cache for compiling ahead: no prefill is run (a batch of 64 x 7.9K in float32 takes
-    minutes), the loop and bootstrap compile for the same shapes; the cases' own starts prefill."""
-    return cache
-
-
 def compile_ahead(check: Check, jobs: list[tuple[Engine, GenerationOptions]], prompts) -> None:
     """Compiles the loops of these (engine, options) at this batch side by side (`Engine.start` with the cache as
     allocated: the decode loop and the bootstrap step, no prefill), so that the runs after find them compiled; a
@@ -241,7 +235,7 @@ def compile_ahead(check: Check, jobs: list[tuple[Engine, GenerationOptions]], pr
     def start(job):
         engine, opts = job
         try:
-            engine.start(prompts, opts, fill_cache=_as_allocated)
+            engine.start(prompts, opts, fill_cache=cache_as_allocated)  # no prefill: 64 x 7.9K float32 takes minutes
         except Exception:  # noqa: BLE001 (reported when the case runs)
             pass
 
