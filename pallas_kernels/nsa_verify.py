@@ -164,8 +164,10 @@ def _path_compressed(cache_rows, lead, tree_rows, anc, positions, length, layout
     taken = _layer_rows(cache_rows, lead, jnp.clip(rows, 0, cache_rows.shape[-3] - 1)).astype(jnp.float32)
     prefix = jnp.where((rows < length)[..., None, None], taken, 0.0).sum(axis=1)
     inside = (positions[None, :] >= start[:, None]) & (positions[None, :] < start[:, None] + l)  # [E, T_j]
-    path = jnp.einsum("ij,ej,jhd->iehd", anc.astype(jnp.float32), inside.astype(jnp.float32),
-                      tree_rows.astype(jnp.float32))
+    # Sum of the path rows in each block, [T_i, E, H_kv, D]: a masked sum over the few nodes j, one fusion (as an
+    # einsum, a float32 GEMM of its own and the masks' product before it, in every layer of every pass).
+    on_path = (jnp.asarray(anc, bool)[:, None, :] & inside[None])[..., None, None]  # [T_i, E, T_j, 1, 1]
+    path = jnp.where(on_path, tree_rows.astype(jnp.float32)[None, None], 0.0).sum(axis=2)
     valid = (start + l - 1)[None, :] <= positions[:, None]
     return c, valid, (prefix[None] + path) / l
 
