@@ -11,7 +11,9 @@ Without --model the weights are random with SmolLM2-135M's shapes, or another mo
 kernel times do not depend on the weights; how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
 iteration (the sum of kernel durations) against wall time per iteration (the gap is launch and host overhead),
 the same split by enclosing command buffer (the draft steps' inner loop is one CUDA graph, the rest of the
-iteration another), and the kernels taking the most time. Prints a table; writes JSON to --out (and $OUT if set).
+iteration another), and the kernels taking the most time, each XLA fusion with the lines of code it was traced from
+(benchmarks/hlo_sources.py), beside the program's matrix products by shape and line (library GEMMs run under
+names that say nothing of their op). Prints a table; writes JSON to --out (and $OUT if set).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.hlo_sources import kernel_sources, products  # noqa: E402
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
@@ -74,7 +77,8 @@ def gpu_kernel_events(log_dir: Path) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def summarize(events: list[dict], iterations: int, wall_s: float, top: int) -> dict:
+def summarize(events: list[dict], iterations: int, wall_s: float, top: int, sources: dict | None = None) -> dict:
+    sources = sources or {}
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_kind = collections.defaultdict(lambda: [0, 0.0])
     # The enclosing HLO op of a kernel inside the loop is its command buffer (a CUDA graph): the draft steps'
@@ -98,7 +102,7 @@ def summarize(events: list[dict], iterations: int, wall_s: float, top: int) -> d
         "by_kind": tally(by_kind),
         "by_enclosing_op": tally(by_enclosing_op),
         "top_kernels": [{"kernel": k, "calls_per_iteration": per_iter(c), "ms_per_iteration": per_iter(us) / 1e3,
-                         "mean_us": us / c}
+                         "mean_us": us / c, **sources.get(k.split(" [")[0], {})}
                         for k, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]],
     }
 
@@ -106,9 +110,10 @@ def summarize(events: list[dict], iterations: int, wall_s: float, top: int) -> d
 def profile_method(engine: Engine, prompts, options: GenerationOptions, warmup: int, iterations: int, top: int,
                    hlo_path: Path | None):
     started = engine.start(prompts, options)
+    hlo = started.decode.as_text()
     if hlo_path:
         with gzip.open(hlo_path, "wt") as f:
-            f.write(started.decode.as_text())
+            f.write(hlo)
     params = engine.model.params
     everyone = jnp.int32(len(prompts))  # finished_limit: run until the whole batch is done
     state = started.decode(params, started.draft_params, started.state, jnp.int32(warmup), everyone)
@@ -122,7 +127,7 @@ def profile_method(engine: Engine, prompts, options: GenerationOptions, warmup: 
             wall_s = time.perf_counter() - t0
         events = gpu_kernel_events(Path(log_dir))
     ran = int(np.asarray(state.step)) - warmup
-    return summarize(events, max(ran, 1), wall_s, top)
+    return summarize(events, max(ran, 1), wall_s, top, kernel_sources(hlo)) | {"products": products(hlo)}
 
 
 def main(argv=None) -> int:
@@ -192,7 +197,10 @@ def main(argv=None) -> int:
             print(f"   {kind:11} {k['kernels_per_iteration']:7.1f} kernels {k['ms_per_iteration']:7.3f} ms")
         for k in r["top_kernels"]:
             print(f"   {k['ms_per_iteration']:7.3f} ms {k['calls_per_iteration']:6.1f}x {k['mean_us']:7.1f} us  "
-                  f"{k['kernel']}")
+                  f"{k['kernel']}" + (f"  <- {k['op']} at {k['source']}" if k.get("source") else ""))
+        print("   products in the program (count, output shape, line):")
+        for prod in r["products"][:12]:
+            print(f"   {prod['count']:5d}x {prod['shape']:24} {prod['source']}")
     return 0
 
 

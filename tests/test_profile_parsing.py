@@ -49,6 +49,18 @@ def test_only_complete_events_on_gpu_timelines_count(tmp_path):
     assert top[1]["mean_us"] == 4.0
 
 
+def test_fusions_carry_the_lines_they_were_traced_from():
+    """A top kernel whose name (before its command buffer) is a fusion of the program's HLO takes that fusion's
+    op and lines (benchmarks/hlo_sources.kernel_sources); a library kernel takes none."""
+    kernel = lambda name, dur: {"ph": "X", "pid": 7, "dur": dur, "name": name, "args": {"hlo_op": "command_buffer_3"}}
+    pad = {"op": "pad", "source": "models/nsa_selection.py:43 pooled", "lines": ["models/nsa_selection.py:43 pooled"]}
+    summary = summarize([kernel("loop_pad_fusion_30", 8.0), kernel("nvjet_sm90_tst_64x8", 4.0)], iterations=1,
+                        wall_s=0.001, top=2, sources={"loop_pad_fusion_30": pad, "loop_pad_fusion_3": {"op": "x"}})
+    assert summary["top_kernels"][0] == {"kernel": "loop_pad_fusion_30 [command_buffer_3]", "calls_per_iteration": 1.0,
+                                         "ms_per_iteration": 0.008, "mean_us": 8.0, **pad}
+    assert "source" not in summary["top_kernels"][1]
+
+
 @pytest.mark.parametrize("name, kind", [
     ("sparse_decode_attention__12", "pallas"), ("count_at_least", "pallas"), ("compact_selected", "pallas"),
     ("gemm_fusion_dot_1000", "gemm"), ("nvjet_sm90_tst_32x64", "gemm"), ("memcpy32_post", "copy"),
