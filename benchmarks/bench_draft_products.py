@@ -3,6 +3,7 @@
 
     python benchmarks/bench_draft_products.py [--rows 1,2,4,8,16] [--bits 4,8] [--layouts transposed,bytes]
     python benchmarks/bench_draft_products.py --smoke --out /tmp/dp   # tiny shapes on a CPU: checks this script
+    python benchmarks/bench_draft_products.py --rows 1,8 --bits 4 --layouts transposed --tokamax   # beside tokamax
 
 Each weight is quantized from random bf16 values as the drafts quantize the model's (models.quantized: int4 in groups
 of 128 with offsets, int8 per channel), held in a layout of vegas_jax.decode.draft_kernel.CODE_LAYOUTS ("transposed": the
@@ -13,6 +14,12 @@ split-K sums). Beside them, the bf16 weight through XLA (cuBLAS). A product is t
 weights (together beyond the L2 cache) by its kernels' durations (bench_weight_only.time_chain_ms), after its
 output is checked against the float32 product of the dequantized weight (relative error above 2 % is an error,
 not timed). GB/s counts every byte of the quantized weight (codes, scales, offsets).
+
+`--tokamax` adds the library candidate issue 47 names: tokamax's Mosaic GPU quantized ragged_dot (Hopper: a
+persistent kernel, a warpgroup issuing TMA loads for two that dequantize and multiply) over a qwix weight of the
+same bits (symmetric: int4 with a scale per 128 input positions, int8 one per output channel), one group of
+all the rows, at each tiling of TOKAMAX_TILINGS, timed and checked the same way. tokamax and qwix are imported
+only then (they are not dependencies of this package).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
           "lm_head": (4096, 128256)}
 SMOKE_SHAPES = {"small": (256, 256)}
 MAX_RELATIVE_ERROR = 0.02  # the kernels round x and each dequantized weight to bf16
+# tokamax's (block_n, pipeline stages): its kernel's x block is 8 or 16 rows (the fewest that hold the rows), its
+# K block one int4 scale group (128), and each of its two compute warpgroups owns block_n output features, which
+# must fill one 128-byte swizzle of its output: 64 in bf16 (its output here, in x's dtype).
+TOKAMAX_TILINGS = ((64, 2), (64, 3), (64, 4))
+TOKAMAX_GROUP = 128
 
 
 def _list(text: str, cast=str) -> list:
@@ -66,9 +78,21 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=6, help="distinct weights a timed chain multiplies")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode: checks this script")
+    p.add_argument("--tokamax", action="store_true",
+                   help="also tokamax's Mosaic GPU quantized product over qwix weights (a GPU, tokamax and qwix)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     check_writable("--out", args.out)
+    if args.tokamax:
+        try:
+            import qwix  # noqa: F401
+            import tokamax  # noqa: F401
+        except ImportError as e:
+            print(f"error: --tokamax needs tokamax and qwix importable ({e})", file=sys.stderr)
+            return 2
+        if args.smoke or jax.default_backend() != "gpu":
+            print("error: --tokamax runs on a GPU only (its kernel has no interpret mode here)", file=sys.stderr)
+            return 2
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     try:
         rows, bits_list, layouts = _list(args.rows, int), _list(args.bits, int), _list(args.layouts)
@@ -101,6 +125,9 @@ def main(argv=None) -> int:
                 for layout in layouts:
                     log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps))
                     _print(log.records[-1])
+                for block_n, stages in TOKAMAX_TILINGS if args.tokamax else ():
+                    log.add(_measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps))
+                    _print(log.records[-1])
     log.finish()
     return 0
 
@@ -129,8 +156,43 @@ def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps) -> dict
     return record
 
 
+def _measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps) -> dict:
+    import qwix
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu, pallas_mosaic_gpu_common
+
+    record = {"matrix": name, "K": k, "N": n, "rows": m, "weights": f"int{bits}", "layout": "tokamax",
+              "block_n": block_n, "stages": stages}
+    try:
+        keys = jax.random.split(jax.random.key(k * 7 + n + bits), args.layers)
+        tile_k = TOKAMAX_GROUP if bits == 4 else k
+        weights = [qwix.quantize(jax.random.normal(key, (1, k, n), jnp.bfloat16) * 0.02, jnp.int4 if bits == 4 else
+                                 jnp.int8, tiled_axes={0: 1, 1: tile_k, 2: 1}) for key in keys]
+        record["weight_bytes"] = sum(nbytes(a) for a in (weights[0].qvalue, weights[0].scale))
+        config = pallas_mosaic_gpu_common.Config(
+            block_m=8 if m <= 8 else 16, block_n=block_n, block_k=min(TOKAMAX_GROUP, k), num_stages=stages,
+            split_k=1, persistent=True, grid_minor_dim=pallas_mosaic_gpu_common.MatmulDimension.M)
+        op = pallas_mosaic_gpu.PallasMosaicGpuRaggedDot(config=config)
+        group_sizes = jnp.array([m], jnp.int32)
+
+        def product(x, w):
+            return op(x, w, group_sizes=group_sizes)
+
+        got = jax.jit(product)(x, weights[0])
+        want = x.astype(jnp.float32) @ qwix.dequantize(weights[0]).astype(jnp.float32)[0]
+        record["relative_error"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        if not np.isfinite(record["relative_error"]) or record["relative_error"] > MAX_RELATIVE_ERROR:
+            raise ValueError(f"relative error {record['relative_error']:.3g} above {MAX_RELATIVE_ERROR}")
+        record["ms"] = time_chain_ms(product, x, weights, args.repeats)
+        record["gb_per_s"] = record["weight_bytes"] / record["ms"] / 1e6
+        record["of_read_bandwidth"] = record["gb_per_s"] / read_gbps
+    except Exception as e:  # noqa: BLE001 - a failing configuration is a record, the others still run
+        record["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
+    return record
+
+
 def _print(r: dict) -> None:
-    head = f"{r['matrix']:8s} {r['weights']:5s} {r['layout']:10s} rows {r['rows']:2d}"
+    tiling = f" {r['block_n']}x{r['stages']}" if "block_n" in r else ""
+    head = f"{r['matrix']:8s} {r['weights']:5s} {r['layout'] + tiling:14s} rows {r['rows']:2d}"
     if "error" in r:
         print(f"{head}: ERROR {r['error']}", flush=True)
     else:

@@ -157,6 +157,11 @@ def test_bench_draft_products(tmp_path, monkeypatch, capsys):
         assert module.main(["--smoke", flag, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {flag}"), err
+    # The tokamax candidate needs the library and a GPU: here it is refused in one line, nothing measured.
+    assert module.main(["--smoke", "--tokamax", "--out", str(tmp_path / "tk")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --tokamax"), err
+    assert not (tmp_path / "tk").exists() or not any((tmp_path / "tk").iterdir())
 
 
 def test_bench_quantized_gemm(tmp_path, monkeypatch, capsys):
