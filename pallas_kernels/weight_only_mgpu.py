@@ -160,6 +160,11 @@ def _multiply_step(acc_ref, w_smem, x_smem, s_smem, o_smem, a_smem, features, *,
 
 
 PERSISTENT_COMPUTE_WGS = 2  # warpgroups that dequantize and multiply, WGMMA_M features each; a third loads
+# The persistent schedule runs a program's items as one pipeline of pipelines (jax's `pipeline_state`), so that
+# its loads run on from one item into the next. False drains each item's pipeline before the next starts: what
+# GPU interpret mode does (it hangs on pipelines of pipelines in jax 0.11.2), and the comparison that says what
+# chaining the items is worth on a GPU.
+CHAIN_ITEMS = True
 
 
 def persistent_splits(n: int, k: int, block_k: int, bits: int, rows: int, stages: int,
@@ -230,10 +235,8 @@ def _persistent_product(xp, layers, wt, groups, multiply, *, m, n, k, rows, bits
                 positions = pl.ds(split * steps * block_k, steps * block_k)
                 groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
                 first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
-                # A program's items as one pipeline of pipelines: its loads run on from one item into the next.
-                # (GPU interpret mode hangs on pipelines of pipelines in jax 0.11.2, so there each item's
-                # pipeline drains before the next starts: the same products, in another order of loads.)
-                state = None if interpret or per_program == 1 else jnp.where(
+                chained = CHAIN_ITEMS and not interpret and per_program > 1
+                state = None if not chained else jnp.where(
                     first, plgpu.PipelinePipeline.START,
                     jnp.where(last, plgpu.PipelinePipeline.STOP, plgpu.PipelinePipeline.STEADY))
 

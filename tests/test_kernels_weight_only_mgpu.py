@@ -148,15 +148,37 @@ def test_persistent_splits_keep_the_busiest_program_least_loaded():
         persistent_splits(256, 768, 256, 4, 8, 2)  # 3 steps: not whole pairs, and 768 splits into no more blocks
 
 
-@pytest.mark.parametrize("n, k", [(28672, 4096), (4096, 14336)])
-def test_the_persistent_schedule_lowers_for_the_h200_at_llama_shapes(n, k):
-    """gate/up (seven items a program: a pipeline of pipelines) and down (one item a program) of Llama-3.1-8B,
-    every layer stacked, through the persistent schedule's warp-specialized kernel."""
+def _persistent(n: int, k: int):
+    """Llama-3.1-8B's product [k -> n] through the persistent schedule (int4 in groups of 128, every layer
+    stacked): a fresh jit (CHAIN_ITEMS is read when tracing) and its arguments' shapes."""
+    import functools
+
     group, layers = 128, 32
     spec = jax.ShapeDtypeStruct
     scales = spec((layers, k // group, n), jnp.bfloat16)
-    text = lower_for_h200(weight_only_matmul_mgpu, spec((8, k), jnp.bfloat16), spec((layers, n, k), jnp.int4),
-                          scales, scales, spec((), jnp.int32), group=group, zero_point=8, block_k=256, stages=2,
-                          schedule="persistent")
+    product = functools.partial(weight_only_matmul_mgpu.__wrapped__, group=group, zero_point=8, block_k=256,
+                                stages=2, schedule="persistent")
+    return product, (spec((8, k), jnp.bfloat16), spec((layers, n, k), jnp.int4), scales, scales, spec((), jnp.int32))
+
+
+def _lowers_for_the_h200(n: int, k: int) -> None:
+    product, args = _persistent(n, k)
+    text = lower_for_h200(jax.jit(product), *args)
     calls = [line for line in text.splitlines() if "@mosaic_gpu" in line and " : (" in line]
-    assert len(calls) == 1 and f"tensor<{layers}x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]
+    assert len(calls) == 1 and f"tensor<32x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]
+
+
+def test_the_persistent_schedule_lowers_for_the_h200_at_llama_shapes(monkeypatch):
+    """gate/up (seven items a program) as a pipeline of pipelines and, CHAIN_ITEMS off, with each item's pipeline
+    drained (another kernel: its traced program differs, where two tracings of one do not), and down (one item a
+    program)."""
+    import pallas_kernels.weight_only_mgpu as module
+
+    traced = lambda: str(jax.make_jaxpr(_persistent(28672, 4096)[0])(*_persistent(28672, 4096)[1]))  # noqa: E731
+    chained = traced()
+    assert traced() == chained
+    _lowers_for_the_h200(28672, 4096)
+    monkeypatch.setattr(module, "CHAIN_ITEMS", False)
+    assert traced() != chained
+    _lowers_for_the_h200(28672, 4096)
+    _lowers_for_the_h200(4096, 14336)
