@@ -43,6 +43,7 @@ from benchmarks.bench_weight_only import time_chain_ms  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
 from models.quantized import QuantizedWeight, dequantize, group_size_for, nbytes, quantize, quantized_matmul  # noqa: E402
+from pallas_kernels.weight_only_mgpu import SCHEDULES  # noqa: E402
 from vegas_jax.decode import draft_kernel  # noqa: E402
 from vegas_jax.decode.draft_kernel import CODE_LAYOUTS, with_kernel  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
@@ -57,7 +58,6 @@ MAX_RELATIVE_ERROR = 0.02  # the kernels round x and each dequantized weight to 
 # must fill one 128-byte swizzle of its output: 64 in bf16 (its output here, in x's dtype).
 TOKAMAX_TILINGS = ((64, 2), (64, 3), (64, 4))
 TOKAMAX_GROUP = 128
-SCHEDULES = ("grid", "persistent")  # pallas_kernels/weight_only_mgpu.py's
 
 
 def _list(text: str, cast=str) -> list:
@@ -133,9 +133,7 @@ def main(argv=None) -> int:
             for bits in bits_list:
                 for layout, schedule in [(lay, sch) for lay in layouts
                                          for sch in (schedules if lay == "transposed" else [None])]:
-                    draft_kernel.MGPU_SCHEDULE = schedule or "grid"
-                    log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps)
-                            | ({"schedule": schedule} if schedule else {}))
+                    log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, schedule))
                     _print(log.records[-1])
                 for block_n, stages in TOKAMAX_TILINGS if args.tokamax else ():
                     log.add(_measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps))
@@ -144,8 +142,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps) -> dict:
+def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, schedule=None) -> dict:
+    """One product through our kernels; `schedule`: the Mosaic GPU kernel's (draft_kernel.MGPU_SCHEDULE for this
+    measurement only)."""
     record = {"matrix": name, "K": k, "N": n, "rows": m, "weights": f"int{bits}", "layout": layout}
+    if schedule:
+        record["schedule"] = schedule
+    default_schedule, draft_kernel.MGPU_SCHEDULE = draft_kernel.MGPU_SCHEDULE, schedule or draft_kernel.MGPU_SCHEDULE
     try:
         weights = _weights(k, n, bits, args.layers, layout)
         record["weight_bytes"] = sum(nbytes(a) for a in jax.tree.leaves(weights[0]))
@@ -155,17 +158,25 @@ def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps) -> dict
         def product(x, w):
             return quantized_matmul(x, w, jnp.float32)
 
-        got = jax.jit(product)(x, weights[0])
         want = x.astype(jnp.float32) @ dequantize(weights[0], jnp.float32).reshape(k, n)
-        record["relative_error"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-        if not np.isfinite(record["relative_error"]) or record["relative_error"] > MAX_RELATIVE_ERROR:
-            raise ValueError(f"relative error {record['relative_error']:.3g} above {MAX_RELATIVE_ERROR}")
-        record["ms"] = time_chain_ms(product, x, weights, args.repeats)
-        record["gb_per_s"] = record["weight_bytes"] / record["ms"] / 1e6
-        record["of_read_bandwidth"] = record["gb_per_s"] / read_gbps
+        _check_and_time(record, product, x, weights, want, args, read_gbps)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a record, the others still run
         record["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
+    finally:
+        draft_kernel.MGPU_SCHEDULE = default_schedule
     return record
+
+
+def _check_and_time(record: dict, product, x, weights: list, want, args, read_gbps: float) -> None:
+    """Adds to `record` the product's relative error against `want` (raising above MAX_RELATIVE_ERROR: a wrong
+    kernel is not timed) and its time over the chain of `weights`, as GB/s and a share of the read bandwidth."""
+    got = jax.jit(product)(x, weights[0])
+    record["relative_error"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    if not np.isfinite(record["relative_error"]) or record["relative_error"] > MAX_RELATIVE_ERROR:
+        raise ValueError(f"relative error {record['relative_error']:.3g} above {MAX_RELATIVE_ERROR}")
+    record["ms"] = time_chain_ms(product, x, weights, args.repeats)
+    record["gb_per_s"] = record["weight_bytes"] / record["ms"] / 1e6
+    record["of_read_bandwidth"] = record["gb_per_s"] / read_gbps
 
 
 def _measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps) -> dict:
@@ -189,14 +200,8 @@ def _measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps) -
         def product(x, w):
             return op(x, w, group_sizes=group_sizes)
 
-        got = jax.jit(product)(x, weights[0])
         want = x.astype(jnp.float32) @ qwix.dequantize(weights[0]).astype(jnp.float32)[0]
-        record["relative_error"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-        if not np.isfinite(record["relative_error"]) or record["relative_error"] > MAX_RELATIVE_ERROR:
-            raise ValueError(f"relative error {record['relative_error']:.3g} above {MAX_RELATIVE_ERROR}")
-        record["ms"] = time_chain_ms(product, x, weights, args.repeats)
-        record["gb_per_s"] = record["weight_bytes"] / record["ms"] / 1e6
-        record["of_read_bandwidth"] = record["gb_per_s"] / read_gbps
+        _check_and_time(record, product, x, weights, want, args, read_gbps)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a record, the others still run
         record["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
     return record

@@ -12,6 +12,7 @@ of each, counted.
 from __future__ import annotations
 
 import collections
+import functools
 import re
 from pathlib import Path
 
@@ -97,12 +98,17 @@ def _computations(text: str) -> dict[str, list[dict]]:
     return computations
 
 
+@functools.lru_cache(maxsize=2)
+def _parsed(text: str) -> tuple[_Frames, dict[str, list[dict]]]:
+    """The module's frames and computations, parsed once for kernel_sources and products of the same text."""
+    return _Frames(text), _computations(text)
+
+
 def kernel_sources(text: str, depth: int = 2) -> dict[str, dict]:
     """For each fusion of the optimized HLO module `text`, by its kernel name: {"op": its root's opcode,
     "source": the root's frames (innermost first, up to `depth`), "lines": the distinct innermost lines of the
     fused instructions, most frequent first}."""
-    frames = _Frames(text)
-    computations = _computations(text)
+    frames, computations = _parsed(text)
     sources = {}
     for instructions in computations.values():
         for ins in instructions:
@@ -125,8 +131,7 @@ def products(text: str, depth: int = 2) -> list[dict]:
     """The program's matrix products (custom calls to cuBLAS / cuBLASLt, fusions whose body holds a dot, dots
     left unfused), counted by (output shape, source): [{"shape", "source", "count"}], most
     frequent first."""
-    frames = _Frames(text)
-    computations = _computations(text)
+    frames, computations = _parsed(text)
     fused = {ins["calls"] for instructions in computations.values() for ins in instructions if ins["op"] == "fusion"}
     counts = collections.Counter()
     for name, instructions in computations.items():

@@ -32,6 +32,7 @@ from pallas_kernels._common import NUM_SMS, stacked_layer
 
 MAX_ROWS = 16  # wgmma's N: x^T is padded to 8 or 16 columns
 WGMMA_M = 64  # rows of the weight one wgmma instruction multiplies
+SCHEDULES = ("grid", "persistent")  # how programs cover a product: weight_only_matmul_mgpu's `schedule`
 
 
 def padded_rows(m: int) -> int:
@@ -58,6 +59,8 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     features and split; "persistent", a program per SM streaming its share of them (persistent_splits picks the
     splits; block_n and splits are then ignored)."""
     m, k = x.shape
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     (wt, scale, offset), layer = stacked_layer(layer, wt, scale, offset)
     num_layers, n, k2 = wt.shape
     bits = jax.dtypes.itemsize_bits(wt.dtype)
@@ -89,10 +92,11 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     multiply = functools.partial(_multiply_step, block_k=block_k, step_group=step_group, group=group,
                                  shifted=shifted, zero_point=zero_point, interpret=interpret)
     if schedule == "persistent":
-        return _persistent_product(xp, layers, wt, groups, multiply, m=m, n=n, k=k, rows=rows, bits=bits,
-                                   group=group, step_group=step_group, block_k=block_k, stages=stages,
-                                   w_transforms=w_transforms, x_transforms=x_transforms, scale_rows=scale_rows,
-                                   out_dtype=out_dtype or x.dtype, interpret=interpret)
+        partial = _persistent_partial_sums(xp, layers, wt, groups, multiply, n=n, k=k, rows=rows, bits=bits,
+                                           group=group, step_group=step_group, block_k=block_k, stages=stages,
+                                           w_transforms=w_transforms, x_transforms=x_transforms,
+                                           scale_rows=scale_rows, interpret=interpret)
+        return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
 
     def kernel(x_gmem, layers_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
@@ -191,9 +195,9 @@ def persistent_splits(n: int, k: int, block_k: int, bits: int, rows: int, stages
     return best[1], best[2]
 
 
-def _persistent_product(xp, layers, wt, groups, multiply, *, m, n, k, rows, bits, group, step_group, block_k,
-                        stages, w_transforms, x_transforms, scale_rows, out_dtype, interpret):
-    """The persistent schedule: one program per SM (fewer where there are fewer work items), each looping over
+def _persistent_partial_sums(xp, layers, wt, groups, multiply, *, n, k, rows, bits, group, step_group, block_k,
+                              stages, w_transforms, x_transforms, scale_rows, interpret):
+    """The partial sums [splits, N, rows] of the persistent schedule: one program per SM (fewer where there are fewer work items), each looping over
     its share of (block of 128 features, split of K) items. A third warpgroup issues the TMA loads of every item's
     steps back to back (one pipeline of pipelines), so a program's loads never wait for an item's start or end,
     while two warpgroups dequantize and multiply 64 features each and write each item's partial sums."""
@@ -263,7 +267,7 @@ def _persistent_product(xp, layers, wt, groups, multiply, *, m, n, k, rows, bits
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    partial = plgpu.kernel(
+    return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
         grid=(programs,),
@@ -277,7 +281,6 @@ def _persistent_product(xp, layers, wt, groups, multiply, *, m, n, k, rows, bits
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="weight_only_matmul_mgpu_persistent",
     )(xp, layers, wt, *groups)
-    return partial.sum(axis=0)[:, :m].T.astype(out_dtype)
 
 
 def weight_only_matmul_mgpu_reference(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0):

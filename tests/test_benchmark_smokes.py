@@ -151,6 +151,9 @@ def test_bench_draft_products(tmp_path, monkeypatch, capsys):
         (1, "bf16", "xla", None), (5, "bf16", "xla", None)} | {
         (rows, w, layout, schedule) for rows in (1, 5) for w in ("int4", "int8")
         for layout, schedule in (("transposed", "grid"), ("transposed", "persistent"), ("bytes", None))}
+    from vegas_jax.decode import draft_kernel
+
+    assert draft_kernel.MGPU_SCHEDULE == "grid"  # each schedule set for its own measurements only
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "gb_per_s", "weight_bytes", "of_read_bandwidth")

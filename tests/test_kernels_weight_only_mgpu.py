@@ -60,6 +60,7 @@ def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
     ((1, 512, 100), dict(block_n=64, block_k=128), "do not tile"),
     ((1, 512, 128), dict(block_n=64, block_k=128, splits=8), "do not tile"),
     ((17, 512, 128), dict(block_n=64, block_k=128), "at most 16 rows"),
+    ((1, 512, 128), dict(block_n=64, block_k=128, schedule="stream"), "schedule 'stream'"),
 ])
 def test_untileable_shapes_are_refused(shape, blocks, message):
     m, k, n = shape
