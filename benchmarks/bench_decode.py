@@ -112,6 +112,8 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
         "decode_tokens_per_s": decode_tokens / decode_s,
         "ms_per_iteration": 1e3 * decode_s / max(1, iterations.max()),
         "tau": float((iterations.sum() + accepted.sum()) / max(1, iterations.sum())),
+        # A static batch runs until its slowest sequence is done: tokens/s = batch x τ x this / iteration time.
+        "batch_occupancy": float(iterations.sum() / (n * max(1, iterations.max()))),
         "acceptance_by_position": (accepted.sum(0) / np.maximum(drafted.sum(0), 1)).tolist(),
         "accepted_depth_histogram": accepted_histogram(int(iterations.sum()), accepted.sum(0)),
         "compile_s": compile_s,

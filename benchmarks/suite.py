@@ -117,7 +117,8 @@ def summarize_runs(runs: list[dict], rate: str = "decode_tokens_per_s") -> dict:
         "prefills_reused": sum(bool(r.get("prefill_reused")) for r in runs),
         "acceptance_by_position": middle["acceptance_by_position"],
     }
-    for extra in ("decode_tokens", "decode_calls", "refill", "gamma_chosen_mean", "gamma_chosen_histogram"):
+    for extra in ("decode_tokens", "batch_occupancy", "decode_calls", "refill", "gamma_chosen_mean",
+                  "gamma_chosen_histogram"):
         if extra in middle:
             out[extra] = middle[extra]
     return out

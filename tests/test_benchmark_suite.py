@@ -502,6 +502,8 @@ def test_one_run_over_every_family_on_a_tiny_engine_with_smollm2s_tokenizer(tmp_
                                        and p["split"] == split) for stage, split in (("tune", "tuning"),
                                                                                      ("heldout", "heldout"))}
         assert all(r["sequences_identical_to_ar"] == 2 for r in mine if r["method"] != "ar")
+        # The share of the batch still decoding in the mean loop iteration.
+        assert all(0 < r["batch_occupancy"] <= 1 for r in mine)
 
 
 def test_an_adaptive_cell_whose_costs_cannot_be_timed_is_not_run_and_the_rest_go_on(stage_session, monkeypatch):
@@ -707,8 +709,8 @@ def _family(family, method, batch, rate_, tau=5.0, length=7936, **extra):
 
 # Per family at batch 64 (and quote's at 32): Vegas over the fastest baseline and over plain decoding.
 FAMILY_FIXTURE = FIXTURE + [
-    _family("quote", "ar", 64, 1000), _family("quote", "vegas", 64, 2800, 7.5), _family("quote", "streaming", 64, 1400),
-    _family("quote", "quest", 64, 2000),  # 1.40x quest, 2.80x plain
+    _family("quote", "ar", 64, 1000), _family("quote", "vegas", 64, 2800, 7.5),
+    _family("quote", "streaming", 64, 1400, batch_occupancy=0.5), _family("quote", "quest", 64, 2000),  # 1.40x quest, 2.80x plain
     _family("quote", "ar", 32, 800), _family("quote", "vegas", 32, 1500), _family("quote", "retrieval", 32, 1200),
     _family("retrieval", "ar", 64, 1000), _family("retrieval", "vegas", 64, 2100),
     _family("retrieval", "streaming", 64, 1750),  # 1.20x: below 1.3; 2.10x plain
@@ -747,7 +749,7 @@ def test_family_targets_and_the_geometric_mean_across_families():
 def test_the_report_shows_the_families_across_and_each_in_its_document(tmp_path):
     """docs/benchmarks.md's section and the README's headline hold the across-family table and link the families'
     document (docs/task-families.md), which holds each
-    family's tables (tok/s, τ, Vegas over each baseline), acceptance by position, quantized drafts beside bf16's,
+    family's tables (tok/s, τ, the busy share of the batch where recorded, Vegas over each baseline), acceptance by position, quantized drafts beside bf16's,
     its plot (linked from the document's folder), and says which families are not yet measured."""
     plot = tmp_path / "plots" / "suite-family-quote.png"
     text = report.section(FAMILY_FIXTURE, [], plots={"family-quote": plot, "throughput": tmp_path / "t.png"})
@@ -758,7 +760,7 @@ def test_the_report_shows_the_families_across_and_each_in_its_document(tmp_path)
     doc = report.families_document(FAMILY_FIXTURE, {"family-quote": plot}, tmp_path / "docs")
     quote = doc.split("## quote")[1].split("## retrieval")[0]
     assert ("| 64 | 1,000 (900-1,100), τ 5.00 | 2,800 (2,520-3,080), 2.80x, τ 7.50 | 1,400 (1,260-1,540), 1.40x, "
-            "τ 5.00 | 2,000 (1,800-2,200), 2.00x, τ 5.00 | - | - | 2.00x streaming, 1.40x quest |") in quote
+            "τ 5.00, 50% busy | 2,000 (1,800-2,200), 2.00x, τ 5.00 | - | - | 2.00x streaming, 1.40x quest |") in quote
     assert "| 64 | vegas | γ 4, 5 % | 0.90 0.80 |" in quote
     assert "| 7936 x 64 | int8 | 2,500 (2,250-2,750), 2.50x | 7.00 | 7.50 | 0.90 0.80 |" in quote
     assert "![quote](../plots/suite-family-quote.png)" in quote
