@@ -235,8 +235,8 @@ MGPU_MIN_GROUP_BYTES = 32  # a group's codes in a row of shared memory: 16 bytes
 MGPU_PROGRAMS_PER_SM = 4
 MGPU_STAGES = 2
 # How the kernel's programs cover a product (weight_only_mgpu's `schedule`): "grid", a program per block of
-# features and split, or "persistent", a program per SM streaming its share (being measured against "grid":
-# benchmarks/bench_draft_products.py --mgpu-schedules grid,persistent).
+# features and split, or "persistent", a program per SM streaming its share, which tied on the narrow products and
+# lost 9-13 % on the wide ones on an H100 (docs/quantized-drafts.md).
 MGPU_SCHEDULE = "grid"
 
 
