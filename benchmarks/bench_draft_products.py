@@ -4,7 +4,6 @@
     python benchmarks/bench_draft_products.py [--rows 1,2,4,8,16] [--bits 4,8] [--layouts transposed,bytes]
     python benchmarks/bench_draft_products.py --smoke --out /tmp/dp   # tiny shapes on a CPU: checks this script
     python benchmarks/bench_draft_products.py --rows 1,8 --bits 4 --layouts transposed --tokamax   # beside tokamax
-    python benchmarks/bench_draft_products.py --rows 1,8 --bits 4 --layouts transposed --mgpu-schedules grid,persistent
 
 Each weight is quantized from random bf16 values as the drafts quantize the model's (models.quantized: int4 in groups
 of 128 with offsets, int8 per channel), held in a layout of vegas_jax.decode.draft_kernel.CODE_LAYOUTS ("transposed": the
@@ -15,9 +14,6 @@ split-K sums). Beside them, the bf16 weight through XLA (cuBLAS). A product is t
 weights (together beyond the L2 cache) by its kernels' durations (bench_weight_only.time_chain_ms), after its
 output is checked against the float32 product of the dequantized weight (relative error above 2 % is an error,
 not timed). GB/s counts every byte of the quantized weight (codes, scales, offsets).
-
-`--mgpu-schedules` measures the transposed layout's kernel under each of pallas_kernels/weight_only_mgpu.py's
-schedules (draft_kernel.MGPU_SCHEDULE set for each).
 
 `--tokamax` adds the library candidate issue 47 names: tokamax's Mosaic GPU quantized ragged_dot (Hopper: a
 persistent kernel, a warpgroup issuing TMA loads for two that dequantize and multiply) over a qwix weight of the
@@ -43,8 +39,6 @@ from benchmarks.bench_weight_only import time_chain_ms  # noqa: E402
 from benchmarks.results_io import RecordLog, check_writable, run_metadata  # noqa: E402
 from benchmarks.suite_scale import measure_bandwidth  # noqa: E402
 from models.quantized import QuantizedWeight, dequantize, group_size_for, nbytes, quantize, quantized_matmul  # noqa: E402
-from pallas_kernels.weight_only_mgpu import SCHEDULES  # noqa: E402
-from vegas_jax.decode import draft_kernel  # noqa: E402
 from vegas_jax.decode.draft_kernel import CODE_LAYOUTS, with_kernel  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
 
@@ -84,8 +78,6 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=6, help="distinct weights a timed chain multiplies")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, kernels in interpret mode: checks this script")
-    p.add_argument("--mgpu-schedules", default="grid",
-                   help="the transposed layout's Mosaic GPU kernel under each of these schedules (grid, persistent)")
     p.add_argument("--tokamax", action="store_true",
                    help="also tokamax's Mosaic GPU quantized product over qwix weights (a GPU, tokamax and qwix)")
     p.add_argument("--out", type=Path, default=None)
@@ -105,9 +97,8 @@ def main(argv=None) -> int:
     try:
         rows, bits_list, layouts = _list(args.rows, int), _list(args.bits, int), _list(args.layouts)
         matrices = _list(args.matrices) if not args.smoke else list(SMOKE_SHAPES)
-        schedules = _list(args.mgpu_schedules)
         for flag, values, known in (("--bits", bits_list, (4, 8)), ("--layouts", layouts, CODE_LAYOUTS),
-                                    ("--matrices", matrices, shapes), ("--mgpu-schedules", schedules, SCHEDULES)):
+                                    ("--matrices", matrices, shapes)):
             if not values or any(v not in known for v in values):
                 raise ValueError(f"{flag}: each of {', '.join(map(str, known))}")
         if not rows or min(rows) < 1:
@@ -131,9 +122,8 @@ def main(argv=None) -> int:
                      "of_read_bandwidth": 2 * k * n / ms / 1e6 / read_gbps})
             _print(log.records[-1])
             for bits in bits_list:
-                for layout, schedule in [(lay, sch) for lay in layouts
-                                         for sch in (schedules if lay == "transposed" else [None])]:
-                    log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, schedule))
+                for layout in layouts:
+                    log.add(_measure(name, k, n, bits, m, layout, x, placement, args, read_gbps))
                     _print(log.records[-1])
                 for block_n, stages in TOKAMAX_TILINGS if args.tokamax else ():
                     log.add(_measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps))
@@ -142,13 +132,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, schedule=None) -> dict:
-    """One product through our kernels; `schedule`: the Mosaic GPU kernel's (draft_kernel.MGPU_SCHEDULE for this
-    measurement only)."""
+def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps) -> dict:
+    """One product through our kernels."""
     record = {"matrix": name, "K": k, "N": n, "rows": m, "weights": f"int{bits}", "layout": layout}
-    if schedule:
-        record["schedule"] = schedule
-    default_schedule, draft_kernel.MGPU_SCHEDULE = draft_kernel.MGPU_SCHEDULE, schedule or draft_kernel.MGPU_SCHEDULE
     try:
         weights = _weights(k, n, bits, args.layers, layout)
         record["weight_bytes"] = sum(nbytes(a) for a in jax.tree.leaves(weights[0]))
@@ -162,8 +148,6 @@ def _measure(name, k, n, bits, m, layout, x, placement, args, read_gbps, schedul
         _check_and_time(record, product, x, weights, want, args, read_gbps)
     except Exception as e:  # noqa: BLE001 - a failing configuration is a record, the others still run
         record["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
-    finally:
-        draft_kernel.MGPU_SCHEDULE = default_schedule
     return record
 
 
@@ -208,7 +192,7 @@ def _measure_tokamax(name, k, n, bits, m, x, block_n, stages, args, read_gbps) -
 
 
 def _print(r: dict) -> None:
-    tiling = f" {r['block_n']}x{r['stages']}" if "block_n" in r else f" {r['schedule']}" if "schedule" in r else ""
+    tiling = f" {r['block_n']}x{r['stages']}" if "block_n" in r else ""
     head = f"{r['matrix']:8s} {r['weights']:5s} {r['layout'] + tiling:14s} rows {r['rows']:2d}"
     if "error" in r:
         print(f"{head}: ERROR {r['error']}", flush=True)

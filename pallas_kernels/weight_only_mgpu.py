@@ -28,11 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import NUM_SMS, stacked_layer
+from pallas_kernels._common import stacked_layer
 
 MAX_ROWS = 16  # wgmma's N: x^T is padded to 8 or 16 columns
 WGMMA_M = 64  # rows of the weight one wgmma instruction multiplies
-SCHEDULES = ("grid", "persistent")  # how programs cover a product: weight_only_matmul_mgpu's `schedule`
 
 
 def padded_rows(m: int) -> int:
@@ -46,21 +45,17 @@ def _swizzled(block_cols: int, bits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group", "zero_point", "block_n", "block_k", "splits", "stages",
-                                             "schedule", "out_dtype", "interpret"))
+                                             "out_dtype", "interpret"))
 def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0,
                             block_n: int = 128, block_k: int = 256, splits: int = 1, stages: int = 4,
-                            schedule: str = "grid", out_dtype=None, interpret: bool = False):
+                            out_dtype=None, interpret: bool = False):
     """x [M, K] @ w -> [M, N] in out_dtype (default x's), x rounded to bf16. wt [N, K] int4 or int8 codes
     (signed), w[k, n] = (wt[n, k] + zero_point) * scale[k // group, n] + offset[k // group, n]; scale and offset
     [K / group, N] (offset may be None). layer (int32 []): wt, scale and offset hold every layer's weight stacked
     [L, ...] and the product is layer `layer`'s, which the kernel reads in place (its TMA copies start at the
     layer). block_k: K positions a pipeline step loads, whole groups or a part of one; splits: how many programs
-    share each block of features along K; stages: blocks in flight. schedule: "grid", a program per block of
-    features and split; "persistent", a program per SM streaming its share of them (persistent_splits picks the
-    splits; block_n and splits are then ignored)."""
+    share each block of features along K; stages: blocks in flight."""
     m, k = x.shape
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     (wt, scale, offset), layer = stacked_layer(layer, wt, scale, offset)
     num_layers, n, k2 = wt.shape
     bits = jax.dtypes.itemsize_bits(wt.dtype)
@@ -91,13 +86,6 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     layers = jnp.stack([layer, group_layer])  # the layer the kernel reads of the codes, and of the groups
     multiply = functools.partial(_multiply_step, block_k=block_k, step_group=step_group, group=group,
                                  shifted=shifted, zero_point=zero_point, interpret=interpret)
-    if schedule == "persistent":
-        partial = _persistent_partial_sums(xp, layers, wt, groups, multiply, n=n, k=k, rows=rows, bits=bits,
-                                           group=group, step_group=step_group, block_k=block_k, stages=stages,
-                                           w_transforms=w_transforms, x_transforms=x_transforms,
-                                           scale_rows=scale_rows, interpret=interpret)
-        return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
-
     def kernel(x_gmem, layers_gmem, w_gmem, s_gmem, o_gmem, out_gmem, out_smem, a_smem):
         feature_block, split = lax.axis_index("n"), lax.axis_index("split")
         code_layer, group_layer = layers_gmem[0], layers_gmem[1]
@@ -107,7 +95,7 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
 
         def compute(acc_ref):
             def step(_, w_smem, x_smem, s_smem, *o_smem):
-                multiply(acc_ref, w_smem, x_smem, s_smem, o_smem[0] if o_smem else None, a_smem, slice(None))
+                multiply(acc_ref, w_smem, x_smem, s_smem, o_smem[0] if o_smem else None, a_smem)
 
             w_spec = plgpu.BlockSpec((block_n, block_k), lambda i: (0, i), transforms=w_transforms)
             x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)
@@ -142,18 +130,18 @@ def weight_only_matmul_mgpu(x, wt, scale, offset=None, layer=None, *, group: int
     return partial.sum(axis=0)[:, :m].T.astype(out_dtype or x.dtype)
 
 
-def _multiply_step(acc_ref, w_smem, x_smem, s_smem, o_smem, a_smem, features, *, block_k, step_group, group, shifted,
+def _multiply_step(acc_ref, w_smem, x_smem, s_smem, o_smem, a_smem, *, block_k, step_group, group, shifted,
                    zero_point, interpret):
-    """One pipeline step: the features' rows of a block of codes dequantized in registers (scale and offset per
+    """One pipeline step: a block of codes dequantized in registers (scale and offset per
     row, one bf16 rounding) and multiplied into acc_ref by x's block, transposed."""
     for j in range(block_k // step_group):
         cols = pl.ds(j * step_group, step_group)
         row = j * step_group // group
-        a = w_smem.at[features, cols][...].astype(jnp.bfloat16)
-        s = s_smem[row, features].astype(jnp.float32)
+        a = w_smem.at[:, cols][...].astype(jnp.bfloat16)
+        s = s_smem[row, :].astype(jnp.float32)
         a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), a.shape, (0,))
         if shifted:  # (q + zero_point) s + o = q s + (zero_point s + o), one rounding to bf16
-            o = zero_point * s + (o_smem[row, features].astype(jnp.float32) if o_smem is not None else 0.0)
+            o = zero_point * s + (o_smem[row, :].astype(jnp.float32) if o_smem is not None else 0.0)
             a = a + lax.broadcast_in_dim(o.astype(jnp.bfloat16), a.shape, (0,))
         if interpret:  # GPU interpret mode multiplies shared memory only
             a_smem[...] = a
@@ -161,126 +149,6 @@ def _multiply_step(acc_ref, w_smem, x_smem, s_smem, o_smem, a_smem, features, *,
             a = a_smem
         plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))
     plgpu.wgmma_wait(0)
-
-
-PERSISTENT_COMPUTE_WGS = 2  # warpgroups that dequantize and multiply, WGMMA_M features each; a third loads
-# The persistent schedule runs a program's items as one pipeline of pipelines (jax's `pipeline_state`), so that
-# its loads run on from one item into the next. False drains each item's pipeline before the next starts: what
-# GPU interpret mode does (it hangs on pipelines of pipelines in jax 0.11.2), and the comparison that says what
-# chaining the items is worth on a GPU.
-CHAIN_ITEMS = True
-
-
-def persistent_splits(n: int, k: int, block_k: int, bits: int, rows: int, stages: int,
-                      programs: int = NUM_SMS) -> tuple[int, int]:
-    """(splits of K, pipeline stages) for the persistent schedule: the fewest splits whose busiest program moves
-    the fewest bytes (its work items' codes, and each item's partial sums written and read back), each item a
-    whole number of pipelines of `stages` steps (or of all its steps, if fewer), so that the pipelines of a
-    program's items run back to back."""
-    block_n = PERSISTENT_COMPUTE_WGS * WGMMA_M
-    best = None
-    splits = 1
-    while k % (splits * block_k) == 0:
-        steps = k // (splits * block_k)
-        in_flight = min(stages, steps)
-        if steps % in_flight == 0:
-            items = (n // block_n) * splits
-            per_program = -(-items // programs)
-            cost = per_program * (steps * block_n * block_k * bits // 8 + 2 * block_n * rows * 4)
-            if best is None or cost < best[0]:
-                best = (cost, splits, in_flight)
-        splits *= 2
-    if best is None:
-        raise ValueError(f"K = {k} does not split into steps of {block_k} a whole number of {stages} at a time")
-    return best[1], best[2]
-
-
-def _persistent_partial_sums(xp, layers, wt, groups, multiply, *, n, k, rows, bits, group, step_group, block_k,
-                              stages, w_transforms, x_transforms, scale_rows, interpret):
-    """The partial sums [splits, N, rows] of the persistent schedule: one program per SM (fewer where there are fewer work items), each looping over
-    its share of (block of 128 features, split of K) items. A third warpgroup issues the TMA loads of every item's
-    steps back to back (one pipeline of pipelines), so a program's loads never wait for an item's start or end,
-    while two warpgroups dequantize and multiply 64 features each and write each item's partial sums."""
-    block_n = PERSISTENT_COMPUTE_WGS * WGMMA_M
-    splits, stages = persistent_splits(n, k, block_k, bits, rows, stages, NUM_SMS)
-    steps = k // splits // block_k
-    items = (n // block_n) * splits
-    # As many programs as SMs where that gives each program one item; otherwise as many as leave every program
-    # at least two (a pipeline of pipelines starts with one and stops with another) and none more than the
-    # fewest possible.
-    per_program = -(-items // NUM_SMS)
-    programs = items if per_program == 1 else min(-(-items // per_program), items // 2)
-    g_spec = plgpu.BlockSpec((scale_rows, block_n), lambda i: (i * block_k // group // scale_rows, 0))
-    in_specs = [plgpu.BlockSpec((block_n, block_k), lambda i: (0, i), transforms=w_transforms),
-                plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms)] + [g_spec] * len(groups)
-
-    def pipeline(body, context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-            num_compute_wgs=PERSISTENT_COMPUTE_WGS, max_concurrent_steps=stages, compute_context=context,
-            pipeline_state=state)
-
-    def kernel(x_gmem, layers_gmem, w_gmem, *rest):
-        *g_gmem, out_gmem, out_smem, a_smem = rest
-        code_layer, group_layer = layers_gmem[0], layers_gmem[1]
-        wg = lax.axis_index("wg")
-        mine = pl.ds(wg * WGMMA_M, WGMMA_M)
-        ignore = lambda *_, **__: None
-        example = (w_gmem.at[0], x_gmem, *(g.at[0] for g in g_gmem))
-
-        @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*example),
-                           collective_axes="wg")
-        def _scope(allocations):
-            @plgpu.nd_loop((items,), collective_axes="program")
-            def _item(info: plgpu.NDLoopInfo):
-                (item,) = info.index
-                feature_block, split = item // splits, lax.rem(item, splits)
-                features = pl.ds(feature_block * block_n, block_n)
-                positions = pl.ds(split * steps * block_k, steps * block_k)
-                groups_of_split = pl.ds(split * steps * block_k // group, max(1, steps * block_k // group))
-                first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
-                chained = CHAIN_ITEMS and not interpret and per_program > 1
-                state = None if not chained else jnp.where(
-                    first, plgpu.PipelinePipeline.START,
-                    jnp.where(last, plgpu.PipelinePipeline.STOP, plgpu.PipelinePipeline.STEADY))
-
-                def context(run):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WGMMA_M, rows), jnp.float32))
-                    def _acc(acc_ref):
-                        run(acc_ref)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's last item's copy
-                        out_smem[wg] = acc_ref[...]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                out_gmem.at[split, pl.ds(feature_block * block_n + wg * WGMMA_M,
-                                                                         WGMMA_M)])
-
-                def body(_, w_smem, x_smem, s_smem, *o_and_acc):
-                    *o_smem, acc_ref = o_and_acc
-                    multiply(acc_ref, w_smem, x_smem, s_smem, o_smem[0] if o_smem else None,
-                             a_smem.at[wg] if interpret else None, mine)
-                    return acc_ref
-
-                pipeline(body, context, state)(
-                    w_gmem.at[code_layer, features, positions], x_gmem.at[:, positions],
-                    *(g.at[group_layer, groups_of_split, features] for g in g_gmem), allocations=allocations)
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
-        grid=(programs,),
-        grid_names=("program",),
-        num_threads=PERSISTENT_COMPUTE_WGS + 1,
-        thread_name="wg",
-        scratch_types=[plgpu.SMEM((PERSISTENT_COMPUTE_WGS, WGMMA_M, rows), jnp.float32),
-                       plgpu.SMEM((PERSISTENT_COMPUTE_WGS, WGMMA_M, step_group), jnp.bfloat16,
-                                  transforms=x_transforms) if interpret else None],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="weight_only_matmul_mgpu_persistent",
-    )(xp, layers, wt, *groups)
 
 
 def weight_only_matmul_mgpu_reference(x, wt, scale, offset=None, layer=None, *, group: int, zero_point: int = 0):

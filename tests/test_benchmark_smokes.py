@@ -145,21 +145,16 @@ def test_bench_draft_products(tmp_path, monkeypatch, capsys):
     """The kernel table: every precision in both kernel layouts (the Mosaic GPU kernel and the Triton ones, in
     interpret mode here) beside bf16, each checked against the dequantized product first; bad flags are one error
     line."""
-    (doc,) = run_smoke("bench_draft_products", tmp_path, monkeypatch, "--rows", "1,5", "--repeats", "1",
-                       "--mgpu-schedules", "grid,persistent")
-    assert {(r["rows"], r["weights"], r["layout"], r.get("schedule")) for r in doc["records"]} == {
-        (1, "bf16", "xla", None), (5, "bf16", "xla", None)} | {
-        (rows, w, layout, schedule) for rows in (1, 5) for w in ("int4", "int8")
-        for layout, schedule in (("transposed", "grid"), ("transposed", "persistent"), ("bytes", None))}
-    from vegas_jax.decode import draft_kernel
-
-    assert draft_kernel.MGPU_SCHEDULE == "grid"  # each schedule set for its own measurements only
+    (doc,) = run_smoke("bench_draft_products", tmp_path, monkeypatch, "--rows", "1,5", "--repeats", "1")
+    assert {(r["rows"], r["weights"], r["layout"]) for r in doc["records"]} == {
+        (1, "bf16", "xla"), (5, "bf16", "xla")} | {
+        (rows, w, layout) for rows in (1, 5) for w in ("int4", "int8") for layout in ("transposed", "bytes")}
     for r in doc["records"]:
         assert "error" not in r, r
         finite_positive(r, "ms", "gb_per_s", "weight_bytes", "of_read_bandwidth")
         assert r["weights"] == "bf16" or (r["kernel_layout"] and r["relative_error"] < 0.02), r
     module = importlib.import_module("benchmarks.bench_draft_products")
-    for flag, value in (("--bits", "3"), ("--layouts", "rows"), ("--rows", "0"), ("--mgpu-schedules", "stream")):
+    for flag, value in (("--bits", "3"), ("--layouts", "rows"), ("--rows", "0")):
         assert module.main(["--smoke", flag, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {flag}"), err

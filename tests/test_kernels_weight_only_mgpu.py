@@ -60,7 +60,6 @@ def test_matches_float64(m, k, n, bits, group, blocks, with_offset, zero_point):
     ((1, 512, 100), dict(block_n=64, block_k=128), "do not tile"),
     ((1, 512, 128), dict(block_n=64, block_k=128, splits=8), "do not tile"),
     ((17, 512, 128), dict(block_n=64, block_k=128), "at most 16 rows"),
-    ((1, 512, 128), dict(block_n=64, block_k=128, schedule="stream"), "schedule 'stream'"),
 ])
 def test_untileable_shapes_are_refused(shape, blocks, message):
     m, k, n = shape
@@ -111,75 +110,3 @@ def test_stacked_weights_lower_for_the_h200_at_llama_shapes():
                           scales, scales, spec((), jnp.int32), group=group, zero_point=8)
     calls = [line for line in text.splitlines() if "@mosaic_gpu" in line and " : (" in line]
     assert len(calls) == 1 and f"tensor<{layers}x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]
-
-
-@pytest.mark.parametrize("m, k, n, bits, group, with_offset, zero_point, sms", [
-    (1, 1024, 256, 4, 128, True, 8, 132),  # one item a program
-    (5, 512, 384, 4, 64, False, 8, 2),  # several items a program (nd_loop's share), two groups a step
-    (9, 512, 128, 8, 512, False, 0, 1),  # int8, one scale a column, every item in one program
-])
-def test_the_persistent_schedule_gives_the_grid_schedules_products(monkeypatch, m, k, n, bits, group, with_offset,
-                                                                   zero_point, sms):
-    """schedule="persistent" (a program per SM over its share of items, two warpgroups multiplying 64 features
-    each, a third loading) multiplies what the grid schedule does: the same dequantized weights and products,
-    the splits summed in another grouping."""
-    import pallas_kernels.weight_only_mgpu as module
-
-    monkeypatch.setattr(module, "NUM_SMS", sms)
-    rng = np.random.default_rng(k + n + bits)
-    q, scale, offset = _weight(rng, n, k, bits, group, with_offset)
-    args = (jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16), jnp.asarray(q, jnp.int4 if bits == 4 else jnp.int8),
-            jnp.asarray(scale, jnp.bfloat16), None if offset is None else jnp.asarray(offset, jnp.bfloat16))
-    common = dict(group=group, zero_point=zero_point, block_k=128, stages=2, out_dtype=jnp.float32, interpret=True)
-    grid = module.weight_only_matmul_mgpu(*args, block_n=64, splits=1, **common)
-    persistent = module.weight_only_matmul_mgpu.__wrapped__(*args, schedule="persistent", **common)
-    np.testing.assert_allclose(np.asarray(persistent), np.asarray(grid), rtol=0, atol=1e-5 * np.abs(grid).max())
-
-
-def test_persistent_splits_keep_the_busiest_program_least_loaded():
-    """At Llama-3.1-8B's shapes (int4, 8 rows, blocks of 256 positions, 2 stages, 132 SMs): splits that even out
-    the programs without multiplying partial sums, each item a whole number of pipelines."""
-    from pallas_kernels.weight_only_mgpu import persistent_splits
-
-    assert persistent_splits(6144, 4096, 256, 4, 8, 2) == (8, 2)  # q/k/v: 384 items of 2 steps, 3 a program
-    assert persistent_splits(4096, 14336, 256, 4, 8, 2) == (4, 2)  # down: 128 items of 14 steps, one a program
-    assert persistent_splits(128256, 4096, 256, 4, 8, 2) == (1, 2)  # LM head: splits would only add sums
-    assert persistent_splits(256, 256, 256, 4, 8, 2) == (1, 1)  # one step: one in flight
-    with pytest.raises(ValueError, match="whole number"):
-        persistent_splits(256, 768, 256, 4, 8, 2)  # 3 steps: not whole pairs, and 768 splits into no more blocks
-
-
-def _persistent(n: int, k: int):
-    """Llama-3.1-8B's product [k -> n] through the persistent schedule (int4 in groups of 128, every layer
-    stacked): a fresh jit (CHAIN_ITEMS is read when tracing) and its arguments' shapes."""
-    import functools
-
-    group, layers = 128, 32
-    spec = jax.ShapeDtypeStruct
-    scales = spec((layers, k // group, n), jnp.bfloat16)
-    product = functools.partial(weight_only_matmul_mgpu.__wrapped__, group=group, zero_point=8, block_k=256,
-                                stages=2, schedule="persistent")
-    return product, (spec((8, k), jnp.bfloat16), spec((layers, n, k), jnp.int4), scales, scales, spec((), jnp.int32))
-
-
-def _lowers_for_the_h200(n: int, k: int) -> None:
-    product, args = _persistent(n, k)
-    text = lower_for_h200(jax.jit(product), *args)
-    calls = [line for line in text.splitlines() if "@mosaic_gpu" in line and " : (" in line]
-    assert len(calls) == 1 and f"tensor<32x{n}x{k}xi4>" in calls[0].rsplit(" : (", 1)[1]
-
-
-def test_the_persistent_schedule_lowers_for_the_h200_at_llama_shapes(monkeypatch):
-    """gate/up (seven items a program) as a pipeline of pipelines and, CHAIN_ITEMS off, with each item's pipeline
-    drained (another kernel: its traced program differs, where two tracings of one do not), and down (one item a
-    program)."""
-    import pallas_kernels.weight_only_mgpu as module
-
-    traced = lambda: str(jax.make_jaxpr(_persistent(28672, 4096)[0])(*_persistent(28672, 4096)[1]))  # noqa: E731
-    chained = traced()
-    assert traced() == chained
-    _lowers_for_the_h200(28672, 4096)
-    monkeypatch.setattr(module, "CHAIN_ITEMS", False)
-    assert traced() != chained
-    _lowers_for_the_h200(28672, 4096)
-    _lowers_for_the_h200(4096, 14336)

@@ -234,10 +234,6 @@ MGPU_MIN_GROUP_BYTES = 32  # a group's codes in a row of shared memory: 16 bytes
 # us against 35.6 for 2 programs and 4 stages, whose 448 programs ran 1.7 waves; down 18.0 against 19.1).
 MGPU_PROGRAMS_PER_SM = 4
 MGPU_STAGES = 2
-# How the kernel's programs cover a product (weight_only_mgpu's `schedule`): "grid", a program per block of
-# features and split, or "persistent", a program per SM streaming its share, which tied on the narrow products and
-# lost 9-13 % on the wide ones on an H100 (docs/quantized-drafts.md).
-MGPU_SCHEDULE = "grid"
 
 
 def _mgpu_blocks(w: QuantizedWeight) -> tuple[int, int, int] | None:
@@ -261,7 +257,7 @@ def _mgpu_product(x: jax.Array, w: QuantizedWeight, out_dtype, *, interpret: boo
     product = functools.partial(
         weight_only_mgpu.weight_only_matmul_mgpu, wt=w.values, scale=_flat(w, w.scale), offset=_flat(w, w.offset),
         layer=w.layer, group=w.group_size, zero_point=TRANSPOSED_INT4_ZERO if w.bits == 4 else 0, block_n=block_n,
-        block_k=block_k, splits=splits, stages=MGPU_STAGES, schedule=MGPU_SCHEDULE, out_dtype=out_dtype,
+        block_k=block_k, splits=splits, stages=MGPU_STAGES, out_dtype=out_dtype,
         interpret=interpret)
     x = _rounded(x, x_group)
     rows = weight_only_mgpu.MAX_ROWS
