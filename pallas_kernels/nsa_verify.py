@@ -261,8 +261,13 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     source = k_rows, v_rows, lead = _row_source(cache, stacks, seq)
     c_extra, extra_valid, k_extra = _path_compressed(k_rows, lead, tree_k, anc, positions, length, layout, num_nodes)
     _, _, v_extra = _path_compressed(v_rows, lead, tree_v, anc, positions, length, layout, num_nodes)
-    extra_logits = _masked(jnp.einsum("thgd,tehd->hgte", qg, k_extra.astype(q.dtype),
-                                      preferred_element_type=jnp.float32) * scale, extra_valid[None, None])
+    # Each node against the few pooled rows its path completes, multiplied and summed in one fusion: as a product
+    # batched over nodes and heads it was a cuBLAS call of a few rows behind a padding fusion of its own, the
+    # tree pass's slowest small kernel (profile-2026-12-07-h100-ssv-sources-b1-4x2.json).
+    pooled_k = k_extra.astype(q.dtype).astype(jnp.float32)  # [T, E, H_kv, D], rounded as the cache's rows are
+    extra_logits = jnp.sum(qg.astype(jnp.float32)[:, None] * pooled_k[:, :, :, None], axis=-1)
+    extra_logits = extra_logits.transpose(2, 3, 0, 1)  # [H_kv, G, T, E]
+    extra_logits = _masked(extra_logits * scale, extra_valid[None, None])
     branch = compressed_tree_branch_reference if kernels is None else functools.partial(
         compressed_tree_branch, batch=batch, interpret=kernels == "interpret")
     k_cmp, v_cmp, cmp_layer = cache.k_cmp, cache.v_cmp, cache.layer
@@ -280,29 +285,32 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
     selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch, source)
     by_head = blocks.transpose(1, 0, 2)  # [H_kv, T, n]
-    tree_logits = dot(tree_k, "thgd,jhd->hgtj")  # [H_kv, G, T, T_j]
-    tree_values = lambda p: jnp.einsum("hgtj,jhd->thgd", p.astype(tree_v.dtype), tree_v,
-                                       preferred_element_type=jnp.float32)
     tree_slc = anc[None] & jnp.any((positions // sel)[None, None, :, None] == by_head[:, :, None, :], axis=-1)
     tree_win = anc & (positions[None, :] > positions[:, None] - w)  # [T, T_j]
 
-    # Window rows of the prefix: the w rows before `length`, each node keeping those within its own window.
+    # Window rows of the prefix: the w rows before `length`, each node keeping those within its own window. They
+    # and the tree's rows are one key set, in one product for the logits, one for the values and one softmax (as
+    # two segments merged they took twice the small kernels, a tree pass's largest cost past plain decoding's at
+    # batch 1: benchmarks/results/profile-2026-12-07-h100-ssv-sources-b1-4x2.json).
     win_rows = length - w + jnp.arange(w)
     win_valid = (win_rows >= 0)[None, :] & (win_rows[None, :] > positions[:, None] - w)  # [T, w]
     safe = jnp.clip(win_rows, 0, capacity - 1)
-    k_win, v_win = (_layer_rows(x, lead, safe) for x in (k_rows, v_rows))  # [w, H_kv, D]
-    win_logits = dot(k_win, "thgd,nhd->hgtn")
-    win_values = lambda p: jnp.einsum("hgtn,nhd->thgd", p.astype(v_win.dtype), v_win,
-                                      preferred_element_type=jnp.float32)
+    k_local, v_local = (jnp.concatenate([_layer_rows(x, lead, safe), tree_x]) for x, tree_x in
+                        ((k_rows, tree_k), (v_rows, tree_v)))  # [w + T, H_kv, D]: the window's rows, the tree's
+    local_logits = dot(k_local, "thgd,nhd->hgtn")  # [H_kv, G, T, w + T]
+    local_values = lambda p: jnp.einsum("hgtn,nhd->thgd", p.astype(v_local.dtype), v_local,
+                                        preferred_element_type=jnp.float32)
     if kind == "nsa-view":  # one softmax; the window's prefix rows inside a selected block are counted there
         in_selected = jnp.any((win_rows // sel)[None, None, :, None] == by_head[:, :, None, :], axis=-1)
-        out = _merge(selected, _segment(_masked(win_logits, (win_valid[None] & ~in_selected)[:, None]), win_values),
-                     _segment(_masked(tree_logits, (tree_slc | tree_win[None])[:, None]), tree_values))
+        local = jnp.concatenate([win_valid[None] & ~in_selected, tree_slc | tree_win[None]], axis=-1)
+        out = _merge(selected, _segment(_masked(local_logits, local[:, None]), local_values))
     else:
-        o_slc = _merge(selected, _segment(_masked(tree_logits, tree_slc[:, None]), tree_values))
-        o_win = _merge(_segment(_masked(win_logits, win_valid[None, None]), win_values),
-                       _segment(_masked(tree_logits, tree_win[None, None]), tree_values))
-        o_cmp = o_prefix + jnp.einsum("hgte,tehd->thgd", p_extra, v_extra)
+        tree_values = lambda p: jnp.einsum("hgtj,jhd->thgd", p.astype(tree_v.dtype), tree_v,
+                                           preferred_element_type=jnp.float32)
+        o_slc = _merge(selected, _segment(_masked(local_logits[..., w:], tree_slc[:, None]), tree_values))
+        local = jnp.concatenate([win_valid, tree_win], axis=-1)
+        o_win = _segment(_masked(local_logits, local[None, None]), local_values)[0]
+        o_cmp = o_prefix + jnp.sum(p_extra.transpose(2, 3, 0, 1)[..., None] * v_extra[:, :, :, None], axis=1)
         g = gates.reshape(num_nodes, num_kv_heads, group, 3, 1).astype(jnp.float32)
         out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
     out = out.reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)
