@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -71,23 +70,12 @@ def check_cache_shapes(q, k_cache, v_cache, num_query_dims: int):
 
 
 def combine_splits(o, l, m):
-    """Merges split-K partials o [splits, ..., D], l and m [splits, ...] into the normalised output.
-
-    One variadic reduction over the splits, each step the online softmax's merge of two partials (associative):
-    one kernel after the attention's, where the maximum first and then the two sums took three; at 8B shapes
-    these small kernels ran once per layer and draft step (benchmarks/results/
-    profile-2026-12-07-h100-llama8b-int4-sources.json)."""
-    def merge(a, b):
-        (o_a, l_a, m_a), (o_b, l_b, m_b) = a, b
-        m_ab = jnp.maximum(m_a, m_b)
-        c_a, c_b = jnp.exp(m_a - m_ab), jnp.exp(m_b - m_ab)
-        return o_a * c_a + o_b * c_b, l_a * c_a + l_b * c_b, m_ab
-
-    l, m = (jnp.broadcast_to(a[..., None], o.shape) for a in (l, m))
-    # The start's maximum is the lowest finite one (online_softmax_start's), so no exp meets inf - inf.
-    start = (jnp.float32(0), jnp.float32(0), jnp.finfo(jnp.float32).min)
-    o_total, l_total, _ = lax.reduce((o, l, m), start, merge, (0,))
-    return o_total / l_total
+    """Merges split-K partials o [splits, ..., D], l and m [splits, ...] into the normalised output."""
+    m_max = m.max(axis=0)
+    correction = jnp.exp(m - m_max[None])
+    l_total = (l * correction).sum(axis=0)
+    o_total = (o * correction[..., None]).sum(axis=0)
+    return o_total / l_total[..., None]
 
 
 def normalised_with_lse(o, l, m):
