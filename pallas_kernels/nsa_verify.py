@@ -13,9 +13,9 @@ Two schedules of the selected-block reads, equal in their results:
   once for all T * G query rows, with a per-block row mask [T, |U|] keeping each node to its own blocks.
 The selected prefix rows go through the Pallas kernels of pallas_kernels.nsa_tree_select or through XLA
 gathers, and the compressed branch over the prefix's rows (output and selection probabilities) through those of
-pallas_kernels.nsa_tree_compressed or its XLA twin; the tree's own rows (a T x T ancestor-masked segment), the
-compressed rows the paths complete and the window are XLA, and the segments of a branch are merged by their
-log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
+pallas_kernels.nsa_tree_compressed or its XLA twin; the compressed rows the paths complete, the window and the
+tree's own rows (ancestor-masked) are XLA, the window's and the tree's rows one key set of one softmax, and the
+segments of a branch are merged by their log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
 the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
 """
 
@@ -263,7 +263,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     _, _, v_extra = _path_compressed(v_rows, lead, tree_v, anc, positions, length, layout, num_nodes)
     # Each node against the few pooled rows its path completes, multiplied and summed in the fusion that pools them
     # (not a product batched over nodes and heads: a cuBLAS call of a few rows).
-    pooled_k = k_extra.astype(q.dtype).astype(jnp.float32)  # [T, E, H_kv, D], rounded as the cache's rows are
+    pooled_k = k_extra.astype(q.dtype).astype(jnp.float32)  # [T, E, H_kv, D], rounded to q's dtype
     extra_logits = jnp.sum(qg.astype(jnp.float32)[:, None] * pooled_k[:, :, :, None], axis=-1)
     extra_logits = extra_logits.transpose(2, 3, 0, 1)  # [H_kv, G, T, E]
     extra_logits = _masked(extra_logits * scale, extra_valid[None, None])
