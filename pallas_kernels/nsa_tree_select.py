@@ -5,6 +5,9 @@ tree's own rows, the window and the compressed branch.
 
 - v0_selected: grid (KV head, node, split of the node's blocks); each program holds one node's G query heads
   (padded to 16 rows) and reads its own blocks, one contiguous [l', D] load each: T * top_n block reads.
+- v0_view: V0 for an NSA view (one softmax over every key a node sees), whose programs also read the window's
+  prefix rows in the blocks the node did not select and the tree's rows it sees, so the kernel's output is the
+  view's attention: no products, masks or merges of the window and the tree beside it.
 - v1_selected: grid (KV head, split, row block); each program holds up to 128 of the T * G rows (row r: node
   r // G, head r % G) and walks its row block's own list of union blocks, those some node of the block selected
   (row_block_slots, from the member masks), reading each once for all the block's rows and masking its columns
@@ -104,6 +107,40 @@ def v0_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, o_ref, l_r
 
     steps = jnp.clip(top_n - first, 0, per_split)
     _store(o_ref, l_ref, m_ref, lax.fori_loop(0, steps, body, online_softmax_start(block_h, q.shape[1])))
+
+
+def v0_view_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, depth_ref, ancestors_ref, tree_k_ref,
+                   tree_v_ref, o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads, block_h, select_block, top_n,
+                   listed, window, steps_total, per_split):
+    """V0 with every key of an NSA view's node: its selected blocks' prefix rows, then the window's prefix rows in
+    blocks it did not select (blocks_ref past top_n: the window's blocks), then (split 0) the tree's rows that it
+    sees, an ancestor in a selected block or in its window. One softmax, as the view's decoding has."""
+    kv_head, node, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length, layer = length_ref[()], layer_ref[()]  # k_ref, v_ref [L, T_cap, D]
+    position = length + depth_ref[node]  # the node's own position
+    lane = jnp.arange(block_h)
+    q = q_ref[node * num_q_heads + kv_head * group + jnp.minimum(lane, group - 1), :]
+    chosen = jnp.where(jnp.arange(listed) < top_n, blocks_ref[...], -1)  # the node's selected blocks
+    selected = lambda blocks: jnp.max((chosen[None, :] == blocks[:, None]).astype(jnp.int32), axis=1) > 0
+    first = split * per_split
+
+    def body(step, carry):
+        index = first + step
+        block = blocks_ref[index]
+        base = jnp.maximum(block, 0) * select_block
+        rows = base + jnp.arange(select_block)
+        # A window block counts only the rows in the node's window, and none in a block the node selected.
+        in_window = (rows > position - window) & (jnp.max(jnp.where(chosen == block, 1, 0)) == 0)
+        valid = (block >= 0) & (rows < length) & ((index < top_n) | in_window)
+        k = k_ref[layer, pl.ds(base, select_block), :]
+        v = v_ref[layer, pl.ds(base, select_block), :]
+        return _step(carry, q, k, v, valid[None, :], sm_scale)
+
+    steps = jnp.clip(steps_total - first, 0, per_split)
+    carry = lax.fori_loop(0, steps, body, online_softmax_start(block_h, q.shape[1]))
+    at = length + depth_ref[...]  # the tree's rows' positions
+    sees = (ancestors_ref[...] != 0) & (selected(at // select_block) | (at > position - window)) & (split == 0)
+    _store(o_ref, l_ref, m_ref, _step(carry, q, tree_k_ref[...], tree_v_ref[...], sees[None, :], sm_scale))
 
 
 def v1_kernel(q_ref, k_cache_ref, v_cache_ref, layer_ref, union_ref, slots_ref, counts_ref, member_ref, length_ref,
@@ -214,6 +251,60 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, layer=None, select_block
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v0_selected",
     )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, blocks, length.astype(jnp.int32))
+    return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
+
+
+@functools.partial(jax.jit, static_argnames=("select_block", "window", "num_splits", "interpret"))
+def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, layer=None, select_block: int,
+            window: int, num_splits: int = 4, interpret: bool = False):
+    """An NSA view's whole attention of a tree's nodes in one kernel (v0_view_kernel): q [T, H_q, D], caches as
+    v0_selected's, blocks [T, H_kv, n] (-1 pads), length [], the tree's rotated rows tree_k, tree_v [T, H_kv, D],
+    ancestors [T, T] (node j is node i or an ancestor; node i at position length + its depth). Returns (o [H_kv, T,
+    G, D] float32 normalised, lse [H_kv, T, G])."""
+    (k_cache, v_cache), layer = stacked_layer(layer, k_cache, v_cache)
+    num_nodes, num_q_heads, head_dim = q.shape
+    num_layers, capacity, num_kv_heads, _ = k_cache.shape
+    group, top_n = num_q_heads // num_kv_heads, blocks.shape[2]
+    block_h = max(16, next_power_of_2(group))
+    # The window's prefix rows [length - window, length) lie in window // select_block + 1 blocks at most (ids
+    # below 0 read nothing); they follow each node's selected blocks in its list.
+    window_blocks = window // select_block + 1
+    first_window = (length - window) // select_block
+    in_window = jnp.broadcast_to(first_window + jnp.arange(window_blocks, dtype=jnp.int32),
+                                 (num_nodes, num_kv_heads, window_blocks))
+    steps_total = top_n + window_blocks
+    listed = next_power_of_2(steps_total)
+    blocks = jnp.concatenate([blocks.astype(jnp.int32), in_window], axis=-1)
+    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, listed - steps_total)), constant_values=-1)
+    padded = max(16, next_power_of_2(num_nodes))  # the tree's rows, a power of two (Triton's loads and dots)
+    ancestors = jnp.asarray(ancestors)
+    depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
+    ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
+    tree_rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))
+    num_splits = max(1, min(num_splits, steps_total))
+    per_split = pl.cdiv(steps_total, num_splits)
+    kernel = functools.partial(v0_view_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group,
+                               num_q_heads=num_q_heads, block_h=block_h, select_block=select_block, top_n=top_n,
+                               listed=listed, window=window, steps_total=steps_total, per_split=per_split)
+    part = lambda *tail: pl.BlockSpec((None, None, None, block_h, *tail),
+                                      lambda h, t, s: (s, h, t, 0, *(0,) * len(tail)))
+    shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_nodes, block_h, *tail), jnp.float32)
+    tree_spec = pl.BlockSpec((padded, None, head_dim), lambda h, t, s: (0, h, 0))
+    o, l, m = pl.pallas_call(
+        kernel, grid=(num_kv_heads, num_nodes, num_splits),
+        in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, t, s: (0, 0)),
+                  _head_rows(num_layers, capacity, head_dim), _head_rows(num_layers, capacity, head_dim),
+                  pl.BlockSpec((), lambda h, t, s: ()),
+                  pl.BlockSpec((None, None, listed), lambda h, t, s: (t, h, 0)),
+                  pl.BlockSpec((), lambda h, t, s: ()),
+                  pl.BlockSpec((padded,), lambda h, t, s: (0,)),
+                  pl.BlockSpec((None, padded), lambda h, t, s: (t, 0)),
+                  tree_spec, tree_spec],
+        out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
+        name="nsa_tree_v0_view",
+    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, blocks, length.astype(jnp.int32),
+      depth, ancestors, tree_rows(tree_k), tree_rows(tree_v))
     return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
 
 

@@ -15,7 +15,8 @@ The selected prefix rows go through the Pallas kernels of pallas_kernels.nsa_tre
 gathers, and the compressed branch over the prefix's rows (output and selection probabilities) through those of
 pallas_kernels.nsa_tree_compressed or its XLA twin; the compressed rows the paths complete, the window and the
 tree's own rows (ancestor-masked) are XLA, the window's and the tree's rows one key set of one softmax, and the
-segments of a branch are merged by their log-sum-exps. `nsa_tree_reference` is the oracle twin, which copies
+segments of a branch are merged by their log-sum-exps; for an NSA view with V0's kernels the window's and the
+tree's rows are read by the selected branch's kernel itself (nsa_tree_select.v0_view). `nsa_tree_reference` is the oracle twin, which copies
 the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
 """
 
@@ -33,7 +34,7 @@ from models.nsa_cache import NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels.nsa_decode import nsa_decode_reference
 from pallas_kernels.nsa_tree_compressed import compressed_tree_branch, compressed_tree_branch_reference
-from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v1_selected
+from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v0_view, v1_selected
 from pallas_kernels.top_n import top_n
 
 MAX_TREE_NODES = 64
@@ -115,6 +116,17 @@ def nsa_tree_reference(q, cache: NSALayerCache, tree_k, tree_v, gates, length, p
     return jax.vmap(one)(jnp.arange(q.shape[0]))
 
 
+def _ancestors_by_depth(anc) -> jax.Array:
+    """[T, R]: the node at depth r on node i's root path (itself at its own depth), -1 past its depth; from the
+    ancestor mask [T, T]. R is the tree's depth plus one for a static tree (a numpy mask, as decoding's), T for a
+    traced one."""
+    xp = np if isinstance(anc, np.ndarray) else jnp
+    depth = anc.sum(axis=1) - 1
+    levels = int(depth.max()) + 1 if xp is np else anc.shape[0]
+    at = anc[:, None, :] & (depth[None, None, :] == xp.arange(levels)[None, :, None])  # [T, R, T_j]
+    return xp.where(at.any(axis=-1), at.argmax(axis=-1), -1)
+
+
 def _masked(logits, mask):
     return jnp.where(mask, logits, -jnp.inf)
 
@@ -163,11 +175,15 @@ def _path_compressed(cache_rows, lead, tree_rows, anc, positions, length, layout
     rows = start[:, None] + jnp.arange(l)  # [E, l]
     taken = _layer_rows(cache_rows, lead, jnp.clip(rows, 0, cache_rows.shape[-3] - 1)).astype(jnp.float32)
     prefix = jnp.where((rows < length)[..., None, None], taken, 0.0).sum(axis=1)
-    inside = (positions[None, :] >= start[:, None]) & (positions[None, :] < start[:, None] + l)  # [E, T_j]
-    # Sum of the path rows in each block, [T_i, E, H_kv, D]: a masked sum over the few nodes j, one fusion (as an
-    # einsum, a float32 GEMM of its own and the masks' product before it, in every layer of every pass).
-    on_path = (jnp.asarray(anc, bool)[:, None, :] & inside[None])[..., None, None]  # [T_i, E, T_j, 1, 1]
-    path = jnp.where(on_path, tree_rows.astype(jnp.float32)[None, None], 0.0).sum(axis=2)
+    # Sum of the path rows in each block, [T, E, H_kv, D]: a masked sum over each node's ancestors by depth, one
+    # fusion (as an einsum, a float32 GEMM of its own and the masks' product before it, in every layer of every
+    # pass). Summed over depths, not over every node j of the tree: a 4x2 tree's 5 depths against its 31 nodes.
+    ancestors = _ancestors_by_depth(anc)  # [T, R]
+    at_depth = length + jnp.arange(ancestors.shape[1])  # the position of depth r
+    inside = (at_depth[None, :] >= start[:, None]) & (at_depth[None, :] < start[:, None] + l)  # [E, R]
+    on_path = ((ancestors >= 0)[:, None, :] & inside[None])[..., None, None]  # [T, E, R, 1, 1]
+    path_rows = tree_rows.astype(jnp.float32)[jnp.maximum(ancestors, 0)]  # [T, R, H_kv, D]
+    path = jnp.where(on_path, path_rows[:, None], 0.0).sum(axis=2)
     valid = (start + l - 1)[None, :] <= positions[:, None]
     return c, valid, (prefix[None] + path) / l
 
@@ -280,6 +296,12 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     blocks = select_blocks(scores, positions[None, :], layout, top_k).transpose(1, 0, 2)  # [T, H_kv, n]
     if reselect is not None:
         blocks = reselect(blocks, anc, positions)
+
+    if kind == "nsa-view" and kernels is not None and schedule == "v0":  # every key of a node in one kernel
+        o, _ = v0_view(q, cache.k, cache.v, blocks, length, tree_k, tree_v, anc, layer=cache.layer,
+                       select_block=sel, window=w, interpret=kernels == "interpret")
+        out = jnp.moveaxis(o, 0, 1).reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)
+        return (out, blocks) if return_blocks else out
 
     # Selected rows of the prefix: per node (V0) or the union once (V1); the tree's rows through the ancestors.
     selected = _selected_prefix(q, qg, cache, blocks, length, layout, schedule, kernels, v1_launch, source)

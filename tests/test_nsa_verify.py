@@ -15,7 +15,7 @@ import pytest
 from models.config import NSA_1B_LAYOUT, NSA_PAPER_LAYOUT, NSA_VIEW_LAYOUT
 from models.nsa_cache import NSALayerCache, compressed_rows, write_tokens
 from nsa_reference import nsa_rows
-from pallas_kernels.nsa_tree_select import V1Launch, pack_members, row_block_slots, v0_selected, v1_selected
+from pallas_kernels.nsa_tree_select import V1Launch, pack_members, row_block_slots, v0_selected, v0_view, v1_selected
 from pallas_kernels.nsa_verify import nsa_tree_reference, nsa_tree_verify, union_schedule
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -199,6 +199,21 @@ def test_the_v1_kernel_lowers_to_triton_for_h200():
         jax.jit(functools.partial(v1_selected, select_block=16)), spec((nodes, 32, 64), jnp.bfloat16),
         spec((capacity, 2, 64), jnp.bfloat16), spec((capacity, 2, 64), jnp.bfloat16), spec((2, width), jnp.int32),
         spec((2, nodes, width), jnp.bool_), spec((), jnp.int32))
+    assert lowered.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_the_view_kernel_lowers_to_triton_for_h200():
+    """SmolLM2's view at 8K with a 4x2 tree (31 nodes, padded to 32 tree rows): selected, window and tree rows."""
+    from h200_lowering import lower_for_h200
+
+    nodes, capacity = 31, 8192
+    spec = jax.ShapeDtypeStruct
+    lowered = lower_for_h200(
+        jax.jit(functools.partial(v0_view, select_block=16, window=128)), spec((nodes, 9, 64), jnp.bfloat16),
+        spec((capacity, 3, 64), jnp.bfloat16), spec((capacity, 3, 64), jnp.bfloat16), spec((nodes, 3, 16), jnp.int32),
+        spec((), jnp.int32), spec((nodes, 3, 64), jnp.bfloat16), spec((nodes, 3, 64), jnp.bfloat16),
+        spec((nodes, nodes), jnp.bool_))
     assert lowered.count("__gpu$xla.gpu.triton") == 1
 
 
