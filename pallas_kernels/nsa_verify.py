@@ -16,8 +16,9 @@ gathers, and the compressed branch over the prefix's rows (output and selection 
 pallas_kernels.nsa_tree_compressed or its XLA twin; the compressed rows the paths complete, the window and the
 tree's own rows (ancestor-masked) are XLA, the window's and the tree's rows one key set of one softmax, and the
 segments of a branch are merged by their log-sum-exps; for an NSA view with V0's kernels the window's and the
-tree's rows are read by the selected branch's kernel itself (nsa_tree_select.v0_view). `nsa_tree_reference` is the oracle twin, which copies
-the cache per node, writes the node's path into it and decodes (pallas_kernels.nsa_decode_reference).
+tree's rows are read by the selected branch's kernel itself (nsa_tree_select.v0_view). `nsa_tree_reference` is
+the oracle twin, which copies the cache per node, writes the node's path into it and decodes
+(pallas_kernels.nsa_decode_reference).
 """
 
 from __future__ import annotations
