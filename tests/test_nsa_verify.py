@@ -95,6 +95,42 @@ def test_v1_equals_v0(tree_case):
         np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), atol=1e-6, err_msg=str(key))
 
 
+@pytest.mark.parametrize("length", [1, 15, 16, 100, 130, 263, 337])
+def test_the_view_tree_pass_equals_float64_at_every_kind_of_length(rng, length):
+    """The NSA view's tree pass, V0 (its view kernel) and V1 (its selected-rows kernel, the window and the tree's
+    rows in XLA) in interpret mode, against float64 decoding of each node's path, at lengths from one row to past a selection's reach: no complete compressed block (1, 15), a prefix that is
+    whole blocks (16), a window wider than the prefix (100), the window's start inside a block (130, 263), and more
+    blocks than the top n (263, 337), so that the window reads rows of blocks the node did not select. The cache past
+    the length holds random rows, as rejected drafts leave it, which every read must ignore."""
+    layout, capacity = NSA_VIEW_LAYOUT, 384
+    k, v = (rng.normal(size=(capacity, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+    q = rng.normal(size=(len(PARENTS), HEADS, DIM)).astype(np.float32)
+    tree_k, tree_v = (rng.normal(size=(len(PARENTS), KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+    zeros = lambda rows: jnp.zeros((1, rows, KV_HEADS, DIM), jnp.float32)  # noqa: E731
+    rows = compressed_rows(layout, capacity)
+    cache = write_tokens(NSALayerCache(zeros(capacity), zeros(capacity), zeros(rows), zeros(rows)),
+                         jnp.asarray(k[None]), jnp.asarray(v[None]), jnp.arange(capacity)[None], layout)
+    cache = jax.tree.map(lambda x: x[0], cache)
+    args = (jnp.asarray(q), cache, jnp.asarray(tree_k), jnp.asarray(tree_v), None, jnp.int32(length),
+            jnp.asarray(PARENTS))
+    outputs = {schedule: np.asarray(verify(*args)) for schedule, verify in _VIEW_VERIFY.items()}
+    for node in range(len(PARENTS)):
+        path = root_path(node)
+        keys, values = np.concatenate([k[:length], tree_k[path]]), np.concatenate([v[:length], tree_v[path]])
+        queries = np.zeros((len(keys), HEADS, DIM))
+        queries[-1] = q[node]
+        want = nsa_rows(queries, keys, values, np.zeros((len(keys), HEADS, 3)), layout, "nsa-view",
+                        [len(keys) - 1])[0]
+        for schedule, out in outputs.items():
+            np.testing.assert_allclose(out[node], want, atol=2e-5, err_msg=f"{schedule}, length {length}, node {node}")
+
+
+# One program a schedule for every length of the test above (the length is traced).
+_VIEW_VERIFY = {schedule: jax.jit(functools.partial(nsa_tree_verify, layout=NSA_VIEW_LAYOUT, kind="nsa-view",
+                                                    schedule=schedule, kernels="interpret"))
+                for schedule in ("v0", "v1")}
+
+
 def test_union_schedule_equals_sets_on_random_selections(rng):
     """union_schedule against Python sets on random selections: any padding, repeats within and across nodes,
     unions from empty to every block."""
