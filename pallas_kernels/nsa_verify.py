@@ -277,7 +277,6 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     visible = jnp.sum(jnp.arange(cache.compressed_rows) * d + l - 1 < length)  # the prefix's complete rows
     source = k_rows, v_rows, lead = _row_source(cache, stacks, seq)
     c_extra, extra_valid, k_extra = _path_compressed(k_rows, lead, tree_k, anc, positions, length, layout, num_nodes)
-    _, _, v_extra = _path_compressed(v_rows, lead, tree_v, anc, positions, length, layout, num_nodes)
     # Each node against the few pooled rows its path completes, multiplied and summed in the fusion that pools them
     # (not a product batched over nodes and heads: a cuBLAS call of a few rows).
     pooled_k = k_extra.astype(q.dtype).astype(jnp.float32)  # [T, E, H_kv, D], rounded to q's dtype
@@ -332,6 +331,8 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
         o_slc = _merge(selected, _segment(_masked(local_logits[..., w:], tree_slc[:, None]), tree_values))
         local = jnp.concatenate([win_valid, tree_win], axis=-1)
         o_win = _segment(_masked(local_logits, local[None, None]), local_values)[0]
+        # The pooled values of the rows the paths complete: only NSA's compressed branch has an output.
+        _, _, v_extra = _path_compressed(v_rows, lead, tree_v, anc, positions, length, layout, num_nodes)
         o_cmp = o_prefix + jnp.sum(p_extra.transpose(2, 3, 0, 1)[..., None] * v_extra[:, :, :, None], axis=1)
         g = gates.reshape(num_nodes, num_kv_heads, group, 3, 1).astype(jnp.float32)
         out = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
