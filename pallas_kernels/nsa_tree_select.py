@@ -7,7 +7,8 @@ tree's own rows, the window and the compressed branch.
   (padded to 16 rows) and reads its own blocks, one contiguous [l', D] load each: T * top_n block reads.
 - v0_view: V0 for an NSA view (one softmax over every key a node sees), whose programs also read the window's
   prefix rows in the blocks the node did not select and the tree's rows it sees, so the kernel's output is the
-  view's attention: no products, masks or merges of the window and the tree beside it.
+  view's attention: no products, masks or merges of the window and the tree beside it. A step gathers several
+  listed blocks' rows into one tile, and the batch sets the splits (one once its nodes fill the GPU).
 - v1_selected: grid (KV head, split, row block); each program holds up to 128 of the T * G rows (row r: node
   r // G, head r % G) and walks its row block's own list of union blocks, those some node of the block selected
   (row_block_slots, from the member masks), reading each once for all the block's rows and masking its columns
@@ -40,11 +41,14 @@ from pallas_kernels._common import (
     next_power_of_2,
     normalised_with_lse,
     online_softmax_start,
+    previous_power_of_2,
     stacked_layer,
 )
 
 MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
 MEMBER_BITS, MEMBER_WORDS = 32, 2  # a union block's member mask: one bit per tree node, 64 nodes at most
+VIEW_STEP_KEYS = 64  # keys a v0_view step reads: four of SmolLM2's 16-key blocks, gathered into one tile
+MAX_VIEW_SPLITS = 4  # v0_view's splits at most (its default before the batch sized them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +115,11 @@ def v0_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, o_ref, l_r
 
 def v0_view_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, depth_ref, ancestors_ref, tree_k_ref,
                    tree_v_ref, o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads, block_h, select_block, top_n,
-                   listed, window, steps_total, per_split):
+                   listed, window, blocks_per_step, steps_total, per_split):
     """V0 with every key of an NSA view's node: its selected blocks' prefix rows, then the window's prefix rows in
     blocks it did not select (blocks_ref past top_n: the window's blocks), then (split 0) the tree's rows that it
-    sees, an ancestor in a selected block or in its window. One softmax, as the view's decoding has."""
+    sees, an ancestor in a selected block or in its window. One softmax, as the view's decoding has. A step reads
+    blocks_per_step listed blocks at once, their rows gathered into one [blocks_per_step l', D] tile."""
     kv_head, node, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, layer = length_ref[()], layer_ref[()]  # k_ref, v_ref [L, T_cap, D]
     position = length + depth_ref[node]  # the node's own position
@@ -122,19 +127,17 @@ def v0_view_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, depth
     q = q_ref[node * num_q_heads + kv_head * group + jnp.minimum(lane, group - 1), :]
     chosen = jnp.where(jnp.arange(listed) < top_n, blocks_ref[...], -1)  # the node's selected blocks
     selected = lambda blocks: jnp.max((chosen[None, :] == blocks[:, None]).astype(jnp.int32), axis=1) > 0
+    key = jnp.arange(blocks_per_step * select_block)  # a step's keys: block key // l', row key % l' in it
     first = split * per_split
 
     def body(step, carry):
-        index = first + step
+        index = (first + step) * blocks_per_step + key // select_block  # each key's place in the list
         block = blocks_ref[index]
-        base = jnp.maximum(block, 0) * select_block
-        rows = base + jnp.arange(select_block)
+        rows = jnp.maximum(block, 0) * select_block + key % select_block
         # A window block counts only the rows in the node's window, and none in a block the node selected.
-        in_window = (rows > position - window) & (jnp.max(jnp.where(chosen == block, 1, 0)) == 0)
+        in_window = (rows > position - window) & ~selected(block)
         valid = (block >= 0) & (rows < length) & ((index < top_n) | in_window)
-        k = k_ref[layer, pl.ds(base, select_block), :]
-        v = v_ref[layer, pl.ds(base, select_block), :]
-        return _step(carry, q, k, v, valid[None, :], sm_scale)
+        return _step(carry, q, k_ref[layer, rows, :], v_ref[layer, rows, :], valid[None, :], sm_scale)
 
     steps = jnp.clip(steps_total - first, 0, per_split)
     carry = lax.fori_loop(0, steps, body, online_softmax_start(block_h, q.shape[1]))
@@ -254,13 +257,14 @@ def v0_selected(q, k_cache, v_cache, blocks, length, *, layer=None, select_block
     return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
 
 
-@functools.partial(jax.jit, static_argnames=("select_block", "window", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("select_block", "window", "batch", "interpret"))
 def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, layer=None, select_block: int,
-            window: int, num_splits: int = 4, interpret: bool = False):
+            window: int, batch: int = 1, interpret: bool = False):
     """An NSA view's whole attention of a tree's nodes in one kernel (v0_view_kernel): q [T, H_q, D], caches as
     v0_selected's, blocks [T, H_kv, n] (-1 pads), length [], the tree's rotated rows tree_k, tree_v [T, H_kv, D],
-    ancestors [T, T] (node j is node i or an ancestor; node i at position length + its depth). Returns (o [H_kv, T,
-    G, D] float32 normalised, lse [H_kv, T, G])."""
+    ancestors [T, T] (node j is node i or an ancestor; node i at position length + its depth); batch: how many
+    sequences the caller vmaps this over (it sizes the splits). Returns (o [H_kv, T, G, D] float32 normalised,
+    lse [H_kv, T, G])."""
     (k_cache, v_cache), layer = stacked_layer(layer, k_cache, v_cache)
     num_nodes, num_q_heads, head_dim = q.shape
     num_layers, capacity, num_kv_heads, _ = k_cache.shape
@@ -272,20 +276,27 @@ def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
     first_window = (length - window) // select_block
     in_window = jnp.broadcast_to(first_window + jnp.arange(window_blocks, dtype=jnp.int32),
                                  (num_nodes, num_kv_heads, window_blocks))
-    steps_total = top_n + window_blocks
-    listed = next_power_of_2(steps_total)
+    # A step reads VIEW_STEP_KEYS keys (whole blocks): with one 16-key block a step, a node's program ran 25
+    # dependent steps, and the kernel took 9.3 us a layer at batch 1 and 39 us at batch 8 for SmolLM2's 4x2 tree
+    # on an H100 (benchmarks/results/profile-2026-12-07-h100-ssv-ab-view-kernel-b*-4x2.json).
+    blocks_per_step = max(1, VIEW_STEP_KEYS // select_block)
+    steps_total = pl.cdiv(top_n + window_blocks, blocks_per_step)
+    listed = next_power_of_2(steps_total * blocks_per_step)
     blocks = jnp.concatenate([blocks.astype(jnp.int32), in_window], axis=-1)
-    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, listed - steps_total)), constant_values=-1)
+    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, listed - top_n - window_blocks)), constant_values=-1)
     padded = max(16, next_power_of_2(num_nodes))  # the tree's rows, a power of two (Triton's loads and dots)
     ancestors = jnp.asarray(ancestors)
     depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
     ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
     tree_rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))
-    num_splits = max(1, min(num_splits, steps_total))
+    # Splits only while the batch's nodes leave SMs idle: each adds a partial output to write and merge.
+    wanted = pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * num_nodes)
+    num_splits = max(1, min(MAX_VIEW_SPLITS, previous_power_of_2(wanted), steps_total))
     per_split = pl.cdiv(steps_total, num_splits)
     kernel = functools.partial(v0_view_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group,
                                num_q_heads=num_q_heads, block_h=block_h, select_block=select_block, top_n=top_n,
-                               listed=listed, window=window, steps_total=steps_total, per_split=per_split)
+                               listed=listed, window=window, blocks_per_step=blocks_per_step,
+                               steps_total=steps_total, per_split=per_split)
     part = lambda *tail: pl.BlockSpec((None, None, None, block_h, *tail),
                                       lambda h, t, s: (s, h, t, 0, *(0,) * len(tail)))
     shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_nodes, block_h, *tail), jnp.float32)

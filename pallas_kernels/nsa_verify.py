@@ -299,7 +299,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
 
     if kind == "nsa-view" and kernels is not None and schedule == "v0":  # every key of a node in one kernel
         o, _ = v0_view(q, cache.k, cache.v, blocks, length, tree_k, tree_v, anc, layer=cache.layer,
-                       select_block=sel, window=w, interpret=kernels == "interpret")
+                       select_block=sel, window=w, batch=batch, interpret=kernels == "interpret")
         out = jnp.moveaxis(o, 0, 1).reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)
         return (out, blocks) if return_blocks else out
 

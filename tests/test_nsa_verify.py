@@ -97,11 +97,11 @@ def test_v1_equals_v0(tree_case):
 
 @pytest.mark.parametrize("length", [1, 15, 16, 100, 130, 263, 337])
 def test_the_view_tree_pass_equals_float64_at_every_kind_of_length(rng, length):
-    """The NSA view's tree pass, V0 (its view kernel) and V1 (its selected-rows kernel, the window and the tree's
-    rows in XLA) in interpret mode, against float64 decoding of each node's path, at lengths from one row to past
-    a selection's reach: no complete compressed block (1, 15), a prefix that is whole blocks (16), a window wider
-    than the prefix (100), the window's start inside a block (130, 263), and more blocks than the top n (263, 337),
-    so that the window reads rows of blocks the node did not select. The cache past the length holds random rows,
+    """The NSA view's tree pass, V0 (its view kernel, split and whole) and V1 (its selected-rows kernel, the window
+    and the tree's rows in XLA) in interpret mode, against float64 decoding of each node's path, at lengths from one
+    row to past a selection's reach: no complete compressed block (1, 15), a prefix that is whole blocks (16), a
+    window wider than the prefix (100), the window's start inside a block (130, 263), and more blocks than the top n
+    (263, 337), so that the window reads rows of blocks the node did not select. The cache past the length holds random rows,
     as rejected drafts leave it, which every read must ignore."""
     layout, capacity = NSA_VIEW_LAYOUT, 384
     k, v = (rng.normal(size=(capacity, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
@@ -126,10 +126,11 @@ def test_the_view_tree_pass_equals_float64_at_every_kind_of_length(rng, length):
             np.testing.assert_allclose(out[node], want, atol=2e-5, err_msg=f"{schedule}, length {length}, node {node}")
 
 
-# One program a schedule for every length of the test above (the length is traced).
-_VIEW_VERIFY = {schedule: jax.jit(functools.partial(nsa_tree_verify, layout=NSA_VIEW_LAYOUT, kind="nsa-view",
-                                                    schedule=schedule, kernels="interpret"))
-                for schedule in ("v0", "v1")}
+# One program a schedule for every length of the test above (the length is traced); V0's view kernel as batch 1
+# splits it (four splits) and as a batch that fills the GPU does (one).
+_VIEW_VERIFY = {f"{schedule}, batch {batch}": jax.jit(functools.partial(
+    nsa_tree_verify, layout=NSA_VIEW_LAYOUT, kind="nsa-view", schedule=schedule, kernels="interpret", batch=batch))
+    for schedule, batch in (("v0", 1), ("v0", 64), ("v1", 1))}
 
 
 def test_union_schedule_equals_sets_on_random_selections(rng):
