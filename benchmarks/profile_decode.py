@@ -41,12 +41,15 @@ from benchmarks.hlo_sources import kernel_sources, products  # noqa: E402
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
+from models import draft_head  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.decode.tree_shapes import parse_tree  # noqa: E402
+from vegas_jax.loading.draft_head_checkpoint import span  # noqa: E402
+from vegas_jax.train_draft_head import Settings  # noqa: E402
 
 _KINDS = (
     # NCCL's kernels (a mesh's reductions): before "gemm", which their names can match.
@@ -143,6 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="dense", choices=("dense", "nsa-view"), help="nsa-view: the NSA view")
     p.add_argument("--draft-tree", default="4x2", help="the tree of methods ssv and vegas-tree")
     p.add_argument("--drafter", default="self", help="method ssv's drafter")
+    p.add_argument("--draft-head", default=None,
+                   help="with --drafter head: a head checkpoint (vegas_jax.train_draft_head), or `random`: an untrained "
+                        "head of the model's shapes attending over the default training span, whose passes cost what a "
+                        "trained head's do (its drafts are rejected, so an iteration yields one token)")
     p.add_argument("--precision", default="exact", help="method ssv's precision class")
     p.add_argument("--approx-mode", default=None, help="method ssv's approximate mode")
     p.add_argument("--warmup", type=int, default=2, help="iterations run before the profiled ones")
@@ -152,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if (args.drafter == "head") != bool(args.draft_head):
+        p.error("--drafter head and --draft-head go together")
     check_writable("--out", args.out)
 
     if args.model:
@@ -164,6 +173,12 @@ def main(argv=None) -> int:
     if args.attention == "nsa-view":
         engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, "nsa-view",
                                                                                 NSA_VIEW_LAYOUT)))
+    if args.draft_head == "random":
+        defaults = Settings()
+        engine.use_draft_head(draft_head.init_params(engine.config, seed=0),
+                              window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
+    elif args.draft_head:
+        engine.use_draft_head(args.draft_head)
     depth = max(args.gamma, parse_tree(args.draft_tree).depth)
     max_new = (args.warmup + args.iterations + 1) * (depth + 1) + 1
     results = {}
@@ -186,6 +201,7 @@ def main(argv=None) -> int:
 
     doc = run_metadata(weights=args.model or f"random ({args.shapes} shapes)", attention_backend=default_backend(),
                        attention=args.attention, draft_tree=args.draft_tree, drafter=args.drafter,
+                       draft_head=args.draft_head,
                        draft_weights=args.draft_weights, xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
                        prompt_tokens=args.prompt_tokens, gamma=args.gamma, methods=results)
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",
