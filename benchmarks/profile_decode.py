@@ -147,9 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft-tree", default="4x2", help="the tree of methods ssv and vegas-tree")
     p.add_argument("--drafter", default="self", help="method ssv's drafter")
     p.add_argument("--draft-head", default=None,
-                   help="with --drafter head: a head checkpoint (vegas_jax.train_draft_head), or `random`: an untrained "
-                        "head of the model's shapes attending over the default training span, whose passes cost what a "
-                        "trained head's do (its drafts are rejected, so an iteration yields one token)")
+                   help="with --drafter head: a head checkpoint (vegas_jax.train_draft_head), or `random`: an "
+                        "untrained head of the model's shapes attending over the default training span, whose passes "
+                        "cost what a trained head's do (its drafts are rejected, so an iteration yields one token)")
     p.add_argument("--precision", default="exact", help="method ssv's precision class")
     p.add_argument("--approx-mode", default=None, help="method ssv's approximate mode")
     p.add_argument("--warmup", type=int, default=2, help="iterations run before the profiled ones")

@@ -101,8 +101,8 @@ def test_the_view_tree_pass_equals_float64_at_every_kind_of_length(rng, length):
     and the tree's rows in XLA) in interpret mode, against float64 decoding of each node's path, at lengths from one
     row to past a selection's reach: no complete compressed block (1, 15), a prefix that is whole blocks (16), a
     window wider than the prefix (100), the window's start inside a block (130, 263), and more blocks than the top n
-    (263, 337), so that the window reads rows of blocks the node did not select. The cache past the length holds random rows,
-    as rejected drafts leave it, which every read must ignore."""
+    (263, 337), so that the window reads rows of blocks the node did not select. The cache past the length holds
+    random rows, as rejected drafts leave it, which every read must ignore."""
     layout, capacity = NSA_VIEW_LAYOUT, 384
     k, v = (rng.normal(size=(capacity, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
     q = rng.normal(size=(len(PARENTS), HEADS, DIM)).astype(np.float32)
