@@ -5,7 +5,8 @@ and tallies the GPU kernels it launched, by kernel and by kind (GEMM, Pallas ker
     python benchmarks/profile_decode.py --shapes llama-3.1-8b --batch 1 --prompt-tokens 32768 --draft-weights int4
 
 SSV on a dense model's NSA view: `--attention nsa-view --methods ar,ssv --draft-tree 4x2 --drafter self` (`ssv` is
-plain decoding with the draft tree; `--precision approximate --approx-mode s8w1r2` for the approximate class).
+plain decoding with the draft tree; `--precision approximate --approx-mode s8w1r2` for the approximate class);
+drafted by a head: `--drafter head --draft-head FOLDER` (a trained head) or `--draft-head random` (its cost alone).
 A dense model's self-drafted tree: `--methods ar,vegas,vegas-tree --draft-tree 6x1`.
 Without --model the weights are random with SmolLM2-135M's shapes, or another model's (--shapes llama-3.1-8b;
 kernel times do not depend on the weights; how many tokens an iteration yields does). Per method it reports kernels per iteration, GPU busy time per
@@ -45,8 +46,10 @@ from models import draft_head  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
+from vegas_jax.cli.arguments import flag  # noqa: E402
+from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
-from vegas_jax.loading import load_model  # noqa: E402
+from vegas_jax.loading import CheckpointError, load_model  # noqa: E402
 from vegas_jax.decode.tree_shapes import parse_tree  # noqa: E402
 from vegas_jax.loading.draft_head_checkpoint import span  # noqa: E402
 from vegas_jax.train_draft_head import Settings  # noqa: E402
@@ -178,7 +181,10 @@ def main(argv=None) -> int:
         engine.use_draft_head(draft_head.init_params(engine.config, seed=0),
                               window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
     elif args.draft_head:
-        engine.use_draft_head(args.draft_head)
+        try:
+            engine.use_draft_head(args.draft_head)
+        except (InputError, CheckpointError) as e:
+            p.error(e.render(flag) if isinstance(e, InputError) else f"--draft-head {args.draft_head}: {e}")
     depth = max(args.gamma, parse_tree(args.draft_tree).depth)
     max_new = (args.warmup + args.iterations + 1) * (depth + 1) + 1
     results = {}

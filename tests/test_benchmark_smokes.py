@@ -337,6 +337,23 @@ OUT_FLAGS = {"bench_call_overhead": "--out", "bench_compile": "--out", "bench_de
 REQUIRED = {"check_planner": ["--ssv-profile", "unread.json"], "bench_hf_generate": ["--model", "unread"]}
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--drafter", "head"], "error: --drafter head and --draft-head go together"),
+    (["--draft-head", "random"], "error: --drafter head and --draft-head go together"),
+    (["--drafter", "head", "--draft-head", "MISSING"], "error: --draft-head MISSING: no such folder"),
+])
+def test_profile_decode_refuses_a_bad_draft_head_in_one_line(flags, line, tmp_path, capsys):
+    """argparse's usage, then one `error:` line naming the flag; a head folder that is not there is refused before
+    anything compiles (it was a traceback)."""
+    missing = str(tmp_path / "missing")
+    flags = [missing if f == "MISSING" else f for f in flags]
+    with pytest.raises(SystemExit) as bad:
+        importlib.import_module("benchmarks.profile_decode").main(
+            ["--attention", "nsa-view", "--methods", "ssv", "--batch", "1", "--prompt-tokens", "64", *flags])
+    assert bad.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(line.replace("MISSING", missing))
+
+
 @pytest.mark.parametrize("script", OUT_FLAGS)
 def test_an_unwritable_results_folder_is_one_line_before_measuring(script, tmp_path, monkeypatch, capsys):
     """A folder that cannot be made (its parent is a file: a read-only folder is no test as root) is refused
