@@ -32,15 +32,16 @@ def numpy_branch(q, k, v, visible, extra_lse):
     return np.einsum("hgtc,chd->thgd", p, v.astype(np.float64)), p.sum(axis=1), lse
 
 
-@pytest.mark.parametrize("one_kernel, batch", [(False, 1), (True, 1), (True, 64)])  # one kernel: 1 or more nodes
-@pytest.mark.parametrize("nodes, q_heads, kv_heads, rows, visible, splits", [     # a program, as the batch sizes it
+@pytest.mark.parametrize("one_kernel, batch", [(False, 1), (True, 1), (True, 64)])
+@pytest.mark.parametrize("nodes, q_heads, kv_heads, rows, visible, splits", [
     (5, 4, 2, 128, 70, None),   # a partly visible last block
     (64, 32, 2, 256, 200, 4),   # NSA-1B's group of 16: 8 nodes a program, 8 node blocks, 4 splits
     (11, 9, 3, 128, 128, 2),    # SmolLM2's group of 3: 42 nodes a program, every row visible
     (3, 4, 2, 64, 0, None),     # nothing visible: only the paths' rows count
 ])
 def test_branch_equals_float64(rng, nodes, q_heads, kv_heads, rows, visible, splits, one_kernel, batch):
-    """Split kernels and one kernel (both passes a program, with and without the output) against float64."""
+    """Split kernels and one kernel (both passes a program, with and without the output; one node a program at
+    batch 1, several at batch 64, as the batch sizes them) against float64."""
     head_dim = 16
     q = rng.normal(size=(nodes, q_heads, head_dim)).astype(np.float32)
     k, v = (rng.normal(size=(rows, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
