@@ -48,7 +48,7 @@ from pallas_kernels._common import (
 MAX_ROWS = 128  # query rows per V1 program: beyond this the accumulator tile no longer fits in registers
 MEMBER_BITS, MEMBER_WORDS = 32, 2  # a union block's member mask: one bit per tree node, 64 nodes at most
 VIEW_STEP_KEYS = 64  # keys a v0_view step reads: four of SmolLM2's 16-key blocks, gathered into one tile
-MAX_VIEW_SPLITS = 4  # v0_view's splits at most: a node's 7 steps of 64 keys leave a split no fewer than two
+MAX_VIEW_SPLITS = 4  # v0_view's splits at most: four already leave a split two of a node's 7 steps of 64 keys
 
 
 @dataclasses.dataclass(frozen=True)
