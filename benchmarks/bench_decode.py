@@ -39,6 +39,8 @@ from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax.decode import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
+from vegas_jax.cli.arguments import flag, use_draft_head  # noqa: E402
+from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.runtime.metrics import accepted_histogram  # noqa: E402
@@ -214,7 +216,12 @@ def main(argv=None) -> int:
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
-    engine = Engine(load_model(args.model, dtype, mesh), draft_head=args.draft_head)
+    engine = Engine(load_model(args.model, dtype, mesh))
+    if args.draft_head:
+        try:
+            use_draft_head(engine, args.draft_head)
+        except InputError as e:
+            p.error(e.render(flag))
     head_window = None  # the window the engine's head has (None: its checkpoint's, as loaded)
     corpus = stdlib_corpus()
     records = []

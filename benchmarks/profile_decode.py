@@ -46,10 +46,10 @@ from models import draft_head  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
-from vegas_jax.cli.arguments import flag  # noqa: E402
+from vegas_jax.cli.arguments import flag, use_draft_head  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
-from vegas_jax.loading import CheckpointError, load_model  # noqa: E402
+from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.decode.tree_shapes import parse_tree  # noqa: E402
 from vegas_jax.loading.draft_head_checkpoint import span  # noqa: E402
 from vegas_jax.train_draft_head import Settings  # noqa: E402
@@ -182,9 +182,9 @@ def main(argv=None) -> int:
                               window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
     elif args.draft_head:
         try:
-            engine.use_draft_head(args.draft_head)
-        except (InputError, CheckpointError) as e:
-            p.error(e.render(flag) if isinstance(e, InputError) else f"--draft-head {args.draft_head}: {e}")
+            use_draft_head(engine, args.draft_head)
+        except InputError as e:
+            p.error(e.render(flag))
     depth = max(args.gamma, parse_tree(args.draft_tree).depth)
     max_new = (args.warmup + args.iterations + 1) * (depth + 1) + 1
     results = {}

@@ -354,6 +354,17 @@ def test_profile_decode_refuses_a_bad_draft_head_in_one_line(flags, line, tmp_pa
     assert capsys.readouterr().err.splitlines()[-1].endswith(line.replace("MISSING", missing))
 
 
+@pytest.mark.parametrize("script, flags", [("bench_ssv", ["--drafters", "head"]), ("bench_decode", [])])
+def test_a_draft_head_folder_that_is_not_there_is_one_line(script, flags, tmp_path, capsys):
+    """As profile_decode's: the folder named in one `error:` line after the model loads, before anything compiles
+    (it was a traceback)."""
+    missing = str(tmp_path / "missing")
+    with pytest.raises(SystemExit) as bad:
+        importlib.import_module(f"benchmarks.{script}").main([*flags, "--draft-head", missing, "--out", str(tmp_path)])
+    assert bad.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --draft-head {missing}: no such folder")
+
+
 @pytest.mark.parametrize("script", OUT_FLAGS)
 def test_an_unwritable_results_folder_is_one_line_before_measuring(script, tmp_path, monkeypatch, capsys):
     """A folder that cannot be made (its parent is a file: a read-only folder is no test as root) is refused
