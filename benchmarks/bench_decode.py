@@ -3,7 +3,7 @@
     python benchmarks/bench_decode.py --model PATH.gguf --methods ar,vegas --batches 1,8,32,64 \
         --prompt-tokens 4096,8192 --max-new-tokens 256 [--breakdown] [--temperature 0.7] [--requests 128] \
         [--repetition-penalty 1.1 --frequency-penalty 0.3 --presence-penalty 0.3 --logprobs 5 --stop TEXT] \
-        [--trees self:4x2,self:6x1,ngram:4x2,ngram:6x1 --tree-method vegas]
+        [--trees self:4x2,self:6x1,ngram:4x2,ngram:6x1 --tree-method vegas] [--attention nsa-view]
 
 Decode tokens/s exclude compilation and prefill (reported separately). Each configuration runs twice and the
 second run is reported (the first warms up allocations). With --requests N, N prompts queue for each batch size's
@@ -15,13 +15,16 @@ leaves plain decoding's. The generation controls (penalties, logprobs, stop stri
 their cost per iteration can be measured against a run without them (a stop string that never occurs keeps the
 token counts equal). With --trees, each DRAFTER:DEPTHxBRANCHING runs after the methods as one more record (draft
 trees, vegas_jax.decode.tree_iteration; the self drafter selects its KV by --tree-method), with the tree, the drafter and
-the accepted-depth histogram: τ per tree shape and drafter against plain decoding. Prints a table; writes JSON to
---out (and $OUT if set).
+the accepted-depth histogram: τ per tree shape and drafter against plain decoding. With --attention nsa-view the
+model decodes as its NSA view: method ar is plain NSA decoding and a tree is exact SSV (with --requests, both
+under continuous batching, whose steady throughput leaves out a static batch's stragglers). Prints a table; writes
+JSON to --out (and $OUT if set).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -39,6 +42,7 @@ from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
 from vegas_jax.decode import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
+from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention  # noqa: E402
 from vegas_jax.cli.arguments import flag, use_draft_head  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
@@ -205,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--mesh", default=None, help="data=D,model=M: run on a mesh of all devices (default: one)")
+    p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
+                   help="decode the model as this attention (nsa-view: its NSA view, trees exact SSV)")
     args = p.parse_args(argv)
     check_writable("--out", args.out)
     try:
@@ -216,7 +222,11 @@ def main(argv=None) -> int:
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
-    engine = Engine(load_model(args.model, dtype, mesh))
+    loaded = load_model(args.model, dtype, mesh)
+    try:
+        engine = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention)))
+    except InputError as e:
+        p.error(e.render(flag))
     if args.draft_head:
         try:
             use_draft_head(engine, args.draft_head)
@@ -226,7 +236,8 @@ def main(argv=None) -> int:
     corpus = stdlib_corpus()
     records = []
     meta = run_metadata(model=args.model or "embedded:SmolLM2-135M-Instruct", dtype=args.dtype,
-                        attention_backend=default_backend(), mesh=args.mesh or "one device",
+                        attention=engine.config.attention, attention_backend=default_backend(),
+                        mesh=args.mesh or "one device",
                         gpus=jax.device_count() if args.mesh else 1)
     name = f"e2e-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     for prompt_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
