@@ -13,11 +13,6 @@ H200, 2026-12-03). The kernels keep the logits in registers and write only [H_kv
   sum over a node's heads of exp(logit - lse) through a 0/1 selector matrix (three bf16 tensor-core dots that
   together carry float32's precision, `_float32_sums`), so no row of logits leaves the program.
 The compressed keys are read twice (256 KB per KV head at 32K: from L2 the second time).
-- `both_passes_kernel`, for a prefix of few compressed rows (ONE_KERNEL_MAX_BLOCKS blocks): grid (KV head, node block);
-  a program streams every compressed row twice, first for its rows' log-sum-exps (and the output), then for the
-  probabilities, so that no split partials, combine or re-layout run between two kernels in XLA (at SmolLM2's 8K
-  those were four fusions and a second launch a layer beside the kernels' 4.9 us each, H100,
-  benchmarks/results/profile-2026-12-07-h100-ssv-ab-view-kernel-b1-4x2.json).
 `compressed_tree_branch_reference` is the XLA twin.
 """
 
@@ -33,8 +28,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (
-    MASK_VALUE,
-    TARGET_PROGRAMS,
     next_power_of_2,
     normalised_with_lse,
     online_softmax_start,
@@ -46,9 +39,6 @@ from pallas_kernels._common import (
 )
 
 MAX_ROWS = 128  # query rows (nodes x G) per program: the accumulator and a block of logits stay in registers
-# Compressed row blocks up to which one kernel runs the branch (two passes a program, no splits): 16 blocks of 64
-# rows are 16K tokens at a stride of 16. Longer prefixes split the rows over programs (two kernels).
-ONE_KERNEL_MAX_BLOCKS = 16
 
 
 def node_rows(num_nodes: int, group: int) -> tuple[int, int]:
@@ -127,112 +117,6 @@ def _float32_sums(selector, p):
     return sum(plt.dot(selector, term) for term in (high, middle, low))  # float32 results
 
 
-def both_passes_kernel(*refs, sm_scale, block_c, num_blocks, rows, nodes_padded, with_output):
-    """Both passes over every compressed row for one program's rows. Without output no values are read (the view's
-    selection needs only the probabilities and log-sum-exps): refs lack v_ref and o_ref."""
-    if with_output:
-        q_ref, k_ref, v_ref, layer_ref, visible_ref, extra_lse_ref, probs_ref, lse_ref, o_ref = refs
-    else:
-        (q_ref, k_ref, layer_ref, visible_ref, extra_lse_ref, probs_ref, lse_ref), v_ref, o_ref = refs, None, None
-    kv_head, node_block = pl.program_id(0), pl.program_id(1)
-    q, real, local = _program_rows(q_ref, kv_head, node_block, **rows)
-    visible, layer = visible_ref[()], layer_ref[()]  # k_ref, v_ref [L, C, D]
-    keys = lambda start: k_ref[layer, pl.ds(start, block_c), :]  # noqa: E731
-    valid = lambda start: start + jnp.arange(block_c) < visible  # noqa: E731
-    start_carry = online_softmax_start(rows["block_r"], q.shape[1])
-
-    # Pass 1: each row's running maximum and sum (and output) over the blocks holding a visible row. Within such a
-    # block the masked rows come after a visible one, so MASK_VALUE never sets a maximum.
-    def totals(step, carry):
-        start = step * block_c
-        if with_output:
-            return online_softmax_step(carry, q, keys(start), v_ref[layer, pl.ds(start, block_c), :], valid(start),
-                                       sm_scale)[0]
-        o, m_prev, l_prev = carry
-        logits = jnp.where(valid(start)[None, :], plt.dot(q, keys(start), trans_b=True) * sm_scale, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=1))
-        return o, m_next, l_prev * jnp.exp(m_prev - m_next) + jnp.exp(logits - m_next[:, None]).sum(axis=1)
-
-    o, m, l = lax.fori_loop(0, pl.cdiv(visible, block_c), totals, start_carry)
-    seen = l > 0
-    lse_prefix = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    lse = jnp.logaddexp(lse_prefix, extra_lse_ref[...])  # with the rows the node's path completes
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    plt.store(lse_ref, lse, mask=real)
-    if with_output:  # sum of p v over the prefix, p normalised by the total: o / l times the prefix's share
-        share = jnp.where(seen, jnp.exp(lse_prefix - safe) / jnp.where(seen, l, 1.0), 0.0)
-        plt.store(o_ref, o * share[:, None], mask=real[:, None])
-
-    # Pass 2: every block, so that rows past `visible` come back as zeros.
-    selector = ((jnp.arange(nodes_padded)[:, None] == local[None, :]) & real[None, :]).astype(jnp.bfloat16)
-
-    def probabilities(step, carry):
-        start = step * block_c
-        logits = plt.dot(q, keys(start), trans_b=True) * sm_scale
-        p = jnp.where(real[:, None] & valid(start)[None, :], jnp.exp(logits - safe[:, None]), 0.0)
-        plt.store(probs_ref.at[:, pl.ds(start, block_c)], _float32_sums(selector, p),
-                  mask=(jnp.arange(nodes_padded) < rows["nodes"])[:, None])
-        return carry
-
-    lax.fori_loop(0, num_blocks, probabilities, 0)
-
-
-def _one_kernel_branch(q, k_cmp, v_cmp, layer, visible, extra_lse, *, block_c, batch, with_output, interpret):
-    """compressed_tree_branch through both_passes_kernel, its programs' nodes sized for about TARGET_PROGRAMS
-    programs."""
-    num_nodes, num_q_heads, head_dim = q.shape
-    num_layers, compressed_rows, num_kv_heads, _ = k_cmp.shape
-    group = num_q_heads // num_kv_heads
-    wanted_blocks = pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads)
-    nodes, block_r = node_rows(pl.cdiv(num_nodes, wanted_blocks), group)
-    node_blocks = pl.cdiv(num_nodes, nodes)
-    nodes_padded = max(16, next_power_of_2(nodes))
-    rows = dict(group=group, num_q_heads=num_q_heads, num_nodes=num_nodes, nodes=nodes, block_r=block_r)
-    to_nodes, to_rows = _row_layout(num_nodes, num_kv_heads, group, nodes, block_r)
-    head_rows = pl.BlockSpec((num_layers, compressed_rows, None, head_dim), lambda h, b: (0, 0, h, 0))
-    scalar = pl.BlockSpec((), lambda h, b: ())
-    row_spec = pl.BlockSpec((None, block_r), lambda h, b: (h, b))
-    out_specs = [pl.BlockSpec((None, None, nodes_padded, compressed_rows), lambda h, b: (h, b, 0, 0)), row_spec]
-    out_shape = [jax.ShapeDtypeStruct((num_kv_heads, node_blocks, nodes_padded, compressed_rows), jnp.float32),
-                 jax.ShapeDtypeStruct((num_kv_heads, node_blocks * block_r), jnp.float32)]
-    if with_output:
-        out_specs.append(pl.BlockSpec((None, block_r, head_dim), lambda h, b: (h, b, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((num_kv_heads, node_blocks * block_r, head_dim), jnp.float32))
-    kernel = functools.partial(both_passes_kernel, sm_scale=1.0 / math.sqrt(head_dim), block_c=block_c,
-                               num_blocks=compressed_rows // block_c, rows=rows, nodes_padded=nodes_padded,
-                               with_output=with_output)
-    operands = (q.reshape(num_nodes * num_q_heads, head_dim), k_cmp, *((v_cmp,) if with_output else ()), layer,
-                visible.astype(jnp.int32), to_rows(jnp.moveaxis(extra_lse, 2, 1)))
-    probs, lse, *o = pl.pallas_call(
-        kernel, grid=(num_kv_heads, node_blocks),
-        in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, b: (0, 0)), head_rows,
-                  *((head_rows,) if with_output else ()), scalar, scalar, row_spec],
-        out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
-        name="nsa_tree_compressed_one_kernel",
-    )(*operands)
-    probs = probs[:, :, :nodes].reshape(num_kv_heads, node_blocks * nodes, compressed_rows)[:, :num_nodes]
-    o = jnp.moveaxis(to_nodes(o[0]), 1, 0) if with_output else None
-    return o, probs, jnp.moveaxis(to_nodes(lse), 1, 2)
-
-
-def _row_layout(num_nodes, num_kv_heads, group, nodes, block_r):
-    """(to_nodes, to_rows) between the kernels' row layout [H_kv, node_blocks * block_r, ...] (row r of a block:
-    its node r // G, head r % G, padding past nodes * G) and [H_kv, T, G, ...]."""
-    node_blocks = pl.cdiv(num_nodes, nodes)
-
-    def to_nodes(x):
-        x = x.reshape(num_kv_heads, node_blocks, block_r, *x.shape[2:])[:, :, :nodes * group]
-        return x.reshape(num_kv_heads, node_blocks * nodes, group, *x.shape[3:])[:, :num_nodes]
-
-    def to_rows(x):  # [H_kv, T, G] -> [H_kv, node_blocks * block_r]
-        x = jnp.pad(x, ((0, 0), (0, node_blocks * nodes - num_nodes), (0, 0)))
-        x = x.reshape(num_kv_heads, node_blocks, nodes * group)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, block_r - nodes * group))).reshape(num_kv_heads, -1)
-
-    return to_nodes, to_rows
-
-
 def _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, *, block_c, num_splits, interpret):
     num_nodes, num_q_heads, head_dim = q.shape
     num_layers, compressed_rows, num_kv_heads, _ = k_cmp.shape
@@ -258,7 +142,15 @@ def _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, *, block_c, num_split
 
     o, lse_prefix = normalised_with_lse(o, l, m)  # [H_kv, node_blocks * block_r, (D)]
 
-    to_nodes, to_rows = _row_layout(num_nodes, num_kv_heads, group, nodes, block_r)
+    def to_nodes(x):  # [H_kv, node_blocks * block_r, ...] -> [H_kv, T, G, ...]
+        x = x.reshape(num_kv_heads, node_blocks, block_r, *x.shape[2:])[:, :, :nodes * group]
+        return x.reshape(num_kv_heads, node_blocks * nodes, group, *x.shape[3:])[:, :num_nodes]
+
+    def to_rows(x):  # [H_kv, T, G] -> [H_kv, node_blocks * block_r]
+        x = jnp.pad(x, ((0, 0), (0, node_blocks * nodes - num_nodes), (0, 0)))
+        x = x.reshape(num_kv_heads, node_blocks, nodes * group)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, block_r - nodes * group))).reshape(num_kv_heads, -1)
+
     o, lse_prefix = to_nodes(o), to_nodes(lse_prefix)  # [H_kv, T, G, D], [H_kv, T, G]
     lse = jnp.logaddexp(lse_prefix, jnp.moveaxis(extra_lse, 2, 1))
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -278,18 +170,14 @@ def _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, *, block_c, num_split
     return jnp.moveaxis(o * weight[..., None], 1, 0), probs, jnp.moveaxis(lse, 1, 2)
 
 
-@functools.partial(jax.jit, static_argnames=("block_c", "batch", "num_splits", "one_kernel", "with_output",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_c", "batch", "num_splits", "interpret"))
 def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, layer=None, block_c: int = 64, batch: int = 1,
-                           num_splits: int | None = None, one_kernel: bool | None = None, with_output: bool = True,
-                           interpret: bool = False):
+                           num_splits: int | None = None, interpret: bool = False):
     """The compressed branch of T tree nodes over the prefix's first `visible` compressed rows, one sequence.
     q [T, H_q, D] rotated; k_cmp, v_cmp [C, H_kv, D] (C a multiple of block_c); visible [] int32; extra_lse
     [H_kv, G, T]: each head's log-sum-exp over the compressed rows the node's path completes (-inf: none).
     batch: how many sequences the caller vmaps this over (it sizes the grid: default_splits, unless num_splits,
-    dividing C / block_c, is given). one_kernel: both passes in one kernel without splits (None: where C holds at
-    most ONE_KERNEL_MAX_BLOCKS blocks and no num_splits is given). with_output False: o is None (the view's
-    selection needs none; one kernel then reads no values). Returns (o [T, H_kv, G, D] float32:
+    dividing C / block_c, is given). Returns (o [T, H_kv, G, D] float32:
     sum over the visible rows of p v, probs [H_kv, T, C]: sum over the group's heads of p, zero past `visible`,
     lse [H_kv, G, T]: the total), p = exp(logit - lse). With `layer` (an int or traced int32), k_cmp and v_cmp
     are every layer's stacked [L, C, H_kv, D], of which the kernels read that layer in place (the stacks and the
@@ -301,25 +189,17 @@ def compressed_tree_branch(q, k_cmp, v_cmp, visible, extra_lse, *, layer=None, b
         raise ValueError(f"batch must be at least 1, got {batch}")
     if compressed_rows % block_c:
         raise ValueError(f"compressed rows {compressed_rows} must be a multiple of block_c {block_c}")
-    if one_kernel is None:
-        one_kernel = num_splits is None and compressed_rows // block_c <= ONE_KERNEL_MAX_BLOCKS
-    if one_kernel:
-        if num_splits is not None:
-            raise ValueError("one_kernel runs no splits: leave num_splits None")
-        return _one_kernel_branch(q, k_cmp, v_cmp, layer, visible, extra_lse, block_c=block_c, batch=batch,
-                                  with_output=with_output, interpret=interpret)
     nodes, _ = node_rows(num_nodes, num_q_heads // num_kv_heads)
     if num_splits is None:
         num_splits = default_splits(batch, num_kv_heads, pl.cdiv(num_nodes, nodes), compressed_rows, block_c)
     elif (compressed_rows // block_c) % num_splits:
         raise ValueError(f"num_splits {num_splits} must divide the {compressed_rows // block_c} blocks of "
                          "compressed rows")
-    o, probs, lse = _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, block_c=block_c, num_splits=num_splits,
-                               interpret=interpret)
-    return (o if with_output else None), probs, lse
+    return _unbatched(q, k_cmp, v_cmp, layer, visible, extra_lse, block_c=block_c, num_splits=num_splits,
+                      interpret=interpret)
 
 
-def compressed_tree_branch_reference(q, k_cmp, v_cmp, visible, extra_lse, *, layer=None, with_output: bool = True):
+def compressed_tree_branch_reference(q, k_cmp, v_cmp, visible, extra_lse, *, layer=None):
     """XLA twin of compressed_tree_branch: the [H_kv, G, T, C] logits materialised."""
     if layer is not None:  # the layer of stacks [L, C, H_kv, D], read where the dots consume it
         k_cmp, v_cmp = k_cmp[layer], v_cmp[layer]
@@ -331,4 +211,4 @@ def compressed_tree_branch_reference(q, k_cmp, v_cmp, visible, extra_lse, *, lay
     lse = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), extra_lse)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
     o = jnp.einsum("hgtc,chd->thgd", p.astype(v_cmp.dtype), v_cmp, preferred_element_type=jnp.float32)
-    return (o if with_output else None), p.sum(axis=1), lse
+    return o, p.sum(axis=1), lse

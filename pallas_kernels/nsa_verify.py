@@ -288,9 +288,7 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     k_cmp, v_cmp, cmp_layer = cache.k_cmp, cache.v_cmp, cache.layer
     if kernels is None and stacks is not None:  # the XLA twin's layer rows from the whole stacks, as _row_source
         k_cmp, v_cmp, cmp_layer = stacks.k_cmp[stacks.layer, seq], stacks.v_cmp[stacks.layer, seq], None
-    # The view has no compressed output: its selection needs only the probabilities and log-sum-exps.
-    o_prefix, probs, lse = branch(q, k_cmp, v_cmp, visible, jax.nn.logsumexp(extra_logits, axis=-1), layer=cmp_layer,
-                                  with_output=kind != "nsa-view")
+    o_prefix, probs, lse = branch(q, k_cmp, v_cmp, visible, jax.nn.logsumexp(extra_logits, axis=-1), layer=cmp_layer)
     p_extra = jnp.exp(extra_logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
     compressed = probs.at[:, :, c_extra].add(p_extra.sum(axis=1), mode="drop")  # [H_kv, T, C]
     scores = selection_scores(compressed, num_select_blocks(layout, capacity), layout)

@@ -32,16 +32,13 @@ def numpy_branch(q, k, v, visible, extra_lse):
     return np.einsum("hgtc,chd->thgd", p, v.astype(np.float64)), p.sum(axis=1), lse
 
 
-@pytest.mark.parametrize("one_kernel, batch", [(False, 1), (True, 1), (True, 64)])
 @pytest.mark.parametrize("nodes, q_heads, kv_heads, rows, visible, splits", [
     (5, 4, 2, 128, 70, None),   # a partly visible last block
     (64, 32, 2, 256, 200, 4),   # NSA-1B's group of 16: 8 nodes a program, 8 node blocks, 4 splits
     (11, 9, 3, 128, 128, 2),    # SmolLM2's group of 3: 42 nodes a program, every row visible
     (3, 4, 2, 64, 0, None),     # nothing visible: only the paths' rows count
 ])
-def test_branch_equals_float64(rng, nodes, q_heads, kv_heads, rows, visible, splits, one_kernel, batch):
-    """Split kernels and one kernel (both passes a program, with and without the output; one node a program at
-    batch 1, several at batch 64, as the batch sizes them) against float64."""
+def test_branch_equals_float64(rng, nodes, q_heads, kv_heads, rows, visible, splits):
     head_dim = 16
     q = rng.normal(size=(nodes, q_heads, head_dim)).astype(np.float32)
     k, v = (rng.normal(size=(rows, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
@@ -51,12 +48,9 @@ def test_branch_equals_float64(rng, nodes, q_heads, kv_heads, rows, visible, spl
         extra[:, :, 0] = -np.inf  # a node that sees no compressed row at all: zeros and lse -inf
     want = numpy_branch(q, k, v, visible, extra)
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(visible), jnp.asarray(extra))
-    options = dict(one_kernel=True, batch=batch) if one_kernel else dict(one_kernel=False, num_splits=splits)
-    kernel = compressed_tree_branch(*args, interpret=True, **options)
-    without_output = compressed_tree_branch(*args, interpret=True, with_output=False, **options)
-    assert without_output[0] is None
-    for got in (kernel, without_output[1:], compressed_tree_branch_reference(*args)):
-        for name, g, w in zip(("o", "probs", "lse")[-len(got):], got, want[-len(got):]):
+    kernel = compressed_tree_branch(*args, num_splits=splits, interpret=True)
+    for got in (kernel, compressed_tree_branch_reference(*args)):
+        for name, g, w in zip(("o", "probs", "lse"), got, want):
             g = np.asarray(g)
             assert np.array_equal(np.isfinite(g), np.isfinite(w)), name
             np.testing.assert_allclose(np.where(np.isfinite(w), g, 0), np.where(np.isfinite(w), w, 0), rtol=2e-5,
@@ -78,7 +72,6 @@ def test_splits_hold_whole_blocks_and_aim_at_the_target_programs():
     (100, {}, "compressed rows 100 must be a multiple of block_c 64"),
     (192, {"num_splits": 2}, "num_splits 2 must divide the 3 blocks"),
     (128, {"batch": 0}, "batch must be at least 1"),
-    (128, {"one_kernel": True, "num_splits": 2}, "one_kernel runs no splits"),
 ])
 def test_bad_arguments_are_one_clear_error(rows, options, needle):
     q, cache = jnp.zeros((2, 4, 16)), jnp.zeros((rows, 2, 16))
@@ -93,14 +86,3 @@ def test_lowers_for_the_h200_at_nsa_1b_shapes():
               jax.ShapeDtypeStruct((2, 16, 64), jnp.float32))
     lowered = lower_for_h200(jax.jit(functools.partial(compressed_tree_branch, batch=8)), *shapes)
     assert lowered.count("__gpu$xla.gpu.triton") == 2
-
-
-@pytest.mark.parametrize("with_output", [False, True])
-def test_one_kernel_lowers_for_the_h200_at_smollm2_shapes(with_output):
-    """SmolLM2's view at 8K with a 4x2 tree: 31 nodes, 9 query / 3 KV heads, 576 compressed rows, bf16: one kernel."""
-    shapes = (jax.ShapeDtypeStruct((31, 9, 64), jnp.bfloat16), jax.ShapeDtypeStruct((576, 3, 64), jnp.bfloat16),
-              jax.ShapeDtypeStruct((576, 3, 64), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32),
-              jax.ShapeDtypeStruct((3, 3, 31), jnp.float32))
-    branch = functools.partial(compressed_tree_branch, batch=8, with_output=with_output)
-    lowered = lower_for_h200(jax.jit(branch), *shapes)
-    assert lowered.count("__gpu$xla.gpu.triton") == 1
