@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -333,6 +334,28 @@ def test_refusals_name_the_argument(dense, tmp_path):
         engine.use_draft_head(tmp_path)
 
 
+def test_an_exported_head_drafts_as_its_training_folder_and_does_not_resume(dense, tmp_path):
+    """export: the newest params rounded to bfloat16 with the record (the window kept), no optimizer state
+    (smaller), loaded by use_draft_head as the training folder is; training into it and exporting over it are
+    refused, naming the flag."""
+    from vegas_jax.loading import draft_head_checkpoint
+
+    engine, folder, data = dense
+    exported = draft_head_checkpoint.export(folder, tmp_path / "ship")
+    other = tiny_engine()
+    other.use_draft_head(exported)
+    assert other.draft_head_window == engine.draft_head_window
+    want = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), engine.draft_head)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), other.draft_head, want)
+    size = lambda path: sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())  # noqa: E731
+    newest = Path(folder) / str(draft_head_checkpoint.manager(folder).latest_step())
+    assert size(exported) < size(newest) / 3
+    with pytest.raises(InputError, match="holds an exported head"):
+        train_draft_head.train(engine, data, exported, SETTINGS, progress=False)
+    with pytest.raises(InputError, match="already holds a head checkpoint"):
+        draft_head_checkpoint.export(folder, exported)
+
+
 def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
     for argv, needle in [(["--steps", "0"], "error: --steps must be >= 1, got 0"),
                          (["--prompts", "4", "--batch", "5"], "error: --batch must be in [1, --prompts], got 5"),
@@ -340,7 +363,8 @@ def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
                                                 "(sequences left to train on), got 64"),
                          (["--time-limit", "-1"], "error: --time-limit must be >= 0"),
                          (["--context-tokens", "-1"], "error: --context-tokens must be >= 0, got -1"),
-                         (["--steps", "x"], "error: argument --steps: invalid int value: 'x'")]:
+                         (["--steps", "x"], "error: argument --steps: invalid int value: 'x'"),
+                         (["--export", __file__], f"error: --export {__file__}: must be a new or empty folder")]:
         assert train_draft_head.main(["--out", str(tmp_path / "x"), *argv]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert lines == [needle] or (len(lines) == 1 and lines[0].startswith(needle)), lines

@@ -418,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds (from the start, loading and making the data included) after which training "
                         "checkpoints and exits (run again to resume); 0: none")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
+    p.add_argument("--export", default=None, metavar="FOLDER",
+                   help="after training, write the head to ship to FOLDER: its newest params in bfloat16 and its "
+                        "record, without the optimizer state or the data (--draft-head loads it as it loads --out)")
     p.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -450,6 +453,9 @@ def run(args) -> int:
     folder = Path(args.out)
     if folder.exists() and not folder.is_dir():
         raise InputError("{out} {}: not a folder", args.out)
+    if args.export and Path(args.export).exists() and not (Path(args.export).is_dir()
+                                                           and not any(Path(args.export).iterdir())):
+        raise InputError("{export} {}: must be a new or empty folder", args.export)
     import vegas_jax
 
     engine = vegas_jax.load(args.model, args.dtype)
@@ -482,6 +488,10 @@ def run(args) -> int:
                   f"agreement by depth {held['agreement']}  (τ proxy {expected_chain_tau(held['agreement']):.2f})")
     if last is None or last["step"] < settings.steps:
         print("time limit reached: run the same command again to resume")
+    if args.export:
+        exported = draft_head_checkpoint.export(folder, args.export)
+        size = sum(f.stat().st_size for f in exported.rglob("*") if f.is_file())
+        print(f"exported the head of step {last['step'] if last else '?'} to {exported} ({size / 2**20:.1f} MiB)")
     return 0
 
 

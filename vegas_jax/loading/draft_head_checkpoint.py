@@ -1,6 +1,9 @@
 """A draft head's checkpoints (models.draft_head): an Orbax CheckpointManager folder of training steps, each with
 the head's params, the optimizer state and a JSON record (the target it was trained for, the training settings and
-the loss / acceptance history), so training resumes from the newest step and decoding loads the newest params."""
+the loss / acceptance history), so training resumes from the newest step and decoding loads the newest params.
+`export` writes a head to ship: the newest step's params in bfloat16 and its record, without the optimizer state
+(a third of the size of the float32 params, a ninth of a training step's checkpoint), which decoding loads as it
+loads a training folder and training refuses to resume."""
 
 from __future__ import annotations
 
@@ -36,10 +39,14 @@ def save(checkpoints: ocp.CheckpointManager, step: int, params, opt_state, recor
 
 
 def restore(checkpoints: ocp.CheckpointManager, params_like, opt_state_like):
-    """(step, params, opt_state, record) of the newest step, or None when the folder holds none."""
+    """(step, params, opt_state, record) of the newest step, or None when the folder holds none; InputError naming
+    out for an exported head, which has no optimizer state to resume from."""
     step = checkpoints.latest_step()
     if step is None:
         return None
+    if not (checkpoints.directory / str(step) / "opt_state").exists():
+        raise InputError("{out} {}: holds an exported head (no optimizer state to resume from); train into another "
+                         "folder", str(checkpoints.directory))
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
     restored = checkpoints.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract(params_like)),
@@ -77,6 +84,21 @@ def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
                         is_leaf=lambda x: isinstance(x, tuple))
     params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def export(folder: str | Path, dest: str | Path, dtype=jnp.bfloat16) -> Path:
+    """The newest params of the head checkpoint in `folder` (any target) in `dtype`, with its record and without
+    the optimizer state, as a head checkpoint of one step in `dest`; InputError naming draft_head when `folder`
+    holds none, naming export when `dest` already holds a checkpoint."""
+    checkpoints, step, record = _newest(folder)
+    target = manager(dest)
+    if target.latest_step() is not None:
+        raise InputError("{export} {}: already holds a head checkpoint", str(dest))
+    params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    target.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), record=ocp.args.JsonSave(record)))
+    target.wait_until_finished()
+    return Path(dest)
 
 
 def span(context_tokens: int, prompt_tokens: int, new_tokens: int) -> int:
