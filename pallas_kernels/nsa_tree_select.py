@@ -165,17 +165,18 @@ def v1_view_kernel(q_ref, k_ref, v_ref, layer_ref, lists_ref, counts_ref, member
     node = jnp.minimum(row_block * nodes_per_block + local, num_nodes - 1)  # padding rows: never read back
     q = q_ref[node * num_q_heads + kv_head * group + lane % group, :]
     position = length + depth_ref[node]  # each row's node's position
-    count = counts_ref[row_block]
+    count, width = counts_ref[row_block], lists_ref.shape[0]
     per_split = pl.cdiv(pl.cdiv(count, blocks_per_step), num_splits)
     first = split * per_split
     key = jnp.arange(blocks_per_step * select_block)  # a step's keys: slot key // l', row key % l' in its block
 
     def body(step, carry):
         index = (first + step) * blocks_per_step + key // select_block  # each key's slot in the list
-        block = lists_ref[index]
+        slot = jnp.minimum(index, width - 1)  # a last step past the list's width (masked by the count) reads in it
+        block = lists_ref[slot]
         rows = jnp.maximum(block, 0) * select_block + key % select_block
         # A row's node selected the key's block (its bit in the slot's member word), or the key is in its window.
-        takes = lax.shift_right_logical(member_ref[index][None, :], local[:, None]) & 1 != 0
+        takes = lax.shift_right_logical(member_ref[slot][None, :], local[:, None]) & 1 != 0
         in_window = rows[None, :] > position[:, None] - window
         valid = ((index < count) & (block >= 0) & (rows < length))[None, :] & (takes | in_window)
         return _step(carry, q, k_ref[layer, rows, :], v_ref[layer, rows, :], valid, sm_scale)
