@@ -262,6 +262,18 @@ def pack_members(member: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(words, jnp.int32)
 
 
+def _tree_operands(ancestors, tree_k, tree_v):
+    """The view kernels' tree operands, padded to a power of two of rows P (Triton's loads and dots): (P, each
+    row's depth [P] (0 past the tree), ancestors [T, P] int32 (0 past it), tree_k, tree_v [P, H_kv, D])."""
+    num_nodes = tree_k.shape[0]
+    padded = max(16, next_power_of_2(num_nodes))
+    ancestors = jnp.asarray(ancestors)
+    depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
+    ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
+    rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))  # noqa: E731
+    return padded, depth, ancestors, rows(tree_k), rows(tree_v)
+
+
 def _head_rows(num_layers, capacity, head_dim):
     """One KV head's rows of every layer of stacked caches [L, T_cap, H_kv, D] on a grid whose first axis is the
     KV head (the kernel indexes the layer)."""
@@ -328,11 +340,7 @@ def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
     listed = next_power_of_2(steps_total * blocks_per_step)
     blocks = jnp.concatenate([blocks.astype(jnp.int32), in_window], axis=-1)
     blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, listed - top_n - window_blocks)), constant_values=-1)
-    padded = max(16, next_power_of_2(num_nodes))  # the tree's rows, a power of two (Triton's loads and dots)
-    ancestors = jnp.asarray(ancestors)
-    depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
-    ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
-    tree_rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))
+    padded, depth, ancestors, tree_k, tree_v = _tree_operands(ancestors, tree_k, tree_v)
     # Splits only while the batch's nodes leave SMs idle: each adds a partial output to write and merge.
     wanted = pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * num_nodes)
     num_splits = max(1, min(MAX_VIEW_SPLITS, previous_power_of_2(wanted), steps_total))
@@ -359,7 +367,7 @@ def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v0_view",
     )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, blocks, length.astype(jnp.int32),
-      depth, ancestors, tree_rows(tree_k), tree_rows(tree_v))
+      depth, ancestors, tree_k, tree_v)
     return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
 
 
@@ -413,11 +421,7 @@ def v1_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
     width = lists.shape[-1]
     listed = next_power_of_2(top_n)
     chosen = jnp.pad(blocks.astype(jnp.int32), ((0, 0), (0, 0), (0, listed - top_n)), constant_values=-1)
-    padded = max(16, next_power_of_2(num_nodes))  # the tree's rows, a power of two (Triton's loads and dots)
-    ancestors = jnp.asarray(ancestors)
-    depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
-    ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
-    tree_rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))
+    padded, depth, ancestors, tree_k, tree_v = _tree_operands(ancestors, tree_k, tree_v)
     wanted = pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * row_blocks)
     num_splits = max(1, min(MAX_VIEW_SPLITS, previous_power_of_2(wanted), width // blocks_per_step))
     kernel = functools.partial(v1_view_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group,
@@ -444,7 +448,7 @@ def v1_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v1_view",
     )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, lists, counts, member, chosen,
-      length.astype(jnp.int32), depth, ancestors, tree_rows(tree_k), tree_rows(tree_v))
+      length.astype(jnp.int32), depth, ancestors, tree_k, tree_v)
     real = nodes_per_block * group  # each row block's real rows come first
     unpack = lambda x: x.reshape(num_splits, num_kv_heads, row_blocks, block_r, *x.shape[3:])[:, :, :, :real].reshape(
         num_splits, num_kv_heads, row_blocks * nodes_per_block, group, *x.shape[3:])[:, :, :num_nodes]
