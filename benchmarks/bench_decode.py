@@ -43,7 +43,7 @@ from benchmarks.results_io import check_writable, run_metadata, save_results  # 
 from vegas_jax.decode import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention  # noqa: E402
-from vegas_jax.cli.arguments import flag, use_draft_head  # noqa: E402
+from vegas_jax.cli.arguments import flag  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -224,14 +224,10 @@ def main(argv=None) -> int:
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
     loaded = load_model(args.model, dtype, mesh)
     try:
-        engine = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention)))
+        engine = Engine(dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention)),
+                        draft_head=args.draft_head)
     except InputError as e:
         p.error(e.render(flag))
-    if args.draft_head:
-        try:
-            use_draft_head(engine, args.draft_head)
-        except InputError as e:
-            p.error(e.render(flag))
     head_window = None  # the window the engine's head has (None: its checkpoint's, as loaded)
     corpus = stdlib_corpus()
     records = []

@@ -51,7 +51,7 @@ from models.config import NSA_1B_LAYOUT, NSA_VIEW_LAYOUT, ModelConfig  # noqa: E
 from vegas_jax.decode import iteration as loop
 from vegas_jax.decode import tree_iteration as tree_decode  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
-from vegas_jax.cli.arguments import flag, use_draft_head  # noqa: E402
+from vegas_jax.cli.arguments import flag  # noqa: E402
 from vegas_jax.decode.drafters import make_drafter  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
                                                      args.context - args.max_new_tokens).prompts
         if args.draft_head:
             try:
-                use_draft_head(view, args.draft_head)
+                view.use_draft_head(args.draft_head)
             except InputError as e:
                 p.error(e.render(flag))
         nsa_config = NSA_1B

@@ -453,8 +453,8 @@ def run(args) -> int:
     folder = Path(args.out)
     if folder.exists() and not folder.is_dir():
         raise InputError("{out} {}: not a folder", args.out)
-    if args.export and Path(args.export).exists() and not (Path(args.export).is_dir()
-                                                           and not any(Path(args.export).iterdir())):
+    export = Path(args.export) if args.export else None
+    if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
         raise InputError("{export} {}: must be a new or empty folder", args.export)
     import vegas_jax
 
@@ -489,7 +489,7 @@ def run(args) -> int:
     if last is None or last["step"] < settings.steps:
         print("time limit reached: run the same command again to resume")
     if args.export:
-        exported = draft_head_checkpoint.export(folder, args.export)
+        exported = draft_head_checkpoint.export(folder, export)
         size = sum(f.stat().st_size for f in exported.rglob("*") if f.is_file())
         print(f"exported the head of step {last['step'] if last else '?'} to {exported} ({size / 2**20:.1f} MiB)")
     return 0

@@ -1,6 +1,5 @@
 """What the command lines' arguments share: argparse's errors in one line, the dtype and mesh flags, the flag
-that names a library argument, UTF-8 text files, the checkpoint behind --model and the head behind --draft-head,
-and the exit status of a SIGINT."""
+that names a library argument, UTF-8 text files, the checkpoint behind --model, and the exit status of a SIGINT."""
 
 from __future__ import annotations
 
@@ -70,13 +69,3 @@ def load_checkpoint(model: str | None, dtype, mesh, draft_weights: str):
     except (CheckpointError, UnsupportedModelError) as e:
         raise InputError("--model {}", where_and_why(model, e)) from None
 
-
-def use_draft_head(engine, folder: str, window: int | None = None) -> None:
-    """`engine.use_draft_head(folder, window)`; a folder that cannot be read is an InputError naming --draft-head
-    (a file in it that is not what it should be, a CheckpointError, included)."""
-    from vegas_jax.loading import CheckpointError
-
-    try:
-        engine.use_draft_head(folder, window)
-    except CheckpointError as e:
-        raise InputError("--draft-head {}: {}", folder, e) from None
