@@ -356,6 +356,36 @@ def test_an_exported_head_drafts_as_its_training_folder_and_does_not_resume(dens
         draft_head_checkpoint.export(folder, exported)
 
 
+@pytest.mark.parametrize("damage", ["params data", "record", "params item"])
+def test_a_corrupt_head_checkpoint_is_one_line_and_leaves_no_read_behind(dense, tmp_path, damage):
+    """A head folder damaged after training (a data file overwritten, the record cut, an item gone) is refused
+    naming draft_head (out, when training would resume from it) and the step, with Orbax's other reads finished."""
+    import shutil
+
+    from tests.test_faults import _pending_orbax_tasks
+
+    _, folder, data = dense
+    copy = tmp_path / "head"
+    shutil.copytree(folder, copy)
+    step = copy / str(max(int(d.name) for d in copy.iterdir() if d.name.isdigit()))
+    if damage == "params data":
+        for f in (step / "params" / "ocdbt.process_0" / "d").iterdir():
+            f.write_bytes(b"garbage\n")
+    elif damage == "record":
+        (step / "record" / "metadata").write_text("{not json")
+    else:
+        shutil.rmtree(step / "params")
+    with pytest.raises(InputError) as caught:
+        tiny_engine().use_draft_head(str(copy))
+    message = str(caught.value)
+    del caught
+    assert message.startswith(f"draft_head {copy}: cannot read the head checkpoint's step {step.name}: ")
+    assert "\n" not in message and not _pending_orbax_tasks()
+    engine = tiny_engine()
+    with pytest.raises(InputError, match=f"^out {copy}: cannot read the head checkpoint's step {step.name}: "):
+        train_draft_head.train(engine, data, copy, SETTINGS, progress=False)
+
+
 def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
     for argv, needle in [(["--steps", "0"], "error: --steps must be >= 1, got 0"),
                          (["--prompts", "4", "--batch", "5"], "error: --batch must be in [1, --prompts], got 5"),

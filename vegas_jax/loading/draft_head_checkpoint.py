@@ -7,6 +7,7 @@ loads a training folder and training refuses to resume."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -16,6 +17,10 @@ import orbax.checkpoint as ocp
 from models import draft_head
 from models.config import ModelConfig
 from vegas_jax.inputs import InputError
+from vegas_jax.loading.orbax_ckpt import pending_reads_drained
+
+# Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
+CAUSE_CHARS = 200
 
 KEEP = 2  # steps kept: the newest, and the one before in case the newest was cut off while written
 
@@ -38,6 +43,19 @@ def save(checkpoints: ocp.CheckpointManager, step: int, params, opt_state, recor
     checkpoints.wait_until_finished()
 
 
+@contextlib.contextmanager
+def _reading(flag: str, folder: Path, step: int):
+    """Any failure of the reads inside (a missing item, a corrupt data file or record) becomes one InputError naming
+    `flag` and the step; Orbax's other reads still in flight are finished first (orbax_ckpt.pending_reads_drained)."""
+    try:
+        with pending_reads_drained():
+            yield
+    except Exception as e:
+        lines = str(e).splitlines()
+        raise InputError("{%s} {}: cannot read the head checkpoint's step {}: {}: {}" % flag, str(folder), step,
+                         type(e).__name__, lines[0][:CAUSE_CHARS] if lines else "") from e
+
+
 def restore(checkpoints: ocp.CheckpointManager, params_like, opt_state_like):
     """(step, params, opt_state, record) of the newest step, or None when the folder holds none; InputError naming
     out for an exported head, which has no optimizer state to resume from."""
@@ -48,10 +66,11 @@ def restore(checkpoints: ocp.CheckpointManager, params_like, opt_state_like):
         raise InputError("{out} {}: holds an exported head (no optimizer state to resume from); train into another "
                          "folder", str(checkpoints.directory))
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
-    restored = checkpoints.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract(params_like)),
-        opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
-        record=ocp.args.JsonRestore()))
+    with _reading("out", checkpoints.directory, step):
+        restored = checkpoints.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract(params_like)),
+            opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
+            record=ocp.args.JsonRestore()))
     return step, restored["params"], restored["opt_state"], restored["record"]
 
 
@@ -71,7 +90,11 @@ def _newest(folder: str | Path) -> tuple[ocp.CheckpointManager, int, dict]:
     step = checkpoints.latest_step()
     if step is None:
         raise InputError("{draft_head} {}: holds no draft head checkpoint", str(folder))
-    record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    with _reading("draft_head", folder, step):
+        record = checkpoints.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    if not isinstance(record, dict):
+        raise InputError("{draft_head} {}: the head checkpoint's step {} has a record that is no JSON object",
+                         str(folder), step)
     return checkpoints, step, record
 
 
@@ -82,7 +105,8 @@ def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
     check_target(record, config, str(folder))
     like = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), draft_head.param_shapes(config),
                         is_leaf=lambda x: isinstance(x, tuple))
-    params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
+    with _reading("draft_head", Path(folder), step):
+        params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
@@ -94,7 +118,8 @@ def export(folder: str | Path, dest: str | Path, dtype=jnp.bfloat16) -> Path:
     target = manager(dest)
     if target.latest_step() is not None:
         raise InputError("{export} {}: already holds a head checkpoint", str(dest))
-    params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    with _reading("draft_head", Path(folder), step):
+        params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     target.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), record=ocp.args.JsonSave(record)))
     target.wait_until_finished()

@@ -98,7 +98,7 @@ def load_orbax(folder: str | Path, dtype=jnp.bfloat16, mesh=None) -> LoadedModel
     target = jax.tree_util.tree_map_with_path(target, shapes, param_axes(shapes),
                                               is_leaf=lambda x: isinstance(x, tuple))
     try:
-        with _pending_reads_drained(), ocp.StandardCheckpointer() as checkpointer:
+        with pending_reads_drained(), ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_path, target)
     except (ValueError, KeyError, OSError) as e:
         # Orbax appends whole TensorStore specs to its messages; the first line says what went wrong.
@@ -141,7 +141,7 @@ class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 @contextlib.contextmanager
-def _pending_reads_drained():
+def pending_reads_drained():
     """Event loops created meanwhile (Orbax's) are _DrainingLoops. (Loop policies are deprecated from Python 3.14
     on; Orbax offers no other way to reach its loop.)"""
     previous = asyncio.get_event_loop_policy()
