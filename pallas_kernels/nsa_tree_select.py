@@ -9,12 +9,6 @@ tree's own rows, the window and the compressed branch.
   prefix rows in the blocks the node did not select and the tree's rows it sees, so the kernel's output is the
   view's attention: no products, masks or merges of the window and the tree beside it. A step gathers several
   listed blocks' rows into one tile, and the batch sets the splits (one once its nodes fill the GPU).
-- v1_view: the union schedule for an NSA view's whole attention: grid (KV head, row block of a few nodes,
-  split); a row block's list is the union of its nodes' selected blocks and the window's blocks (each block once,
-  so each key counts once), a step gathers several listed blocks into one tile, and a row takes a key of a block
-  its node selected (a bit per node) or inside its window, then (split 0) the tree's rows as v0_view. V0's view
-  programs hold one node's G heads in 16 rows (3 at SmolLM2's G) and re-read blocks its siblings read; here 16
-  rows hold 16 // G nodes, whose selections mostly coincide.
 - v1_selected: grid (KV head, split, row block); each program holds up to 128 of the T * G rows (row r: node
   r // G, head r % G) and walks its row block's own list of union blocks, those some node of the block selected
   (row_block_slots, from the member masks), reading each once for all the block's rows and masking its columns
@@ -152,44 +146,6 @@ def v0_view_kernel(q_ref, k_ref, v_ref, layer_ref, blocks_ref, length_ref, depth
     _store(o_ref, l_ref, m_ref, _step(carry, q, tree_k_ref[...], tree_v_ref[...], sees[None, :], sm_scale))
 
 
-def v1_view_kernel(q_ref, k_ref, v_ref, layer_ref, lists_ref, counts_ref, member_ref, chosen_ref, length_ref,
-                   depth_ref, ancestors_ref, tree_k_ref, tree_v_ref, o_ref, l_ref, m_ref, *, sm_scale, group,
-                   num_q_heads, num_nodes, nodes_per_block, block_r, select_block, window, blocks_per_step,
-                   num_splits):
-    """v1_view's program: the rows of nodes_per_block nodes (row r: local node r // G, head r % G) over its row
-    block's list of blocks (lists_ref, ascending, counts_ref of them), then (split 0) the tree's rows."""
-    kv_head, row_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length, layer = length_ref[()], layer_ref[()]  # k_ref, v_ref [L, T_cap, D]
-    lane = jnp.arange(block_r)
-    local = lane // group
-    node = jnp.minimum(row_block * nodes_per_block + local, num_nodes - 1)  # padding rows: never read back
-    q = q_ref[node * num_q_heads + kv_head * group + lane % group, :]
-    position = length + depth_ref[node]  # each row's node's position
-    count, width = counts_ref[row_block], lists_ref.shape[0]
-    per_split = pl.cdiv(pl.cdiv(count, blocks_per_step), num_splits)
-    first = split * per_split
-    key = jnp.arange(blocks_per_step * select_block)  # a step's keys: slot key // l', row key % l' in its block
-
-    def body(step, carry):
-        index = (first + step) * blocks_per_step + key // select_block  # each key's slot in the list
-        slot = jnp.minimum(index, width - 1)  # a last step past the list's width (masked by the count) reads in it
-        block = lists_ref[slot]
-        rows = jnp.maximum(block, 0) * select_block + key % select_block
-        # A row's node selected the key's block (its bit in the slot's member word), or the key is in its window.
-        takes = lax.shift_right_logical(member_ref[slot][None, :], local[:, None]) & 1 != 0
-        in_window = rows[None, :] > position[:, None] - window
-        valid = ((index < count) & (block >= 0) & (rows < length))[None, :] & (takes | in_window)
-        return _step(carry, q, k_ref[layer, rows, :], v_ref[layer, rows, :], valid, sm_scale)
-
-    steps = jnp.clip(pl.cdiv(count, blocks_per_step) - first, 0, per_split)
-    carry = lax.fori_loop(0, steps, body, online_softmax_start(block_r, q.shape[1]))
-    at = length + depth_ref[...]  # the tree's rows' positions
-    chosen = chosen_ref[node, :]  # [block_r, n]: each row's node's selected blocks (-1 pads)
-    selected = jnp.max((chosen[:, :, None] == (at // select_block)[None, None, :]).astype(jnp.int32), axis=1) > 0
-    sees = (ancestors_ref[node, :] != 0) & (selected | (at[None, :] > position[:, None] - window)) & (split == 0)
-    _store(o_ref, l_ref, m_ref, _step(carry, q, tree_k_ref[...], tree_v_ref[...], sees, sm_scale))
-
-
 def v1_kernel(q_ref, k_cache_ref, v_cache_ref, layer_ref, union_ref, slots_ref, counts_ref, member_ref, length_ref,
               o_ref, l_ref, m_ref, *, sm_scale, group, num_q_heads, num_nodes, block_r, row_blocks_here, select_block,
               num_splits):
@@ -262,18 +218,6 @@ def pack_members(member: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(words, jnp.int32)
 
 
-def _tree_operands(ancestors, tree_k, tree_v):
-    """The view kernels' tree operands, padded to a power of two of rows P (Triton's loads and dots): (P, each
-    row's depth [P] (0 past the tree), ancestors [T, P] int32 (0 past it), tree_k, tree_v [P, H_kv, D])."""
-    num_nodes = tree_k.shape[0]
-    padded = max(16, next_power_of_2(num_nodes))
-    ancestors = jnp.asarray(ancestors)
-    depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
-    ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
-    rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))  # noqa: E731
-    return padded, depth, ancestors, rows(tree_k), rows(tree_v)
-
-
 def _head_rows(num_layers, capacity, head_dim):
     """One KV head's rows of every layer of stacked caches [L, T_cap, H_kv, D] on a grid whose first axis is the
     KV head (the kernel indexes the layer)."""
@@ -340,7 +284,11 @@ def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
     listed = next_power_of_2(steps_total * blocks_per_step)
     blocks = jnp.concatenate([blocks.astype(jnp.int32), in_window], axis=-1)
     blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, listed - top_n - window_blocks)), constant_values=-1)
-    padded, depth, ancestors, tree_k, tree_v = _tree_operands(ancestors, tree_k, tree_v)
+    padded = max(16, next_power_of_2(num_nodes))  # the tree's rows, a power of two (Triton's loads and dots)
+    ancestors = jnp.asarray(ancestors)
+    depth = jnp.pad(ancestors.sum(axis=1).astype(jnp.int32) - 1, (0, padded - num_nodes))
+    ancestors = jnp.pad(ancestors.astype(jnp.int32), ((0, 0), (0, padded - num_nodes)))
+    tree_rows = lambda x: jnp.pad(x, ((0, padded - num_nodes), (0, 0), (0, 0)))
     # Splits only while the batch's nodes leave SMs idle: each adds a partial output to write and merge.
     wanted = pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * num_nodes)
     num_splits = max(1, min(MAX_VIEW_SPLITS, previous_power_of_2(wanted), steps_total))
@@ -367,92 +315,8 @@ def v0_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, l
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
         name="nsa_tree_v0_view",
     )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, blocks, length.astype(jnp.int32),
-      depth, ancestors, tree_k, tree_v)
+      depth, ancestors, tree_rows(tree_k), tree_rows(tree_v))
     return normalised_with_lse(o[..., :group, :], l[..., :group], m[..., :group])
-
-
-def view_row_block_lists(blocks, length, *, nodes_per_block: int, num_blocks: int, window: int, select_block: int,
-                         min_width: int):
-    """v1_view's lists from each node's selected blocks [T, H_kv, n] (-1 pads): per KV head and row block of
-    nodes_per_block nodes, the union of their blocks and the window's, ascending (lists [H_kv, RB, W], -1 past
-    counts [H_kv, RB]), and member [H_kv, RB, W] int32 (bit p: the block's local node p selected it). W: a power
-    of two, at least min_width, holding every row block's union."""
-    num_nodes, num_kv_heads, top_n = blocks.shape
-    row_blocks = pl.cdiv(num_nodes, nodes_per_block)
-    window_blocks = window // select_block + 1  # the rows [length - window, length) lie in these at most
-    in_window = (length - window) // select_block + jnp.arange(window_blocks, dtype=jnp.int32)
-    width = max(min_width, next_power_of_2(min(nodes_per_block * top_n + window_blocks, num_blocks)))
-    by_block = jnp.pad(blocks.astype(jnp.int32), ((0, row_blocks * nodes_per_block - num_nodes), (0, 0), (0, 0)),
-                       constant_values=-1).reshape(row_blocks, nodes_per_block, num_kv_heads, top_n)
-    by_block = by_block.transpose(2, 0, 1, 3)  # [H_kv, RB, P, n]
-    candidates = jnp.concatenate([by_block.reshape(num_kv_heads, row_blocks, -1), jnp.broadcast_to(
-        in_window, (num_kv_heads, row_blocks, window_blocks))], axis=-1)
-    candidates = jnp.where((candidates >= 0) & (candidates < num_blocks), candidates, num_blocks)  # else dropped
-    heads, rbs = jnp.arange(num_kv_heads)[:, None, None], jnp.arange(row_blocks)[None, :, None]
-    chosen = jnp.zeros((num_kv_heads, row_blocks, num_blocks + 1), bool).at[heads, rbs, candidates].set(True)
-    chosen = chosen[..., :num_blocks]
-    counts = chosen.sum(axis=-1, dtype=jnp.int32)
-    # A chosen block's slot is the number of chosen blocks before it (as union_schedule).
-    place = jnp.where(chosen, jnp.cumsum(chosen, axis=-1) - 1, width)
-    lists = jnp.full((num_kv_heads, row_blocks, width), -1, jnp.int32).at[heads, rbs, place].set(
-        jnp.arange(num_blocks, dtype=jnp.int32)[None, None], mode="drop")
-    hit = jnp.any(lists[..., None, None] == by_block[:, :, None], axis=-1) & (lists >= 0)[..., None]  # [.., W, P]
-    member = jnp.sum(hit.astype(jnp.int32) << jnp.arange(nodes_per_block, dtype=jnp.int32), axis=-1,
-                     dtype=jnp.int32)
-    return lists, counts, member
-
-
-@functools.partial(jax.jit, static_argnames=("select_block", "window", "batch", "interpret"))
-def v1_view(q, k_cache, v_cache, blocks, length, tree_k, tree_v, ancestors, *, layer=None, select_block: int,
-            window: int, batch: int = 1, interpret: bool = False):
-    """v0_view's attention (same arguments and result) through v1_view_kernel: each program's rows are those of
-    16 // G nodes (at least one), over the union of their blocks and the window's."""
-    (k_cache, v_cache), layer = stacked_layer(layer, k_cache, v_cache)
-    num_nodes, num_q_heads, head_dim = q.shape
-    num_layers, capacity, num_kv_heads, _ = k_cache.shape
-    group, top_n = num_q_heads // num_kv_heads, blocks.shape[2]
-    block_r = max(16, next_power_of_2(group))
-    nodes_per_block = min(block_r // group, num_nodes)
-    row_blocks = pl.cdiv(num_nodes, nodes_per_block)
-    blocks_per_step = max(1, VIEW_STEP_KEYS // select_block)
-    lists, counts, member = view_row_block_lists(
-        blocks, length, nodes_per_block=nodes_per_block, num_blocks=pl.cdiv(capacity, select_block), window=window,
-        select_block=select_block, min_width=blocks_per_step)
-    width = lists.shape[-1]
-    listed = next_power_of_2(top_n)
-    chosen = jnp.pad(blocks.astype(jnp.int32), ((0, 0), (0, 0), (0, listed - top_n)), constant_values=-1)
-    padded, depth, ancestors, tree_k, tree_v = _tree_operands(ancestors, tree_k, tree_v)
-    wanted = pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads * row_blocks)
-    num_splits = max(1, min(MAX_VIEW_SPLITS, previous_power_of_2(wanted), width // blocks_per_step))
-    kernel = functools.partial(v1_view_kernel, sm_scale=1.0 / math.sqrt(head_dim), group=group,
-                               num_q_heads=num_q_heads, num_nodes=num_nodes, nodes_per_block=nodes_per_block,
-                               block_r=block_r, select_block=select_block, window=window,
-                               blocks_per_step=blocks_per_step, num_splits=num_splits)
-    part = lambda *tail: pl.BlockSpec((None, None, block_r, *tail), lambda h, r, s: (s, h, r, *(0,) * len(tail)))
-    shape = lambda *tail: jax.ShapeDtypeStruct((num_splits, num_kv_heads, row_blocks * block_r, *tail),
-                                               jnp.float32)
-    tree_spec = pl.BlockSpec((padded, None, head_dim), lambda h, r, s: (0, h, 0))
-    per_row_block = pl.BlockSpec((None, None, width), lambda h, r, s: (h, r, 0))
-    o, l, m = pl.pallas_call(
-        kernel, grid=(num_kv_heads, row_blocks, num_splits),
-        in_specs=[pl.BlockSpec((num_nodes * num_q_heads, head_dim), lambda h, r, s: (0, 0)),
-                  _head_rows(num_layers, capacity, head_dim), _head_rows(num_layers, capacity, head_dim),
-                  pl.BlockSpec((), lambda h, r, s: ()), per_row_block,
-                  pl.BlockSpec((None, row_blocks), lambda h, r, s: (h, 0)), per_row_block,
-                  pl.BlockSpec((num_nodes, None, listed), lambda h, r, s: (0, h, 0)),
-                  pl.BlockSpec((), lambda h, r, s: ()),
-                  pl.BlockSpec((padded,), lambda h, r, s: (0,)),
-                  pl.BlockSpec((num_nodes, padded), lambda h, r, s: (0, 0)),
-                  tree_spec, tree_spec],
-        out_specs=[part(head_dim), part(), part()], out_shape=[shape(head_dim), shape(), shape()],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
-        name="nsa_tree_v1_view",
-    )(q.reshape(num_nodes * num_q_heads, head_dim), k_cache, v_cache, layer, lists, counts, member, chosen,
-      length.astype(jnp.int32), depth, ancestors, tree_k, tree_v)
-    real = nodes_per_block * group  # each row block's real rows come first
-    unpack = lambda x: x.reshape(num_splits, num_kv_heads, row_blocks, block_r, *x.shape[3:])[:, :, :, :real].reshape(
-        num_splits, num_kv_heads, row_blocks * nodes_per_block, group, *x.shape[3:])[:, :, :num_nodes]
-    return normalised_with_lse(unpack(o), unpack(l), unpack(m))
 
 
 @functools.partial(jax.jit, static_argnames=("select_block", "launch", "interpret"))

@@ -35,7 +35,7 @@ from models.nsa_cache import NSALayerCache, write_tokens
 from models.nsa_selection import NO_BLOCK, num_select_blocks, select_blocks, selection_scores
 from pallas_kernels.nsa_decode import nsa_decode_reference
 from pallas_kernels.nsa_tree_compressed import compressed_tree_branch, compressed_tree_branch_reference
-from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v0_view, v1_selected, v1_view
+from pallas_kernels.nsa_tree_select import V1Launch, v0_selected, v0_view, v1_selected
 from pallas_kernels.top_n import top_n
 
 MAX_TREE_NODES = 64
@@ -297,10 +297,9 @@ def nsa_tree_verify(q, cache: NSALayerCache, tree_k, tree_v, gates, length, pare
     if reselect is not None:
         blocks = reselect(blocks, anc, positions)
 
-    if kind == "nsa-view" and kernels is not None:  # every key of a node in one kernel
-        view = v0_view if schedule == "v0" else v1_view
-        o, _ = view(q, cache.k, cache.v, blocks, length, tree_k, tree_v, anc, layer=cache.layer,
-                    select_block=sel, window=w, batch=batch, interpret=kernels == "interpret")
+    if kind == "nsa-view" and kernels is not None and schedule == "v0":  # every key of a node in one kernel
+        o, _ = v0_view(q, cache.k, cache.v, blocks, length, tree_k, tree_v, anc, layer=cache.layer,
+                       select_block=sel, window=w, batch=batch, interpret=kernels == "interpret")
         out = jnp.moveaxis(o, 0, 1).reshape(num_nodes, num_q_heads, head_dim).astype(q.dtype)
         return (out, blocks) if return_blocks else out
 
