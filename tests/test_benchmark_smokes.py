@@ -582,12 +582,18 @@ def test_check_lossless_gpu_judges_divergences(capsys):
     # Differs at its third token, whose log-probability is not rounding's to count.
     shifted[0] = request([5, 6, 8], [(u, a + d, b) for (u, a, b), d in zip(tops[0], (1e-3, 2e-3, 1.0))])
     assert check.compare(shifted, plain)["rounding"] == pytest.approx(3e-3)  # the agreed tokens only
-    # Targets: float32 identity of every speculative case, self-drafted chains' drafts accepted; bf16 identity no worse than plain against plain, every
-    # divergence a near-tie. Plain against plain is the yardstick, never a miss.
+    # Targets: float32 identity of every speculative case, self-drafted chains' drafts accepted (their rate: adaptive
+    # γ's τ 1.80 of one-token drafts is healthy); bf16 identity no worse than plain against plain, every divergence a
+    # near-tie. Plain against plain is the yardstick, never a miss.
     records = [{"part": "float32", "case": "plain@1 vs plain@8", "batch": 8, "identical": 1, "sequences": 2},
-               {"part": "float32", "case": "vegas", "batch": 8, "identical": 1, "sequences": 2, "tau": 6.0},
-               {"part": "float32", "case": "vegas-int4-a8", "batch": 8, "identical": 2, "sequences": 2, "tau": 1.0},
-               {"part": "float32", "case": "tree-ngram", "batch": 8, "identical": 2, "sequences": 2, "tau": 1.2},
+               {"part": "float32", "case": "vegas", "batch": 8, "identical": 1, "sequences": 2, "tau": 6.0,
+                "acceptance_rate": 0.83},
+               {"part": "float32", "case": "vegas-int4-a8", "batch": 8, "identical": 2, "sequences": 2, "tau": 1.0,
+                "acceptance_rate": 0.0},
+               {"part": "float32", "case": "vegas-auto", "batch": 1, "identical": 2, "sequences": 2, "tau": 1.8,
+                "acceptance_rate": 0.8},
+               {"part": "float32", "case": "tree-ngram", "batch": 8, "identical": 2, "sequences": 2, "tau": 1.2,
+                "acceptance_rate": 0.1},
                {"part": "bf16", "case": "plain@1 vs plain@8", "identical": 6, "sequences": 8,
                 "divergences": [{"near_tie": False}] * 2},
                {"part": "bf16", "case": "vegas@8 vs plain@8", "identical": 5, "sequences": 8,
@@ -595,8 +601,8 @@ def test_check_lossless_gpu_judges_divergences(capsys):
                {"part": "bf16", "case": "streaming@8 vs plain@8", "identical": 7, "sequences": 8,
                 "divergences": [{"near_tie": False}]},
                {"part": "sampled", "case": "quest", "passed": False, "p_value": 1e-9}]
-    assert check.verdict(records) == ["float32 vegas at batch 8: 1/2 identical",
-                                      "float32 vegas-int4-a8 at batch 8: τ 1.00, drafts rejected",
+    rejected = "float32 vegas-int4-a8 at batch 8: acceptance rate 0.00 (τ 1.00), drafts rejected"
+    assert check.verdict(records) == ["float32 vegas at batch 8: 1/2 identical", rejected,
                                       "bf16 streaming@8 vs plain@8: a divergence beyond rounding",
                                       "sampled quest: p = 1.00e-09",
                                       "bf16 vegas@8 vs plain@8: identity 5/8 below plain-vs-plain's 75%"]
