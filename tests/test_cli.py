@@ -777,3 +777,22 @@ def test_a_decode_of_no_measured_time_has_no_speed(monkeypatch, capsys, tmp_path
         assert run["metrics"]["decode_s"] == 0 and run["metrics"]["decode_tokens_per_s"] is None
     assert doc["speedup_vs_ar"] is None
     assert "decode 0.00s  - tok/s" in err and "speedup vs ar: none" in err
+
+
+def test_the_embedded_model_drafts_with_its_shipped_head(capsys, tmp_path):
+    """--drafter head on the embedded model without --draft-head takes the head shipped for its --attention (the
+    SmolLM2 target it was trained for, loaded: a plan's dry run); another model needs --draft-head, in one line."""
+    from vegas_jax.loading.draft_head_checkpoint import EMBEDDED_HEADS, embedded_head
+
+    head = ["--drafter", "head", "--draft-tree", "4x2", "--prompt", PROMPT, "--dry-run", "--quiet"]
+    for attention in ("dense", "nsa-view"):
+        out, _, _ = run_json(capsys, tmp_path, [*head, "--attention", attention])
+        assert out["draft_head"] == str(EMBEDDED_HEADS / attention) and out["plan"]["drafter"] == "head"
+    out, _, _ = run_json(capsys, tmp_path, ["--prompt", PROMPT, "--dry-run", "--quiet"])
+    assert out["draft_head"] is None
+    assert generate.main([*BASE, *head]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --drafter head: this engine has no draft head"), line
+    with pytest.raises(InputError, match="^attention nsa: the embedded model ships draft heads for dense, nsa-view "
+                                         "only"):
+        embedded_head("nsa")

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and a 128-token window; --method ar); default: the checkpoint's own (NSA checkpoints "
                         "load as NSA)")
     p.add_argument("--draft-head", default=None,
-                   help="with --drafter head: the trained draft head's folder (python -m vegas_jax.train_draft_head)")
+                   help="with --drafter head: the trained draft head's folder (python -m vegas_jax.train_draft_head); "
+                        "default for the embedded model: the head shipped for its --attention")
     p.add_argument("--slots", type=int, default=None,
                    help="continuous batching: at most this many requests decode together, the others queue and are "
                         "admitted as requests finish (default: all prompts in one batch)")
@@ -563,7 +564,13 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         loaded = load_checkpoint(args.model, dtype, mesh, options.draft_weights if options.effective_gamma else None)
         load_s = time.perf_counter() - t0
         loaded = dataclasses.replace(loaded, config=with_attention(loaded.config, args.attention))
-        engine = Engine(loaded, draft_head=args.draft_head)
+        draft_head = args.draft_head
+        drafting = options.drafting
+        if draft_head is None and args.model is None and drafting.draft_tree and drafting.drafter == "head":
+            from vegas_jax.loading.draft_head_checkpoint import embedded_head
+
+            draft_head = embedded_head(args.attention or "dense")
+        engine = Engine(loaded, draft_head=draft_head)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         if (args.system is not None or args.messages) and engine.tokenizer.chat_template is None:
             raise InputError("{}: the model has no chat template to render them with",
@@ -571,7 +578,8 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         prompts = engine.encode_prompts(prompts, args.chat_template)
         plan = engine.plan(prompts, options, slots=args.slots, refill=args.refill)
         if args.dry_run:
-            doc = {"plan": plan, "prompt_tokens": [len(p) for p in prompts]}
+            doc = {"plan": plan, "draft_head": None if draft_head is None else str(draft_head),
+                   "prompt_tokens": [len(p) for p in prompts]}
             print(json.dumps(doc, indent=1))
             if args.output_json:
                 outputs.write_json(args.output_json, doc)
@@ -581,7 +589,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                     "system": args.system, "messages": [str(p) for p in args.messages],
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
                     "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"],
-                    "layer_loop": plan["layer_loop"]}
+                    "layer_loop": plan["layer_loop"], "draft_head": None if draft_head is None else str(draft_head)}
         out["config"] = resolved
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)

@@ -22,6 +22,10 @@ from vegas_jax.loading.orbax_ckpt import pending_reads_drained
 # Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
 CAUSE_CHARS = 200
 
+# The heads shipped for the embedded SmolLM2, one per attention it runs under (vegas_jax.attention.family's
+# ATTENTION_CHOICES), each exported from `python -m vegas_jax.train_draft_head --attention A` at its defaults
+# (docs/draft-head.md says how they were trained and measured).
+EMBEDDED_HEADS = Path(__file__).parent / "embedded_heads"
 KEEP = 2  # steps kept: the newest, and the one before in case the newest was cut off while written
 
 
@@ -98,12 +102,18 @@ def _newest(folder: str | Path) -> tuple[ocp.CheckpointManager, int, dict]:
     return checkpoints, step, record
 
 
+def _here(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An array to restore onto this process's first device: a checkpoint records the devices it was saved from
+    (a GPU's, for the shipped heads), which Orbax would otherwise look for."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
 def load_head(folder: str | Path, config: ModelConfig, dtype=jnp.float32):
     """The newest params of the head checkpoint in `folder` for a target of `config`, in `dtype`; InputError naming
     draft_head when there is none or it was trained for another target."""
     checkpoints, step, record = _newest(folder)
     check_target(record, config, str(folder))
-    like = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), draft_head.param_shapes(config),
+    like = jax.tree.map(lambda shape: _here(shape, jnp.float32), draft_head.param_shapes(config),
                         is_leaf=lambda x: isinstance(x, tuple))
     with _reading("draft_head", Path(folder), step):
         params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
@@ -119,11 +129,25 @@ def export(folder: str | Path, dest: str | Path, dtype=jnp.bfloat16) -> Path:
     if target.latest_step() is not None:
         raise InputError("{export} {}: already holds a head checkpoint", str(dest))
     with _reading("draft_head", Path(folder), step):
-        params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+        with ocp.StandardCheckpointer() as reader:
+            stored = reader.metadata(checkpoints.directory / str(step) / "params").item_metadata.tree
+        like = jax.tree.map(lambda x: _here(x.shape, x.dtype), stored)
+        params = checkpoints.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))["params"]
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     target.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), record=ocp.args.JsonSave(record)))
     target.wait_until_finished()
     return Path(dest)
+
+
+def embedded_head(attention: str) -> Path:
+    """The folder of the head shipped for the embedded SmolLM2 under `attention`; InputError naming attention when
+    none was shipped for it."""
+    folder = EMBEDDED_HEADS / attention
+    if not folder.is_dir():
+        raise InputError("{attention} {}: the embedded model ships draft heads for {} only; train one "
+                         "(python -m vegas_jax.train_draft_head) and pass its folder", attention,
+                         ", ".join(sorted(d.name for d in EMBEDDED_HEADS.iterdir() if d.is_dir())))
+    return folder
 
 
 def span(context_tokens: int, prompt_tokens: int, new_tokens: int) -> int:

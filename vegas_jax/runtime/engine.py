@@ -128,9 +128,12 @@ class Engine:
     def _fitted_plan(self, prompt_ids, options, *, slots=None, refill=None,
                      kept_prefill: bool = False) -> run_plan.RunPlan:
         drafters = ("self", "ngram") + (("head",) if self.draft_head is not None else ())
-        return run_plan.resolve(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
-                            stop_table_of=self._stop_table, slots=slots, refill=refill,
-                            kept_prefill=kept_prefill, drafters=drafters, head_window=self.draft_head_window)
+        plan = run_plan.resolve(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
+                                stop_table_of=self._stop_table, slots=slots, refill=refill,
+                                kept_prefill=kept_prefill, drafters=drafters, head_window=self.draft_head_window)
+        if plan.config.drafts_with_head:
+            self._draft_params(plan.config, 0)  # a head-drafted run without a head is refused by a plan too
+        return plan
 
     # ---- draft weights -------------------------------------------------------------------------------------
     def _draft_params(self, config: loop.DecodeConfig, rows: int):
