@@ -94,8 +94,8 @@ CASES = {
 # Chains the model drafts for itself (sparse attention, quantized weights): their drafts are the model's own
 # tokens but for the sparse cache and rounding, so nearly all are accepted (τ about 6 of 7 on SmolLM2). Below this
 # acceptance rate a draft product is broken: the output stays lossless, verification rejecting every draft, and only
-# slower (an integer kernel wrong on the GPU alone gave τ 1.00). The rate, not τ: adaptive γ drafts as few as one
-# token where drafting costs nearly a step (batch 1), capping a healthy τ below 2 (1.80 on an H100).
+# slower (an integer kernel wrong on the GPU alone gave τ 1.00). The rate, not τ: adaptive γ may draft as few as one
+# token a pass where drafting costs nearly a step (batch 1), capping a healthy τ below 2 (1.80 on an H100).
 SELF_DRAFTED = tuple(c for c, (_, fields) in CASES.items() if "drafter" not in fields and "draft_tree" not in fields)
 MIN_SELF_DRAFT_ACCEPTANCE = 0.5
 # Left out at batch 1 by --quick: the loops that take longest to compile (adaptive γ's passes about 105 s, an NSA
