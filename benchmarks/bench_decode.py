@@ -44,6 +44,8 @@ from vegas_jax.decode import adaptive_gamma  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
 from vegas_jax.attention.family import ATTENTION_CHOICES, with_attention  # noqa: E402
 from vegas_jax.cli.arguments import flag  # noqa: E402
+from vegas_jax.cli.option_flags import numbers  # noqa: E402
+from vegas_jax.decode.tree_shapes import shaped_by_rates  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
@@ -65,6 +67,8 @@ def configuration(options: GenerationOptions, prompts) -> dict:
         "controls": {k: getattr(options, k) for k in CONTROLS},
         "draft_tree": options.draft_tree,
         "drafter": options.drafter if options.draft_tree else None,
+        **({"tree_nodes": options.tree.num_nodes, "tree_depth": options.tree.depth,
+            "tree_rates": options.tree_rates} if options.draft_tree and shaped_by_rates(options.draft_tree) else {}),
     }
 
 
@@ -191,8 +195,11 @@ def main(argv=None) -> int:
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--breakdown", action="store_true")
-    p.add_argument("--trees", default="", help="draft trees after the methods: DRAFTER:DEPTHxBRANCHING,... "
-                                               "(drafter self, ngram or head; e.g. self:4x2,ngram:6x1,head:6x1)")
+    p.add_argument("--trees", default="", help="draft trees after the methods: DRAFTER:TREE,... (drafter self, "
+                                               "ngram or head; TREE DEPTHxBRANCHING or NODES[dDEPTH]; e.g. "
+                                               "self:4x2,ngram:6x1,head:16d6)")
+    p.add_argument("--tree-rates", type=numbers, default=None,
+                   help="rank acceptance rates shaping the NODES[dDEPTH] trees (generate's --tree-rates)")
     p.add_argument("--draft-head", default=None, help="the trained draft head of drafter head "
                                                       "(vegas_jax.train_draft_head's --out)")
     p.add_argument("--head-windows", default="trained",
@@ -219,6 +226,9 @@ def main(argv=None) -> int:
         head_windows = [-1]
     if any(w is not None and w < 0 for w in head_windows):
         p.error(f"--head-windows: positions, 0 or trained, comma-separated; got {args.head_windows!r}")
+    if args.tree_rates is not None and not any(shaped_by_rates(tree) for _, tree, _ in
+                                               runs(args.methods, args.trees, args.tree_method) if tree):
+        p.error("--tree-rates: only with a NODES[dDEPTH] tree in --trees (a tree they shape)")
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
@@ -251,9 +261,10 @@ def main(argv=None) -> int:
                     head_window = window
                 options = GenerationOptions.check(GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
-                    gamma=args.gamma if tree is None else int(tree.split("x")[0]), sparse_ratio=args.sparse_ratio,
+                    gamma=args.gamma if tree is None else GenerationOptions.gamma, sparse_ratio=args.sparse_ratio,
                     min_sparse_tokens=args.min_sparse_tokens, score_mode=args.score_mode,
                     max_model_len=prompt_tokens + args.max_new_tokens, draft_tree=tree, drafter=drafter,
+                    tree_rates=args.tree_rates if tree is not None and shaped_by_rates(tree) else None,
                     **{k: tuple(getattr(args, k)) if k == "stop" else getattr(args, k) for k in CONTROLS},
                 ))
                 if args.requests:

@@ -44,3 +44,23 @@ def test_a_bad_head_window_is_one_error_line(capsys, windows):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "error: --head-windows" in error and repr(windows) in error, error
+
+
+def test_rates_shape_the_trees_they_name_and_nothing_else(capsys, tmp_path):
+    """--tree-rates reach the NODES[dDEPTH] trees of --trees (recorded with their size and depth); given with none,
+    they are refused in one line."""
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "tiny-llama"
+    common = ["--model", str(fixture), "--dtype", "float32", "--batches", "1", "--prompt-tokens", "40",
+              "--max-new-tokens", "8", "--methods", "ar", "--repeats", "1", "--out", str(tmp_path)]
+    assert main([*common, "--trees", "ngram:5d2", "--tree-rates", "0.6,0.3"]) in (0, None)
+    (path,) = tmp_path.glob("e2e-*.json")
+    shaped = [r for r in json.loads(path.read_text())["records"] if r["draft_tree"] == "5d2"]
+    assert len(shaped) == 1 and (shaped[0]["tree_nodes"], shaped[0]["tree_depth"]) == (5, 2)
+    assert tuple(shaped[0]["tree_rates"]) == (0.6, 0.3)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*common, "--trees", "ngram:4x2", "--tree-rates", "0.6,0.3"])
+    assert exit_info.value.code == 2
+    assert "error: --tree-rates: only with a NODES[dDEPTH] tree" in capsys.readouterr().err.strip().splitlines()[-1]

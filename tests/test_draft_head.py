@@ -234,7 +234,7 @@ def test_a_kept_prefill_keeps_the_heads_rows_with_the_cache(dense):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("tree", ["4x1", "2x3"])
+@pytest.mark.parametrize("tree", ["4x1", "2x3", "7d4"])  # 7d4: shaped by rank rates, irregular
 def test_greedy_decoding_with_the_head_is_plain_greedy_decoding(dense, tree):
     engine, _, _ = dense
     ids = prompts([12, 21, 9], engine.config.vocab_size, seed=2)  # the first is a training prompt

@@ -27,7 +27,7 @@ from vegas_jax.attention.family import DenseFamily
 from vegas_jax.attention.tree import TreeAttention
 from vegas_jax.runtime.engine import Engine, GenerationOptions, InputError
 from vegas_jax.runtime.metrics import accepted_histogram
-from vegas_jax.decode.tree_shapes import TreeShape, parse_tree
+from vegas_jax.decode.tree_shapes import DEFAULT_RANK_RATES, TreeShape, parse_tree
 
 _forward = jax.jit(forward, static_argnames="config")
 # Depths 0 1 1 2 2 2 3 3: unequal branching, a leaf above the deepest level, two paths of depth 3.
@@ -56,6 +56,59 @@ def test_tree_shapes():
     with pytest.raises(ValueError, match="parent must come before"):
         TreeShape((-1, 2, 0))
     assert accepted_histogram(10, np.array([6, 2, 1])) == [4, 4, 1, 1]
+
+
+def _best_by_enumeration(nodes: int, rates: tuple[float, ...], max_depth: int) -> float:
+    """The largest expected τ over every tree of `nodes` drafted nodes no deeper than `max_depth` whose nodes have at
+    most len(rates) children: each node in turn hangs under any earlier node with a rank free (its rank the number
+    of children that node already has), the chance of its path the product of its ranks' rates."""
+    best = 0.0
+
+    def grow(chance, depth, kids):
+        nonlocal best
+        if len(chance) == nodes + 1:
+            best = max(best, sum(chance))
+            return
+        for parent in range(len(chance)):
+            if kids[parent] < len(rates) and depth[parent] < max_depth:
+                kids[parent] += 1
+                grow(chance + [chance[parent] * rates[kids[parent] - 1]], depth + [depth[parent] + 1],
+                     kids + [0])
+                kids[parent] -= 1
+
+    grow([1.0], [0], [0])
+    return best
+
+
+def test_trees_shaped_by_rank_rates_are_the_best_of_their_size():
+    """NODES[dDEPTH] trees against every tree of their size (and depth) by enumeration; a full tree's expected τ
+    against its closed form, each level accepting with the sum of its ranks' rates; the grammar's refusals."""
+    for rates in [(0.7, 0.12), (0.5, 0.3, 0.1), (0.9,)]:
+        for nodes, depth in [(1, 6), (4, 6), (6, 6), (6, 2), (7, 3)]:
+            if nodes > sum(len(rates)**d for d in range(1, depth + 1)):
+                continue
+            tree = TreeShape.for_rates(nodes, rates, depth)
+            assert tree.num_nodes == nodes and tree.depth <= depth
+            assert tree.expected_tokens(rates) == pytest.approx(_best_by_enumeration(nodes, rates, depth), abs=1e-12)
+            levels = np.concatenate([[0], np.flatnonzero(np.diff(tree.depths)) + 1])
+            assert list(tree.depths) == sorted(tree.depths) and len(levels) == tree.depth + 1  # level by level
+    for depth, branching in [(4, 2), (3, 3), (6, 1)]:
+        level = sum((0.6, 0.2, 0.1)[:branching])
+        assert TreeShape.full(depth, branching).expected_tokens((0.6, 0.2, 0.1)) == pytest.approx(
+            sum(level**d for d in range(depth + 1)))
+    assert parse_tree("16") == TreeShape.for_rates(16, DEFAULT_RANK_RATES)
+    assert parse_tree("9d3", rates=(0.6, 0.3)) == TreeShape.for_rates(9, (0.6, 0.3), 3)
+    assert parse_tree("3", rates=(0.9,)) == TreeShape.chain(3) and parse_tree("4x2").describe() == "4x2"
+    # The shipped head's rates: a tree of 12 nodes expects what 4x2's 30 do, one of 30 more.
+    four_by_two = parse_tree("4x2").expected_tokens(DEFAULT_RANK_RATES)
+    assert parse_tree("12").expected_tokens(DEFAULT_RANK_RATES) > four_by_two
+    assert parse_tree("30").expected_tokens(DEFAULT_RANK_RATES) > four_by_two + 0.6
+    for bad, rates, needle in [("16x", None, "NODES\\[dDEPTH\\]"), ("65", None, "1 to 64 nodes"),
+                               ("8d0", None, "at least 1 deep"), ("8", (0.5, 0.6), "non-increasing"),
+                               ("8", (0.7, 0.4), "summing to at most 1"), ("8", (1.0,), "in \\(0, 1\\)"),
+                               ("7d2", None, "a tree 2 deep with 2 ranks of rates \\(tree_rates\\) holds fewer")]:
+        with pytest.raises(InputError, match=needle):
+            parse_tree(bad, rates=rates)
 
 
 def _path_tokens(tokens: np.ndarray, tree: TreeShape, node: int) -> list[int]:
@@ -175,6 +228,7 @@ def plain(engine):
 TREES = [
     ("vegas", "self", "2x3"),
     ("ar", "ngram", "3x2"),
+    ("ar", "ngram", "9d3"),  # shaped by rank rates: irregular, first choices deepest
 ]
 
 
@@ -241,10 +295,10 @@ def sampler():
     return tree_sampler()
 
 
-def sampled_counts(sampler, drafter: str, seeds: int = 20_000):
+def sampled_counts(sampler, drafter: str, seeds: int = 20_000, tree: str = "2x2"):
     engine, prompt, _ = sampler
     method = "vegas" if drafter == "self" else "ar"
-    opts = GenerationOptions(max_new_tokens=SAMPLED_NEW, method=method, draft_tree="2x2", drafter=drafter,
+    opts = GenerationOptions(max_new_tokens=SAMPLED_NEW, method=method, draft_tree=tree, drafter=drafter,
                              sparse_ratio=0.02, min_sparse_tokens=2, prefill_chunk=80,
                              max_model_len=PROMPT_LENGTH + SAMPLED_NEW, **SAMPLED)
     result = engine.generate([prompt] * seeds, opts)
@@ -254,10 +308,12 @@ def sampled_counts(sampler, drafter: str, seeds: int = 20_000):
     return counts, result.metrics["accepted_depth_histogram"]
 
 
-# The self drafter's children are draws without replacement, the n-gram drafter's fixed choices.
-@pytest.mark.parametrize("drafter,seeds", [("self", 20_000), ("ngram", 10_000)])
-def test_sampled_trees_keep_the_distribution(sampler, drafter, seeds):
-    counts, histogram = sampled_counts(sampler, drafter, seeds)
+# The self drafter's children are draws without replacement, the n-gram drafter's fixed choices. 3d2, shaped by
+# rank rates, is irregular: the root's first child has one child of its own, its second none.
+@pytest.mark.parametrize("drafter,seeds,tree", [("self", 20_000, "2x2"), ("ngram", 10_000, "2x2"),
+                                                ("self", 20_000, "3d2")])
+def test_sampled_trees_keep_the_distribution(sampler, drafter, seeds, tree):
+    counts, histogram = sampled_counts(sampler, drafter, seeds, tree)
     # Rejections at the root, and paths of depth 1 and 2, each in at least 2 % of the tree iterations.
     assert min(histogram) > 0.02 * sum(histogram), histogram
     p_value = chi_square_p_value(counts, sampler[2])

@@ -73,8 +73,9 @@ def emitted(state) -> list[list[int]]:
     return [output[b, : count[b]].tolist() for b in range(len(count))]
 
 
-# Each layout and each drafter in the quick suite; the other pairs (slow) for time.
-CASES = [("nsa-1b", "ngram", "3x2"), ("paper", "self", "2x3"), ("view", "self", "3x1"),
+# Each layout and each drafter in the quick suite, and a tree shaped by rank rates (irregular); the other pairs
+# (slow) for time.
+CASES = [("nsa-1b", "ngram", "3x2"), ("paper", "self", "2x3"), ("view", "self", "3x1"), ("view", "ngram", "7d3"),
          pytest.param("nsa-1b", "self", "2x2", marks=pytest.mark.slow),
          pytest.param("view", "ngram", "2x2", marks=pytest.mark.slow)]
 

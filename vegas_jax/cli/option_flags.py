@@ -38,7 +38,7 @@ def gamma_value(text: str) -> int | str:
 
 
 def numbers(text: str) -> tuple[float, ...]:
-    """A comma-separated list of numbers (--gamma-costs)."""
+    """A comma-separated list of numbers (--gamma-costs, --tree-rates)."""
     try:
         return tuple(float(part) for part in text.split(","))
     except ValueError:
@@ -47,7 +47,7 @@ def numbers(text: str) -> tuple[float, ...]:
 
 # How a flag's text becomes its option's value where the option's type does not say.
 PARSERS = {"max_new_tokens": token_count, "max_model_len": token_count, "prefill_chunk": token_count,
-           "min_sparse_tokens": token_count, "gamma": gamma_value, "gamma_costs": numbers}
+           "min_sparse_tokens": token_count, "gamma": gamma_value, "gamma_costs": numbers, "tree_rates": numbers}
 USER_HEADING = "generation options"
 USER_DESCRIPTION = "sampling, lengths, stops, penalties, log-probabilities, the method, gamma and the drafts' precision"
 RESEARCH_HEADING = "research options"

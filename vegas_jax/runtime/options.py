@@ -18,7 +18,7 @@ from vegas_jax.decode.draft_kernel import ACTIVATIONS
 from vegas_jax.decode.drafters import DRAFTERS
 from vegas_jax.inputs import InputError
 from vegas_jax.decode.selection import POLICIES
-from vegas_jax.decode.tree_shapes import TreeShape, parse_tree
+from vegas_jax.decode.tree_shapes import TreeShape
 from vegas_jax.runtime.research_options import (MAX_GAMMA, AdaptiveGammaConfig, QuestConfig, RetrievalConfig,
                                                 SelectionConfig, SsvConfig, StreamingConfig, TreeConfig, option)
 
@@ -231,7 +231,7 @@ class GenerationOptions:
                      "{drafter} auto is the SSV planner's choice: only with {ssv_profile}"),
                     (drafter == "self" or profile is not None,
                      "{drafter} {} drafts a tree: give {draft_tree} too (6x1 is a chain)", drafter)]
-        tree = parse_tree(draft_tree)
+        tree = self.drafting.shape()
         penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
         return [
             (drafter in DRAFTERS, "{drafter} must be one of " + ", ".join(DRAFTERS) + ", got {!r}", drafter),
@@ -250,7 +250,7 @@ class GenerationOptions:
 
     @property
     def tree(self) -> TreeShape | None:
-        return None if self.drafting.draft_tree is None else parse_tree(self.drafting.draft_tree)
+        return self.drafting.shape()
 
     @property
     def auto_gamma(self) -> bool:

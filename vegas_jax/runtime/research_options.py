@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from vegas_jax import inputs
 from vegas_jax.attention.verify import SCORE_MODES
-from vegas_jax.decode.tree_shapes import parse_tree
+from vegas_jax.decode.tree_shapes import TreeShape, check_rates, parse_tree, shaped_by_rates
 from vegas_jax.inputs import InputError
 from vegas_jax.ssv.precision import ApproxMode, parse_precision
 
@@ -143,17 +143,31 @@ class TreeConfig(ResearchOptions):
     no draft pass, no selection) or head (a trained draft head, with method ar: docs/draft-head.md; the Engine's
     draft_head); with an SSV profile also auto (the planner chooses the drafter)."""
 
-    draft_tree: str | None = option(None, "verify a draft tree DEPTHxBRANCHING (e.g. 4x2; 6x1 is a chain; at most "
-                                          "64 nodes) instead of a chain of --gamma drafts")
+    draft_tree: str | None = option(None, "verify a draft tree instead of a chain of --gamma drafts: DEPTHxBRANCHING "
+                                          "(e.g. 4x2; 6x1 is a chain), or NODES[dDEPTH] (e.g. 16, 24d6: that many "
+                                          "nodes, at most that deep, shaped for the most accepted drafts under "
+                                          "--tree-rates); at most 64 nodes")
+    tree_rates: tuple[float, ...] | None = option(
+        None, "with --draft-tree NODES: the chance that a node's first, second, .. child is the accepted one, "
+              "comma-separated (default 0.70,0.12: the shipped SmolLM2 head's; a run's acceptance_by_position "
+              "measures them: a chain's gives the first, a DEPTHx2 tree's the sum of two)")
     drafter: str = option("self", "with --draft-tree: self (the model's cheaper draft: a dense model's sparse draft, "
                                   "with --method; an NSA model's sink and window), ngram (prompt lookup) or head (a "
                                   "trained draft head, --draft-head); with --ssv-profile also auto (the planner's "
                                   "choice)")
 
     def _problems(self) -> list[tuple]:
-        if self.draft_tree is not None:
-            parse_tree(self.draft_tree)  # its syntax and size, InputError naming draft_tree
+        if self.tree_rates is not None:
+            check_rates(self.tree_rates)
+            if self.draft_tree is None or not shaped_by_rates(self.draft_tree):
+                raise InputError("{tree_rates}: only with {draft_tree} NODES[dDEPTH] (a tree they shape), got "
+                                 "{draft_tree} {}", self.draft_tree)
+        self.shape()  # the tree's syntax and size, InputError naming draft_tree
         return []
+
+    def shape(self) -> TreeShape | None:
+        """The tree draft_tree names (under tree_rates), None without one."""
+        return None if self.draft_tree is None else parse_tree(self.draft_tree, rates=self.tree_rates)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.config import ModelConfig
+from vegas_jax.decode.tree_shapes import shaped_by_rates
 from vegas_jax.inputs import InputError
 from vegas_jax.ssv.planner import DrafterAcceptance, Plan, Planner, load_profile
 from vegas_jax.ssv.precision import EXACT_MODE, ApproxMode, parse_precision
@@ -107,7 +108,7 @@ def observe(acceptance: DrafterAcceptance, options, depth_histogram: list[int]) 
     """A finished run's tree passes (accepted_depth_histogram: passes by drafts accepted) into its drafter's
     running acceptance."""
     tree = options.tree
-    if tree is None:
+    if tree is None or shaped_by_rates(options.drafting.draft_tree):  # its model is of full trees' levels
         return
     branching, tracker = tree.children.shape[1], acceptance.of(options.drafting.drafter)
     for accepted, passes in enumerate(depth_histogram):
