@@ -49,7 +49,7 @@ from vegas_jax.decode.tree_shapes import shaped_by_rates  # noqa: E402
 from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
-from vegas_jax.runtime.metrics import accepted_histogram  # noqa: E402
+from vegas_jax.runtime.metrics import accepted_histogram, rank_rates  # noqa: E402
 from vegas_jax.runtime.phase_timing import time_phases  # noqa: E402
 from vegas_jax.sharding import make_mesh, parse_mesh  # noqa: E402
 
@@ -126,6 +126,9 @@ def run_one(engine: Engine, prompts, options: GenerationOptions, with_breakdown:
         "batch_occupancy": float(iterations.sum() / (n * max(1, iterations.max()))),
         "acceptance_by_position": (accepted.sum(0) / np.maximum(drafted.sum(0), 1)).tolist(),
         "accepted_depth_histogram": accepted_histogram(int(iterations.sum()), accepted.sum(0)),
+        "acceptance_by_rank": (None if state.metrics.rank_offered is None else
+                               rank_rates(np.asarray(state.metrics.rank_offered)[:n],
+                                          np.asarray(state.metrics.rank_accepted)[:n])),
         "compile_s": compile_s,
         "prefill_s": started.timings["prefill_s"],
         "prefill_reused": started.timings["prefill_reused"],
@@ -159,6 +162,7 @@ def run_served(engine: Engine, prompts, options: GenerationOptions, slots: int,
         "ms_per_iteration": 1e3 * m["decode_s"] / max(1, m["loop_iterations"]),
         "tau": m["tau"],
         "acceptance_by_position": m["acceptance_by_position"],
+        "acceptance_by_rank": m["acceptance_by_rank"],
         "compile_s": m["compile_s"],
         "prefill_s": m["prefill_s"],
         "outputs": [r.tokens[:8] for r in result.requests],

@@ -514,7 +514,9 @@ def test_a_draft_tree_run_reports_its_tree_and_plain_decodings_tokens(capsys, tm
     histogram = metrics["accepted_depth_histogram"]
     assert len(histogram) == 4 and sum(histogram) == metrics["iterations"]
     assert sum(d * n for d, n in enumerate(histogram)) == round((metrics["tau"] - 1) * metrics["iterations"])
-    assert f"tree 3x2 (ngram)  accepted depths {histogram}" in err
+    by_rank = ",".join(f"{x:.2f}" for x in metrics["acceptance_by_rank"])
+    assert len(metrics["acceptance_by_rank"]) == 2 and f"tree 3x2 (ngram, by rank {by_rank})  accepted depths " \
+        f"{histogram}" in err
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------------

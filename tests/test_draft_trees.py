@@ -111,6 +111,33 @@ def test_trees_shaped_by_rank_rates_are_the_best_of_their_size():
             parse_tree(bad, rates=rates)
 
 
+def test_rank_counts_follow_the_accepted_path():
+    """The rank metrics of one iteration (tree_iteration._rank_counts) against a walk down each sequence's accepted
+    path: every path node (the root included) offers the ranks of its counted children, every accepted draft counts
+    its own rank."""
+    tree, rng = IRREGULAR, np.random.default_rng(3)
+    batch = 64
+    last = rng.integers(0, tree.rows, batch)
+    counted = rng.random((batch, tree.rows)) < 0.8  # children off the path may not be counted
+    counted[np.arange(batch)[None, :], tree.path_nodes[last].T] = True  # an accepted path was
+    offered, accepted = tree_decode._rank_counts(tree, jnp.asarray(tree.path_nodes[last]),
+                                                jnp.asarray(tree.depths[last]), jnp.asarray(counted))
+    want_offered = np.zeros((batch, tree.children.shape[1]), int)
+    want_accepted = np.zeros_like(want_offered)
+    for b, node in enumerate(last):
+        path = []
+        while node > 0:
+            path.append(int(node))
+            node = tree.parents[node]
+        for parent in [0, *path]:
+            for rank, child in enumerate(tree.children[parent]):
+                want_offered[b, rank] += child >= 0 and counted[b, child]
+        for node in path:
+            want_accepted[b, list(tree.children[tree.parents[node]]).index(node)] += 1
+    np.testing.assert_array_equal(np.asarray(offered), want_offered)
+    np.testing.assert_array_equal(np.asarray(accepted), want_accepted)
+
+
 def _path_tokens(tokens: np.ndarray, tree: TreeShape, node: int) -> list[int]:
     return [int(tokens[n]) for n in tree.path_nodes[node][1 : tree.depths[node] + 1]]
 
@@ -248,6 +275,7 @@ def test_greedy_tree_speculation_is_plain_greedy_decoding(engine, plain, method,
                                       np.asarray(plain_state.logprobs.top_ids[b, :n]))
     accepted = np.asarray(state.metrics.accepted).sum(0)
     assert accepted[1] > 0, accepted  # paths of depth 2 and more were accepted: the tree was at work
+    assert np.asarray(state.metrics.rank_accepted).sum() == accepted.sum()  # each accepted draft has a rank
     committed = np.asarray(state.committed)
     np.testing.assert_array_equal(committed, np.asarray(plain_state.committed))
     for got, want in zip(state.cache.k + state.cache.v, plain_state.cache.k + plain_state.cache.v):
@@ -265,6 +293,8 @@ def test_a_chain_shaped_tree_is_the_linear_loop(engine, plain):
     assert [r.tokens for r in chain.requests] == [r.tokens for r in linear.requests]
     for key in ("tau", "acceptance_by_position", "accepted_depth_histogram", "iterations"):
         assert chain.metrics[key] == linear.metrics[key], key
+    (rate,) = chain.metrics["acceptance_by_rank"]  # a chain's one rank: accepted drafts over the nodes offering one
+    assert 0 < rate < 1 and linear.metrics["acceptance_by_rank"] is None
     assert 1.2 < linear.metrics["tau"] < 3.8  # drafts accepted and rejected
 
 

@@ -385,7 +385,8 @@ def _print_metrics(result: GenerationResult, label: str) -> None:
         by_pos = " ".join(f"{x:.2f}" if x is not None else "-" for x in m["acceptance_by_position"])
         line += f"  tau {m['tau']:.2f}  acceptance {m['acceptance_rate']:.3f}  by position [{by_pos}]"
         if m.get("draft_tree"):
-            line += f"  tree {m['draft_tree']} ({m['drafter']})"
+            by_rank = ",".join(f"{x:.2f}" if x is not None else "-" for x in m["acceptance_by_rank"])
+            line += f"  tree {m['draft_tree']} ({m['drafter']}, by rank {by_rank})"
         line += f"  accepted depths {m['accepted_depth_histogram']}"
     if m.get("ssv_plan") is not None:
         plan = m["ssv_plan"]

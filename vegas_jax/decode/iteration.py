@@ -120,6 +120,11 @@ class Metrics:
     iterations: jax.Array = axes_field(BATCH)  # [B] verification passes (the bootstrap step not counted)
     drafted: jax.Array = axes_field(BATCH, None)  # [B, max(γ, 1)] drafts that counted, by position
     accepted: jax.Array = axes_field(BATCH, None)  # [B, max(γ, 1)] drafts accepted, by position
+    # A tree's, by a node's rank among its siblings (0: the drafter's first choice) [B, most children]: the accepted
+    # nodes that had a counted child of that rank, and such children accepted, so that a rank's acceptance rate
+    # (its chance, given its parent was accepted) is their ratio: the --tree-rates that shape trees. None on chains.
+    rank_offered: jax.Array | None = axes_field(BATCH, None, default=None)
+    rank_accepted: jax.Array | None = axes_field(BATCH, None, default=None)
 
 
 @jax.tree_util.register_dataclass
@@ -196,7 +201,9 @@ def init_state(
         logprobs=None if config.logprobs is None else Logprobs.create(batch, config.max_new_tokens, config.logprobs),
         selection=selection,
         policy_state=policy_state,
-        metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts()),
+        metrics=Metrics(jnp.zeros((batch,), jnp.int32), gamma_counts(), gamma_counts(),
+                        *([None] * 2 if config.tree is None else
+                          [jnp.zeros((batch, config.tree.children.shape[1]), jnp.int32)] * 2)),
         step=jnp.zeros((), jnp.int32),
         gamma_control=adaptive_gamma.GammaControl.create(config.gamma) if config.adaptive_gamma else None,
         drafter_state=(drafter.init_state(config, prompt_lengths, prompt_tokens, cache.capacity,
@@ -461,11 +468,12 @@ def chain_iteration(params, draft_params, state: DecodeState, config: DecodeConf
 
 
 def conclude(state: DecodeState, config: DecodeConfig, *, cache, drafts, accepted, next_token, finite, num_drafts,
-             logits, scores, last_row, **fields) -> DecodeState:
+             logits, scores, last_row, rank_counts=None, **fields) -> DecodeState:
     """The end of an iteration, over a chain or a tree: emits drafts[:, :accepted] ([B, γ], by position) and
     next_token, cut after a stop (logits [B, γ+1, V]: candidate j's distribution in row j), commits them, counts
     them, and selects the next draft's KV from the verification scores with the last accepted token in row
-    `last_row`. `fields`: more of the state that the iteration changed."""
+    `last_row`. rank_counts: a tree's (offered, accepted) [B, most children] by rank (Metrics). `fields`: more of
+    the state that the iteration changed."""
     active = ~state.done
     emit_ok = active & finite
     width = drafts.shape[1] + 1
@@ -476,11 +484,16 @@ def conclude(state: DecodeState, config: DecodeConfig, *, cache, drafts, accepte
 
     positions_idx = jnp.arange(state.metrics.drafted.shape[1])[None, :]
     counted = emit_ok[:, None]
-    metrics = Metrics(
+    metrics = dataclasses.replace(
+        state.metrics,
         iterations=state.metrics.iterations + emit_ok,
         drafted=state.metrics.drafted + (counted & (positions_idx < num_drafts[:, None])),
         accepted=state.metrics.accepted + (counted & (positions_idx < accepted[:, None])),
     )
+    if rank_counts is not None:  # a tree's (offered, accepted) by rank, this iteration's
+        offered_now, accepted_now = rank_counts
+        metrics = dataclasses.replace(metrics, rank_offered=metrics.rank_offered + counted * offered_now,
+                                      rank_accepted=metrics.rank_accepted + counted * accepted_now)
     verified = dataclasses.replace(
         emitted,
         cache=cache,

@@ -100,6 +100,17 @@ def accept_sampled(key, tree, tokens, counted, target_probs, draft_probs):
     return node, sampling.sample_rows(residual_keys, p)
 
 
+def _rank_counts(tree, path, accepted, counted):
+    """(offered, accepted) [B, most children] by rank (loop.Metrics): each node of the accepted path (root
+    included) offers its counted children's ranks; each accepted draft counts its own rank."""
+    on_path = jnp.arange(tree.depth + 1)[None, :] <= accepted[:, None]  # [B, D+1]
+    children = jnp.asarray(tree.children)[path]  # [B, D+1, W]
+    rows = jnp.arange(path.shape[0])[:, None, None]
+    offered = (children >= 0) & counted[rows, jnp.maximum(children, 0)] & on_path[:, :, None]
+    ranks = jax.nn.one_hot(jnp.asarray(tree.ranks)[path[:, 1:]], tree.children.shape[1], dtype=jnp.int32)
+    return offered.sum(1, dtype=jnp.int32), (ranks * on_path[:, 1:, None]).sum(1)
+
+
 def iteration(params, draft_params, state, config):
     """One draft-tree round for every unfinished sequence (loop.chain_iteration's tree twin)."""
     tree, drafter = config.tree, make_drafter(config.drafter)
@@ -120,6 +131,7 @@ def iteration(params, draft_params, state, config):
     accepted = jnp.asarray(tree.depths)[last]
     path = jnp.asarray(tree.path_nodes)[last]  # [B, D+1] the accepted path's nodes by depth, root first
     rows = jnp.arange(path.shape[0])[:, None]
+    rank_counts = _rank_counts(tree, path, accepted, counted)
     path_tokens = proposal.tokens[rows, path]
 
     emit_ok = ~state.done & finite
@@ -132,5 +144,5 @@ def iteration(params, draft_params, state, config):
     # The path's node j holds the distribution of its candidate j (the draft at depth j + 1, or the bonus token).
     return loop.conclude(state, config, cache=cache, drafts=path_tokens[:, 1:], accepted=accepted,
                          next_token=next_token, finite=finite, num_drafts=num_drafts, logits=logits[rows, path],
-                         scores=scores, last_row=last,
+                         scores=scores, last_row=last, rank_counts=rank_counts,
                          drafter_state=drafter.record(proposal.drafter_state, verified))

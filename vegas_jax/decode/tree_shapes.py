@@ -143,6 +143,15 @@ class TreeShape:
         return np.asarray([k + [-1] * (width - len(k)) for k in kids], np.int32)
 
     @functools.cached_property
+    def ranks(self) -> np.ndarray:
+        """[rows] int32: node i's place among its parent's children (0: the first; the root: 0)."""
+        rank = np.zeros(self.rows, np.int32)
+        for parent_children in self.children:
+            for r, child in enumerate(parent_children[parent_children >= 0]):
+                rank[child] = r
+        return rank
+
+    @functools.cached_property
     def levels(self) -> tuple[tuple[int, ...], ...]:
         """The nodes at each depth 0..depth, in order."""
         return tuple(tuple(int(i) for i in np.flatnonzero(self.depths == d)) for d in range(self.depth + 1))
@@ -152,7 +161,7 @@ class TreeShape:
         path is accepted, the product of rates[rank - 1] along it (a rank past the rates: 0)."""
         chance = np.ones(self.rows)
         for i in range(1, self.rows):
-            rank = int(np.flatnonzero(self.children[self.parents[i]] == i)[0])
+            rank = self.ranks[i]
             chance[i] = chance[self.parents[i]] * (rates[rank] if rank < len(rates) else 0.0)
         return float(chance.sum())
 

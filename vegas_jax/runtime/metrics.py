@@ -42,6 +42,12 @@ def pooled_metrics(iterations: np.ndarray, drafted: np.ndarray, accepted: np.nda
     }
 
 
+def rank_rates(offered: np.ndarray, accepted: np.ndarray) -> list[float | None]:
+    """A tree's acceptance rate by rank, pooled over requests (offered/accepted [B, most children], loop.Metrics):
+    a node's chance that its child of that rank is the accepted one, given the node was (--tree-rates)."""
+    return [_ratio(a, o) for a, o in zip(accepted.sum(0), offered.sum(0))]
+
+
 def accepted_histogram(iterations: int, accepted_by_position: np.ndarray) -> list[int]:
     """[passes that accepted exactly 0, 1, ..., γ drafts] from the passes and the accepted counts by position."""
     at_least = np.concatenate([[iterations], np.asarray(accepted_by_position, np.int64)])

@@ -10,7 +10,7 @@ import numpy as np
 from vegas_jax.decode import iteration as loop
 from vegas_jax.decode import stops
 from vegas_jax.decode.logprobs import TokenLogprob, host_list
-from vegas_jax.runtime.metrics import pooled_metrics, request_metrics
+from vegas_jax.runtime.metrics import pooled_metrics, rank_rates, request_metrics
 from vegas_jax.runtime.options import GenerationOptions
 from vegas_jax.sharding import Placement
 
@@ -62,6 +62,8 @@ def host_rows(state: loop.DecodeState, config: loop.DecodeConfig) -> dict[str, n
         "iterations": state.metrics.iterations,
         "drafted": state.metrics.drafted,
         "accepted": state.metrics.accepted,
+        **({} if state.metrics.rank_offered is None else
+           {"rank_offered": state.metrics.rank_offered, "rank_accepted": state.metrics.rank_accepted}),
     })
 
 
@@ -114,6 +116,9 @@ def generation_result(tokenizer, options: GenerationOptions, ids: list[list[int]
     metrics["decode_tokens_per_s"] = decode_tokens / timings["decode_s"] if timings["decode_s"] > 0 else None
     metrics["mesh"] = {"data": placement.data_shards, "model": placement.model_shards}
     metrics.update(pooled_metrics(iterations, drafted, accepted, gamma))
+    # A tree's rank acceptance rates (loop.Metrics), pooled: what --tree-rates shapes trees with.
+    metrics["acceptance_by_rank"] = (rank_rates(rows["rank_offered"], rows["rank_accepted"])
+                                     if "rank_offered" in rows else None)
     metrics["draft_weights"] = options.draft_weights if gamma else None
     metrics["draft_activations"] = options.draft_activations if gamma else None
     metrics["draft_tree"] = options.drafting.draft_tree
