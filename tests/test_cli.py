@@ -790,6 +790,10 @@ def test_the_embedded_model_drafts_with_its_shipped_head(capsys, tmp_path):
     for attention in ("dense", "nsa-view"):
         out, _, _ = run_json(capsys, tmp_path, [*head, "--attention", attention])
         assert out["draft_head"] == str(EMBEDDED_HEADS / attention) and out["plan"]["drafter"] == "head"
+        assert out["plan"]["draft_tree_parents"] == [-1, 0, 0, 1, 1, 2, 2, *[i for i in range(3, 15) for _ in "ab"]]
+    shaped, _, _ = run_json(capsys, tmp_path, [*head[:3], "5d3", *head[4:], "--tree-rates", "0.6,0.3"])
+    # Path chances 0.6, 0.3 (depth 1), 0.36, 0.18 (under the first), 0.216: the tie at 0.18 goes to the earlier.
+    assert shaped["plan"]["draft_tree_parents"] == [-1, 0, 0, 1, 1, 3]
     out, _, _ = run_json(capsys, tmp_path, ["--prompt", PROMPT, "--dry-run", "--quiet"])
     assert out["draft_head"] is None
     assert generate.main([*BASE, *head]) == 2

@@ -108,6 +108,8 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
         "gamma": options.gamma if options.auto_gamma else config.gamma,
         "gamma_max": config.gamma if options.auto_gamma else None,
         "draft_tree": options.drafting.draft_tree,
+        # Its shape (a NODES[dDEPTH] tree is built from rates): node i's parent, the root's -1.
+        "draft_tree_parents": None if options.tree is None else list(options.tree.parents),
         "drafter": options.drafting.drafter if options.drafting.draft_tree else None,
         "draft_kv_budget": config.policy.budget.k_max if config.policy else 0,
         "stop_table_states": stop_table.shape[0],
