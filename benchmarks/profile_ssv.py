@@ -69,7 +69,8 @@ from vegas_jax.attention.verify import VerifyAttention  # noqa: E402
 from vegas_jax.decode.drafters import window_slots  # noqa: E402
 from vegas_jax.loading import draft_head_checkpoint  # noqa: E402
 from vegas_jax.train_draft_head import Settings  # noqa: E402
-from vegas_jax.ssv.planner import PROFILE_FORMAT, PROFILE_VERSION, tree_nodes  # noqa: E402
+from vegas_jax.decode.tree_shapes import tree_nodes  # noqa: E402
+from vegas_jax.ssv.planner import PROFILE_FORMAT, PROFILE_VERSION  # noqa: E402
 from vegas_jax.ssv.precision import ApproxMode  # noqa: E402
 from vegas_jax.sharding import Placement  # noqa: E402
 

@@ -20,7 +20,7 @@ from typing import Mapping
 
 from vegas_jax.decode.adaptive_gamma import AUTO
 from vegas_jax.runtime.options import DEFAULTS, METHOD_KNOBS
-from vegas_jax.decode.tree_shapes import MAX_TREE_NODES
+from vegas_jax.decode.tree_shapes import MAX_TREE_NODES, tree_nodes
 
 DEFAULT_GAMMA = DEFAULTS["gamma"]
 DEFAULT_RATIO = DEFAULTS["sparse_ratio"]
@@ -35,11 +35,6 @@ def default_knobs(method: str) -> dict[str, int]:
     and plain decoding."""
     knobs = {knob: DEFAULTS[knob] for knob, owner in METHOD_KNOBS.items() if owner == method}
     return knobs | {knob: default for knob, (owner, default) in SUITE_KNOBS.items() if owner == method}
-
-
-def tree_nodes(depth: int, branching: int) -> int:
-    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.decode.tree_shapes.parse_tree)."""
-    return sum(branching**d for d in range(1, depth + 1))
 
 
 @dataclasses.dataclass(frozen=True)

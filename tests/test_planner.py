@@ -12,7 +12,8 @@ import random
 import pytest
 
 from vegas_jax.inputs import InputError
-from vegas_jax.ssv.planner import DEFAULT_ACCEPTANCE, AcceptanceTracker, Planner, expected_tokens, load_profile, tree_nodes
+from vegas_jax.decode.tree_shapes import tree_nodes
+from vegas_jax.ssv.planner import DEFAULT_ACCEPTANCE, AcceptanceTracker, Planner, expected_tokens, load_profile
 from vegas_jax.ssv.precision import ApproxMode, parse_precision
 
 BATCHES, CONTEXTS = (1, 8, 32), (1024, 8192, 32768)

@@ -29,6 +29,11 @@ MAX_TREE_NODES = 64  # drafted nodes (the root not counted): one verification pa
 DEFAULT_RANK_RATES = (0.70, 0.12)
 
 
+def tree_nodes(depth: int, branching: int) -> int:
+    """Drafted nodes of the full tree DEPTHxBRANCHING: the most a tree of that depth with that many ranks holds."""
+    return sum(branching**d for d in range(1, depth + 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
     parents: tuple[int, ...]  # parents[i] is node i's parent (< i); parents[0] = -1 (the root)
@@ -172,8 +177,7 @@ class TreeShape:
     def describe(self) -> str:
         """`DEPTHxBRANCHING` for a full tree, else its size."""
         branching = self.children.shape[1]
-        full_size = sum(branching**d for d in range(1, self.depth + 1))
-        if self.num_nodes == full_size and self == TreeShape.full(self.depth, branching):
+        if self.num_nodes == tree_nodes(self.depth, branching) and self == TreeShape.full(self.depth, branching):
             return f"{self.depth}x{branching}"
         return f"{self.num_nodes} nodes, depth {self.depth}"
 
@@ -211,14 +215,14 @@ def parse_tree(spec: str, name: str = "draft_tree", rates: tuple[float, ...] | N
         if not 1 <= nodes <= MAX_TREE_NODES or depth == 0:
             raise InputError("{" + name + "} {}: 1 to " + str(MAX_TREE_NODES) + " nodes, at least 1 deep", spec)
         rates = DEFAULT_RANK_RATES if rates is None else check_rates(rates)
-        if depth is not None and nodes > sum(len(rates)**d for d in range(1, depth + 1)):
+        if depth is not None and nodes > tree_nodes(depth, len(rates)):
             raise InputError("{" + name + "} {}: a tree {} deep with {} ranks of rates ({tree_rates}) holds fewer "
                              "nodes", spec, depth, len(rates))
         return TreeShape.for_rates(nodes, rates, depth)
     depth, branching = int(full.group(1)), int(full.group(2))
     if depth < 1 or branching < 1:
         raise InputError("{" + name + "} {}: depth and branching must be >= 1", spec)
-    nodes = sum(branching**d for d in range(1, depth + 1))
+    nodes = tree_nodes(depth, branching)
     if nodes > MAX_TREE_NODES:
         raise InputError("{" + name + "} {}: {} drafted nodes, more than " + str(MAX_TREE_NODES), spec, nodes)
     return TreeShape.full(depth, branching)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vegas_jax.decode.tree_shapes import tree_nodes
 from vegas_jax.inputs import InputError
 from vegas_jax.ssv.precision import ApproxMode, PrecisionClass
 
@@ -39,11 +40,6 @@ PROFILE_FORMAT = "vegas-ssv-profile"
 PROFILE_VERSION = 1
 MAX_TREE_NODES = 64  # drafted nodes of a tree (pallas_kernels.nsa_verify.MAX_TREE_NODES)
 DEFAULT_ACCEPTANCE = 0.6  # alpha before any step was observed
-
-
-def tree_nodes(depth: int, branching: int) -> int:
-    """Drafted nodes of the full tree DEPTHxBRANCHING (vegas_jax.decode.tree_shapes's shapes)."""
-    return sum(branching ** d for d in range(1, depth + 1))
 
 
 def expected_tokens(depth: int, branching: int, alpha: float) -> float:
