@@ -132,8 +132,15 @@ class Engine:
                                 stop_table_of=self._stop_table, slots=slots, refill=refill,
                                 kept_prefill=kept_prefill, drafters=drafters, head_window=self.draft_head_window)
         if plan.config.drafts_with_head:
-            self._draft_params(plan.config, 0)  # a head-drafted run without a head is refused by a plan too
+            self._head()  # a head-drafted run without a head is refused by a plan too
         return plan
+
+    def _head(self):
+        """The draft head's params; InputError naming drafter when this engine has none."""
+        if self.draft_head is None:
+            raise InputError("{drafter} head: this engine has no draft head; load one with "
+                             "Engine.use_draft_head(FOLDER) (--draft-head FOLDER)")
+        return self.draft_head
 
     # ---- draft weights -------------------------------------------------------------------------------------
     def _draft_params(self, config: loop.DecodeConfig, rows: int):
@@ -141,10 +148,7 @@ class Engine:
         quantized weights' codes in the layout of the kernel that multiplies them
         (vegas_jax.decode.draft_kernel.code_layout)."""
         if config.drafts_with_head:
-            if self.draft_head is None:
-                raise InputError("{drafter} head: this engine has no draft head; load one with "
-                                 "Engine.use_draft_head(FOLDER) (--draft-head FOLDER)")
-            return self.draft_head
+            return self._head()
         precision = config.draft_weights
         try:
             return self.model.draft_params(precision, draft_kernel.code_layout(config.placement,
@@ -171,7 +175,7 @@ class Engine:
     def _prefill(self, ids, options, config, capacity, timings, **kwargs) -> loop.DecodeState:
         """vegas_jax.runtime.prefill.prefill with this engine's model, compiled programs and stop table (and the
         draft head, which prefill runs over the prompts, when it drafts)."""
-        head = self._draft_params(config, 0) if config.drafts_with_head else None
+        head = self._head() if config.drafts_with_head else None
         return prefill.prefill(self.model, self.programs, ids, options, config, capacity, self._stop_table(options),
                                timings, head=head, **kwargs)
 
