@@ -204,17 +204,15 @@ def options(args, fields: dict, logprobs: int | None = None) -> GenerationOption
 def decode(engine: Engine, prompts, opts: GenerationOptions, batch: int) -> dict:
     """`prompts` decoded `batch` at a time (each group one call): every request in order, and the decode's tokens,
     seconds, τ and acceptance rate (over the groups)."""
-    requests, tokens, seconds, iterations, accepted, drafted = [], 0, 0.0, 0, 0.0, 0.0
+    requests, tokens, seconds, iterations, accepted, drafted = [], 0, 0.0, 0, 0, 0
     for start in range(0, len(prompts), batch):
         result = engine.generate(prompts[start:start + batch], opts, steps_per_call=None)
         requests += result.requests
         tokens += result.metrics["decode_tokens"]
         seconds += result.metrics["decode_s"]
-        group_accepted = (result.metrics["tau"] - 1) * result.metrics["iterations"]
-        rate = result.metrics.get("acceptance_rate")
         iterations += result.metrics["iterations"]
-        accepted += group_accepted
-        drafted += group_accepted / rate if rate else 0
+        accepted += result.metrics["drafts_accepted"]
+        drafted += result.metrics["drafts_counted"]
     failed = [i for i, r in enumerate(requests) if r.status != "ok"]
     if failed:
         raise RuntimeError(f"requests {failed} did not finish: {requests[failed[0]].reason}")

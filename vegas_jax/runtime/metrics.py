@@ -37,6 +37,8 @@ def pooled_metrics(iterations: np.ndarray, drafted: np.ndarray, accepted: np.nda
         "tau": _ratio(total_iterations + accepted.sum(), total_iterations),
         "tau_mean_over_requests": float(np.mean(per_request_tau)) if per_request_tau else None,
         "acceptance_rate": _ratio(accepted.sum(), drafted.sum()),
+        "drafts_counted": int(drafted.sum()),  # the rate's counts, to pool over runs
+        "drafts_accepted": int(accepted.sum()),
         "acceptance_by_position": [_ratio(a, d) for a, d in zip(accepted.sum(0), drafted.sum(0))],
         "accepted_depth_histogram": accepted_histogram(total_iterations, accepted.sum(0)),
     }
