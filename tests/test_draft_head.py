@@ -398,3 +398,24 @@ def test_the_command_line_refuses_bad_flags_in_one_line(tmp_path, capsys):
         assert train_draft_head.main(["--out", str(tmp_path / "x"), *argv]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert lines == [needle] or (len(lines) == 1 and lines[0].startswith(needle)), lines
+
+
+def test_a_training_step_past_the_device_is_refused_before_the_data_is_made(tmp_path, capsys, monkeypatch):
+    """The memory plan against the device (its limit replaced by 1 GiB, as a small GPU's): --dry-run says whether a
+    step fits; a run whose step does not is one error line naming the flags that shrink it, with nothing written."""
+    monkeypatch.setattr(train_draft_head, "device_bytes", lambda placement: (2**30, "a 1 GiB device"))
+    out = tmp_path / "head"
+    small = ["--prompts", "65", "--batch", "1", "--new-tokens", "8", "--context-tokens", "0"]
+    for argv, verdict in [([], "does not fit"), (small, "fits")]:
+        assert train_draft_head.main(["--out", str(out), "--dry-run", *argv]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[-1].split() == ["1.00", "GiB", "on", "this", "device", "(a", "1", "GiB", "device):",
+                                       *verdict.split()], printed
+        step_gib = next(line.split()[0] for line in printed if line.endswith("per training step on the device, "
+                                                                              "all together"))
+        assert (float(step_gib) <= 1.0) == (verdict == "fits")
+    assert train_draft_head.main(["--out", str(out), "--quiet"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --batch / --new-tokens / --context-tokens: a training step "
+                                                   "needs "), lines
+    assert "but it has 1.00 GiB (a 1 GiB device)" in lines[0] and not out.exists()

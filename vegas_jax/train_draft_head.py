@@ -42,6 +42,7 @@ from vegas_jax.cli.arguments import OneLineErrors
 from vegas_jax.loading import draft_head_checkpoint
 from vegas_jax.attention.family import ATTENTION_CHOICES, family_of, with_attention
 from vegas_jax.runtime.engine import Engine
+from vegas_jax.runtime.memory import device_bytes
 from vegas_jax.inputs import InputError
 from vegas_jax.runtime.research_options import CAPACITY_ALIGN
 from vegas_jax.sharding import Placement
@@ -421,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, metavar="FOLDER",
                    help="after training, write the head to ship to FOLDER: its newest params in bfloat16 and its "
                         "record, without the optimizer state or the data (--draft-head loads it as it loads --out)")
-    p.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the memory plan and whether a step fits this device, then exit")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -461,16 +463,25 @@ def run(args) -> int:
     engine = vegas_jax.load(args.model, args.dtype)
     engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, args.attention)))
     model = engine.config
+    params = jax.tree.leaves(engine.model.params)
+    plan = memory_plan(model, settings, sum(x.nbytes for x in params), params[0].dtype.itemsize)
+    step_bytes = sum(v for k, v in plan.items() if "host" not in k)
+    limit, source = device_bytes(engine.placement)
     if args.dry_run:
-        params = jax.tree.leaves(engine.model.params)
-        plan = memory_plan(model, settings, sum(x.nbytes for x in params), params[0].dtype.itemsize)
         for what, size in plan.items():
             print(f"{size / 2**20:12.1f} MiB  {what}")
-        print(f"{sum(v for k, v in plan.items() if 'host' not in k) / 2**30:12.2f} GiB  per training step on the "
-              f"device, all together")
+        print(f"{step_bytes / 2**30:12.2f} GiB  per training step on the device, all together")
         print(f"{_generation_bytes(engine, settings) / 2**30:12.2f} GiB  making the data first (engine.plan of "
               f"{settings.generate_batch} prompts)")
+        print(f"{limit / 2**30:12.2f} GiB  on this device ({source}): "
+              f"{'fits' if step_bytes <= limit else 'does not fit'}")
         return 0
+    # The plan counts the largest terms only and XLA's own may be smaller, so only a plan past the whole device is
+    # refused, before the data (minutes of decoding) is made for a step that cannot run.
+    if step_bytes > limit:
+        raise InputError("{batch} / {new_tokens} / {context_tokens}: a training step needs {:.2f} GiB on the device "
+                         "(the largest terms; --dry-run lists them) but it has {:.2f} GiB ({}): lower one of them",
+                         step_bytes / 2**30, limit / 2**30, source)
     folder.mkdir(parents=True, exist_ok=True)
     data = load_or_make_data(engine, folder, settings, progress=not args.quiet)
     time_limit = max(0.0, args.time_limit - (time.perf_counter() - started)) if args.time_limit else None
