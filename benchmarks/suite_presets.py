@@ -189,7 +189,9 @@ COMPILE_S = {"ar": 9.0, "speculative": 13.0, "adaptive": 105.0}
 # paper preset's first tuning rounds of 13-21 configurations at 64 x 7.9K (suite-paper.jsonl, 2026-12-02).
 SIDE_BY_SIDE_COMPILE_S = 5.0
 RUN_OVERHEAD_S = 0.3  # state creation, host reads, the decode call's launch
-SCALE_METHODS = ("ar", "vegas", "streaming")  # what the scale stage runs at each (model, context, batch)
+# What the scale stage runs at each (model, context, batch); `head`: plain decoding verifying a chain drafted by an
+# untrained EAGLE-style draft head (benchmarks/suite_scale.py), whose passes cost what a trained head's do.
+SCALE_METHODS = ("ar", "vegas", "streaming", "head")
 SCALE_CASE_S = 35.0  # an 8B-shaped method at one batch: compile, cache fill, timed and profiled iterations
 SCALE_MODEL_S = 30.0  # random 8B weights, and the bandwidth measurement
 PEER_MODEL_S = 20.0

@@ -1,9 +1,11 @@
 """The paper's model scale, timing only: random weights of Llama-3.1-8B's and Qwen3-8B's shapes at 32K and 128K of
 context, the cache filled with random rows instead of prefill (`Engine.start(fill_cache=...)`).
 
-Per (model, context, batch): a plain step, a Vegas iteration and a Stream iteration (γ 6, ratio 7 %), each timed
-over a few iterations of the compiled loop, then profiled over a few more (GPU time by kernel kind, and by phase:
-the draft loop's command buffer against the rest of the iteration); the memory roofline fraction: the bytes a step
+Per (model, context, batch): a plain step, a Vegas iteration and a Stream iteration (γ 6, ratio 7 %), and an
+iteration of plain decoding verifying a 6-node chain drafted by an untrained EAGLE-style draft head (`head`: one
+layer and the LM head a draft, where Vegas's drafts read every weight), each timed over a few iterations of the
+compiled loop, then profiled over a few more (GPU time by kernel kind, and by phase: the draft loop's command
+buffer against the rest of the iteration); the memory roofline fraction: the bytes a step
 or iteration must read (weights, and the KV rows each pass attends to) over the read bandwidth measured in the same
 process, divided by the time it took. Acceptance on random weights means nothing: throughput at SmolLM2's measured
 τ is a projection, made by the report, never measured here.
@@ -24,15 +26,20 @@ import numpy as np
 from benchmarks.profile_decode import gpu_kernel_events, summarize
 from benchmarks.random_model import SHAPES, random_cache_rows, random_engine
 from benchmarks.suite_presets import SCALE_CASE_S, SCALE_METHODS, SCALE_MODEL_S, Preset
+from models import draft_head
 from models.config import ModelConfig
+from vegas_jax.decode.tree_shapes import parse_tree
+from vegas_jax.loading.draft_head_checkpoint import span
 from vegas_jax.runtime.engine import GenerationOptions
 from vegas_jax.runtime.options import DEFAULTS
 from vegas_jax.inputs import InputError
+from vegas_jax.train_draft_head import Settings
 
 WARMUP_ITERATIONS = 2
 PROFILED_ITERATIONS = 3
 BANDWIDTH_BYTES = 2**32
 KERNEL_TIME, WALL_TIME = "gpu kernel time", "wall"  # what a time was measured by (kernel_profile's clock)
+HEAD_DRAFTS = "6x1"  # the `head` method's draft: as many drafts as Vegas's default γ, a chain
 
 
 def median_seconds(fn, x, reps: int = 10) -> float:
@@ -118,6 +125,15 @@ def bytes_per_iteration(weights: int, kv_token: int, batch: int, length: int, ga
     return gamma * (weights + batch * budget * kv_token) + weights + batch * length * kv_token
 
 
+def head_pass_bytes(config: ModelConfig, params, head, batch: int, window: int) -> int:
+    """What one pass of the draft head must read: its own weights, the target's final norm and LM head (the
+    embedding table when tied), and its K/V rows over its window."""
+    readout = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    nbytes = lambda tree: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    head_kv_token = 2 * config.num_kv_heads * config.head_dim * 2
+    return nbytes(head) + nbytes(readout) + nbytes(params["final_norm"]) + batch * window * head_kv_token
+
+
 def phase_split(events: list[dict], iterations: int) -> dict[str, float]:
     """GPU milliseconds per iteration by phase: the kernels of each enclosing command buffer go to the draft if it
     runs the sparse draft attention kernel, to verification (with acceptance and selection) if it runs the
@@ -159,7 +175,7 @@ def time_iterations(engine, batch: int, context: int, method: str, iterations: i
     """ms per iteration of `method` (a plain step for ar) on a random cache of `context` rows, and its profile."""
     gamma, sparse_ratio = scale_cell(method)
     max_new = (1 + WARMUP_ITERATIONS + iterations + PROFILED_ITERATIONS) * (gamma + 1) + 1
-    options = GenerationOptions(method=method, max_new_tokens=max_new, max_model_len=context)
+    options = scale_options(method, max_new, context)
     prompts = [[1] * (context - max_new)] * batch
     started = engine.start(prompts, options, fill_cache=random_cache_rows)
     held = bytes_in_use_per_device()  # the parameters and the run's state: what the run holds on each device
@@ -194,9 +210,26 @@ def bytes_in_use_per_device() -> list[int] | None:
     return None if any(s is None for s in stats) else [int(s["bytes_in_use"]) for s in stats]
 
 
+def scale_options(method: str, max_new_tokens: int, context: int) -> GenerationOptions:
+    """A scale method's options: `head` is plain decoding verifying the head's chain (the engine's head)."""
+    if method == "head":
+        return GenerationOptions(method="ar", draft_tree=HEAD_DRAFTS, drafter="head", max_new_tokens=max_new_tokens,
+                                 max_model_len=context)
+    return GenerationOptions(method=method, max_new_tokens=max_new_tokens, max_model_len=context)
+
+
+def with_random_head(engine):
+    """The engine drafting with an untrained head of its shapes (in the model's dtype), attending over the training
+    defaults' window: its passes cost a trained head's; its drafts are rejected."""
+    defaults = Settings()
+    engine.use_draft_head(draft_head.init_params(engine.config),
+                          window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
+    return engine
+
+
 def fits(engine, batch: int, context: int, method: str) -> str | None:
     """None if the run fits the device (vegas_jax.runtime.memory's plan), else the refusal."""
-    options = GenerationOptions(method=method, max_new_tokens=64, max_model_len=context)
+    options = scale_options(method, 64, context)
     try:
         engine.plan([[1] * (context - 64)] * batch, options)
     except InputError as e:
@@ -220,6 +253,8 @@ def run_scale(session, preset: Preset) -> None:
                   flush=True)
         config = SHAPES[model]
         engine = random_engine(config)
+        if any(m == "head" for _, _, m in wanted):
+            engine = with_random_head(engine)
         weights, kv_token = weight_bytes_read(config, engine.model.params), kv_bytes_per_token(config)
         for case, batch, method in wanted:
             session.measure(_fields(model, case.context, batch, method), SCALE_CASE_S,
@@ -235,7 +270,10 @@ def _fields(model: str, context: int, batch: int, method: str) -> dict:
 
 
 def scale_cell(method: str) -> tuple[int, float | None]:
-    """(γ, sparse ratio) a scale case runs at: plain decoding's, or the engine's defaults."""
+    """(γ, sparse ratio) a scale case runs at: plain decoding's, the head's chain (its drafts, no selection), or the
+    engine's defaults."""
+    if method == "head":
+        return parse_tree(HEAD_DRAFTS).depth, None
     return (0, None) if method == "ar" else (DEFAULTS["gamma"], DEFAULTS["sparse_ratio"])
 
 
@@ -247,8 +285,13 @@ def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, 
     plain_records = [r for r in session.log.find(**_fields(model, context, batch, "ar")) if r.get("fits")]
     plain = timing["ms_per_iteration"] if method == "ar" else (
         plain_records[0]["ms_per_iteration"] if plain_records else None)
-    needed = bytes_per_iteration(weights, kv_token, batch, timing["length"], timing["gamma"],
-                                 timing["draft_budget_tokens"])
+    if method == "head":  # its drafts read the head, not the model: γ head passes, then the verification
+        needed = (timing["gamma"] * head_pass_bytes(engine.config, engine.model.params, engine.draft_head, batch,
+                                                    engine.draft_head_window)
+                  + bytes_per_iteration(weights, kv_token, batch, timing["length"], 0, 0))
+    else:
+        needed = bytes_per_iteration(weights, kv_token, batch, timing["length"], timing["gamma"],
+                                     timing["draft_budget_tokens"])
     at_roofline_ms = 1e3 * needed / (bandwidth["read_bandwidth_gbps"] * 1e9)
     return {
         "fits": True,

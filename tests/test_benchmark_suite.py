@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -558,6 +559,20 @@ def test_bytes_an_iteration_must_read():
     assert bytes_per_iteration(100, 10, 2, 50, 0, 0) == 100 + 1000  # a plain step
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_bytes_a_draft_head_pass_must_read(tied):
+    """The head's own weights, the target's final norm and LM head (the embedding table when tied; not the table
+    when untied), and its bf16 K/V rows over its window for every sequence."""
+    config = SimpleNamespace(tie_word_embeddings=tied, num_kv_heads=2, head_dim=4)
+    params = {"embed": np.zeros((50, 8), jnp.bfloat16), "final_norm": {"scale": np.zeros(8, jnp.bfloat16)}}
+    if not tied:
+        params["lm_head"] = np.zeros((8, 60), jnp.bfloat16)
+    head = {"fuse": np.zeros((2, 8, 8), np.float32), "norm": {"scale": np.zeros(8, np.float32)}}
+    readout = 50 * 8 * 2 if tied else 8 * 60 * 2
+    assert suite_scale.head_pass_bytes(config, params, head, batch=3, window=10) == (
+        (2 * 8 * 8 + 8) * 4 + readout + 8 * 2 + 3 * 10 * (2 * 2 * 4 * 2))
+
+
 def test_profile_phases_follow_the_enclosing_command_buffer():
     kernel = lambda name, dur, op: {"name": name, "dur": dur, "args": {"hlo_op": op}}  # noqa: E731
     events = [kernel("sparse_decode_attention_kernel", 30.0, "cb_draft"), kernel("nvjet_gemm", 70.0, "cb_draft"),
@@ -601,16 +616,20 @@ def test_random_cache_rows_writes_over_the_cache_it_is_given():
     assert all(float(jnp.abs(x).min()) > 0 for x in jax.tree.leaves(filled) if jnp.issubdtype(x.dtype, jnp.floating))
 
 
-@pytest.mark.parametrize("method", ["ar", "vegas"])
+@pytest.mark.parametrize("method", ["ar", "vegas", "head"])
 def test_the_scale_stage_times_the_iterations_it_asked_for(method):
     """The scale stage's timing drives the compiled loop as the engine compiled it (its arguments, the draft
-    weights among them) on a random cache: the timed iterations ran, at the context asked for."""
-    timing = time_iterations(tiny_engine(layers=1), batch=2, context=256, method=method, iterations=3)
+    weights among them) on a random cache: the timed iterations ran, at the context asked for; `head` drafts a
+    6-node chain with an untrained head (its drafts rejected: an iteration of it yields one token)."""
+    engine = tiny_engine(layers=1)
+    if method == "head":
+        engine = suite_scale.with_random_head(engine)
+    timing = time_iterations(engine, batch=2, context=256, method=method, iterations=3)
     assert timing["iterations"] == 3 and timing["ms_per_iteration"] > 0
     gamma = timing["gamma"]
-    assert gamma == (0 if method == "ar" else GenerationOptions.gamma)
+    assert gamma == {"ar": 0, "vegas": GenerationOptions.gamma, "head": 6}[method]
     assert 0 < timing["length"] and timing["length"] + timing["iterations"] * (gamma + 1) < 256
-    assert (timing["draft_budget_tokens"] > 0) == (method != "ar")
+    assert (timing["draft_budget_tokens"] > 0) == (method == "vegas")
     # What the timing says of its cell is what the case's record is keyed by, so a resumed call finds the record.
     fields = suite_scale._fields("tiny", 256, 2, method)
     assert key_fields_differing({**fields, **timing}, fields) == []
@@ -806,6 +825,21 @@ def test_a_target_missed_by_a_hair_never_reads_as_its_bound():
                                                                            steps=2.996)]
     assert tables.targets(at)[0].result == "B64: 1.15x streaming" and tables.targets(at)[0].status == "met"
     assert tables.targets(at)[4].result == "llama-3.1-8b 2.996 plain steps"
+
+
+def test_the_scale_table_shows_the_heads_iteration_once_one_is_measured():
+    """A head-drafted iteration's cost at 8B shapes gets a column of its own, beside Vegas's and Stream's, when a
+    record of it exists (cost only: the suite holds no SmolLM2 τ of that drafter to project with); without one the
+    table keeps its columns."""
+    records = [_scale("llama-3.1-8b", 8, "ar", 12.0, fraction=0.8), _scale("llama-3.1-8b", 8, "vegas", 36.0, steps=3.0)]
+    header = "head 6x1 ms/iteration (plain steps)"
+    assert header not in report.scale_table(records, [])
+    table = report.scale_table(records + [_scale("llama-3.1-8b", 8, "head", 16.0, steps=1.333)], [])
+    lines = table.splitlines()
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    row = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert columns[5:8] == ["Vegas ms/iteration (plain steps)", "Stream ms/iteration (plain steps)", header]
+    assert row[:8] == ["llama-3.1-8b", "32K", "8", "12.00", "80 % of 4,000 GB/s", "36.00 (3.0)", "-", "16.00 (1.3)"]
 
 
 def test_a_case_measured_twice_is_reported_from_its_latest_record():
