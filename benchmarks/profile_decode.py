@@ -40,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.hlo_sources import kernel_sources, products  # noqa: E402
 from benchmarks.prompts import long_prompts, stdlib_corpus  # noqa: E402
-from benchmarks.random_model import SHAPES, random_engine  # noqa: E402
+from benchmarks.random_model import SHAPES, random_engine, with_random_head  # noqa: E402
 from benchmarks.results_io import check_writable, run_metadata, save_results  # noqa: E402
-from models import draft_head  # noqa: E402
 from models.config import NSA_VIEW_LAYOUT  # noqa: E402
 from vegas_jax.attention.family import with_attention  # noqa: E402
 from vegas_jax.attention.backend import default_backend  # noqa: E402
@@ -51,8 +50,6 @@ from vegas_jax.inputs import InputError  # noqa: E402
 from vegas_jax.runtime.engine import Engine, GenerationOptions  # noqa: E402
 from vegas_jax.loading import load_model  # noqa: E402
 from vegas_jax.decode.tree_shapes import parse_tree  # noqa: E402
-from vegas_jax.loading.draft_head_checkpoint import span  # noqa: E402
-from vegas_jax.train_draft_head import Settings  # noqa: E402
 
 _KINDS = (
     # NCCL's kernels (a mesh's reductions): before "gemm", which their names can match.
@@ -177,9 +174,7 @@ def main(argv=None) -> int:
         engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, "nsa-view",
                                                                                 NSA_VIEW_LAYOUT)))
     if args.draft_head == "random":
-        defaults = Settings()
-        engine.use_draft_head(draft_head.init_params(engine.config, seed=0),
-                              window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
+        engine = with_random_head(engine)
     elif args.draft_head:
         try:
             engine.use_draft_head(args.draft_head)

@@ -8,10 +8,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models import draft_head
 from models.config import ModelConfig, NSALayout, RopeScaling
 from models.decoder import init_params
 from vegas_jax.runtime.engine import Engine
 from vegas_jax.loading.bundle import LoadedModel
+from vegas_jax.loading.draft_head_checkpoint import span
+from vegas_jax.train_draft_head import Settings
 
 SMOLLM2_135M = ModelConfig(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -61,6 +64,15 @@ def random_engine(config: ModelConfig, dtype=jnp.bfloat16) -> Engine:
 
 def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
     return random_engine(SMOLLM2_135M, dtype)
+
+
+def with_random_head(engine: Engine) -> Engine:
+    """The engine drafting with an untrained draft head of its shapes (in the model's dtype), attending over the
+    training defaults' window: its passes cost a trained head's; its drafts are rejected."""
+    defaults = Settings()
+    engine.use_draft_head(draft_head.init_params(engine.config),
+                          window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
+    return engine
 
 
 def cache_as_allocated(cache):

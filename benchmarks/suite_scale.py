@@ -24,16 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.profile_decode import gpu_kernel_events, summarize
-from benchmarks.random_model import SHAPES, random_cache_rows, random_engine
+from benchmarks.random_model import SHAPES, random_cache_rows, random_engine, with_random_head
 from benchmarks.suite_presets import SCALE_CASE_S, SCALE_METHODS, SCALE_MODEL_S, Preset
-from models import draft_head
 from models.config import ModelConfig
 from vegas_jax.decode.tree_shapes import parse_tree
-from vegas_jax.loading.draft_head_checkpoint import span
 from vegas_jax.runtime.engine import GenerationOptions
 from vegas_jax.runtime.options import DEFAULTS
 from vegas_jax.inputs import InputError
-from vegas_jax.train_draft_head import Settings
 
 WARMUP_ITERATIONS = 2
 PROFILED_ITERATIONS = 3
@@ -106,12 +103,16 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, timer=median_seconds) -> di
             "read_bandwidth_gemv_gbps": gemv, "copy_bandwidth_gbps": copied}
 
 
+def tree_bytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
 def weight_bytes_read(config: ModelConfig, params) -> int:
     """Bytes of parameters a decode step reads: all of them, but for an untied embedding table, of which a step
     reads only its tokens' rows."""
-    total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+    total = tree_bytes(params)
     if not config.tie_word_embeddings:
-        total -= int(np.prod(params["embed"].shape)) * params["embed"].dtype.itemsize
+        total -= tree_bytes(params["embed"])
     return total
 
 
@@ -129,9 +130,8 @@ def head_pass_bytes(config: ModelConfig, params, head, batch: int, window: int) 
     """What one pass of the draft head must read: its own weights, the target's final norm and LM head (the
     embedding table when tied), and its K/V rows over its window."""
     readout = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    nbytes = lambda tree: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
-    head_kv_token = 2 * config.num_kv_heads * config.head_dim * 2
-    return nbytes(head) + nbytes(readout) + nbytes(params["final_norm"]) + batch * window * head_kv_token
+    head_kv_token = kv_bytes_per_token(config) // config.num_layers  # the head is one layer
+    return tree_bytes(head) + tree_bytes(readout) + tree_bytes(params["final_norm"]) + batch * window * head_kv_token
 
 
 def phase_split(events: list[dict], iterations: int) -> dict[str, float]:
@@ -216,15 +216,6 @@ def scale_options(method: str, max_new_tokens: int, context: int) -> GenerationO
         return GenerationOptions(method="ar", draft_tree=HEAD_DRAFTS, drafter="head", max_new_tokens=max_new_tokens,
                                  max_model_len=context)
     return GenerationOptions(method=method, max_new_tokens=max_new_tokens, max_model_len=context)
-
-
-def with_random_head(engine):
-    """The engine drafting with an untrained head of its shapes (in the model's dtype), attending over the training
-    defaults' window: its passes cost a trained head's; its drafts are rejected."""
-    defaults = Settings()
-    engine.use_draft_head(draft_head.init_params(engine.config),
-                          window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
-    return engine
 
 
 def fits(engine, batch: int, context: int, method: str) -> str | None:

@@ -21,7 +21,7 @@ from benchmarks.prompt_splits import chat_frame, heldout_files, split_files, spl
 from benchmarks.prompts import QUESTION, stdlib_files
 from benchmarks.suite_presets import PRESETS, Preset, ServeCase
 from benchmarks.suite_records import RecordLog, key_fields_differing, latest_per_key, read_logs, record_key
-from benchmarks.random_model import random_cache_rows
+from benchmarks.random_model import random_cache_rows, with_random_head
 from benchmarks.suite_scale import bytes_per_iteration, phase_split, time_iterations
 from benchmarks.suite_tuning import Cell, Grid, next_cells, tuned_cell
 from benchmarks.task_families import FAMILIES
@@ -563,7 +563,7 @@ def test_bytes_an_iteration_must_read():
 def test_bytes_a_draft_head_pass_must_read(tied):
     """The head's own weights, the target's final norm and LM head (the embedding table when tied; not the table
     when untied), and its bf16 K/V rows over its window for every sequence."""
-    config = SimpleNamespace(tie_word_embeddings=tied, num_kv_heads=2, head_dim=4)
+    config = SimpleNamespace(tie_word_embeddings=tied, num_layers=3, num_kv_heads=2, head_dim=4)
     params = {"embed": np.zeros((50, 8), jnp.bfloat16), "final_norm": {"scale": np.zeros(8, jnp.bfloat16)}}
     if not tied:
         params["lm_head"] = np.zeros((8, 60), jnp.bfloat16)
@@ -623,7 +623,7 @@ def test_the_scale_stage_times_the_iterations_it_asked_for(method):
     6-node chain with an untrained head (its drafts rejected: an iteration of it yields one token)."""
     engine = tiny_engine(layers=1)
     if method == "head":
-        engine = suite_scale.with_random_head(engine)
+        engine = with_random_head(engine)
     timing = time_iterations(engine, batch=2, context=256, method=method, iterations=3)
     assert timing["iterations"] == 3 and timing["ms_per_iteration"] > 0
     gamma = timing["gamma"]
