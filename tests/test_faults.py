@@ -247,16 +247,22 @@ def corrupt_orbax(tmp_path_factory, engine) -> Path:
     """An Orbax checkpoint of a model with one large array (a 65,536 x 64 embedding, tied) whose small arrays' data
     files are overwritten: their reads fail at once, while the embedding's is still under way. Orbax splits the
     small arrays over one or more data files from one save to the next, so every data file but the embedding's
-    (the largest) is overwritten; the few-hundred-byte files are the index's nodes, left intact."""
+    (the largest) is overwritten; the few-hundred-byte files are the index's nodes, left intact. Now and
+    then a save puts the small arrays in the embedding's file too, leaving nothing to overwrite: it is made again."""
     small = tiny_engine(layers=1).model
     config = dataclasses.replace(small.config, vocab_size=65536)
     embed = jnp.asarray(np.random.default_rng(0).standard_normal((65536, config.hidden_size), np.float32))
     big = dataclasses.replace(small, config=config, params=dict(small.params, embed=embed), tokenizer=engine.tokenizer)
-    folder = tmp_path_factory.mktemp("orbax") / "corrupt"
-    save_orbax(big, folder)
-    data = sorted((folder / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
-    for small_arrays in (f for f in data[:-1] if f.stat().st_size > 4096):
-        small_arrays.write_bytes(b"garbage\n")
+    for _ in range(8):
+        folder = tmp_path_factory.mktemp("orbax") / "corrupt"
+        save_orbax(big, folder)
+        data = sorted((folder / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
+        small_arrays = [f for f in data[:-1] if f.stat().st_size > 4096]
+        if small_arrays:
+            break
+    assert small_arrays, f"eight saves put the small arrays beside the embedding: {[f.stat().st_size for f in data]}"
+    for f in small_arrays:
+        f.write_bytes(b"garbage\n")
     return folder
 
 
