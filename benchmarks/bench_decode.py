@@ -209,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--head-windows", default="trained",
                    help="the head's attention windows to run its trees with: positions, 0 (every one) or trained "
                         "(the span it was trained over, its default), comma-separated")
+    p.add_argument("--draft-vocabs", default="0",
+                   help="the draft vocabularies to run the head's trees with: sizes (the most frequent tokens of its "
+                        "training sequences; 0: the whole vocabulary), comma-separated")
     p.add_argument("--heldout", action="store_true",
                    help="prompts from the held-out split (benchmarks/prompt_splits.py) instead of the stdlib corpus")
     p.add_argument("--tree-method", default="vegas", help="the self drafter's KV selection for --trees")
@@ -230,6 +233,12 @@ def main(argv=None) -> int:
         head_windows = [-1]
     if any(w is not None and w < 0 for w in head_windows):
         p.error(f"--head-windows: positions, 0 or trained, comma-separated; got {args.head_windows!r}")
+    try:
+        draft_vocabs = [int(v) for v in args.draft_vocabs.split(",")]
+    except ValueError:
+        draft_vocabs = [-1]
+    if any(v < 0 for v in draft_vocabs):
+        p.error(f"--draft-vocabs: token counts (0: the whole vocabulary), comma-separated; got {args.draft_vocabs!r}")
     if args.tree_rates is not None and not any(shaped_by_rates(tree) for _, tree, _ in
                                                runs(args.methods, args.trees, args.tree_method) if tree):
         p.error("--tree-rates: only with a NODES[dDEPTH] tree in --trees (a tree they shape)")
@@ -242,7 +251,7 @@ def main(argv=None) -> int:
                         draft_head=args.draft_head)
     except InputError as e:
         p.error(e.render(flag))
-    head_window = None  # the window the engine's head has (None: its checkpoint's, as loaded)
+    head_setting = (None, 0)  # the window and draft vocabulary the engine's head has (as loaded)
     corpus = stdlib_corpus()
     records = []
     meta = run_metadata(model=args.model or "embedded:SmolLM2-135M-Instruct", dtype=args.dtype,
@@ -257,12 +266,16 @@ def main(argv=None) -> int:
             else:
                 prompts = long_prompts(engine.tokenizer, args.requests or batch, prompt_tokens, corpus)
             ar_rate, ar_steady, ar_tokens = None, None, None
-            for method, tree, drafter, window in (
-                    (*run, w) for run in runs(args.methods, args.trees, args.tree_method)
-                    for w in (head_windows if run[2] == "head" else [None])):
-                if drafter == "head" and window != head_window:
-                    engine.use_draft_head(args.draft_head, window)
-                    head_window = window
+            for method, tree, drafter, window, vocab in (
+                    (*run, w, v) for run in runs(args.methods, args.trees, args.tree_method)
+                    for w in (head_windows if run[2] == "head" else [None])
+                    for v in (draft_vocabs if run[2] == "head" else [0])):
+                if drafter == "head" and (window, vocab) != head_setting:
+                    try:
+                        engine.use_draft_head(args.draft_head, window, vocab)
+                    except InputError as e:
+                        p.error(e.render(lambda name: "--draft-vocabs" if name == "draft_vocab" else flag(name)))
+                    head_setting = (window, vocab)
                 options = GenerationOptions.check(GenerationOptions(
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=method,
                     gamma=args.gamma if tree is None else GenerationOptions.gamma, sparse_ratio=args.sparse_ratio,
@@ -276,7 +289,7 @@ def main(argv=None) -> int:
                 else:
                     rec, tokens = run_one(engine, prompts, options, args.breakdown and tree is None, args.repeats)
                 if drafter == "head":
-                    rec["head_window"] = engine.draft_head_window
+                    rec["head_window"], rec["draft_vocab"] = engine.draft_head_window, vocab
                 if is_plain(method, tree):
                     ar_rate, ar_tokens = rec["decode_tokens_per_s"], tokens
                     ar_steady = rec.get("steady_decode_tokens_per_s")
@@ -305,6 +318,7 @@ def main(argv=None) -> int:
         same = r.get("sequences_identical_to_ar", "-")
         label = f"{r['drafter']}:{r['draft_tree']}" if r.get("draft_tree") else r["method"]
         label += f"@{r['head_window']}" if r.get("head_window") else ""
+        label += f"/v{r['draft_vocab']}" if r.get("draft_vocab") else ""
         print(f"{label:10} {r['batch']:5d} {r['prompt_tokens']:6d} {r['decode_tokens_per_s']:9.1f} "
               f"{r['tau']:5.2f} {fmt(r['ms_per_iteration'], '7.2f'):>7} {fmt(r['speedup_vs_ar'], '.2f'):>7} "
               f"{same:>5}  {extra}")

@@ -150,6 +150,9 @@ def main(argv=None) -> int:
                    help="with --drafter head: a head checkpoint (vegas_jax.train_draft_head), or `random`: an "
                         "untrained head of the model's shapes attending over the default training span, whose passes "
                         "cost what a trained head's do (its drafts are rejected, so an iteration yields one token)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="with --draft-head: draft from this many tokens (a checkpoint's most frequent, the first ids "
+                        "for random; 0: the whole vocabulary)")
     p.add_argument("--precision", default="exact", help="method ssv's precision class")
     p.add_argument("--approx-mode", default=None, help="method ssv's approximate mode")
     p.add_argument("--warmup", type=int, default=2, help="iterations run before the profiled ones")
@@ -173,13 +176,15 @@ def main(argv=None) -> int:
     if args.attention == "nsa-view":
         engine = Engine(dataclasses.replace(engine.model, config=with_attention(engine.config, "nsa-view",
                                                                                 NSA_VIEW_LAYOUT)))
-    if args.draft_head == "random":
-        engine = with_random_head(engine)
-    elif args.draft_head:
-        try:
-            engine.use_draft_head(args.draft_head)
-        except InputError as e:
-            p.error(e.render(flag))
+    if args.draft_vocab and not args.draft_head:
+        p.error("--draft-vocab: only with --draft-head")
+    try:
+        if args.draft_head == "random":
+            engine = with_random_head(engine, args.draft_vocab)
+        elif args.draft_head:
+            engine.use_draft_head(args.draft_head, vocabulary=args.draft_vocab)
+    except InputError as e:
+        p.error(e.render(flag))
     depth = max(args.gamma, parse_tree(args.draft_tree).depth)
     max_new = (args.warmup + args.iterations + 1) * (depth + 1) + 1
     results = {}
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
 
     doc = run_metadata(weights=args.model or f"random ({args.shapes} shapes)", attention_backend=default_backend(),
                        attention=args.attention, draft_tree=args.draft_tree, drafter=args.drafter,
-                       draft_head=args.draft_head,
+                       draft_head=args.draft_head, draft_vocab=args.draft_vocab,
                        draft_weights=args.draft_weights, xla_flags=os.environ.get("XLA_FLAGS", ""), batch=args.batch,
                        prompt_tokens=args.prompt_tokens, gamma=args.gamma, methods=results)
     save_results(doc, f"profile-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json",

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import draft_head
 from models.config import ModelConfig, NSALayout, RopeScaling
@@ -66,12 +67,14 @@ def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
     return random_engine(SMOLLM2_135M, dtype)
 
 
-def with_random_head(engine: Engine) -> Engine:
+def with_random_head(engine: Engine, vocabulary: int = 0) -> Engine:
     """The engine drafting with an untrained draft head of its shapes (in the model's dtype), attending over the
-    training defaults' window: its passes cost a trained head's; its drafts are rejected."""
+    training defaults' window, with a draft vocabulary of the first `vocabulary` token ids (0: all; which ones
+    changes no cost): its passes cost a trained head's; its drafts are rejected."""
     defaults = Settings()
     engine.use_draft_head(draft_head.init_params(engine.config),
-                          window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens))
+                          window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens),
+                          vocabulary=np.arange(vocabulary) if vocabulary else 0)
     return engine
 
 

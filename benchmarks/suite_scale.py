@@ -26,6 +26,7 @@ import numpy as np
 from benchmarks.profile_decode import gpu_kernel_events, summarize
 from benchmarks.random_model import SHAPES, random_cache_rows, random_engine, with_random_head
 from benchmarks.suite_presets import SCALE_CASE_S, SCALE_METHODS, SCALE_MODEL_S, Preset
+from models import draft_head
 from models.config import ModelConfig
 from vegas_jax.decode.tree_shapes import parse_tree
 from vegas_jax.runtime.engine import GenerationOptions
@@ -127,9 +128,11 @@ def bytes_per_iteration(weights: int, kv_token: int, batch: int, length: int, ga
 
 
 def head_pass_bytes(config: ModelConfig, params, head, batch: int, window: int) -> int:
-    """What one pass of the draft head must read: its own weights, the target's final norm and LM head (the
-    embedding table when tied), and its K/V rows over its window."""
-    readout = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    """What one pass of the draft head must read: its own weights (with a draft vocabulary, its rows of the LM
+    head), else the target's LM head (the embedding table when tied), the target's final norm, and its K/V rows
+    over its window."""
+    readout = ({} if draft_head.READOUT in head else
+               params["embed"] if config.tie_word_embeddings else params["lm_head"])
     head_kv_token = kv_bytes_per_token(config) // config.num_layers  # the head is one layer
     return tree_bytes(head) + tree_bytes(readout) + tree_bytes(params["final_norm"]) + batch * window * head_kv_token
 

@@ -9,6 +9,12 @@ head's rows attend to each other through its own KV cache (one layer's, a row pe
 Params are a plain nested dict (flax.nnx defines them, as models.decoder does); `features` and `logits` are pure
 functions of it. The head owns only the fusing projection and its layer: the token embedding, final norm and LM
 head are the target's, read from the target's params, so a head adds ~1 layer of weights.
+
+A draft vocabulary (FR-Spec's reduced readout): the head's params may carry a READOUT entry, the LM head's rows of
+K chosen tokens (`vocabulary_readout`), and `logits` then reads those K rows instead of all V. At a 128K
+vocabulary the whole LM head is the head's largest read (a sixth of a head-drafted chain's GPU time at 8B shapes);
+verification reads the whole, so drafting stays lossless: a token outside the K is never drafted, and sampling
+draws it through the residual.
 Einsum axes as in models.decoder (B, S, T, D, N, K, H, F), and G query heads per KV head.
 """
 
@@ -27,6 +33,8 @@ from models.decoder import RMSNorm, vocabulary_logits
 from models.logical_axes import Axes
 
 Params = dict[str, Any]
+# The optional entry of a head's params holding a draft vocabulary's readout: {"tokens": [K] int32, "rows": [K, D]}.
+READOUT = "readout"
 # Attention weight of a row a query may not see: finite, so a row that sees nothing (an unused pending row)
 # averages garbage instead of making NaNs.
 _HIDDEN = float(jnp.finfo(jnp.float32).min)
@@ -114,18 +122,32 @@ def features(head: Params, target: Params, config: ModelConfig, hidden: jax.Arra
     [B, S, D], past_k, past_v)."""
     graphdef, abstract = _split_abstract(config)
     state = jax.tree.map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(state, head)
+    nnx.replace_by_pure_dict(state, {k: v for k, v in head.items() if k != READOUT})
     model = nnx.merge(graphdef, state)
     rope = rope_tables(positions, jnp.asarray(rope_inverse_frequencies(config), jnp.float32))
     embeddings = jnp.take(target["embed"], tokens, axis=0)
     return model(hidden, embeddings, rope, past_k, past_v, write, visible, read)
 
 
-def logits(target: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """float32 [B, S, V]: the target's final norm and LM head over features [B, S, D] (the target's readout)."""
+def vocabulary_readout(target: Params, config: ModelConfig, tokens) -> Params:
+    """A draft vocabulary's readout for a head's READOUT entry: the token ids [K] (int32) and the target's LM head
+    rows of them [K, D] (a copy: drafts then read K rows contiguously)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if config.tie_word_embeddings:
+        rows = jnp.take(target["embed"], tokens, axis=0)
+    else:
+        rows = jnp.take(target["lm_head"], tokens, axis=1).T
+    return {"tokens": tokens, "rows": rows}
+
+
+def logits(target: Params, config: ModelConfig, hidden: jax.Array, readout: Params | None = None) -> jax.Array:
+    """float32 [B, S, V]: the target's final norm and LM head over features [B, S, D] (the target's readout); with a
+    draft vocabulary's `readout`, [B, S, K] over its tokens only."""
     x32 = hidden.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_norm_eps)
     x = (normed * target["final_norm"]["scale"].astype(jnp.float32)).astype(target["embed"].dtype)
+    if readout is not None:
+        return vocabulary_logits("BSD,KD->BSK", x, readout["rows"])
     if config.tie_word_embeddings:
         return vocabulary_logits("BSD,VD->BSV", x, target["embed"])
     return vocabulary_logits("BSD,DV->BSV", x, target["lm_head"])

@@ -341,6 +341,7 @@ REQUIRED = {"check_planner": ["--ssv-profile", "unread.json"], "bench_hf_generat
     (["--drafter", "head"], "error: --drafter head and --draft-head go together"),
     (["--draft-head", "random"], "error: --drafter head and --draft-head go together"),
     (["--drafter", "head", "--draft-head", "MISSING"], "error: --draft-head MISSING: no such folder"),
+    (["--draft-vocab", "8"], "error: --draft-vocab: only with --draft-head"),
 ])
 def test_profile_decode_refuses_a_bad_draft_head_in_one_line(flags, line, tmp_path, capsys):
     """argparse's usage, then one `error:` line naming the flag; a head folder that is not there is refused before

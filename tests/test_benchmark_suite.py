@@ -562,7 +562,7 @@ def test_bytes_an_iteration_must_read():
 @pytest.mark.parametrize("tied", [True, False])
 def test_bytes_a_draft_head_pass_must_read(tied):
     """The head's own weights, the target's final norm and LM head (the embedding table when tied; not the table
-    when untied), and its bf16 K/V rows over its window for every sequence."""
+    when untied) or a draft vocabulary's rows of it, and its bf16 K/V rows over its window for every sequence."""
     config = SimpleNamespace(tie_word_embeddings=tied, num_layers=3, num_kv_heads=2, head_dim=4)
     params = {"embed": np.zeros((50, 8), jnp.bfloat16), "final_norm": {"scale": np.zeros(8, jnp.bfloat16)}}
     if not tied:
@@ -571,6 +571,10 @@ def test_bytes_a_draft_head_pass_must_read(tied):
     readout = 50 * 8 * 2 if tied else 8 * 60 * 2
     assert suite_scale.head_pass_bytes(config, params, head, batch=3, window=10) == (
         (2 * 8 * 8 + 8) * 4 + readout + 8 * 2 + 3 * 10 * (2 * 2 * 4 * 2))
+    # With a draft vocabulary of 5 tokens: its 5 rows (and their ids) instead of the whole LM head.
+    head["readout"] = {"tokens": np.zeros(5, np.int32), "rows": np.zeros((5, 8), jnp.bfloat16)}
+    assert suite_scale.head_pass_bytes(config, params, head, batch=3, window=10) == (
+        (2 * 8 * 8 + 8) * 4 + 5 * 4 + 5 * 8 * 2 + 8 * 2 + 3 * 10 * (2 * 2 * 4 * 2))
 
 
 def test_profile_phases_follow_the_enclosing_command_buffer():

@@ -804,6 +804,15 @@ def test_the_embedded_model_drafts_with_its_shipped_head(capsys, tmp_path):
     assert shaped["plan"]["draft_tree_parents"] == [-1, 0, 0, 1, 1, 3]
     out, _, _ = run_json(capsys, tmp_path, ["--prompt", PROMPT, "--dry-run", "--quiet"])
     assert out["draft_head"] is None
+    # The shipped heads count their training prompts' tokens: a draft vocabulary of the 8,192 most frequent.
+    vocab, _, _ = run_json(capsys, tmp_path, [*head, "--draft-vocab", "8192"])
+    assert vocab["draft_vocab"] == 8192 and vocab["plan"]["drafter"] == "head"
+    for flags, needle in [(["--draft-vocab", "8192", "--prompt", PROMPT], "error: --draft-vocab: only with --drafter "
+                                                                          "head and a --draft-tree"),
+                          ([*head, "--draft-vocab", "50000"], "error: --draft-vocab must be in [0, 49152]")]:
+        assert generate.main(flags) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(needle), line
     assert generate.main([*BASE, *head]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --drafter head: this engine has no draft head"), line

@@ -244,6 +244,46 @@ def test_greedy_decoding_with_the_head_is_plain_greedy_decoding(dense, tree):
     assert np.asarray(state.metrics.accepted).sum(0)[1] > 0  # paths of depth 2 and more were accepted
 
 
+def test_a_draft_vocabulary_drafts_its_most_frequent_tokens_only_and_decodes_as_plain_greedy(dense):
+    """Training counts the tokens of the sequences it trains on (validation left out); a draft vocabulary of K
+    is the K most frequent (ties by id), read out through the LM head's rows of them. The head then drafts those
+    tokens only, and greedy decoding stays plain greedy decoding, drafts accepted."""
+    from vegas_jax.loading.draft_head_checkpoint import token_counts
+
+    engine, folder, data = dense
+    model = engine.config
+    want = np.zeros(model.vocab_size, np.int64)
+    for row, generated in zip(data["tokens"][: SETTINGS.prompts - SETTINGS.validation], data["generated"]):
+        for token in row[: SETTINGS.prompt_tokens + generated]:
+            want[token] += 1
+    np.testing.assert_array_equal(token_counts(folder), want)
+
+    size = 24  # of 96
+    other = tiny_engine()
+    other.use_draft_head(folder, vocabulary=size)
+    readout = other.draft_head[draft_head.READOUT]
+    ranked = sorted(range(model.vocab_size), key=lambda t: (-want[t], t))[:size]
+    assert np.asarray(readout["tokens"]).tolist() == ranked
+    hidden = jax.random.normal(jax.random.key(0), (2, 3, model.hidden_size))
+    full = draft_head.logits(engine.model.params, model, hidden)
+    np.testing.assert_allclose(np.asarray(draft_head.logits(engine.model.params, model, hidden, readout)),
+                               np.asarray(full)[..., ranked], atol=1e-5, rtol=1e-5)
+
+    ids = prompts([12, 21, 9], model.vocab_size, seed=2)
+    opts = GenerationOptions(max_new_tokens=NEW, draft_tree="2x3", drafter="head", prefill_chunk=16)
+    started = other.start(ids, opts)
+    state = started.decode(other.model.params, started.draft_params, started.state, np.int32(2), np.int32(2))
+    keys = step_keys(state.keys, request_step(state), started.config.tree.depth + 2)
+    drafts = jax.jit(lambda s: HeadDrafter().propose(other.model.params, other.draft_head, s, keys, started.config,
+                                                     jnp.full((3,), 3)).tokens)(state)
+    assert set(np.asarray(drafts)[:, 1:].ravel().tolist()) <= set(ranked)
+    state = run_to_end(other, ids, opts)
+    output, count = np.asarray(state.output), np.asarray(state.num_generated)
+    assert [output[i, : count[i]].tolist() for i in range(len(ids))] == dense_greedy(engine, ids, NEW)
+    assert set(sum((output[i, : count[i]].tolist() for i in range(len(ids))), [])) - set(ranked)  # not all in it
+    assert np.asarray(state.metrics.accepted).sum(0)[1] > 0
+
+
 def test_greedy_decoding_with_the_head_is_plain_nsa_decoding(tmp_path):
     """Also where the SSV planner chooses the drafter (drafter auto): among those its profile times that the
     engine can run, the head only where the engine has one."""
@@ -312,6 +352,21 @@ def test_sampled_trees_with_the_head_keep_the_distribution(tmp_path):
     assert p_value > 1e-3, f"p = {p_value:.2e}"
 
 
+def test_sampled_trees_with_a_draft_vocabulary_keep_the_distribution():
+    """The head drafts from 3 of the 4 tokens, the one left out the likeliest second token: its probability
+    reaches the output through the residual alone."""
+    sampler = tree_sampler()
+    engine, _, joint = sampler
+    likeliest = int(np.argmax(joint.sum(axis=(0, 2, 3))))
+    vocabulary = [t for t in (3, 1, 2, 0) if t != likeliest]
+    engine.use_draft_head(draft_head.init_params(engine.config, jnp.float32, 3), vocabulary=vocabulary)
+    assert np.asarray(engine.draft_head[draft_head.READOUT]["tokens"]).tolist() == vocabulary
+    counts, histogram = sampled_counts(sampler, "head", 10_000)
+    assert min(histogram) > 0.02 * sum(histogram), histogram
+    p_value = chi_square_p_value(counts, joint)
+    assert p_value > 1e-3, f"p = {p_value:.2e}"
+
+
 def test_serving_with_the_head_equals_generate(dense):
     """Continuous batching admits requests with their head memory (sampled, so the keys must agree too)."""
     engine, _, _ = dense
@@ -323,6 +378,8 @@ def test_serving_with_the_head_equals_generate(dense):
 
 
 def test_refusals_name_the_argument(dense, tmp_path):
+    from vegas_jax.loading import draft_head_checkpoint
+
     engine, folder, _ = dense
     with pytest.raises(InputError, match="drafter head: this engine has no draft head"):
         tiny_engine().generate([[1, 2, 3]], GenerationOptions(draft_tree="2x2", drafter="head"))
@@ -332,6 +389,24 @@ def test_refusals_name_the_argument(dense, tmp_path):
         tiny_engine(vocab=64).use_draft_head(folder)
     with pytest.raises(InputError, match="draft_head .*: holds no draft head checkpoint"):
         engine.use_draft_head(tmp_path)
+    fresh = draft_head.init_params(engine.config, jnp.float32, 0)
+    for vocabulary, needle in [(97, r"draft_vocab must be in \[0, 96\] \(0: the whole vocabulary\), got 97"),
+                               (-1, r"draft_vocab must be in \[0, 96\]"),
+                               ([3, 3], r"draft_vocab: token ids must be distinct integers in \[0, 96\)"),
+                               ([], r"draft_vocab: token ids must be distinct"),
+                               ([5, 96], r"draft_vocab: token ids must be distinct"),
+                               (8, "draft_vocab 8: a head given as params has no token counts")]:
+        with pytest.raises(InputError, match=needle):
+            tiny_engine().use_draft_head(fresh, vocabulary=vocabulary)
+    counted = tmp_path / "uncounted"
+    draft_head_checkpoint.export(folder, counted)
+    (counted / draft_head_checkpoint.TOKEN_COUNTS).unlink()
+    with pytest.raises(InputError, match="draft_vocab 8: .*uncounted \\(no token_counts.npz\\) has no token counts"):
+        tiny_engine().use_draft_head(counted, vocabulary=8)
+    narrow = tiny_engine()
+    narrow.use_draft_head(folder, vocabulary=2)
+    with pytest.raises(InputError, match="draft_vocab: 2 tokens, fewer than the 3 children a node of the draft tree"):
+        narrow.plan([[1, 2, 3]], GenerationOptions(draft_tree="2x3", drafter="head"))
 
 
 def test_an_exported_head_drafts_as_its_training_folder_and_does_not_resume(dense, tmp_path):
@@ -350,6 +425,8 @@ def test_an_exported_head_drafts_as_its_training_folder_and_does_not_resume(dens
     size = lambda path: sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())  # noqa: E731
     newest = Path(folder) / str(draft_head_checkpoint.manager(folder).latest_step())
     assert size(exported) < size(newest) / 3
+    np.testing.assert_array_equal(draft_head_checkpoint.token_counts(exported),
+                                  draft_head_checkpoint.token_counts(folder))
     with pytest.raises(InputError, match="holds an exported head"):
         train_draft_head.train(engine, data, exported, SETTINGS, progress=False)
     with pytest.raises(InputError, match="already holds a head checkpoint"):

@@ -9,6 +9,7 @@ import io
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -53,22 +54,28 @@ def test_plan_counts_the_generation_controls():
     assert step[True] - step[False] == 2 * 3 * 6 * c.vocab_size * 4
 
 
-def test_plan_counts_the_draft_heads_cache_over_the_whole_context():
+def test_plan_counts_the_draft_heads_cache_over_the_whole_context_and_its_params():
     """The head drafter keeps K and V of one layer for every position of the cache and its tree's scratch rows
-    (float32 here), besides the model's cache."""
+    (float32 here), besides the model's cache; its params, with a draft vocabulary's rows of the LM head, count as
+    draft weights."""
     import jax.numpy as jnp
 
     from models import draft_head
 
     engine = tiny_engine()
     c = engine.config
-    engine.use_draft_head(draft_head.init_params(c, jnp.float32, 0))
+    params = draft_head.init_params(c, jnp.float32, 0)
+    head_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     batch = prompts([45, 12, 80], c.vocab_size)
-    plans = {drafter: engine.plan(batch, dataclasses.replace(GREEDY, gamma=4, draft_tree="4x2", drafter=drafter))
-             for drafter in ("ngram", "head")}
-    rows = 1 + 2 + 4 + 8 + 16  # a 4x2 tree's nodes: depth 4, two children each
-    extra = plans["head"]["bytes_per_device"]["kv_cache"] - plans["ngram"]["bytes_per_device"]["kv_cache"]
-    assert extra == 2 * 3 * (plans["head"]["cache_capacity"] + rows) * c.num_kv_heads * c.head_dim * 4
+    for vocabulary, readout_bytes in [(0, 0), ([5, 9, 2], 3 * 4 + 3 * c.hidden_size * 4)]:
+        engine.use_draft_head(params, vocabulary=vocabulary)
+        plans = {drafter: engine.plan(batch, dataclasses.replace(GREEDY, gamma=4, draft_tree="4x2", drafter=drafter))
+                 for drafter in ("ngram", "head")}
+        rows = 1 + 2 + 4 + 8 + 16  # a 4x2 tree's nodes: depth 4, two children each
+        extra = plans["head"]["bytes_per_device"]["kv_cache"] - plans["ngram"]["bytes_per_device"]["kv_cache"]
+        assert extra == 2 * 3 * (plans["head"]["cache_capacity"] + rows) * c.num_kv_heads * c.head_dim * 4
+        assert plans["ngram"]["bytes_per_device"]["draft_weights"] == 0
+        assert plans["head"]["bytes_per_device"]["draft_weights"] == head_bytes + readout_bytes
 
 
 def test_a_run_that_cannot_fit_is_refused_before_allocating():

@@ -286,18 +286,21 @@ def scenario_head() -> dict:
     one = Engine(loaded)
     folder = tempfile.mkdtemp(prefix="head-")
     trained(one, folder)
-    one.use_draft_head(folder)
     batch = prompts([12, 30, 9, 21, 16], loaded.config.vocab_size, seed=2)
     out = {"runs": []}
-    for mesh, extra in [("data=4,model=2", dict(draft_tree="4x1")),
-                        ("data=2,model=4", dict(draft_tree="2x2", temperature=0.8, logprobs=2))]:
+    # The second run drafts from a draft vocabulary (its readout rows whole on every device, as the LM head).
+    for mesh, vocab, extra in [("data=4,model=2", 0, dict(draft_tree="4x1")),
+                               ("data=2,model=4", 40, dict(draft_tree="2x2", temperature=0.8, logprobs=2))]:
         data, model = (int(part.split("=")[1]) for part in mesh.split(","))
-        engine = Engine(loaded.on_mesh(make_mesh({"data": data, "model": model})), draft_head=folder)
+        one.use_draft_head(folder, vocabulary=vocab)
+        engine = Engine(loaded.on_mesh(make_mesh({"data": data, "model": model})), draft_head=folder,
+                        draft_vocab=vocab)
         options = GenerationOptions(max_new_tokens=24, drafter="head", prefill_chunk=16, **extra)
         reference, got = _run_to_end(one, batch, options), _run_to_end(engine, batch, options)
         prompt_rows = [np.asarray(e.start(batch, options).state.drafter_state.k)[: len(batch), : max(map(len, batch))]
                        for e in (one, engine)]
-        out["runs"].append({"mesh": mesh, **{k: got[k] == reference[k] for k in ("tokens", "accepted", "top_ids")},
+        out["runs"].append({"mesh": mesh, "vocab": len(engine.draft_head.get("readout", {"tokens": []})["tokens"]),
+                            **{k: got[k] == reference[k] for k in ("tokens", "accepted", "top_ids")},
                             "drafts_accepted": int(sum(map(sum, reference["accepted"]))),
                             "prompt_rows": bool(np.allclose(*prompt_rows, atol=1e-5, rtol=1e-5))})
     return out
@@ -344,7 +347,7 @@ def test_an_nsa_model_decodes_on_a_mesh_as_on_one_device():
 
 def test_a_draft_head_drafts_on_a_mesh_as_on_one_device():
     out = run_scenario("head", devices=8)
-    assert [run["mesh"] for run in out["runs"]] == ["data=4,model=2", "data=2,model=4"]
+    assert [(run["mesh"], run["vocab"]) for run in out["runs"]] == [("data=4,model=2", 0), ("data=2,model=4", 40)]
     for run in out["runs"]:
         assert run["tokens"] and run["accepted"] and run["top_ids"] and run["drafts_accepted"] > 0, run
         assert run["prompt_rows"], run

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-head", default=None,
                    help="with --drafter head: the trained draft head's folder (python -m vegas_jax.train_draft_head); "
                         "default for the embedded model: the head shipped for its --attention")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="with --drafter head: draft from the N tokens most frequent in the head's training "
+                        "sequences only, reading N rows of the LM head instead of all (0: the whole vocabulary)")
     p.add_argument("--slots", type=int, default=None,
                    help="continuous batching: at most this many requests decode together, the others queue and are "
                         "admitted as requests finish (default: all prompts in one batch)")
@@ -543,6 +546,8 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             raise InputError("--refill: only with --slots")
         if args.draft_head is not None and not (options.drafting.draft_tree and options.drafting.drafter == "head"):
             raise InputError("--draft-head: only with --drafter head and a --draft-tree")
+        if args.draft_vocab and not (options.drafting.draft_tree and options.drafting.drafter == "head"):
+            raise InputError("--draft-vocab: only with --drafter head and a --draft-tree")
         if args.compare_ar and options.effective_gamma == 0:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")
         mesh = mesh_of(args)
@@ -571,7 +576,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
             from vegas_jax.loading.draft_head_checkpoint import embedded_head
 
             draft_head = embedded_head(args.attention or "dense")
-        engine = Engine(loaded, draft_head=draft_head)
+        engine = Engine(loaded, draft_head=draft_head, draft_vocab=args.draft_vocab)
         # Everything about the input is checked before anything is printed: bad input gets one line.
         if (args.system is not None or args.messages) and engine.tokenizer.chat_template is None:
             raise InputError("{}: the model has no chat template to render them with",
@@ -580,7 +585,7 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
         plan = engine.plan(prompts, options, slots=args.slots, refill=args.refill)
         if args.dry_run:
             doc = {"plan": plan, "draft_head": None if draft_head is None else str(draft_head),
-                   "prompt_tokens": [len(p) for p in prompts]}
+                   "draft_vocab": args.draft_vocab, "prompt_tokens": [len(p) for p in prompts]}
             print(json.dumps(doc, indent=1))
             if args.output_json:
                 outputs.write_json(args.output_json, doc)
@@ -590,7 +595,8 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                     "system": args.system, "messages": [str(p) for p in args.messages],
                     "compare_ar": args.compare_ar, "stream": args.stream, "phase_times": args.phase_times,
                     "slots": args.slots, "refill": args.refill, "mesh": args.mesh, "placement": plan["placement"],
-                    "layer_loop": plan["layer_loop"], "draft_head": None if draft_head is None else str(draft_head)}
+                    "layer_loop": plan["layer_loop"], "draft_head": None if draft_head is None else str(draft_head),
+                    "draft_vocab": args.draft_vocab}
         out["config"] = resolved
         print("config: " + json.dumps(resolved), file=sys.stderr)
         print(f"loaded {loaded.source} ({loaded.format}) in {load_s:.2f}s", file=sys.stderr)

@@ -124,6 +124,15 @@ def make_data(engine, prompt_ids: list[list[int]], settings: Settings, progress=
     return {"tokens": tokens, "generated": generated}
 
 
+def token_counts(data: dict, settings: Settings, vocab_size: int) -> np.ndarray:
+    """[V]: how often each token id occurs in the sequences trained on (prompt and generated tokens; the held-back
+    validation sequences left out), which a draft vocabulary ranks tokens by (draft_head_checkpoint.ranked_tokens)."""
+    trained_on = len(data["tokens"]) - settings.validation
+    ends = settings.prompt_tokens + data["generated"][:trained_on]
+    seen = np.arange(data["tokens"].shape[1])[None, :] < ends[:, None]
+    return np.bincount(data["tokens"][:trained_on][seen], minlength=vocab_size)
+
+
 # ---- loss ------------------------------------------------------------------------------------------------------
 def pass_visibility(context: int, rows: int, passes: int, j: int) -> np.ndarray:
     """What each row of pass j sees, the head's K/V laid out pass by pass: pass 0's context + rows rows (the last
@@ -243,6 +252,8 @@ def train(engine, data: dict, folder: str | Path, settings: Settings, *, time_li
         draft_head_checkpoint.check_target(record, model, str(folder))
         check_resumable(record["settings"], settings)
         record["settings"] = dataclasses.asdict(settings)  # steps may grow
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    draft_head_checkpoint.save_token_counts(folder, token_counts(data, settings, model.vocab_size))
 
     taught = functools.partial(target_pass, model=model, prompt_tokens=settings.prompt_tokens,
                                context_tokens=settings.context_tokens, placement=engine.placement)

@@ -11,7 +11,8 @@ interface (init_state, propose, record):
   last tokens and what followed each are merged into the tree: a node's children are the distinct next tokens of
   the continuations through it, best match first. No forward pass; nodes no match fills are invalid.
 - `head`: a trained EAGLE-style draft head (models.draft_head): one decoder layer over the target's last hidden
-  state and the next token, its own KV cache over the whole context, the target's final norm and LM head. Prefill
+  state and the next token, its own KV cache over the whole context, the target's final norm and LM head (or its
+  rows of a draft vocabulary: models.draft_head.READOUT). Prefill
   writes the prompt's rows (`prefill_rows`, from the hidden states of each prefill chunk); the target's hidden
   states of the accepted tokens come from the verification pass that accepted them (`Verified.hidden`), and the
   head writes their rows at the start of the next proposal (so its first level costs one head pass over them),
@@ -77,15 +78,21 @@ class Context:
         return Context(self.tokens.at[rows, positions].set(tokens, mode="drop"))
 
 
-def grow(tokens, probs, nodes, logits, keys, state, config):
+def grow(tokens, probs, nodes, logits, keys, state, config, vocabulary=None):
     """tokens [B, R] with the children of `nodes` (a level's nodes that have children) chosen from their drafting
     logits [B, n, V]: the top choices (greedy) or draws without replacement, whose distributions go into probs
-    [B, P, V] (sampling; None when greedy)."""
+    [B, P, V] (sampling; None when greedy). vocabulary: the token ids [K] of the logits' last axis when the drafts
+    read out a draft vocabulary (models.draft_head.READOUT): a token outside it has probability 0."""
     tree = config.tree
     width = tree.children.shape[1]
     if config.sampling.greedy:
         choices = jax.lax.top_k(logits, width)[1].astype(jnp.int32)  # [B, n, W]
+        if vocabulary is not None:
+            choices = vocabulary[choices]
     else:
+        if vocabulary is not None:
+            everywhere = jnp.full((*logits.shape[:-1], config.model.vocab_size), -jnp.inf, logits.dtype)
+            logits = everywhere.at[..., vocabulary].set(logits)
         p = sampling.probabilities(logits, state.sampling, config.sampling)
         probs = probs.at[:, nodes].set(p)
         choices = _draw_children(keys, p, width)
@@ -314,8 +321,9 @@ class HeadDrafter:
             following=jnp.pad(verified.following, ((0, 0), (0, pad))))
 
     def propose(self, params, head, state, keys, config, num_drafts) -> Proposal:
-        """head: the draft head's params (the loop's draft_params)."""
+        """head: the draft head's params (the loop's draft_params), with a draft vocabulary's readout or without."""
         tree, model, memory = config.tree, config.model, state.drafter_state
+        readout = head.get(draft_head.READOUT)
         batch, slots = state.committed.shape[0], memory.k.shape[1]
         context = slots - tree.rows  # slots before the scratch
         # With a window shorter than the context each pass reads only the window's slots (read), so a draft's
@@ -363,9 +371,10 @@ class HeadDrafter:
                 out, k, v = draft_head.features(head, params, model, predicted[:, parents], tokens[:, nodes],
                                                 positions, k, v, write, visible, read)
                 predicted = predicted.at[:, nodes].set(out)
-            logits = draft_head.logits(params, model, predicted[:, nodes])
+            logits = draft_head.logits(params, model, predicted[:, nodes], readout)
             finite = finite & (jnp.all(jnp.isfinite(logits), axis=(1, 2)) | (depth >= num_drafts))
-            tokens, probs = grow(tokens, probs, nodes, logits, keys[depth], state, config)
+            tokens, probs = grow(tokens, probs, nodes, logits, keys[depth], state, config,
+                                 None if readout is None else readout["tokens"])
         memory = dataclasses.replace(memory, k=k, v=v)
         return Proposal(state.cache, tokens, jnp.ones((batch, tree.rows), bool), probs, finite, memory)
 

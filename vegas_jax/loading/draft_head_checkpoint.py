@@ -3,7 +3,10 @@ the head's params, the optimizer state and a JSON record (the target it was trai
 the loss / acceptance history), so training resumes from the newest step and decoding loads the newest params.
 `export` writes a head to ship: the newest step's params in bfloat16 and its record, without the optimizer state
 (a third of the size of the float32 params, a ninth of a training step's checkpoint), which decoding loads as it
-loads a training folder and training refuses to resume."""
+loads a training folder and training refuses to resume.
+
+Beside the steps, TOKEN_COUNTS counts each token id in the sequences the head was trained on: a draft vocabulary
+(models.draft_head.vocabulary_readout) is the most frequent of them (`ranked_tokens`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from models import draft_head
@@ -26,6 +30,7 @@ CAUSE_CHARS = 200
 # ATTENTION_CHOICES), each exported from `python -m vegas_jax.train_draft_head --attention A` at its defaults
 # (docs/draft-head.md says how they were trained and measured).
 EMBEDDED_HEADS = Path(__file__).parent / "embedded_heads"
+TOKEN_COUNTS = "token_counts.npz"
 KEEP = 2  # steps kept: the newest, and the one before in case the newest was cut off while written
 
 
@@ -136,7 +141,33 @@ def export(folder: str | Path, dest: str | Path, dtype=jnp.bfloat16) -> Path:
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     target.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), record=ocp.args.JsonSave(record)))
     target.wait_until_finished()
+    counts = token_counts(folder)
+    if counts is not None:
+        save_token_counts(dest, counts)
     return Path(dest)
+
+
+def save_token_counts(folder: str | Path, counts: np.ndarray) -> None:
+    np.savez_compressed(Path(folder) / TOKEN_COUNTS, counts=np.asarray(counts, np.int64))
+
+
+def token_counts(folder: str | Path) -> np.ndarray | None:
+    """[V] int64: how often each token id occurs in the head's training sequences; None when `folder` has none."""
+    path = Path(folder) / TOKEN_COUNTS
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as saved:
+            return saved["counts"]
+    except Exception as e:
+        lines = str(e).splitlines()
+        raise InputError("{draft_vocab}: cannot read {}: {}: {}", str(path), type(e).__name__,
+                         lines[0][:CAUSE_CHARS] if lines else "") from None
+
+
+def ranked_tokens(counts: np.ndarray, size: int) -> np.ndarray:
+    """The `size` most frequent token ids of `counts` (int32, most frequent first; ties by id)."""
+    return np.argsort(-np.asarray(counts), kind="stable")[:size].astype(np.int32)
 
 
 def embedded_head(attention: str) -> Path:

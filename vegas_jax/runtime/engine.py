@@ -65,7 +65,7 @@ class Started:
 class Engine:
     """A loaded model on its devices (one, or the mesh it was loaded onto: `vegas_jax.load(..., mesh=...)`)."""
 
-    def __init__(self, model: LoadedModel, draft_head=None):
+    def __init__(self, model: LoadedModel, draft_head=None, draft_vocab=0):
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
@@ -77,26 +77,61 @@ class Engine:
         self.draft_head = None  # the params `drafter` head drafts with (use_draft_head)
         self.draft_head_window = 0  # the positions each of its rows sees (0: all)
         if draft_head is not None:
-            self.use_draft_head(draft_head)
+            self.use_draft_head(draft_head, vocabulary=draft_vocab)
 
-    def use_draft_head(self, head, window: int | None = None) -> None:
+    def use_draft_head(self, head, window: int | None = None, vocabulary=0) -> None:
         """Drafts with this trained draft head where the options say `drafter` head: its params (a dict in the
         layout of models.draft_head.param_shapes) or a checkpoint folder of vegas_jax.train_draft_head. Whole on
         every device of the mesh (it is one layer). Each of its rows attends to the last `window` positions; None:
         as many as its training showed it (a checkpoint's training span, draft_head_checkpoint.trained_span), or
-        all for params; 0: all."""
+        all for params; 0: all. `vocabulary`, the tokens its drafts are chosen from (a draft vocabulary,
+        models.draft_head.vocabulary_readout): 0 all the model's; N the N most frequent in the head's training
+        sequences (a checkpoint folder's token counts); or a sequence of token ids."""
         dtype = self.model.params["embed"].dtype
         if window is not None and window < 0:
             raise InputError("{window} must be >= 0 (0: every position), got {}", window)
+        folder = None
         if isinstance(head, dict):
             head = jax.tree.map(lambda x: np.asarray(x, dtype), head)
             trained = 0
         else:
             folder, head = head, draft_head_checkpoint.load_head(head, self.config, dtype)
             trained = draft_head_checkpoint.trained_span(folder)
+        tokens = self._draft_vocabulary(vocabulary, folder)
         self.draft_head_window = trained if window is None else window
         whole = lambda x: self.placement.put(np.asarray(x), Axes(*(None,) * np.ndim(x)))  # noqa: E731
         self.draft_head = jax.tree.map(whole, head)
+        if tokens is not None:
+            # The LM head is whole on every device (models.decoder.param_axes), so its rows are too.
+            readout = jax.jit(lambda params, ids: draft_head.vocabulary_readout(params, self.config, ids),
+                              out_shardings=self.placement.sharding(Axes()))
+            self.draft_head[draft_head.READOUT] = readout(self.model.params, whole(tokens))
+
+    def _draft_vocabulary(self, vocabulary, folder) -> np.ndarray | None:
+        """The token ids [K] of a draft vocabulary (use_draft_head's `vocabulary`); None for the whole."""
+        size = self.config.vocab_size
+        if isinstance(vocabulary, (int, np.integer)) and not isinstance(vocabulary, bool):
+            if not 0 <= vocabulary <= size:
+                raise InputError("{draft_vocab} must be in [0, {}] (0: the whole vocabulary), got {}", size,
+                                 vocabulary)
+            if vocabulary in (0, size):
+                return None
+            counts = None if folder is None else draft_head_checkpoint.token_counts(folder)
+            if counts is None:
+                where = ("a head given as params" if folder is None
+                         else f"{folder} (no {draft_head_checkpoint.TOKEN_COUNTS})")
+                raise InputError("{draft_vocab} {}: {} has no token counts to choose the most frequent tokens by; "
+                                 "give the token ids", vocabulary, where)
+            if counts.shape != (size,):
+                raise InputError("{draft_vocab}: {} counts {} token ids, the model has {}", str(folder),
+                                 counts.shape[0], size)
+            return draft_head_checkpoint.ranked_tokens(counts, vocabulary)
+        tokens = np.asarray(vocabulary)
+        if (tokens.ndim != 1 or not tokens.size or not np.issubdtype(tokens.dtype, np.integer)
+                or tokens.min() < 0 or tokens.max() >= size or np.unique(tokens).size != tokens.size):
+            raise InputError("{draft_vocab}: token ids must be distinct integers in [0, {}), at least one; got {}",
+                             size, np.array2string(tokens, threshold=8))
+        return tokens.astype(np.int32)
 
     @property
     def placement(self) -> Placement:
@@ -130,9 +165,15 @@ class Engine:
         drafters = ("self", "ngram") + (("head",) if self.draft_head is not None else ())
         plan = run_plan.resolve(self.model, self.placement, prompt_ids, options, acceptance=self._acceptance,
                                 stop_table_of=self._stop_table, slots=slots, refill=refill,
-                                kept_prefill=kept_prefill, drafters=drafters, head_window=self.draft_head_window)
+                                kept_prefill=kept_prefill, drafters=drafters, head_window=self.draft_head_window,
+                                head_bytes=sum(x.nbytes for x in jax.tree.leaves(self.draft_head or {})))
         if plan.config.drafts_with_head:
-            self._head()  # a head-drafted run without a head is refused by a plan too
+            # a head-drafted run without a head is refused by a plan too
+            readout = self._head().get(draft_head.READOUT)
+            width = plan.config.tree.children.shape[1]
+            if readout is not None and readout["tokens"].shape[0] < width:
+                raise InputError("{draft_vocab}: {} tokens, fewer than the {} children a node of the draft tree "
+                                 "draws", readout["tokens"].shape[0], width)
         return plan
 
     def _head(self):

@@ -7,7 +7,8 @@ penalties the token counts, with logprobs their buffers, the stop table) for the
 largest of the transient arrays of one step (verification logits, their penalised copy and log-softmax when asked
 for, and, when sampling, the draft and target distributions; the layers' selection scores;
 prefill's MLP activations and, without kernels, its score arrays; under continuous batching a joining group's
-state, which admission gathers onto every data shard). With the draft head as drafter, its K/V over the whole
+state, which admission gathers onto every data shard). With the draft head as drafter, its params (and its draft
+vocabulary's rows of the LM head) count as draft weights, and its K/V over the whole
 context (one layer's, whole on every device: the head is not split over the model axis) is part of each
 request's cache, and its score arrays are part of prefill's and of each step's buffers. XLA's own temporaries are
 not counted, so the bound is what must fit, not everything that will be used; MARGIN leaves room for them.
@@ -59,10 +60,12 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
              k_max: int, policy: str, output_width: int, sampling: bool, prefill_chunk: int,
              refill: int | None, penalties: bool = False, logprobs: int | None = None,
              stop_table: tuple[int, int] = (1, 1), draft=None, quest_page: int = 16,
-             approx_mode: ApproxMode = EXACT_MODE, kept_prefill: bool = False, head_slots: int = 0) -> dict:
+             approx_mode: ApproxMode = EXACT_MODE, kept_prefill: bool = False, head_slots: int = 0,
+             head_bytes: int = 0) -> dict:
     """Bytes per device, by part; `total` is what must fit. draft: the draft tree (or its shapes), None for
     bf16 drafts. kept_prefill: a copy of the cache is held besides (vegas_jax.runtime.prefill_reuse).
-    head_slots: the draft head's K/V rows per request (vegas_jax.decode.drafters.HeadMemory; 0: no head)."""
+    head_slots: the draft head's K/V rows per request (vegas_jax.decode.drafters.HeadMemory; 0: no head);
+    head_bytes: its params with its draft vocabulary's readout, whole on every device (counted as draft weights)."""
     dtype = np.dtype(params["embed"].dtype).itemsize
     rows = batch // placement.data_shards
     kv_heads = config.num_kv_heads // placement.model_shards
@@ -104,7 +107,7 @@ def estimate(config: ModelConfig, params, placement: Placement, *, batch: int, c
     joining = refill * (cache_row + request_row) if refill else 0
     parts = {
         "params": _params_per_device(params, placement),
-        "draft_weights": draft_per_device(draft, placement),
+        "draft_weights": draft_per_device(draft, placement) + head_bytes,
         "kv_cache": rows * cache_row,
         "decode_state": state,
         "largest_step_buffers": max(logits + scores, prefill),

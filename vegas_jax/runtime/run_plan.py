@@ -57,13 +57,14 @@ class RunPlan:
 def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]], options: GenerationOptions, *,
             acceptance: DrafterAcceptance, stop_table_of: Callable[[GenerationOptions], np.ndarray],
             slots: int | None = None, refill: int | None = None, kept_prefill: bool = False,
-            drafters: tuple[str, ...] = ("self", "ngram"), head_window: int = 0) -> RunPlan:
+            drafters: tuple[str, ...] = ("self", "ngram"), head_window: int = 0, head_bytes: int = 0) -> RunPlan:
     """The plan of a run of these prompts (with `slots`: served through that many, `refill` at a time) once its
     options are checked, SSV's choice made and the run known to fit its devices; InputError otherwise. Each run
     resolves its plan once, and nothing downstream checks or changes its options again. `stop_table_of`: the
     options' vegas_jax.decode.stops table, asked for once the options are checked (its stop ids within the
     vocabulary). `drafters`: those the engine can run (the SSV planner's choices with drafter auto); `head_window`:
-    its draft head's attention window (vegas_jax.decode.iteration.DecodeConfig.head_window)."""
+    its draft head's attention window (vegas_jax.decode.iteration.DecodeConfig.head_window), `head_bytes` its
+    params' bytes (with its draft vocabulary's readout)."""
     model_config, prompt_lens = model.config, [len(p) for p in prompt_ids]
     asked = GenerationOptions.check(options)
     choice = ssv.choose(asked, model_config, prompt_lens, acceptance, drafters)
@@ -92,7 +93,8 @@ def resolve(model: LoadedModel, placement: Placement, prompt_ids: list[list[int]
                                sampling=not config.sampling.greedy, penalties=config.sampling.penalties,
                                logprobs=config.logprobs, stop_table=stop_table.shape, prefill_chunk=chunk,
                                refill=refill_rows, approx_mode=config.mode, kept_prefill=kept_prefill,
-                               head_slots=head_slots(capacity, config.tree) if config.drafts_with_head else 0)
+                               head_slots=head_slots(capacity, config.tree) if config.drafts_with_head else 0,
+                               head_bytes=head_bytes if config.drafts_with_head else 0)
     memory.check_fits(estimate, placement)
     return RunPlan(asked, choice, config, capacity, {
         "ssv_plan": None if choice.plan is None else choice.plan.report(),
