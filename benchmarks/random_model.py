@@ -69,12 +69,13 @@ def random_smollm2_engine(dtype=jnp.bfloat16) -> Engine:
 
 def with_random_head(engine: Engine, vocabulary: int = 0) -> Engine:
     """The engine drafting with an untrained draft head of its shapes (in the model's dtype), attending over the
-    training defaults' window, with a draft vocabulary of the first `vocabulary` token ids (0: all; which ones
-    changes no cost): its passes cost a trained head's; its drafts are rejected."""
+    training defaults' window, with a draft vocabulary of the first `vocabulary` token ids (which ones changes no
+    cost; 0, or at least the model's vocabulary: all of it): its passes cost a trained head's; its drafts are
+    rejected."""
     defaults = Settings()
     engine.use_draft_head(draft_head.init_params(engine.config),
                           window=span(defaults.context_tokens, defaults.prompt_tokens, defaults.new_tokens),
-                          vocabulary=np.arange(vocabulary) if vocabulary else 0)
+                          vocabulary=np.arange(vocabulary) if 0 < vocabulary < engine.config.vocab_size else 0)
     return engine
 
 

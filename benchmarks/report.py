@@ -189,7 +189,7 @@ def scale_table(records: list[dict], tau_records: list[dict]) -> str:
                           if r.get("stage") == "scale" and r.get("fits") is False})
     note = ("\n\nDid not fit one H200 (vegas_jax.runtime.memory): "
             + ", ".join(f"{m} {c // 1024}K x {b}" for m, c, b in not_fitting)) if not_fitting else ""
-    head = ["head 6x1 ms/iteration (plain steps)"] if "head" in timed else []
+    head = ["head 6x1, 32K draft vocabulary: ms/iteration (plain steps)"] if "head" in timed else []
     return t.md_table(["shapes", "context", "batch", "plain ms/step", "roofline", "Vegas ms/iteration (plain steps)",
                        "Stream ms/iteration (plain steps)", *head, "Vegas tok/s PROJECTION", "Stream tok/s PROJECTION",
                        "plain tok/s"], lines) + note

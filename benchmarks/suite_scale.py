@@ -3,11 +3,11 @@ context, the cache filled with random rows instead of prefill (`Engine.start(fil
 
 Per (model, context, batch): a plain step, a Vegas iteration and a Stream iteration (γ 6, ratio 7 %), and an
 iteration of plain decoding verifying a 6-node chain drafted by an untrained EAGLE-style draft head (`head`: one
-layer and the LM head a draft, where Vegas's drafts read every weight), each timed over a few iterations of the
-compiled loop, then profiled over a few more (GPU time by kernel kind, and by phase: the draft loop's command
-buffer against the rest of the iteration); the memory roofline fraction: the bytes a step
-or iteration must read (weights, and the KV rows each pass attends to) over the read bandwidth measured in the same
-process, divided by the time it took. Acceptance on random weights means nothing: throughput at SmolLM2's measured
+layer and the LM head's rows of a 32K-token draft vocabulary a draft, where Vegas's drafts read every weight), each
+timed over a few iterations of the compiled loop, then profiled over a few more (GPU time by kernel kind, and by
+phase: the draft loop's command buffer against the rest of the iteration); the memory roofline fraction: the bytes a
+step or iteration must read (weights, and the KV rows each pass attends to) over the read bandwidth measured in the
+same process, divided by the time it took. Acceptance on random weights means nothing: throughput at SmolLM2's measured
 τ is a projection, made by the report, never measured here.
 """
 
@@ -38,6 +38,10 @@ PROFILED_ITERATIONS = 3
 BANDWIDTH_BYTES = 2**32
 KERNEL_TIME, WALL_TIME = "gpu kernel time", "wall"  # what a time was measured by (kernel_profile's clock)
 HEAD_DRAFTS = "6x1"  # the `head` method's draft: as many drafts as Vegas's default γ, a chain
+# The `head` method's draft vocabulary (models.draft_head.vocabulary_readout), as EAGLE-3's: a quarter of
+# Llama-3.1-8B's 128K tokens, a fifth of Qwen3-8B's 152K (SmolLM2's shipped head drafts as well from 4K of its 49K:
+# docs/draft-head.md).
+HEAD_VOCAB = 32768
 
 
 def median_seconds(fn, x, reps: int = 10) -> float:
@@ -248,7 +252,7 @@ def run_scale(session, preset: Preset) -> None:
         config = SHAPES[model]
         engine = random_engine(config)
         if any(m == "head" for _, _, m in wanted):
-            engine = with_random_head(engine)
+            engine = with_random_head(engine, HEAD_VOCAB)
         weights, kv_token = weight_bytes_read(config, engine.model.params), kv_bytes_per_token(config)
         for case, batch, method in wanted:
             session.measure(_fields(model, case.context, batch, method), SCALE_CASE_S,
@@ -260,7 +264,8 @@ def run_scale(session, preset: Preset) -> None:
 def _fields(model: str, context: int, batch: int, method: str) -> dict:
     gamma, sparse_ratio = scale_cell(method)
     return {"stage": "scale", "model": model, "context": context, "batch": batch, "method": method,
-            "gamma": gamma, "sparse_ratio": sparse_ratio, "weights": "random", "dtype": "bfloat16"}
+            "gamma": gamma, "sparse_ratio": sparse_ratio, "weights": "random", "dtype": "bfloat16",
+            **({"draft_vocab": HEAD_VOCAB} if method == "head" else {})}
 
 
 def scale_cell(method: str) -> tuple[int, float | None]:

@@ -624,10 +624,12 @@ def test_random_cache_rows_writes_over_the_cache_it_is_given():
 def test_the_scale_stage_times_the_iterations_it_asked_for(method):
     """The scale stage's timing drives the compiled loop as the engine compiled it (its arguments, the draft
     weights among them) on a random cache: the timed iterations ran, at the context asked for; `head` drafts a
-    6-node chain with an untrained head (its drafts rejected: an iteration of it yields one token)."""
+    6-node chain with an untrained head from a draft vocabulary (its drafts rejected: an iteration of it yields one
+    token)."""
     engine = tiny_engine(layers=1)
     if method == "head":
-        engine = with_random_head(engine)
+        engine = with_random_head(engine, 16)
+        assert engine.draft_head["readout"]["tokens"].tolist() == list(range(16))
     timing = time_iterations(engine, batch=2, context=256, method=method, iterations=3)
     assert timing["iterations"] == 3 and timing["ms_per_iteration"] > 0
     gamma = timing["gamma"]
@@ -836,7 +838,7 @@ def test_the_scale_table_shows_the_heads_iteration_once_one_is_measured():
     record of it exists (cost only: the suite holds no SmolLM2 τ of that drafter to project with); without one the
     table keeps its columns."""
     records = [_scale("llama-3.1-8b", 8, "ar", 12.0, fraction=0.8), _scale("llama-3.1-8b", 8, "vegas", 36.0, steps=3.0)]
-    header = "head 6x1 ms/iteration (plain steps)"
+    header = "head 6x1, 32K draft vocabulary: ms/iteration (plain steps)"
     assert header not in report.scale_table(records, [])
     table = report.scale_table(records + [_scale("llama-3.1-8b", 8, "head", 16.0, steps=1.333)], [])
     lines = table.splitlines()

@@ -398,6 +398,8 @@ def test_refusals_name_the_argument(dense, tmp_path):
                                (8, "draft_vocab 8: a head given as params has no token counts")]:
         with pytest.raises(InputError, match=needle):
             tiny_engine().use_draft_head(fresh, vocabulary=vocabulary)
+    with pytest.raises(InputError, match="draft_vocab: a draft vocabulary is the draft head's; give draft_head too"):
+        Engine(engine.model, draft_vocab=8)
     counted = tmp_path / "uncounted"
     draft_head_checkpoint.export(folder, counted)
     (counted / draft_head_checkpoint.TOKEN_COUNTS).unlink()

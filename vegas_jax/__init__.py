@@ -20,7 +20,7 @@ __all__ = ["Engine", "GenerationOptions", "GenerationResult", "InputError", "loa
 
 
 def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights: str | None = None,
-         draft_head: str | None = None) -> Engine:
+         draft_head: str | None = None, draft_vocab=0) -> Engine:
     """An Engine for a checkpoint (None: the embedded SmolLM2). dtype: auto (bf16 on GPU, float32 on CPU),
     bfloat16 or float32. mesh: a `jax.sharding.Mesh` with axes `data` (splits the batch) and `model` (splits heads
     and MLP units), either optional, or the CLI's --mesh string over all devices ("data=2,model=4"); the parameters
@@ -28,7 +28,8 @@ def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights
     naming the file and the cause. draft_weights: int8 / int4 makes the quantized draft weights at load time
     (from a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where it has them); otherwise a run asking for them
     (`GenerationOptions.draft_weights`) quantizes the loaded weights on first use. draft_head: the folder of a
-    trained draft head (vegas_jax.train_draft_head), which `drafter="head"` drafts with."""
+    trained draft head (vegas_jax.train_draft_head), which `drafter="head"` drafts with; draft_vocab: the tokens it
+    drafts from (Engine.use_draft_head's `vocabulary`: 0 all, N the N most frequent in its training sequences)."""
     import jax
     import jax.numpy as jnp
 
@@ -42,5 +43,5 @@ def load(model: str | None = None, dtype: str = "auto", mesh=None, draft_weights
     if dtype not in ("bfloat16", "float32"):
         raise InputError("{dtype} must be auto, bfloat16 or float32, got {!r}", dtype)
     return Engine(load_model(model, getattr(jnp, dtype), None if mesh is None else adopt_mesh(mesh), draft_weights),
-                  draft_head=draft_head)
+                  draft_head=draft_head, draft_vocab=draft_vocab)
 

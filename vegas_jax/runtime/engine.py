@@ -78,6 +78,8 @@ class Engine:
         self.draft_head_window = 0  # the positions each of its rows sees (0: all)
         if draft_head is not None:
             self.use_draft_head(draft_head, vocabulary=draft_vocab)
+        elif not isinstance(draft_vocab, int) or draft_vocab:
+            raise InputError("{draft_vocab}: a draft vocabulary is the draft head's; give draft_head too")
 
     def use_draft_head(self, head, window: int | None = None, vocabulary=0) -> None:
         """Drafts with this trained draft head where the options say `drafter` head: its params (a dict in the
