@@ -38,8 +38,7 @@ def both_loops(engine, attention, config=None, tokens=6):
 
 def assert_same(scanned, unrolled):
     """Equal to float32 rounding: the scanned and unrolled layers are two XLA programs whose fusions order sums
-    differently (CI once saw 1.4e-6 on a value of 0.14); reading another layer's selection or weights moves values
-    by orders of magnitude more."""
+    differently (CI once saw 1.4e-6 on a value of 0.14)."""
     assert jax.tree.structure(scanned) == jax.tree.structure(unrolled)
     for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
