@@ -402,6 +402,9 @@ def test_refusals_name_the_argument(dense, tmp_path):
         Engine(engine.model, draft_vocab=8)
     counted = tmp_path / "uncounted"
     draft_head_checkpoint.export(folder, counted)
+    (counted / draft_head_checkpoint.TOKEN_COUNTS).write_bytes(b"garbage\n")
+    with pytest.raises(InputError, match=r"^draft_vocab: cannot read .*uncounted/token_counts.npz: \w+Error: .*$"):
+        tiny_engine().use_draft_head(counted, vocabulary=8)
     (counted / draft_head_checkpoint.TOKEN_COUNTS).unlink()
     with pytest.raises(InputError, match="draft_vocab 8: .*uncounted \\(no token_counts.npz\\) has no token counts"):
         tiny_engine().use_draft_head(counted, vocabulary=8)

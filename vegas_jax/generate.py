@@ -544,9 +544,10 @@ def _main(args, progress: _Progress, interrupt: _Interrupt, render) -> int:
                 raise InputError("--stream: not with --slots (continuous batching returns whole requests)")
         elif args.refill is not None:
             raise InputError("--refill: only with --slots")
-        if args.draft_head is not None and not (options.drafting.draft_tree and options.drafting.drafter == "head"):
+        head_drafted = options.drafting.draft_tree and options.drafting.drafter == "head"
+        if args.draft_head is not None and not head_drafted:
             raise InputError("--draft-head: only with --drafter head and a --draft-tree")
-        if args.draft_vocab and not (options.drafting.draft_tree and options.drafting.drafter == "head"):
+        if args.draft_vocab and not head_drafted:
             raise InputError("--draft-vocab: only with --drafter head and a --draft-tree")
         if args.compare_ar and options.effective_gamma == 0:
             raise InputError("--compare-ar: compares a speculative --method with plain decoding, but --method is ar")

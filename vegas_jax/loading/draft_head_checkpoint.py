@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from models import draft_head
 from models.config import ModelConfig
 from vegas_jax.inputs import InputError
+from vegas_jax.loading import cause
 from vegas_jax.loading.orbax_ckpt import pending_reads_drained
 
 # Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
@@ -160,9 +161,7 @@ def token_counts(folder: str | Path) -> np.ndarray | None:
         with np.load(path) as saved:
             return saved["counts"]
     except Exception as e:
-        lines = str(e).splitlines()
-        raise InputError("{draft_vocab}: cannot read {}: {}: {}", str(path), type(e).__name__,
-                         lines[0][:CAUSE_CHARS] if lines else "") from None
+        raise InputError("{draft_vocab}: cannot read {}: {}", str(path), cause(e)) from None
 
 
 def ranked_tokens(counts: np.ndarray, size: int) -> np.ndarray:
