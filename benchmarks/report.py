@@ -185,14 +185,15 @@ def scale_table(records: list[dict], tau_records: list[dict]) -> str:
                       *[f"{t.fmt_rate(p.get(f'{m}_tokens_per_s'))} (τ {p[f'{m}_tau']:.2f})"
                         if p.get(f"{m}_tokens_per_s") else "-" for m in ("vegas", "streaming")],
                       t.fmt_rate(p.get("plain_tokens_per_s"))])
+    card = t.scale_card(records)
     not_fitting = sorted({(r["model"], r["context"], r["batch"]) for r in records
-                          if r.get("stage") == "scale" and r.get("fits") is False})
-    note = ("\n\nDid not fit one H200 (vegas_jax.runtime.memory): "
+                          if r.get("stage") == "scale" and r.get("fits") is False and r.get("device") == card})
+    note = (f"\n\nDid not fit one {card or 'device'} (vegas_jax.runtime.memory): "
             + ", ".join(f"{m} {c // 1024}K x {b}" for m, c, b in not_fitting)) if not_fitting else ""
     head = ["head 6x1, 32K draft vocabulary: ms/iteration (plain steps)"] if "head" in timed else []
     return t.md_table(["shapes", "context", "batch", "plain ms/step", "roofline", "Vegas ms/iteration (plain steps)",
                        "Stream ms/iteration (plain steps)", *head, "Vegas tok/s PROJECTION", "Stream tok/s PROJECTION",
-                       "plain tok/s"], lines) + note
+                       "plain tok/s"], lines) + f"\n\nEvery time above is of one {card or 'device'}." + note
 
 
 def peer_table(records: list[dict]) -> str:

@@ -276,14 +276,33 @@ def scale_cell(method: str) -> tuple[int, float | None]:
     return (0, None) if method == "ar" else (DEFAULTS["gamma"], DEFAULTS["sparse_ratio"])
 
 
+def plain_step_ms(session, engine, model, context, batch, iterations) -> tuple[float, str]:
+    """(a plain step's ms at this case, where it comes from): the log's plain record if this card made it, else a
+    plain step timed now. A log may hold the plain records of another card (the H200's plain step is faster than
+    the H100's by their bandwidths), and an iteration over another card's step is no ratio at all."""
+    device = str(jax.devices()[0].device_kind)
+    same_card = [r for r in session.log.find(**_fields(model, context, batch, "ar"))
+                 if r.get("fits") and r.get("device") == device]
+    if same_card:
+        return same_card[0]["ms_per_iteration"], "the log's plain record"
+    return time_iterations(engine, batch, context, "ar", iterations)["ms_per_iteration"], "timed with this record"
+
+
 def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, method, iterations) -> dict:
     refusal = fits(engine, batch, context, method)
     if refusal:
         return {"fits": False, "reason": refusal}
-    timing = time_iterations(engine, batch, context, method, iterations)
-    plain_records = [r for r in session.log.find(**_fields(model, context, batch, "ar")) if r.get("fits")]
-    plain = timing["ms_per_iteration"] if method == "ar" else (
-        plain_records[0]["ms_per_iteration"] if plain_records else None)
+    try:
+        timing = time_iterations(engine, batch, context, method, iterations)
+    except jax.errors.JaxRuntimeError as e:  # a miss of the plan, recorded as measured so later cases still run
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        reason = "the memory plan let it start, but XLA ran out of memory: " + str(e).splitlines()[0][:300]
+        print(f"scale {model} {context} x {batch} {method}: {reason}", flush=True)
+        return {"fits": False, "reason": reason, "plan_missed": True}
+    plain, plain_source = timing["ms_per_iteration"], "this record"
+    if method != "ar":
+        plain, plain_source = plain_step_ms(session, engine, model, context, batch, iterations)
     if method == "head":  # its drafts read the head, not the model: γ head passes, then the verification
         needed = (timing["gamma"] * head_pass_bytes(engine.config, engine.model.params, engine.draft_head, batch,
                                                     engine.draft_head_window)
@@ -297,6 +316,7 @@ def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, 
         **timing,
         **bandwidth,
         "plain_ms_per_step": plain,
+        "plain_source": plain_source,
         "plain_steps_per_iteration": timing["ms_per_iteration"] / plain if plain else None,
         "bytes_per_iteration": needed,
         "weight_bytes": weights,

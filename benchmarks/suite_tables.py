@@ -38,12 +38,19 @@ def heldout_rows(records, *, temperature: float | None = None, tuned: bool | Non
     return rows
 
 
+def scale_card(records) -> str | None:
+    """The card the scale tables are of: that of the latest plain scale record. An iteration's cost in plain steps
+    compares times of one card, so records of another card stay out of the tables."""
+    plain = [r for r in records if r.get("stage") == "scale" and r.get("fits") and r.get("method") == "ar"]
+    return max(plain, key=lambda r: r["date"]).get("device") if plain else None
+
+
 def scale_rows(records) -> list[dict]:
-    """The scale stage's measured records, one per (model, context, batch, method): the latest, since several
-    presets' logs measure the same case and a later record has the later code and bandwidth probe."""
-    latest = {}
+    """The scale stage's measured records of scale_card's card, one per (model, context, batch, method): the latest,
+    since several presets' logs measure the same case and a later record has the later code and bandwidth probe."""
+    card, latest = scale_card(records), {}
     for r in records:
-        if r.get("stage") == "scale" and r.get("fits"):
+        if r.get("stage") == "scale" and r.get("fits") and r.get("device") == card:
             case = (r["model"], r["context"], r["batch"], r["method"])
             if case not in latest or r["date"] > latest[case]["date"]:
                 latest[case] = r

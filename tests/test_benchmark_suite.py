@@ -848,6 +848,37 @@ def test_the_scale_table_shows_the_heads_iteration_once_one_is_measured():
     assert row[:8] == ["llama-3.1-8b", "32K", "8", "12.00", "80 % of 4,000 GB/s", "36.00 (3.0)", "-", "16.00 (1.3)"]
 
 
+def test_the_scale_tables_compare_times_of_one_card():
+    """A head record timed on an H100 beside the H200's plain and Vegas records: an iteration in plain steps
+    compares times of one card, so the tables show the card of the latest plain record and leave the other out."""
+    h200 = [{**_scale("llama-3.1-8b", 1, "ar", 7.0, fraction=0.8), "device": "NVIDIA H200"},
+            {**_scale("llama-3.1-8b", 1, "vegas", 21.0, steps=3.0), "device": "NVIDIA H200"}]
+    h100 = {**_scale("llama-3.1-8b", 1, "head", 10.0, steps=1.4, date="2026-12-08T00:00:00+00:00"),
+            "device": "NVIDIA H100 80GB HBM3"}
+    assert tables.scale_card(h200 + [h100]) == "NVIDIA H200"
+    assert [r["method"] for r in tables.scale_rows(h200 + [h100])] == ["ar", "vegas"]
+    table = report.scale_table(h200 + [h100], [])
+    assert "head 6x1" not in table and "Every time above is of one NVIDIA H200." in table
+
+
+def test_a_scale_iteration_is_put_over_a_plain_step_of_its_own_card(stage_session, monkeypatch):
+    """The log's plain record is taken only if this card made it; another card's is timed again here."""
+    timed = []
+    monkeypatch.setattr(suite_scale, "time_iterations",
+                        lambda engine, batch, context, method, iterations: timed.append(method)
+                        or {"ms_per_iteration": 5.0})
+    plain = {**suite_scale._fields("tiny", 256, 2, "ar"), "fits": True, "ms_per_iteration": 3.0}
+    here = str(jax.devices()[0].device_kind)
+    stage_session.log.append({**plain, "device": "NVIDIA H200", "date": "now"})
+    assert suite_scale.plain_step_ms(stage_session, None, "tiny", 256, 2, 3) == (5.0, "timed with this record")
+    assert timed == ["ar"]
+    other = RecordLog(stage_session.log.path.parent / "other.jsonl")
+    other.append({**plain, "device": here, "date": "now"})
+    stage_session.log = other
+    assert suite_scale.plain_step_ms(stage_session, None, "tiny", 256, 2, 3) == (3.0, "the log's plain record")
+    assert timed == ["ar"]
+
+
 def test_a_case_measured_twice_is_reported_from_its_latest_record():
     # The quick preset's log holds an earlier record of a case the paper preset measured again (later code, another
     # bandwidth probe); whichever log comes first, the tables and targets take the later record.
