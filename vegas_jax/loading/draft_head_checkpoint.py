@@ -24,9 +24,6 @@ from vegas_jax.inputs import InputError
 from vegas_jax.loading import cause
 from vegas_jax.loading.orbax_ckpt import pending_reads_drained
 
-# Orbax appends whole TensorStore specs to its messages: a cause is cut to its first line and this many characters.
-CAUSE_CHARS = 200
-
 # The heads shipped for the embedded SmolLM2, one per attention it runs under (vegas_jax.attention.family's
 # ATTENTION_CHOICES), each exported from `python -m vegas_jax.train_draft_head --attention A` at its defaults
 # (docs/draft-head.md says how they were trained and measured).
@@ -61,9 +58,8 @@ def _reading(flag: str, folder: Path, step: int):
         with pending_reads_drained():
             yield
     except Exception as e:
-        lines = str(e).splitlines()
-        raise InputError("{%s} {}: cannot read the head checkpoint's step {}: {}: {}" % flag, str(folder), step,
-                         type(e).__name__, lines[0][:CAUSE_CHARS] if lines else "") from e
+        raise InputError("{%s} {}: cannot read the head checkpoint's step {}: {}" % flag, str(folder), step,
+                         cause(e)) from e
 
 
 def restore(checkpoints: ocp.CheckpointManager, params_like, opt_state_like):
