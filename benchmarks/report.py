@@ -193,7 +193,29 @@ def scale_table(records: list[dict], tau_records: list[dict]) -> str:
     head = ["head 6x1, 32K draft vocabulary: ms/iteration (plain steps)"] if "head" in timed else []
     return t.md_table(["shapes", "context", "batch", "plain ms/step", "roofline", "Vegas ms/iteration (plain steps)",
                        "Stream ms/iteration (plain steps)", *head, "Vegas tok/s PROJECTION", "Stream tok/s PROJECTION",
-                       "plain tok/s"], lines) + f"\n\nEvery time above is of one {card or 'device'}." + note
+                       "plain tok/s"], lines) + f"\n\nEvery time above is of one {card or 'device'}." + note \
+        + other_cards_table(records)
+
+
+def other_cards_table(records: list[dict]) -> str:
+    """Scale records made on another card than the table's, each beside the plain step timed with it there."""
+    rows = t.other_card_rows(records)
+    if not rows:
+        return ""
+    lines = [[r["device"], r["model"], f"{r['context'] // 1024}K", str(r["batch"]), r["method"],
+              f"{r['plain_ms_per_step']:.2f}", f"{r['ms_per_iteration']:.2f} ({r['plain_steps_per_iteration']:.2f})",
+              f"{100 * r['roofline_fraction']:.0f} % of {r['read_bandwidth_gbps']:,.0f} GB/s"] for r in rows]
+    cards = sorted({r["device"] for r in rows})
+    refused = {card: sorted({(r["model"], r["context"], r["batch"], r["method"], bool(r.get("plan_missed")))
+                             for r in records if r.get("stage") == "scale" and r.get("fits") is False
+                             and r.get("device") == card}) for card in cards}
+    notes = "".join(
+        f"\n\nDid not fit one {card}: " + ", ".join(
+            f"{m} {c // 1024}K x {b} {method}" + (" (the plan let it start; XLA ran out of memory)" if missed else "")
+            for m, c, b, method, missed in cases) for card, cases in refused.items() if cases)
+    return ("\n\nOn another card (`head`: 6x1 chain, 32K draft vocabulary), each over a plain step timed with it "
+            "on that card:\n\n" + t.md_table(["card", "shapes", "context", "batch", "method", "plain ms/step",
+                                              "ms/iteration (plain steps)", "roofline"], lines) + notes)
 
 
 def peer_table(records: list[dict]) -> str:

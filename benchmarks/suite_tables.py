@@ -153,6 +153,19 @@ def target_tau(records, legacy=()) -> Target:
                   _worst_first(checks, parts) + source if parts else "-")
 
 
+def other_card_rows(records) -> list[dict]:
+    """The latest measured scale record of each (card, model, context, batch, method) whose card is not
+    scale_card's and that carries the plain step it was put over (measured on its own card)."""
+    card, latest = scale_card(records), {}
+    for r in records:
+        if (r.get("stage") == "scale" and r.get("fits") and r.get("device") != card
+                and r.get("plain_ms_per_step") is not None):
+            case = (r.get("device"), r["model"], r["context"], r["batch"], r["method"])
+            if case not in latest or r["date"] > latest[case]["date"]:
+                latest[case] = r
+    return [latest[k] for k in sorted(latest, key=lambda k: (str(k[0]), k[1], k[2], k[3], k[4]))]
+
+
 def _scale_value(records, model: str, context: int, batch: int, method: str, field: str):
     for r in scale_rows(records):
         if (r["model"], r["context"], r["batch"], r["method"]) == (model, context, batch, method):

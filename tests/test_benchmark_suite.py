@@ -859,6 +859,11 @@ def test_the_scale_tables_compare_times_of_one_card():
     assert [r["method"] for r in tables.scale_rows(h200 + [h100])] == ["ar", "vegas"]
     table = report.scale_table(h200 + [h100], [])
     assert "head 6x1" not in table and "Every time above is of one NVIDIA H200." in table
+    # The other card's record is shown apart, over the plain step timed with it on its own card.
+    h100["plain_ms_per_step"], h100["roofline_fraction"] = 7.1, 0.7
+    (row,) = [line for line in report.scale_table(h200 + [h100], []).splitlines() if "H100" in line]
+    assert [c.strip() for c in row.strip("|").split("|")] == [
+        "NVIDIA H100 80GB HBM3", "llama-3.1-8b", "32K", "1", "head", "7.10", "10.00 (1.40)", "70 % of 4,000 GB/s"]
 
 
 def test_a_scale_iteration_is_put_over_a_plain_step_of_its_own_card(stage_session, monkeypatch):
