@@ -155,11 +155,12 @@ def target_tau(records, legacy=()) -> Target:
 
 def other_card_rows(records) -> list[dict]:
     """The latest measured scale record of each (card, model, context, batch, method) whose card is not
-    scale_card's and that carries the plain step it was put over (measured on its own card)."""
+    scale_card's and that says where the plain step it was put over comes from (`plain_source`: always its own card;
+    records without it may have taken another card's)."""
     card, latest = scale_card(records), {}
     for r in records:
         if (r.get("stage") == "scale" and r.get("fits") and r.get("device") != card
-                and r.get("plain_ms_per_step") is not None):
+                and r.get("plain_source") and r.get("plain_ms_per_step") is not None):
             case = (r.get("device"), r["model"], r["context"], r["batch"], r["method"])
             if case not in latest or r["date"] > latest[case]["date"]:
                 latest[case] = r

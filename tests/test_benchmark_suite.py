@@ -861,6 +861,8 @@ def test_the_scale_tables_compare_times_of_one_card():
     assert "head 6x1" not in table and "Every time above is of one NVIDIA H200." in table
     # The other card's record is shown apart, over the plain step timed with it on its own card.
     h100["plain_ms_per_step"], h100["roofline_fraction"] = 7.1, 0.7
+    assert "H100" not in report.scale_table(h200 + [h100], [])  # no plain_source: its plain step may be the H200's
+    h100["plain_source"] = "timed with this record"
     (row,) = [line for line in report.scale_table(h200 + [h100], []).splitlines() if "H100" in line]
     assert [c.strip() for c in row.strip("|").split("|")] == [
         "NVIDIA H100 80GB HBM3", "llama-3.1-8b", "32K", "1", "head", "7.10", "10.00 (1.40)", "70 % of 4,000 GB/s"]
