@@ -254,9 +254,10 @@ def run_scale(session, preset: Preset) -> None:
         if any(m == "head" for _, _, m in wanted):
             engine = with_random_head(engine, HEAD_VOCAB)
         weights, kv_token = weight_bytes_read(config, engine.model.params), kv_bytes_per_token(config)
+        timed_plain = {}  # (context, batch): a plain step timed here, shared by the case's methods
         for case, batch, method in wanted:
             session.measure(_fields(model, case.context, batch, method), SCALE_CASE_S,
-                            functools.partial(_case, session, engine, model, bandwidth, weights, kv_token,
+                            functools.partial(_case, session, engine, timed_plain, model, bandwidth, weights, kv_token,
                                               case.context, batch, method, preset.scale_iterations))
         del engine
 
@@ -276,19 +277,23 @@ def scale_cell(method: str) -> tuple[int, float | None]:
     return (0, None) if method == "ar" else (DEFAULTS["gamma"], DEFAULTS["sparse_ratio"])
 
 
-def plain_step_ms(session, engine, model, context, batch, iterations) -> tuple[float, str]:
+def plain_step_ms(session, engine, timed: dict, model, context, batch, iterations) -> tuple[float, str]:
     """(a plain step's ms at this case, where it comes from): the log's plain record if this card made it, else a
-    plain step timed now. A log may hold the plain records of another card (the H200's plain step is faster than
-    the H100's by their bandwidths), and an iteration over another card's step is no ratio at all."""
+    plain step timed now (once per case: `timed` keeps it for the case's other methods). A log may hold the plain
+    records of another card (the H200's plain step is faster than the H100's by their bandwidths), and an
+    iteration over another card's step is no ratio at all."""
     device = str(jax.devices()[0].device_kind)
     same_card = [r for r in session.log.find(**_fields(model, context, batch, "ar"))
                  if r.get("fits") and r.get("device") == device]
     if same_card:
         return same_card[0]["ms_per_iteration"], "the log's plain record"
-    return time_iterations(engine, batch, context, "ar", iterations)["ms_per_iteration"], "timed with this record"
+    if (context, batch) not in timed:
+        timed[context, batch] = time_iterations(engine, batch, context, "ar", iterations)["ms_per_iteration"]
+    return timed[context, batch], "timed with this record"
 
 
-def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, method, iterations) -> dict:
+def _case(session, engine, timed_plain, model, bandwidth, weights, kv_token, context, batch, method,
+          iterations) -> dict:
     refusal = fits(engine, batch, context, method)
     if refusal:
         return {"fits": False, "reason": refusal}
@@ -302,7 +307,7 @@ def _case(session, engine, model, bandwidth, weights, kv_token, context, batch, 
         return {"fits": False, "reason": reason, "plan_missed": True}
     plain, plain_source = timing["ms_per_iteration"], "this record"
     if method != "ar":
-        plain, plain_source = plain_step_ms(session, engine, model, context, batch, iterations)
+        plain, plain_source = plain_step_ms(session, engine, timed_plain, model, context, batch, iterations)
     if method == "head":  # its drafts read the head, not the model: γ head passes, then the verification
         needed = (timing["gamma"] * head_pass_bytes(engine.config, engine.model.params, engine.draft_head, batch,
                                                     engine.draft_head_window)
