@@ -186,8 +186,7 @@ def scale_table(records: list[dict], tau_records: list[dict]) -> str:
                         if p.get(f"{m}_tokens_per_s") else "-" for m in ("vegas", "streaming")],
                       t.fmt_rate(p.get("plain_tokens_per_s"))])
     card = t.scale_card(records)
-    not_fitting = sorted({(r["model"], r["context"], r["batch"]) for r in records
-                          if r.get("stage") == "scale" and r.get("fits") is False and r.get("device") == card})
+    not_fitting = sorted({(r["model"], r["context"], r["batch"]) for r in t.scale_refusals(records, card)})
     note = (f"\n\nDid not fit one {card or 'device'} (vegas_jax.runtime.memory): "
             + ", ".join(f"{m} {c // 1024}K x {b}" for m, c, b in not_fitting)) if not_fitting else ""
     head = ["head 6x1, 32K draft vocabulary: ms/iteration (plain steps)"] if "head" in timed else []
@@ -207,8 +206,7 @@ def other_cards_table(records: list[dict]) -> str:
               f"{100 * r['roofline_fraction']:.0f} % of {r['read_bandwidth_gbps']:,.0f} GB/s"] for r in rows]
     cards = sorted({r["device"] for r in rows})
     refused = {card: sorted({(r["model"], r["context"], r["batch"], r["method"], bool(r.get("plan_missed")))
-                             for r in records if r.get("stage") == "scale" and r.get("fits") is False
-                             and r.get("device") == card}) for card in cards}
+                             for r in t.scale_refusals(records, card)}) for card in cards}
     notes = "".join(
         f"\n\nDid not fit one {card}: " + ", ".join(
             f"{m} {c // 1024}K x {b} {method}" + (" (the plan let it start; XLA ran out of memory)" if missed else "")

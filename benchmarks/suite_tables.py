@@ -153,6 +153,11 @@ def target_tau(records, legacy=()) -> Target:
                   _worst_first(checks, parts) + source if parts else "-")
 
 
+def scale_refusals(records, card: str | None) -> list[dict]:
+    """The scale records of `card` that did not fit it (refused by the memory plan, or out of memory past it)."""
+    return [r for r in records if r.get("stage") == "scale" and r.get("fits") is False and r.get("device") == card]
+
+
 def other_card_rows(records) -> list[dict]:
     """The latest measured scale record of each (card, model, context, batch, method) whose card is not
     scale_card's and that says where the plain step it was put over comes from (`plain_source`: always its own card;
